@@ -1,0 +1,43 @@
+"""otel_rollouts: every episode of a language-model RL run as an OpenTelemetry trace.
+
+    import otel_rollouts as otr
+
+    otr.configure(service_name="grpo", sampler=otr.TailSampler(max_traces_per_step=32))
+    with otr.episode(step=0, group_id="p0", sample_index=0) as ep:
+        ep.prompt([{"role": "user", "content": "2+2?"}])
+        with ep.turn() as turn:
+            turn.record_generation("4", model="policy")
+        ep.reward(1.0)
+    otr.end_step(0)
+    otr.shutdown()
+"""
+
+from otel_rollouts import conventions
+from otel_rollouts._guard import InvalidValue
+from otel_rollouts.configuration import configure, end_step, flush, set_step, shutdown, stats
+from otel_rollouts.episode import Episode, Generation, ToolCall, Turn, current_episode, episode
+from otel_rollouts.sampling import First, Policy, TailSampler, TopBottom, Uniform
+from otel_rollouts.traced import traced
+
+__all__ = [
+    "configure",
+    "conventions",
+    "current_episode",
+    "end_step",
+    "episode",
+    "Episode",
+    "First",
+    "flush",
+    "Generation",
+    "InvalidValue",
+    "Policy",
+    "set_step",
+    "shutdown",
+    "stats",
+    "TailSampler",
+    "ToolCall",
+    "TopBottom",
+    "traced",
+    "Turn",
+    "Uniform",
+]

@@ -1,0 +1,68 @@
+"""Containment: a library error never reaches user code unless strict mode was asked for."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from otel_rollouts import _runtime
+
+logger = logging.getLogger("otel_rollouts")
+_logged: set[str] = set()
+
+
+class InvalidValue(ValueError):
+    """Raised in strict mode for a value the library refused (the message names the field)."""
+
+
+def report(message: str, *, exc: BaseException | None = None) -> None:
+    """Count and log (once per message kind) a problem; raise it in strict mode."""
+    rt = _runtime.installed()
+    if rt is not None and rt.stats is not None:
+        rt.stats.add("errors.library" if exc is not None else "invalid_values")
+    if rt is not None and rt.strict:
+        if exc is not None:
+            raise exc
+        raise InvalidValue(message)
+    kind = message.split(":", 1)[0]
+    if kind not in _logged:
+        _logged.add(kind)
+        if exc is not None:
+            logger.warning("otel_rollouts: internal error contained: %s", message, exc_info=exc)
+        else:
+            logger.warning("otel_rollouts: %s (further reports of this kind are counted only)", message)
+
+
+def guarded(fn):
+    """Run ``fn``; an exception from the library is reported and None returned instead."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except InvalidValue:
+            raise
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            report(f"{fn.__qualname__}: {type(exc).__name__}: {exc}", exc=exc)
+            return None
+
+    return wrapper
+
+
+def guarded_or(fallback):
+    """Like ``guarded`` but returns ``fallback()`` (e.g. a no-op handle) after an error."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except InvalidValue:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                report(f"{fn.__qualname__}: {type(exc).__name__}: {exc}", exc=exc)
+                return fallback()
+
+        return wrapper
+
+    return decorate

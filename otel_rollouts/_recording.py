@@ -1,0 +1,214 @@
+"""Light span records: what an episode's spans are until the sampler has decided.
+
+A ``SpanRecord`` implements the OpenTelemetry API ``Span`` interface, so it can sit in the
+OpenTelemetry context as the current span: other instrumentation (an httpx or OpenAI client
+span) sees its real trace and span ids and becomes its child. But it is far cheaper than an SDK
+span: no locks, no attribute limits, no processor calls, no serialisation. Only kept episodes are
+turned into SDK ``ReadableSpan`` objects, with the same ids, on the export thread.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext, TraceFlags
+from opentelemetry.trace.status import Status, StatusCode
+
+from otel_rollouts import conventions as c
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+# Episode record states
+OPEN = 0  # root not ended or reward pending: undecided
+OFFERED = 1  # handed to the sampler, undecided
+KEPT = 2
+DROPPED = 3
+
+
+class SpanRecord(trace.Span):
+    """One span of an episode, recorded cheaply."""
+
+    __slots__ = (
+        "name",
+        "span_id",
+        "parent_id",
+        "kind",
+        "start_ns",
+        "end_ns",
+        "attributes",
+        "events",
+        "links",
+        "status_code",
+        "status_message",
+        "episode",
+        "_context",
+    )
+
+    def __init__(
+        self,
+        episode: EpisodeRecord,
+        name: str,
+        span_id: int,
+        parent_id: int | None,
+        kind: str,
+        attributes: dict[str, Any] | None = None,
+        start_ns: int | None = None,
+    ) -> None:
+        self.episode = episode
+        self.name = name
+        self.span_id = span_id
+        self.parent_id = parent_id
+        self.kind = kind
+        self.start_ns = start_ns if start_ns is not None else time.time_ns()
+        self.end_ns: int | None = None
+        self.attributes: dict[str, Any] = attributes if attributes is not None else {}
+        self.events: list[tuple[str, dict[str, Any], int]] | None = None
+        self.links: list[trace.Link] | None = None
+        self.status_code = StatusCode.UNSET
+        self.status_message: str | None = None
+        self._context: SpanContext | None = None
+
+    # --- the OpenTelemetry API Span interface ------------------------------------------------
+    def get_span_context(self) -> SpanContext:
+        ctx = self._context
+        if ctx is None:
+            ctx = self._context = SpanContext(
+                self.episode.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED
+            )
+        return ctx
+
+    def is_recording(self) -> bool:
+        return self.end_ns is None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
+        if self.events is None:
+            self.events = []
+        self.events.append((name, dict(attributes or {}), timestamp or time.time_ns()))
+
+    def add_link(self, context: SpanContext, attributes=None) -> None:
+        if self.links is None:
+            self.links = []
+        self.links.append(trace.Link(context, attributes))
+
+    def update_name(self, name: str) -> None:
+        self.name = name
+
+    def set_status(self, status, description: str | None = None) -> None:
+        if isinstance(status, Status):
+            code, description = status.status_code, status.description
+        else:
+            code = status
+        if self.status_code is StatusCode.OK:
+            return  # OK is final, as in the SDK
+        self.status_code = code
+        if description is not None:
+            self.status_message = description
+
+    def record_exception(self, exception, attributes=None, timestamp=None, escaped=False) -> None:
+        attrs = {
+            c.EXCEPTION_TYPE: type(exception).__qualname__,
+            c.EXCEPTION_MESSAGE: str(exception),
+            "exception.stacktrace": "".join(
+                traceback.format_exception(type(exception), exception, exception.__traceback__)
+            ),
+        }
+        if attributes:
+            attrs.update(attributes)
+        self.add_event("exception", attrs, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_ns is not None:
+            return
+        self.end_ns = end_time if end_time is not None else time.time_ns()
+        self.episode.span_ended(self)
+
+    # --- helpers -----------------------------------------------------------------------------
+    def fail(self, exception: BaseException | None = None, message: str | None = None) -> None:
+        """Mark this span as an error, recording the exception when there is one."""
+        if exception is not None:
+            self.record_exception(exception)
+            message = message or f"{type(exception).__name__}: {exception}"
+        self.status_code = StatusCode.ERROR
+        self.status_message = message
+
+
+class EpisodeRecord:
+    """All that is held of one episode until the sampler decides: its spans, nothing rendered."""
+
+    __slots__ = (
+        "trace_id",
+        "step",
+        "split",
+        "spans",
+        "foreign",
+        "root",
+        "reward_span",
+        "state",
+        "seq",
+        "next_turn",
+        "sink",
+        "dropped_spans",
+        "max_spans",
+        "handle",
+        "__weakref__",
+    )
+
+    def __init__(self, trace_id: int, step: int, split: str, sink, max_spans: int) -> None:
+        self.trace_id = trace_id
+        self.step = step
+        self.split = split
+        self.spans: list[SpanRecord] = []
+        self.foreign: list[ReadableSpan] = []
+        self.root: SpanRecord | None = None
+        self.reward_span: SpanRecord | None = None
+        self.state = OPEN
+        self.seq = 0
+        self.next_turn = 0
+        self.sink = sink  # the pipeline: told when the root or the reward span ends
+        self.dropped_spans = 0
+        self.max_spans = max_spans
+        self.handle = None  # the user-facing Episode object
+
+    def add(self, span: SpanRecord) -> SpanRecord:
+        if len(self.spans) + len(self.foreign) >= self.max_spans:
+            self.dropped_spans += 1
+        else:
+            self.spans.append(span)
+        return span
+
+    def span_ended(self, span: SpanRecord) -> None:
+        if self.state >= KEPT:
+            # the episode was already decided: a late span of a kept episode still goes out
+            self.sink.late_span(self, span)
+        elif span is self.root or span is self.reward_span:
+            self.sink.part_ended(self)
+
+    @property
+    def complete(self) -> bool:
+        root = self.root
+        return (
+            root is not None
+            and root.end_ns is not None
+            and (self.reward_span is None or self.reward_span.end_ns is not None)
+            and self.has_reward
+        )
+
+    @property
+    def has_reward(self) -> bool:
+        return self.reward_span is not None
+
+    def attribute(self, key: str) -> Any:
+        root = self.root
+        return None if root is None else root.attributes.get(key)

@@ -1,0 +1,1 @@
+"""Adapters: the rollout data RL frameworks already have, recorded as episode traces."""

@@ -1,0 +1,273 @@
+"""``configure()`` and the process-wide controls: ``end_step``, ``flush``, ``shutdown``, ``stats``."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from otel_rollouts import _runtime
+from otel_rollouts import conventions as c
+from otel_rollouts._delivery import Delivery
+from otel_rollouts._guard import guarded
+from otel_rollouts._materialize import Materializer
+from otel_rollouts._pipeline import Pipeline
+from otel_rollouts._stats import Stats
+from otel_rollouts.sampling import TailSampler
+
+logger = logging.getLogger("otel_rollouts")
+
+__all__ = ["configure", "end_step", "flush", "shutdown", "stats", "set_step"]
+
+_lock = threading.RLock()
+_atexit_registered = False
+_ticker: threading.Thread | None = None
+_ticker_stop = threading.Event()
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("otel-rollouts")
+    except Exception:  # noqa: BLE001
+        return "0+unknown"
+
+
+def default_exporters(project: str | None = None) -> list[SpanExporter]:
+    """Local Trackio (nothing to start), plus OTLP when an OTLP endpoint is set in the env."""
+    from otel_rollouts.exporters import TrackioExporter
+
+    exporters: list[SpanExporter] = [
+        TrackioExporter(project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts")
+    ]
+    if os.environ.get(c.ENV_OTLP_TRACES_ENDPOINT) or os.environ.get(c.ENV_OTLP_ENDPOINT):
+        exporters.append(otlp_exporter_from_env())
+    return exporters
+
+
+def otlp_exporter_from_env() -> SpanExporter:
+    """The stock OTLP span exporter for ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (default grpc)."""
+    protocol = (
+        os.environ.get(c.ENV_OTLP_TRACES_PROTOCOL) or os.environ.get(c.ENV_OTLP_PROTOCOL) or "grpc"
+    ).strip().lower()
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()
+
+
+def _resource(service_name: str | None, attributes: Mapping[str, Any] | None, run_id: str) -> Resource:
+    attrs: dict[str, Any] = {
+        c.SERVICE_INSTANCE_ID: f"{socket.gethostname()}-{os.getpid()}",
+        c.RL_RUN_ID: run_id,
+    }
+    if attributes:
+        attrs.update(attributes)
+    if service_name:
+        attrs[c.SERVICE_NAME] = service_name
+    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME (env wins for the name
+    # only when no explicit service_name was given)
+    resource = Resource.create(attrs)
+    if not service_name and not os.environ.get(c.ENV_SERVICE_NAME):
+        resource = resource.merge(Resource({c.SERVICE_NAME: "otel-rollouts"}))
+    return resource
+
+
+def configure(
+    service_name: str | None = None,
+    exporters: Sequence[SpanExporter] | None = None,
+    sampler: TailSampler | None = None,
+    *,
+    capture_content: bool | None = None,
+    resource_attributes: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+    trackio_project: str | None = None,
+    deterministic_ids: bool = False,
+    max_spans_per_episode: int = 1024,
+    max_attribute_chars: int = 16_384,
+    max_queue: int | None = None,
+    redact: Callable[[str], str] | None = None,
+    strict: bool = False,
+    set_global_provider: bool = False,
+) -> None:
+    """Set up tracing of episodes for this process. Safe to call again: it reconfigures.
+
+    * ``exporters``: any OpenTelemetry ``SpanExporter`` (OTLP, in-memory, ours). Default: a local
+      Trackio project (``trackio_project``, env ``OTEL_ROLLOUTS_TRACKIO_PROJECT``) plus OTLP
+      when ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set.
+    * ``sampler``: the per-step tail sampler (default ``TailSampler(32, "top_bottom")``).
+    * ``capture_content``: record prompts, completions, tool arguments and results (default on;
+      env ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=false`` turns it off).
+    * ``OTEL_SDK_DISABLED=true`` makes every call a cheap no-op.
+    * ``strict``: raise on refused values instead of recording them flagged.
+    * ``set_global_provider``: also install the TracerProvider as OpenTelemetry's global one, so
+      other instrumentation's spans (httpx, OpenAI clients) join episode traces.
+    """
+    global _atexit_registered
+    with _lock:
+        old = _runtime.installed()
+        if old is not None:
+            _shutdown_runtime(old, timeout=10.0)
+        if _env_flag(c.ENV_SDK_DISABLED):
+            _runtime.install(_runtime.Runtime(enabled=False))
+            return
+        if capture_content is None:
+            env = _env_flag(c.ENV_CAPTURE_CONTENT)
+            capture_content = True if env is None else env
+        sampler = sampler or TailSampler()
+        run_id = run_id or uuid.uuid4().hex[:12]
+        resource = _resource(service_name, resource_attributes, run_id)
+        stats = Stats()
+        if exporters is None:
+            exporters = default_exporters(trackio_project)
+        materializer = Materializer(
+            resource,
+            InstrumentationScope(c.SCOPE_NAME, _version()),
+            max_attribute_chars=max_attribute_chars,
+            redact=redact,
+        )
+        queue_size = max_queue or max(256, 8 * sampler.max_traces_per_step)
+        delivery = Delivery(list(exporters), materializer, stats, max_queue=queue_size)
+        pipeline = Pipeline(sampler, delivery, stats)
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        provider.add_span_processor(pipeline)
+        if set_global_provider:
+            from opentelemetry import trace
+
+            trace.set_tracer_provider(provider)
+        rt = _runtime.Runtime(
+            enabled=True,
+            pipeline=pipeline,
+            delivery=delivery,
+            provider=provider,
+            stats=stats,
+            capture_content=bool(capture_content),
+            max_spans_per_episode=max_spans_per_episode,
+            strict=strict,
+            run_id=run_id,
+            deterministic_ids=deterministic_ids,
+            tracer=provider.get_tracer(c.SCOPE_NAME, _version()),
+        )
+        _runtime.install(rt)
+        _start_ticker()
+        if not _atexit_registered:
+            atexit.register(_at_exit)
+            _atexit_registered = True
+
+
+def _start_ticker() -> None:
+    global _ticker
+    if _ticker is not None and _ticker.is_alive():
+        return
+    _ticker_stop.clear()
+
+    def tick() -> None:
+        while not _ticker_stop.wait(1.0):
+            rt = _runtime.installed()
+            if rt is not None and rt.pipeline is not None:
+                try:
+                    rt.pipeline.tick()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    _ticker = threading.Thread(target=tick, name="otel-rollouts-ticker", daemon=True)
+    _ticker.start()
+
+
+def _shutdown_runtime(rt: _runtime.Runtime, timeout: float) -> bool:
+    if not rt.enabled or rt.pipeline is None or rt.delivery is None:
+        return True
+    rt.enabled = False
+    rt.pipeline.close_all()
+    ok = rt.delivery.shutdown(timeout)
+    return ok
+
+
+def _at_exit() -> None:
+    try:
+        shutdown(timeout=10.0)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@guarded
+def end_step(step: int, split: str | None = None) -> None:
+    """Close training step ``step`` (all splits, or one): the sampler decides and exports.
+
+    Also advances the default step of new episodes to ``step + 1``.
+    """
+    rt = _runtime.current()
+    if not rt.enabled or rt.pipeline is None:
+        return
+    rt.pipeline.end_step(int(step), split)
+    if int(step) >= rt.current_step:
+        rt.current_step = int(step) + 1
+
+
+@guarded
+def set_step(step: int) -> None:
+    """Set the step that episodes started without ``step=`` belong to."""
+    rt = _runtime.current()
+    rt.current_step = int(step)
+
+
+def flush(timeout: float = 30.0) -> bool:
+    """Close every open step and wait until kept episodes reached the exporters."""
+    rt = _runtime.installed()
+    if rt is None or not rt.enabled or rt.pipeline is None or rt.delivery is None:
+        return True
+    try:
+        rt.pipeline.close_all()
+        return rt.delivery.flush(timeout)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("otel_rollouts: flush failed: %s", exc)
+        return False
+
+
+def shutdown(timeout: float = 30.0) -> bool:
+    """Flush and stop; episodes still open are ended and marked truncated. Never hangs."""
+    with _lock:
+        rt = _runtime.installed()
+        if rt is None:
+            return True
+        try:
+            if rt.enabled and rt.pipeline is not None:
+                for record in rt.pipeline.open_episodes():
+                    root = record.root
+                    if root is not None and root.end_ns is None:
+                        root.attributes[c.RL_STATUS] = c.STATUS_TRUNCATED
+                        root.end()
+            ok = _shutdown_runtime(rt, timeout)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("otel_rollouts: shutdown failed: %s", exc)
+            ok = False
+        _runtime.install(None)
+        _ticker_stop.set()
+        return ok
+
+
+def stats() -> dict[str, Any]:
+    """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late) and totals."""
+    rt = _runtime.installed()
+    if rt is None or rt.stats is None:
+        return {"totals": {}, "steps": {}}
+    return rt.stats.snapshot()

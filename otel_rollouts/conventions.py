@@ -1,0 +1,143 @@
+"""Every attribute name, span name and enumerated value the library writes.
+
+Three vocabularies meet on an episode's spans:
+
+* ``rl.*`` — the RL convention of this project (public contract);
+* ``gen_ai.*`` — the OpenTelemetry GenAI semantic conventions;
+* ``openinference.span.kind`` — so Phoenix and Arize render span kinds.
+
+No other module spells an attribute name as a string literal: import it from here.
+"""
+
+from __future__ import annotations
+
+# --- rl.* (ours) -----------------------------------------------------------------------
+RL_STEP = "rl.step"
+RL_SPLIT = "rl.split"
+RL_EPISODE_ID = "rl.episode.id"
+RL_GROUP_ID = "rl.group.id"
+RL_SAMPLE_INDEX = "rl.sample.index"
+RL_POLICY_VERSION = "rl.policy.version"
+RL_POLICY_VERSION_MIN = "rl.policy.version.min"
+RL_POLICY_VERSION_MAX = "rl.policy.version.max"
+RL_REWARD = "rl.reward"
+RL_REWARD_PREFIX = "rl.reward."  # rl.reward.<component>
+RL_ADVANTAGE = "rl.advantage"
+RL_FINISH_REASON = "rl.finish_reason"
+RL_STATUS = "rl.status"
+RL_TURN_INDEX = "rl.turn.index"
+RL_DATASET_NAME = "rl.dataset.name"
+RL_DATASET_INDEX = "rl.dataset.index"
+RL_FRAMEWORK = "rl.framework"
+RL_RUN_ID = "rl.run.id"
+RL_METADATA_PREFIX = "rl.metadata."  # rl.metadata.<key> for user metadata
+RL_ALIGNMENT = "rl.alignment"
+RL_TRUNCATED_FIELDS = "rl.content.truncated"  # names of attributes whose text was cut
+RL_INVALID_FIELDS = "rl.invalid"  # "field: reason" for values that were refused
+RL_FEEDBACK_ROLE = "rl.feedback.role"  # env | tool | user for mask-0 spans after the prompt
+RL_TOOL_PARSE_ERROR = "rl.tool.parse_error"
+RL_SPAN_KIND = "rl.span.kind"  # span | generation | tool | turn | episode | prompt | reward
+
+# rl.status values
+STATUS_OK = "ok"
+STATUS_ERROR = "error"
+STATUS_TRUNCATED = "truncated"
+STATUS_FILTERED = "filtered"
+STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TRUNCATED, STATUS_FILTERED)
+
+# --- gen_ai.* (OpenTelemetry GenAI semantic conventions) ---------------------------------
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_TOOL_NAME = "gen_ai.tool.name"
+GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
+GEN_AI_TOOL_CALL_ARGUMENTS = "gen_ai.tool.call.arguments"
+GEN_AI_TOOL_CALL_RESULT = "gen_ai.tool.call.result"
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
+
+OP_INVOKE_AGENT = "invoke_agent"
+OP_CHAT = "chat"
+OP_EXECUTE_TOOL = "execute_tool"
+
+# --- OpenInference --------------------------------------------------------------------------
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+OI_AGENT = "AGENT"
+OI_CHAIN = "CHAIN"
+OI_LLM = "LLM"
+OI_TOOL = "TOOL"
+OI_EVALUATOR = "EVALUATOR"
+OPENINFERENCE_PROJECT_NAME = "openinference.project.name"  # resource attribute read by Phoenix
+
+# --- generic input/output of @traced spans --------------------------------------------------
+INPUT_VALUE = "input.value"  # OpenInference's name; JSON text
+OUTPUT_VALUE = "output.value"
+
+# --- exception events (OpenTelemetry semantic conventions) ----------------------------------
+EXCEPTION_TYPE = "exception.type"
+EXCEPTION_MESSAGE = "exception.message"
+
+# --- span names (contract) ------------------------------------------------------------------
+SPAN_EPISODE = "episode"
+SPAN_PROMPT = "prompt"
+SPAN_TURN = "turn"
+SPAN_REWARD = "reward"
+SPAN_CHAT = "chat"  # "chat {model}" when a model is known
+SPAN_EXECUTE_TOOL = "execute_tool"  # "execute_tool {tool}"
+
+
+def chat_span_name(model: str | None) -> str:
+    """``chat {model}`` per the GenAI conventions, or ``chat`` when the model is unknown."""
+    return f"{SPAN_CHAT} {model}" if model else SPAN_CHAT
+
+
+def tool_span_name(tool: str | None) -> str:
+    """``execute_tool {tool}`` per the GenAI conventions."""
+    return f"{SPAN_EXECUTE_TOOL} {tool}" if tool else SPAN_EXECUTE_TOOL
+
+
+# --- our span kinds -> the other vocabularies -----------------------------------------------
+KIND_SPAN = "span"
+KIND_GENERATION = "generation"
+KIND_TOOL = "tool"
+KIND_TURN = "turn"
+KIND_EPISODE = "episode"
+KIND_PROMPT = "prompt"
+KIND_REWARD = "reward"
+TRACED_KINDS = (KIND_SPAN, KIND_GENERATION, KIND_TOOL, KIND_TURN, KIND_EPISODE)
+
+OPENINFERENCE_KIND_OF = {
+    KIND_EPISODE: OI_AGENT,
+    KIND_TURN: OI_CHAIN,
+    KIND_PROMPT: OI_CHAIN,
+    KIND_GENERATION: OI_LLM,
+    KIND_TOOL: OI_TOOL,
+    KIND_REWARD: OI_EVALUATOR,
+    KIND_SPAN: OI_CHAIN,
+}
+OPERATION_OF = {
+    KIND_EPISODE: OP_INVOKE_AGENT,
+    KIND_GENERATION: OP_CHAT,
+    KIND_TOOL: OP_EXECUTE_TOOL,
+}
+
+# --- environment variables ------------------------------------------------------------------
+ENV_CAPTURE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+ENV_SDK_DISABLED = "OTEL_SDK_DISABLED"
+ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+ENV_TRACKIO_PROJECT = "OTEL_ROLLOUTS_TRACKIO_PROJECT"
+ENV_TRACE_UI_URL = "OTEL_ROLLOUTS_TRACE_UI_URL"  # e.g. http://localhost:16686 (Jaeger)
+
+# --- resource attributes ----------------------------------------------------------------------
+SERVICE_NAME = "service.name"
+SERVICE_INSTANCE_ID = "service.instance.id"
+
+# --- instrumentation scope ------------------------------------------------------------------
+SCOPE_NAME = "otel_rollouts"

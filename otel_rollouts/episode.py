@@ -1,0 +1,603 @@
+"""The episode API: one RL episode recorded as one trace.
+
+    with otr.episode(step=3, split="train", group_id="p17", sample_index=2) as ep:
+        ep.prompt(messages)
+        with ep.turn() as turn:
+            turn.record_generation("Let me compute.", model="policy", output_tokens=5)
+            with turn.tool_call("calculator", arguments={"x": 2}, call_id="c1") as call:
+                call.result(4)
+        ep.reward(1.0, components={"math": 1.0}, advantage=0.5)
+        ep.finish(reason="stop")
+
+Spans are recorded cheaply (see ``_recording``); the tail sampler decides later which episodes
+are rendered and exported. Bad values are refused with a message naming the field and recorded
+under ``rl.invalid`` on the span; user code never sees an exception unless strict mode is on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.status import StatusCode
+
+from otel_rollouts import _runtime
+from otel_rollouts import conventions as c
+from otel_rollouts._content import snapshot, to_float, to_int
+from otel_rollouts._guard import guarded, guarded_or, report
+from otel_rollouts._recording import EpisodeRecord, SpanRecord
+
+__all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
+
+
+# --- helpers shared with @traced ---------------------------------------------------------------
+def flag(span: SpanRecord, message: str) -> None:
+    """Record a refused value on the span (rl.invalid) and report it."""
+    invalid = span.attributes.get(c.RL_INVALID_FIELDS)
+    if invalid is None:
+        span.attributes[c.RL_INVALID_FIELDS] = [message]
+    else:
+        invalid.append(message)
+    report(message)
+
+
+def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]]:
+    """OpenAI-style message list from a list of messages, one message, or plain text."""
+    if messages is None:
+        return []
+    if isinstance(messages, str):
+        return [{"role": role, "content": messages}]
+    if isinstance(messages, Mapping):
+        return [snapshot(dict(messages))]
+    if isinstance(messages, (list, tuple)):
+        out = []
+        for m in messages:
+            if isinstance(m, Mapping):
+                out.append(snapshot(dict(m)))
+            else:
+                out.append({"role": role, "content": m if isinstance(m, str) else str(m)})
+        return out
+    return [{"role": role, "content": str(messages)}]
+
+
+def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord | None = None,
+               attributes: dict[str, Any] | None = None) -> SpanRecord:
+    """A new span of ``record`` under ``parent`` (default: the current span of this episode)."""
+    if parent is None:
+        current = trace.get_current_span()
+        parent = (
+            current
+            if isinstance(current, SpanRecord) and current.episode is record
+            else record.root
+        )
+    attrs = {c.RL_SPAN_KIND: kind, c.OPENINFERENCE_SPAN_KIND: c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)}
+    op = c.OPERATION_OF.get(kind)
+    if op is not None:
+        attrs[c.GEN_AI_OPERATION_NAME] = op
+    if attributes:
+        attrs.update(attributes)
+    span = SpanRecord(record, name, _runtime.new_id64(), parent.span_id if parent else None, kind, attrs)
+    return record.add(span)
+
+
+class _Scope:
+    """Makes a span the current one in the OpenTelemetry context for a ``with`` block."""
+
+    __slots__ = ("_token",)
+
+    def __init__(self) -> None:
+        self._token = None
+
+    def attach(self, span: SpanRecord) -> None:
+        self._token = otel_context.attach(trace.set_span_in_context(span))
+
+    def detach(self) -> None:
+        if self._token is not None:
+            token, self._token = self._token, None
+            try:
+                otel_context.detach(token)
+            except Exception:  # noqa: BLE001 - a context mismatch must not break user code
+                pass
+
+
+def _end_with(span: SpanRecord, exc: BaseException | None) -> None:
+    if exc is not None and span.status_code is not StatusCode.ERROR:
+        span.fail(exc)
+    span.end()
+
+
+def _number(span: SpanRecord, value: Any, field: str) -> float | None:
+    number, problem = to_float(value, field)
+    if problem is not None:
+        flag(span, problem)
+    return number
+
+
+def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
+    number, problem = to_int(value, field)
+    if problem is not None:
+        flag(span, problem)
+    return number
+
+
+# --- handles ---------------------------------------------------------------------------------------
+class ToolCall:
+    """One tool call inside a turn: ``execute_tool {name}``."""
+
+    def __init__(self, span: SpanRecord | None) -> None:
+        self._span = span
+        self._scope = _Scope()
+        self._entered = False
+
+    @guarded
+    def result(self, value: Any) -> None:
+        """Record the tool's result (ends the call unless used as a ``with`` block)."""
+        span = self._span
+        if span is None:
+            return
+        if _runtime.current().capture_content:
+            span.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
+        if not self._entered:
+            span.end()
+
+    @guarded
+    def error(self, error: BaseException | str) -> None:
+        """Mark the call as failed with an exception or a message (nothing is raised)."""
+        span = self._span
+        if span is None:
+            return
+        if isinstance(error, BaseException):
+            span.fail(error)
+        else:
+            span.fail(message=str(error))
+        if not self._entered:
+            span.end()
+
+    def __enter__(self) -> ToolCall:
+        self._entered = True
+        if self._span is not None:
+            self._scope.attach(self._span)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._scope.detach()
+        if self._span is not None:
+            _end_with(self._span, exc)
+
+    async def __aenter__(self) -> ToolCall:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+class Generation:
+    """One model generation inside a turn: ``chat {model}``."""
+
+    def __init__(self, span: SpanRecord | None) -> None:
+        self._span = span
+        self._scope = _Scope()
+        self._entered = False
+
+    @guarded
+    def output(
+        self,
+        content: Any = None,
+        *,
+        tool_calls: list[dict[str, Any]] | None = None,
+        finish_reason: str | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        model: str | None = None,
+    ) -> None:
+        """Record what the policy generated (and end the span unless inside ``with``)."""
+        span = self._span
+        if span is None:
+            return
+        if model:
+            span.attributes[c.GEN_AI_REQUEST_MODEL] = str(model)
+            span.name = c.chat_span_name(str(model))
+        if _runtime.current().capture_content:
+            if isinstance(content, Mapping):
+                message = snapshot(dict(content))
+                message.setdefault("role", "assistant")
+            else:
+                message = {"role": "assistant", "content": "" if content is None else content}
+                if not isinstance(message["content"], (str, list)):
+                    message["content"] = str(message["content"])
+            if tool_calls:
+                message["tool_calls"] = snapshot(list(tool_calls))
+            span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
+        if finish_reason is not None:
+            span.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [str(finish_reason)]
+        if input_tokens is not None:
+            span.attributes[c.GEN_AI_USAGE_INPUT_TOKENS] = _integer(span, input_tokens, "input_tokens")
+        if output_tokens is not None:
+            span.attributes[c.GEN_AI_USAGE_OUTPUT_TOKENS] = _integer(span, output_tokens, "output_tokens")
+        if not self._entered:
+            span.end()
+
+    def __enter__(self) -> Generation:
+        self._entered = True
+        if self._span is not None:
+            self._scope.attach(self._span)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._scope.detach()
+        if self._span is not None:
+            _end_with(self._span, exc)
+
+    async def __aenter__(self) -> Generation:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+class Turn:
+    """One policy step: a generation, the tool calls it made, and the feedback it got."""
+
+    def __init__(self, record: EpisodeRecord | None, span: SpanRecord | None, index: int) -> None:
+        self._record = record
+        self._span = span
+        self.index = index
+        self._scope = _Scope()
+
+    @guarded_or(lambda: Generation(None))
+    def generation(self, model: str | None = None, *, messages: Any = None) -> Generation:
+        """Start a generation span (use as ``with``; call ``.output(...)`` inside)."""
+        if self._record is None:
+            return Generation(None)
+        attrs: dict[str, Any] = {}
+        if model:
+            attrs[c.GEN_AI_REQUEST_MODEL] = str(model)
+        if messages is not None and _runtime.current().capture_content:
+            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+        span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
+        return Generation(span)
+
+    @guarded_or(lambda: Generation(None))
+    def record_generation(self, content: Any = None, *, model: str | None = None,
+                          messages: Any = None, **output: Any) -> Generation:
+        """Record a finished generation in one call (same keywords as ``Generation.output``)."""
+        gen = self.generation(model, messages=messages)
+        gen.output(content, **output)
+        return gen
+
+    @guarded_or(lambda: ToolCall(None))
+    def tool_call(self, name: str, arguments: Any = None, call_id: str | None = None) -> ToolCall:
+        """Start a tool call span; end it with ``with`` or with ``.result()`` / ``.error()``."""
+        if self._record is None:
+            return ToolCall(None)
+        attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: str(name)}
+        if call_id is not None:
+            attrs[c.GEN_AI_TOOL_CALL_ID] = str(call_id)
+        if arguments is not None and _runtime.current().capture_content:
+            attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
+        span = child_span(self._record, c.tool_span_name(str(name)), c.KIND_TOOL, self._span, attrs)
+        return ToolCall(span)
+
+    @guarded
+    def feedback(self, content: Any, role: str = "environment") -> None:
+        """Record what the environment (or a user) said back after this turn's action."""
+        if self._record is None:
+            return
+        attrs: dict[str, Any] = {c.RL_FEEDBACK_ROLE: str(role)}
+        if _runtime.current().capture_content:
+            attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": str(role), "content": snapshot(content)}]
+        span = child_span(self._record, "feedback", c.KIND_SPAN, self._span, attrs)
+        span.end()
+
+    def __enter__(self) -> Turn:
+        if self._span is not None:
+            self._scope.attach(self._span)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._scope.detach()
+        if self._span is not None:
+            _end_with(self._span, exc)
+
+    async def __aenter__(self) -> Turn:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
+    """A deterministic 128-bit trace id for (run, step, episode id): find a trace from data."""
+    digest = hashlib.blake2b(f"{run_id}\x1f{step}\x1f{episode_id}".encode(), digest_size=16)
+    return int.from_bytes(digest.digest(), "big") or 1
+
+
+class Episode:
+    """One RL episode: a trace rooted at an ``episode`` span. Use as a (async) ``with`` block.
+
+    The reward may be recorded after the block closed (e.g. the advantage is known only when the
+    whole group is scored): it still joins this episode's trace, and the episode waits for it
+    until its step closes.
+    """
+
+    def __init__(
+        self,
+        step: int | None = None,
+        split: str = "train",
+        *,
+        group_id: Any = None,
+        sample_index: int | None = None,
+        policy_version: int | None = None,
+        episode_id: str | None = None,
+        dataset_name: str | None = None,
+        dataset_index: Any = None,
+        framework: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        name: str = c.SPAN_EPISODE,
+    ) -> None:
+        self._args = (step, split, group_id, sample_index, policy_version, episode_id,
+                      dataset_name, dataset_index, framework, metadata, name)
+        self._record: EpisodeRecord | None = None
+        self._scope = _Scope()
+        self.episode_id: str | None = episode_id
+        self.step: int | None = None
+        self.split: str = split
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    @guarded
+    def start(self) -> Episode:
+        """Start recording (``with`` does this); returns self."""
+        if self._record is not None:
+            return self
+        rt = _runtime.current()
+        if not rt.enabled or rt.pipeline is None:
+            return self
+        (step, split, group_id, sample_index, policy_version, episode_id,
+         dataset_name, dataset_index, framework, metadata, name) = self._args
+        problems: list[str] = []
+        if step is None:
+            step_value = rt.current_step
+        else:
+            step_value, problem = to_int(step, "step")
+            if problem is not None:
+                problems.append(problem)
+                step_value = rt.current_step
+            elif step_value < 0:
+                problems.append(f"step: negative ({step_value})")
+        split = str(split) if split is not None else "train"
+        if episode_id is None:
+            episode_id = f"{step_value}-{_runtime.new_id64():016x}"
+        episode_id = str(episode_id)
+        trace_id = (
+            trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids else _runtime.new_id128()
+        )
+        record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
+        record.handle = self
+        attrs: dict[str, Any] = {
+            c.RL_SPAN_KIND: c.KIND_EPISODE,
+            c.OPENINFERENCE_SPAN_KIND: c.OI_AGENT,
+            c.GEN_AI_OPERATION_NAME: c.OP_INVOKE_AGENT,
+            c.RL_STEP: step_value,
+            c.RL_SPLIT: split,
+            c.RL_EPISODE_ID: episode_id,
+            c.GEN_AI_CONVERSATION_ID: episode_id,
+        }
+        if rt.run_id:
+            attrs[c.RL_RUN_ID] = rt.run_id
+        root = SpanRecord(record, str(name), _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
+        record.root = root
+        record.add(root)
+        if group_id is not None:
+            attrs[c.RL_GROUP_ID] = str(group_id)
+        if sample_index is not None:
+            attrs[c.RL_SAMPLE_INDEX] = _integer(root, sample_index, "sample_index")
+        if policy_version is not None:
+            attrs[c.RL_POLICY_VERSION] = _integer(root, policy_version, "policy_version")
+        if dataset_name is not None:
+            attrs[c.RL_DATASET_NAME] = str(dataset_name)
+        if dataset_index is not None:
+            attrs[c.RL_DATASET_INDEX] = dataset_index if isinstance(dataset_index, (int, str)) else str(dataset_index)
+        if framework is not None:
+            attrs[c.RL_FRAMEWORK] = str(framework)
+        if metadata:
+            self._metadata(root, metadata)
+        for problem in problems:
+            flag(root, problem)
+        self._record = record
+        self.episode_id, self.step, self.split = episode_id, step_value, split
+        rt.pipeline.started(record)
+        return self
+
+    def _metadata(self, root: SpanRecord, metadata: Any) -> None:
+        if not isinstance(metadata, Mapping):
+            flag(root, f"metadata: expected a mapping, got {type(metadata).__name__}")
+            return
+        capture = _runtime.current().capture_content
+        for key, value in metadata.items():
+            name = c.RL_METADATA_PREFIX + str(key)
+            if isinstance(value, (bool, int, float)) or value is None:
+                root.attributes[name] = value
+            elif isinstance(value, str) or capture:
+                root.attributes[name] = snapshot(value)
+
+    def __enter__(self) -> Episode:
+        self.start()
+        if self._record is not None:
+            self._scope.attach(self._record.root)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._scope.detach()
+        self._close(exc)
+
+    async def __aenter__(self) -> Episode:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    @guarded
+    def _close(self, exc: BaseException | None) -> None:
+        record = self._record
+        if record is None or record.root is None or record.root.end_ns is not None:
+            return
+        root = record.root
+        if exc is not None:
+            root.fail(exc)
+            root.attributes[c.RL_STATUS] = c.STATUS_ERROR
+        root.attributes.setdefault(c.RL_STATUS, c.STATUS_OK)
+        root.end()
+
+    @guarded
+    def end(self, status: str | None = None) -> None:
+        """End the episode span without a ``with`` block (idempotent)."""
+        if status is not None:
+            self.finish(status=status)
+        self._close(None)
+
+    # --- recording -----------------------------------------------------------------------------
+    @property
+    def trace_id(self) -> str | None:
+        """This episode's trace id as 32 hex digits (None when not recording)."""
+        return None if self._record is None else f"{self._record.trace_id:032x}"
+
+    @property
+    def recording(self) -> bool:
+        return self._record is not None
+
+    @guarded
+    def prompt(self, messages: Any) -> None:
+        """Record the initial messages (a list of OpenAI-style messages or plain text)."""
+        record = self._record
+        if record is None:
+            return
+        attrs = {}
+        if _runtime.current().capture_content:
+            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+        span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
+        span.end(span.start_ns)
+
+    @guarded_or(lambda: Turn(None, None, -1))
+    def turn(self) -> Turn:
+        """Start the next turn (its index auto-increments from 0)."""
+        record = self._record
+        if record is None:
+            return Turn(None, None, -1)
+        index = record.next_turn
+        record.next_turn += 1
+        span = child_span(record, c.SPAN_TURN, c.KIND_TURN, None, {c.RL_TURN_INDEX: index})
+        return Turn(record, span, index)
+
+    @guarded
+    def reward(
+        self,
+        value: Any = None,
+        *,
+        components: Mapping[str, Any] | None = None,
+        advantage: Any = None,
+    ) -> None:
+        """Record the reward (and its components, and the advantage): numbers, never text."""
+        record = self._record
+        if record is None:
+            return
+        root = record.root
+        span = record.reward_span
+        if span is None or record.state >= 2:  # first reward, or a late one after the decision
+            span = child_span(record, c.SPAN_REWARD, c.KIND_REWARD, root)
+            if record.reward_span is None:
+                record.reward_span = span
+        values: dict[str, Any] = {}
+        if value is not None:
+            number = _number(span, value, "reward")
+            if number is not None:
+                values[c.RL_REWARD] = number
+        if components:
+            if isinstance(components, Mapping):
+                for key, comp in components.items():
+                    number = _number(span, comp, f"reward.{key}")
+                    if number is not None:
+                        values[c.RL_REWARD_PREFIX + str(key)] = number
+            else:
+                flag(span, f"components: expected a mapping, got {type(components).__name__}")
+        if advantage is not None:
+            number = _number(span, advantage, "advantage")
+            if number is not None:
+                values[c.RL_ADVANTAGE] = number
+        span.attributes.update(values)
+        root.attributes.update(values)
+        if span.end_ns is None:
+            span.end()
+        elif record.state < 2:
+            record.sink.part_ended(record)
+
+    @guarded
+    def finish(self, reason: str | None = None, status: str | None = None) -> None:
+        """Record why the episode ended (``stop``, ``length``…) and its ``rl.status``."""
+        record = self._record
+        if record is None:
+            return
+        root = record.root
+        if reason is not None:
+            root.attributes[c.RL_FINISH_REASON] = str(reason)
+        if status is not None:
+            if status not in c.STATUSES:
+                flag(root, f"status: expected one of {', '.join(c.STATUSES)}, got {status!r}")
+                status = c.STATUS_ERROR if status == "failed" else None
+            if status is not None:
+                root.attributes[c.RL_STATUS] = status
+                if status == c.STATUS_ERROR and root.status_code is not StatusCode.ERROR:
+                    root.fail(message=reason or "episode failed")
+
+    @guarded
+    def set_attribute(self, key: str, value: Any) -> None:
+        """Set an extra attribute on the episode root span."""
+        if self._record is not None:
+            self._record.root.attributes[str(key)] = snapshot(value)
+
+
+def episode(
+    step: int | None = None,
+    split: str = "train",
+    *,
+    group_id: Any = None,
+    sample_index: int | None = None,
+    policy_version: int | None = None,
+    episode_id: str | None = None,
+    dataset_name: str | None = None,
+    dataset_index: Any = None,
+    framework: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Episode:
+    """Record one episode as one trace: ``with otr.episode(step=...) as ep:`` (or ``async with``).
+
+    ``step`` defaults to the current training step (advanced by ``end_step``). The cap of the
+    tail sampler holds per (step, split).
+    """
+    return Episode(
+        step,
+        split,
+        group_id=group_id,
+        sample_index=sample_index,
+        policy_version=policy_version,
+        episode_id=episode_id,
+        dataset_name=dataset_name,
+        dataset_index=dataset_index,
+        framework=framework,
+        metadata=metadata,
+    )
+
+
+def current_episode() -> Episode | None:
+    """The episode recording in the current context, or None."""
+    span = trace.get_current_span()
+    if isinstance(span, SpanRecord):
+        return span.episode.handle
+    return None
+
+
+def now_ns() -> int:
+    return time.time_ns()

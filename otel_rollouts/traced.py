@@ -1,0 +1,381 @@
+"""``@otr.traced``: a span per call of a function, method, coroutine or generator.
+
+Inside an episode the span is recorded cheaply with the episode (and kept or dropped with it);
+outside any episode it is an ordinary OpenTelemetry SDK span. ``kind="episode"`` makes each
+call an episode root; ``kind="turn"`` numbers turns; ``kind="generation"`` names the span
+``chat {model}``; ``kind="tool"`` records arguments and result with the GenAI tool attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.status import StatusCode
+
+from otel_rollouts import _runtime
+from otel_rollouts import conventions as c
+from otel_rollouts._content import snapshot
+from otel_rollouts._guard import report
+from otel_rollouts._recording import SpanRecord
+from otel_rollouts.episode import Episode, as_messages, child_span
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_EPISODE_ARGS = ("step", "split", "group_id", "sample_index", "policy_version", "episode_id")
+
+
+class _Call:
+    """One traced call: its span, and how to attach it to the context."""
+
+    __slots__ = ("span", "episode", "sdk", "kind")
+
+    def __init__(self, span: Any, episode: Episode | None, sdk: bool, kind: str) -> None:
+        self.span = span
+        self.episode = episode
+        self.sdk = sdk
+        self.kind = kind
+
+    def attach(self):
+        return otel_context.attach(trace.set_span_in_context(self.span))
+
+    @staticmethod
+    def detach(token) -> None:
+        try:
+            otel_context.detach(token)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def fail(self, exc: BaseException) -> None:
+        try:
+            if self.sdk:
+                self.span.record_exception(exc)
+                self.span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            else:
+                self.span.fail(exc)
+                if self.episode is not None:
+                    self.span.attributes[c.RL_STATUS] = c.STATUS_ERROR
+        except Exception as err:  # noqa: BLE001
+            report(f"traced: {type(err).__name__}: {err}", exc=err)
+
+    def output(self, value: Any) -> None:
+        try:
+            if not _runtime.current().capture_content:
+                return
+            kind = self.kind
+            if kind == c.KIND_GENERATION:
+                if isinstance(value, str):
+                    self.span.set_attribute(
+                        c.GEN_AI_OUTPUT_MESSAGES, _render(self, [{"role": "assistant", "content": value}])
+                    )
+                    return
+                if isinstance(value, dict) and "content" in value:
+                    message = dict(value)
+                    message.setdefault("role", "assistant")
+                    self.span.set_attribute(c.GEN_AI_OUTPUT_MESSAGES, _render(self, [message]))
+                    return
+            if kind == c.KIND_TOOL:
+                self.span.set_attribute(c.GEN_AI_TOOL_CALL_RESULT, _render(self, value))
+                return
+            if value is not None:
+                self.span.set_attribute(c.OUTPUT_VALUE, _render(self, value))
+        except Exception as err:  # noqa: BLE001
+            report(f"traced: output: {type(err).__name__}: {err}", exc=err)
+
+    def end(self) -> None:
+        try:
+            if self.episode is not None:
+                self.episode.end()
+            else:
+                self.span.end()
+        except Exception as err:  # noqa: BLE001
+            report(f"traced: end: {type(err).__name__}: {err}", exc=err)
+
+
+def _render(call: _Call, value: Any) -> Any:
+    """SDK spans need attribute values now; light spans keep a snapshot for later."""
+    if call.sdk:
+        from otel_rollouts._content import cut, to_json
+
+        return cut(to_json(value), 16_384)[0]
+    return snapshot(value)
+
+
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bound_args(sig: inspect.Signature | None, args, kwargs) -> dict[str, Any]:
+    if sig is None:
+        return {"args": list(args), **kwargs} if args else dict(kwargs)
+    try:
+        bound = sig.bind_partial(*args, **kwargs)
+    except TypeError:
+        return {"args": list(args), **kwargs}
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if name in ("self", "cls"):
+            continue
+        param = sig.parameters[name]
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _model_of(model: str | None, arguments: dict[str, Any], args) -> str | None:
+    if model:
+        return model
+    for key in ("model", "model_name"):
+        value = arguments.get(key)
+        if isinstance(value, str) and value:
+            return value
+    if args:
+        owner = args[0]
+        for key in ("model_name", "model"):
+            value = getattr(owner, key, None) if not isinstance(owner, (str, int, float)) else None
+            if isinstance(value, str) and value:
+                return value
+    return None
+
+
+def _start(fn_name: str, name: str | None, kind: str, model: str | None, sig, args, kwargs) -> _Call | None:
+    rt = _runtime.current()
+    if not rt.enabled:
+        return None
+    arguments = _bound_args(sig, args, kwargs)
+    capture = rt.capture_content
+    if kind == c.KIND_EPISODE:
+        params = {k: arguments[k] for k in _EPISODE_ARGS if k in arguments}
+        split = params.pop("split", "train")
+        step = params.pop("step", None)
+        ep = Episode(step, split, name=name or c.SPAN_EPISODE, **params)
+        ep.start()
+        if ep._record is None:
+            return None
+        root = ep._record.root
+        root.attributes["code.function"] = fn_name
+        if capture and arguments:
+            root.attributes[c.INPUT_VALUE] = snapshot(arguments)
+        return _Call(root, ep, False, kind)
+
+    current = trace.get_current_span()
+    attributes: dict[str, Any] = {}
+    if kind == c.KIND_GENERATION:
+        model = _model_of(model, arguments, args)
+        span_name = name or c.chat_span_name(model)
+        if model:
+            attributes[c.GEN_AI_REQUEST_MODEL] = model
+        if capture and "messages" in arguments:
+            attributes[c.GEN_AI_INPUT_MESSAGES] = as_messages(arguments["messages"])
+        elif capture and arguments:
+            attributes[c.INPUT_VALUE] = arguments
+    elif kind == c.KIND_TOOL:
+        tool = name or fn_name
+        span_name = c.tool_span_name(tool)
+        attributes[c.GEN_AI_TOOL_NAME] = tool
+        if capture and arguments:
+            attributes[c.GEN_AI_TOOL_CALL_ARGUMENTS] = arguments
+    elif kind == c.KIND_TURN:
+        span_name = name or c.SPAN_TURN
+        if capture and arguments:
+            attributes[c.INPUT_VALUE] = arguments
+    else:
+        span_name = name or fn_name
+        if capture and arguments:
+            attributes[c.INPUT_VALUE] = arguments
+
+    if isinstance(current, SpanRecord) and current.episode.state < 2:
+        record = current.episode
+        if kind == c.KIND_TURN:
+            attributes[c.RL_TURN_INDEX] = record.next_turn
+            record.next_turn += 1
+        attributes = {k: (snapshot(v) if not isinstance(v, str) else v) for k, v in attributes.items()}
+        span = child_span(record, span_name, kind, current, attributes)
+        return _Call(span, None, False, kind)
+
+    # outside any episode: an ordinary SDK span
+    if rt.tracer is None:
+        return None
+    attributes[c.RL_SPAN_KIND] = kind
+    attributes[c.OPENINFERENCE_SPAN_KIND] = c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)
+    op = c.OPERATION_OF.get(kind)
+    if op:
+        attributes[c.GEN_AI_OPERATION_NAME] = op
+    from otel_rollouts._content import cut, to_json
+
+    sdk_attrs = {
+        k: (v if isinstance(v, (str, bool, int, float)) else cut(to_json(v), 16_384)[0])
+        for k, v in attributes.items()
+    }
+    span = rt.tracer.start_span(span_name, attributes=sdk_attrs)
+    return _Call(span, None, True, kind)
+
+
+def _safe_start(*a) -> _Call | None:
+    try:
+        return _start(*a)
+    except Exception as err:  # noqa: BLE001 - never break the traced function
+        report(f"traced: start: {type(err).__name__}: {err}", exc=err)
+        return None
+
+
+def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Callable:
+    sig = _signature(fn)
+    fn_name = getattr(fn, "__qualname__", getattr(fn, "__name__", "call"))
+
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def agen_wrapper(*args, **kwargs):
+            call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+            agen = fn(*args, **kwargs)
+            if call is None:
+                async for item in agen:
+                    yield item
+                return
+            try:
+                to_send: Any = None
+                to_throw: BaseException | None = None
+                while True:
+                    token = call.attach()
+                    try:
+                        if to_throw is not None:
+                            item = await agen.athrow(to_throw)
+                        else:
+                            item = await agen.asend(to_send)
+                    except StopAsyncIteration:
+                        return
+                    except BaseException as exc:
+                        if not isinstance(exc, GeneratorExit):
+                            call.fail(exc)
+                        raise
+                    finally:
+                        call.detach(token)
+                    try:
+                        to_send, to_throw = (yield item), None
+                    except GeneratorExit:
+                        await agen.aclose()
+                        raise
+                    except BaseException as exc:  # thrown in by the caller
+                        to_send, to_throw = None, exc
+            finally:
+                call.end()
+
+        return agen_wrapper
+
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def gen_wrapper(*args, **kwargs):
+            call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+            gen = fn(*args, **kwargs)
+            if call is None:
+                return (yield from gen)
+            try:
+                to_send: Any = None
+                to_throw: BaseException | None = None
+                while True:
+                    token = call.attach()
+                    try:
+                        if to_throw is not None:
+                            item = gen.throw(to_throw)
+                        else:
+                            item = gen.send(to_send)
+                    except StopIteration as stop:
+                        call.output(stop.value)
+                        return stop.value
+                    except BaseException as exc:
+                        call.fail(exc)
+                        raise
+                    finally:
+                        call.detach(token)
+                    try:
+                        to_send, to_throw = (yield item), None
+                    except GeneratorExit:
+                        gen.close()
+                        raise
+                    except BaseException as exc:
+                        to_send, to_throw = None, exc
+            finally:
+                call.end()
+
+        return gen_wrapper
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args, **kwargs):
+            call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+            if call is None:
+                return await fn(*args, **kwargs)
+            token = call.attach()
+            try:
+                result = await fn(*args, **kwargs)
+            except BaseException as exc:
+                call.fail(exc)
+                raise
+            else:
+                call.output(result)
+                return result
+            finally:
+                call.detach(token)
+                call.end()
+
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+        if call is None:
+            return fn(*args, **kwargs)
+        token = call.attach()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        else:
+            call.output(result)
+            return result
+        finally:
+            call.detach(token)
+            call.end()
+
+    return wrapper
+
+
+@overload
+def traced(fn: F) -> F: ...
+@overload
+def traced(*, name: str | None = None, kind: str = "span", model: str | None = None) -> Callable[[F], F]: ...
+
+
+def traced(fn=None, *, name: str | None = None, kind: str = c.KIND_SPAN, model: str | None = None):
+    """Trace each call of the decorated callable as a span.
+
+    ``kind`` is one of ``span``, ``generation``, ``tool``, ``turn`` or ``episode``. Works on
+    functions, methods, classmethods, staticmethods, coroutines, generators and async
+    generators. Exceptions mark the span as an error and propagate untouched.
+    """
+    if kind not in c.TRACED_KINDS:
+        raise ValueError(f"traced: kind must be one of {', '.join(c.TRACED_KINDS)}, got {kind!r}")
+
+    def decorate(target):
+        if isinstance(target, classmethod):
+            return classmethod(_wrap(target.__func__, name, kind, model))
+        if isinstance(target, staticmethod):
+            return staticmethod(_wrap(target.__func__, name, kind, model))
+        return _wrap(target, name, kind, model)
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate
