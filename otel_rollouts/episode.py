@@ -29,7 +29,7 @@ from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
 from otel_rollouts._content import snapshot, to_float, to_int
 from otel_rollouts._guard import guarded, guarded_or, report
-from otel_rollouts._recording import EpisodeRecord, SpanRecord
+from otel_rollouts._recording import DROPPED, KEPT, EpisodeRecord, SpanRecord
 
 __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
 
@@ -504,9 +504,11 @@ class Episode:
         record = self._record
         if record is None:
             return
+        if record.state == DROPPED:
+            return  # the sampler already let this episode go: nothing of it is exported
         root = record.root
         span = record.reward_span
-        if span is None or record.state >= 2:  # first reward, or a late one after the decision
+        if span is None or record.state == KEPT:  # first reward, or a late one after the decision
             span = child_span(record, c.SPAN_REWARD, c.KIND_REWARD, root)
             if record.reward_span is None:
                 record.reward_span = span
@@ -531,7 +533,7 @@ class Episode:
         root.attributes.update(values)
         if span.end_ns is None:
             span.end()
-        elif record.state < 2:
+        elif record.state < KEPT:
             record.sink.part_ended(record)
 
     @guarded

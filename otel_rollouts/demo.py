@@ -1,0 +1,142 @@
+"""``otel-rollouts demo``: a small but realistic GRPO-style rollout loop, traced.
+
+Each step samples a group of completions per prompt from a toy "policy" that solves arithmetic
+word problems with a calculator tool over several turns. Some tool calls fail (division by
+zero, malformed expressions), some episodes run out of turns (truncated), rewards vary, and the
+group-normalised advantage is recorded once the whole group is scored — after the episode block
+has closed, as real trainers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from dataclasses import dataclass
+
+import otel_rollouts as otr
+
+MODEL = "toy-policy-0.5b"
+SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic."
+PROBLEMS = [
+    ("A crate holds 12 boxes of 8 apples. How many apples?", "12*8"),
+    ("Split 144 marbles between 0 friends evenly.", "144/0"),
+    ("A train covers 315 km in 3.5 hours. Average speed?", "315/3.5"),
+    ("Add the first five primes.", "2+3+5+7+11"),
+    ("A shirt costs 40 after a 20% discount. Original price?", "40/0.8"),
+    ("How many seconds are in a week?", "7*24*60*60"),
+    ("What is 17 squared minus 13 squared?", "17**2-13**2"),
+    ("Average of 82, 91 and 77?", "(82+91+77)/3"),
+]
+
+
+class ToolError(Exception):
+    """A tool call that failed in the environment."""
+
+
+def calculator(expression: str) -> float:
+    allowed = set("0123456789+-*/(). ")
+    if not expression or set(expression) - allowed:
+        raise ToolError(f"malformed expression: {expression!r}")
+    try:
+        return float(eval(expression, {"__builtins__": {}}, {}))  # noqa: S307 - digits and operators only
+    except ZeroDivisionError as exc:
+        raise ToolError("division by zero") from exc
+    except SyntaxError as exc:
+        raise ToolError(f"malformed expression: {expression!r}") from exc
+
+
+@dataclass
+class Outcome:
+    reward: float
+    episode: otr.Episode
+
+
+async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random, max_turns: int) -> Outcome:
+    question, expression = PROBLEMS[prompt_index % len(PROBLEMS)]
+    group = f"s{step}-p{prompt_index}"
+    async with otr.episode(
+        step=step,
+        split="train",
+        group_id=group,
+        sample_index=sample,
+        policy_version=max(step - rng.choice([0, 0, 1]), 0),
+        dataset_name="toy-arith",
+        dataset_index=prompt_index,
+        metadata={"temperature": 0.8},
+    ) as ep:
+        ep.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        answer = None
+        for _ in range(max_turns):
+            async with ep.turn() as turn:
+                await asyncio.sleep(rng.uniform(0.0005, 0.002))  # generation latency
+                garbled = rng.random() < 0.15
+                expr = expression.replace("*", "x") if garbled else expression
+                call_id = f"call_{step}_{prompt_index}_{sample}_{turn.index}"
+                turn.record_generation(
+                    f"I'll compute `{expr}` with the calculator.",
+                    model=MODEL,
+                    tool_calls=[{"id": call_id, "type": "function",
+                                 "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}],
+                    input_tokens=40 + 25 * turn.index,
+                    output_tokens=12 + rng.randrange(8),
+                    finish_reason="tool_calls",
+                )
+                with turn.tool_call("calculator", arguments={"expression": expr}, call_id=call_id) as call:
+                    try:
+                        value = calculator(expr)
+                    except ToolError as exc:
+                        call.error(exc)
+                        continue
+                    call.result(value)
+                if rng.random() < 0.7:
+                    answer = value
+                    turn.record_generation(f"The answer is {value:g}.", model=MODEL,
+                                           input_tokens=70, output_tokens=8, finish_reason="stop")
+                    break
+                turn.feedback("Please double-check and state the final answer.", role="user")
+        if answer is None:
+            ep.finish(reason="max_turns", status="truncated")
+            reward = 0.0
+            components = {"correct": 0.0, "format": 0.0}
+        else:
+            correct = 1.0 if rng.random() < 0.85 else 0.0
+            fmt = round(rng.uniform(0.5, 1.0), 2)
+            reward = correct + 0.2 * fmt
+            components = {"correct": correct, "format": fmt}
+            ep.finish(reason="stop", status="ok")
+        ep.reward(reward, components=components)
+    return Outcome(reward, ep)
+
+
+async def run_step(step: int, prompts: int, group_size: int, rng: random.Random, max_turns: int) -> list[Outcome]:
+    tasks = [
+        rollout(step, p, s, random.Random(rng.random()), max_turns)
+        for p in range(prompts)
+        for s in range(group_size)
+    ]
+    outcomes = await asyncio.gather(*tasks)
+    # the advantage is known only once the whole group is scored: recorded after the episodes closed
+    for p in range(prompts):
+        group = outcomes[p * group_size : (p + 1) * group_size]
+        mean = statistics.fmean(o.reward for o in group)
+        std = statistics.pstdev(o.reward for o in group) or 1.0
+        for o in group:
+            o.episode.reward(o.reward, advantage=(o.reward - mean) / (std + 1e-6))
+    return outcomes
+
+
+def run(steps: int = 4, prompts: int = 8, group_size: int = 4, cap: int = 8, seed: int = 0,
+        max_turns: int = 3, progress: bool = True) -> dict:
+    """Run the loop; returns otr.stats(). Call otr.configure() first."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    bar = tqdm(total=steps * prompts * group_size, unit="episode", disable=not progress, desc="rollouts")
+    for step in range(steps):
+        asyncio.run(run_step(step, prompts, group_size, rng, max_turns))
+        otr.end_step(step)
+        bar.update(prompts * group_size)
+    bar.close()
+    otr.flush()
+    return otr.stats()
