@@ -56,8 +56,8 @@ def scalar(value: Any) -> Any:
     item = getattr(value, "item", None)
     if item is not None and callable(item):
         try:
-            size = getattr(value, "size", 1)
-            size = size() if callable(size) else size
+            numel = getattr(value, "numel", None)  # torch
+            size = numel() if callable(numel) else getattr(value, "size", 1)  # numpy
             if size == 1:
                 return item()
         except Exception:  # noqa: BLE001 - anything odd stays as it was

@@ -1,0 +1,69 @@
+"""Reading what otel_rollouts exported back, for tests: span trees and Trackio traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections import defaultdict
+from typing import Any
+
+
+def traces(exporter) -> dict[int, list]:
+    """Finished spans of an InMemorySpanExporter grouped by trace id."""
+    out: dict[int, list] = defaultdict(list)
+    for span in exporter.get_finished_spans():
+        out[span.context.trace_id].append(span)
+    return dict(out)
+
+
+def tree(spans) -> list[tuple[int, str]]:
+    """(depth, name) in depth-first start order; fails if a span's parent is missing."""
+    by_id = {s.context.span_id: s for s in spans}
+    children = defaultdict(list)
+    roots = []
+    for s in spans:
+        if s.parent is None:
+            roots.append(s)
+        else:
+            assert s.parent.span_id in by_id, f"span {s.name} has a parent outside its trace"
+            children[s.parent.span_id].append(s)
+    out = []
+
+    def walk(span, depth):
+        out.append((depth, span.name))
+        for child in sorted(children[span.context.span_id], key=lambda c: c.start_time):
+            walk(child, depth + 1)
+
+    for r in roots:
+        walk(r, 0)
+    return out
+
+
+def root(spans):
+    roots = [s for s in spans if s.parent is None]
+    assert len(roots) == 1, [s.name for s in roots]
+    return roots[0]
+
+
+def trackio_rows(project: str) -> list[dict[str, Any]]:
+    """The rows of Trackio's `traces` table for a project, JSON columns decoded."""
+    path = os.path.join(os.environ["TRACKIO_DIR"], f"{project}.db")
+    db = sqlite3.connect(path)
+    try:
+        rows = db.execute(
+            "SELECT id, step, key, messages, metadata, spans FROM traces ORDER BY step, trace_index"
+        ).fetchall()
+    finally:
+        db.close()
+
+    def load(value):
+        if isinstance(value, bytes):
+            value = value.decode()
+        return json.loads(value)
+
+    return [
+        {"id": r[0], "step": r[1], "key": r[2], "messages": load(r[3]), "metadata": load(r[4]),
+         "spans": load(r[5])}
+        for r in rows
+    ]
