@@ -1,0 +1,362 @@
+"""Helpers every framework adapter shares: reading duck-typed inputs safely.
+
+The frameworks' own rollout loggers got the same things wrong in review (see DESIGN.md §7), so
+the fixes live here once:
+
+* ``field`` / ``items`` read dicts, dataclasses, TypedDicts and plain objects alike;
+* ``Columns`` aligns parallel per-sample arrays explicitly: a ragged array never raises
+  ``IndexError``; the samples it cannot cover are marked ``rl.alignment=partial`` and counted;
+* ``to_cpu`` / ``host_lists`` move each tensor to the CPU once per batch, never per sample;
+* ``as_float`` / ``reward_total`` coerce rewards (numpy/torch scalars, legacy strings,
+  token-level lists) to floats;
+* ``group_ids`` maps samples to prompts by ids, and by blocked ``i // n`` only when the layout is
+  known to be complete;
+* ``first_occurrences`` de-duplicates by episode id;
+* ``generated_versions`` takes the policy version from generated tokens only (−1 placeholders
+  ignored);
+* ``count`` / ``mark_partial`` / ``mark_invalid`` record what went wrong on the episode and in
+  ``otr.stats()``.
+
+Nothing here imports a framework, torch or numpy: tensors are recognised by their methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from otel_rollouts import _runtime
+from otel_rollouts import conventions as c
+from otel_rollouts._content import scalar, to_float
+
+__all__ = [
+    "Columns",
+    "as_float",
+    "count",
+    "field",
+    "first_occurrences",
+    "generated_versions",
+    "group_ids",
+    "host_lists",
+    "items",
+    "mark_invalid",
+    "mark_partial",
+    "reward_total",
+    "split_name",
+    "status_for",
+    "to_cpu",
+    "to_list",
+]
+
+_MISSING = object()
+
+# stats counter names (totals and per (step, split))
+COUNT_PARTIAL = "adapters.alignment_partial"
+COUNT_DUPLICATE = "adapters.duplicates"
+COUNT_FILTERED = "adapters.filtered"
+COUNT_UNGROUPED = "adapters.ungrouped"
+COUNT_INVALID = "adapters.invalid_values"
+
+
+# --- reading duck-typed inputs -----------------------------------------------------------------
+def field(obj: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` that ``obj`` holds with a non-None value (key or attribute).
+
+    Works for dicts / TypedDicts (keys), dataclasses and plain objects (attributes); ``default``
+    when none is present.
+    """
+    if obj is None:
+        return default
+    for name in names:
+        if isinstance(obj, Mapping):
+            value = obj.get(name, _MISSING)
+        else:
+            value = getattr(obj, name, _MISSING)
+        if value is not _MISSING and value is not None:
+            return value
+    return default
+
+
+def items(obj: Any) -> dict[str, Any]:
+    """A shallow ``{name: value}`` view of a dict, dataclass or object (for extra columns)."""
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping):
+        return {str(k): v for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict):
+        return {k: v for k, v in attrs.items() if not k.startswith("_")}
+    return {}
+
+
+# --- tensors -------------------------------------------------------------------------------------
+def to_cpu(value: Any) -> Any:
+    """``value`` on the host, moved once: torch tensors ``.detach().cpu()``, remote/sharded
+    tensors (AReaL ``RTensor``) ``.to_local()`` first; numpy arrays and lists are returned as is.
+
+    Call it once per tensor per batch (before the per-sample loop), never per sample.
+    """
+    if value is None or isinstance(value, (str, bytes, int, float, bool, list, tuple, dict)):
+        return value
+    to_local = getattr(value, "to_local", None)
+    if callable(to_local) and not hasattr(value, "detach"):
+        value = to_local()
+    detach = getattr(value, "detach", None)
+    if callable(detach):
+        value = detach()
+    device = getattr(value, "device", None)
+    cpu = getattr(value, "cpu", None)
+    if callable(cpu) and device is not None and getattr(device, "type", "cpu") != "cpu":
+        value = cpu()
+    return value
+
+
+def to_list(value: Any) -> list[Any] | None:
+    """A Python list of ``value`` (tensor, ndarray, tuple, list); None stays None.
+
+    Tensors are moved to the host once (``to_cpu``) and converted with ``tolist()`` in one call.
+    """
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return value
+    if isinstance(value, (tuple, range)):
+        return list(value)
+    if isinstance(value, (str, bytes, Mapping)):
+        return [value]
+    value = to_cpu(value)
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        out = tolist()
+        return out if isinstance(out, list) else [out]
+    try:
+        return list(value)
+    except TypeError:
+        return [value]
+
+
+def host_lists(mapping: Any, names: Iterable[str]) -> dict[str, list[Any] | None]:
+    """``{name: to_list(mapping[name])}`` for each name present: every tensor moved once."""
+    return {name: to_list(field(mapping, name)) for name in names}
+
+
+# --- numbers -------------------------------------------------------------------------------------
+def as_float(value: Any, field_name: str = "value") -> tuple[float | None, str | None]:
+    """(float, None) for a number-like value, (None, reason naming ``field_name``) otherwise.
+
+    Accepts Python numbers, numpy/torch scalars and 1-element tensors, and numeric strings
+    (legacy loggers wrote rewards as formatted text).
+    """
+    if value is None:
+        return None, None
+    return to_float(value, field_name)
+
+
+def reward_total(value: Any, field_name: str = "reward") -> tuple[float | None, list[float] | None, str | None]:
+    """(total, per-token values or None, problem or None) for a scalar or token-level reward.
+
+    A per-token reward list (SkyRL) or a multi-element tensor sums to the total; the list is
+    returned too so it can be kept as metadata.
+    """
+    value = scalar(value)
+    if value is None:
+        return None, None, None
+    if isinstance(value, (str, bytes, int, float, bool)):
+        number, problem = to_float(value, field_name)
+        return number, None, problem
+    values = to_list(value)
+    if values is None:
+        return None, None, None
+    per_token: list[float] = []
+    for j, v in enumerate(values):
+        number, problem = to_float(v, f"{field_name}[{j}]")
+        if problem is not None:
+            return None, None, problem
+        per_token.append(number)
+    return float(sum(per_token)), per_token, None
+
+
+def generated_versions(versions: Sequence[Any] | None, loss_mask: Sequence[Any] | None = None
+                       ) -> tuple[int | None, int | None]:
+    """(min, max) policy version over generated tokens only.
+
+    Tokens with ``loss_mask == 0`` and ``-1`` placeholders (prompt / environment tokens) are
+    ignored, so a sample's head version is never −1.
+    """
+    lo = hi = None
+    if versions is None:
+        return None, None
+    for j, v in enumerate(versions):
+        if loss_mask is not None and (j >= len(loss_mask) or not loss_mask[j]):
+            continue
+        try:
+            v = int(v)
+        except (TypeError, ValueError):
+            continue
+        if v < 0:
+            continue
+        lo = v if lo is None or v < lo else lo
+        hi = v if hi is None or v > hi else hi
+    return lo, hi
+
+
+# --- alignment -----------------------------------------------------------------------------------
+class Columns:
+    """Parallel per-sample arrays aligned explicitly against ``n`` samples.
+
+    ``Columns(n, scores=batch.scores, datasets=batch.datasets)``: a column that is None is absent
+    (not an alignment problem); a column whose length differs from ``n`` is *ragged*. A ragged
+    column's entries are used for the samples it covers (the prefix), unless its name is in
+    ``drop_if_ragged`` (values known to belong to other samples once a framework filtered the
+    batch: then the whole column is ignored). ``missing(i)`` names the ragged columns that do not
+    cover sample ``i`` reliably; those samples are recorded with ``rl.alignment=partial``.
+    """
+
+    def __init__(self, n: int, *, drop_if_ragged: Iterable[str] = (), **columns: Any) -> None:
+        self.n = max(0, int(n))
+        self.columns: dict[str, list[Any] | None] = {}
+        self.ragged: dict[str, int] = {}
+        drop = set(drop_if_ragged)
+        for name, column in columns.items():
+            values = to_list(column)
+            if values is not None and len(values) != self.n:
+                self.ragged[name] = len(values)
+                if name in drop:
+                    values = None
+            self.columns[name] = values
+
+    def has(self, name: str) -> bool:
+        return self.columns.get(name) is not None
+
+    def value(self, name: str, i: int, default: Any = None) -> Any:
+        """Entry ``i`` of column ``name`` or ``default`` when absent or not covered."""
+        values = self.columns.get(name)
+        if values is None or i < 0 or i >= len(values):
+            return default
+        return values[i]
+
+    def missing(self, i: int) -> list[str]:
+        """Names of ragged columns whose entry for sample ``i`` is missing or unreliable."""
+        out = []
+        for name, length in self.ragged.items():
+            values = self.columns.get(name)
+            if values is None or i >= len(values) or length > self.n:
+                out.append(f"{name}[{length}!={self.n}]")
+        return out
+
+
+def mark_partial(ep: Any, missing: Sequence[str]) -> None:
+    """Record ``rl.alignment=partial`` (and which columns) on an episode, and count it."""
+    if not missing:
+        return
+    ep.set_attribute(c.RL_ALIGNMENT, "partial")
+    ep.set_attribute(c.RL_ALIGNMENT_MISSING, list(missing))
+    count(COUNT_PARTIAL, step=getattr(ep, "step", None), split=getattr(ep, "split", None))
+
+
+def mark_invalid(ep: Any, problem: str | None) -> None:
+    """Record a refused value on the episode root (``rl.invalid``) and count it."""
+    if not problem:
+        return
+    record = getattr(ep, "_record", None)
+    if record is None or record.root is None:
+        return
+    from otel_rollouts.episode import flag
+
+    flag(record.root, problem)
+    count(COUNT_INVALID, step=getattr(ep, "step", None), split=getattr(ep, "split", None))
+
+
+def count(name: str, n: int = 1, *, step: int | None = None, split: str | None = None) -> None:
+    """Add ``n`` to the ``otr.stats()`` counter ``name`` (total, and per step when given)."""
+    rt = _runtime.installed()
+    if rt is None or rt.stats is None or n <= 0:
+        return
+    if step is not None:
+        rt.stats.step((int(step), split or "train"), name, n)
+    else:
+        rt.stats.add(name, n)
+
+
+# --- groups and duplicates -------------------------------------------------------------------------
+def group_ids(
+    n: int,
+    *,
+    ids: Sequence[Any] | None = None,
+    key: Callable[[Any], Any] | None = None,
+    per_group: int | None = None,
+    complete: bool = False,
+    prefix: str = "",
+) -> tuple[list[str | None], str]:
+    """Group id of each of ``n`` samples, and how it was found (``ids|blocked|none``).
+
+    ``ids`` (e.g. SkyRL trajectory ids, dataset indices) win when they cover every sample;
+    ``key`` extracts the group from an id (``lambda t: t.instance_id``). Otherwise the blocked
+    layout ``i // per_group`` is used, but only when ``complete`` says every group is whole and
+    ``n`` is a multiple of ``per_group``; else no group is claimed (never a wrong one).
+    """
+    if ids is not None:
+        values = to_list(ids) or []
+        if len(values) >= n and all(v is not None for v in values[:n]):
+            out = []
+            for v in values[:n]:
+                g = key(v) if key is not None else v
+                out.append(None if g is None else f"{prefix}{g}")
+            if all(g is not None for g in out):
+                return out, "ids"
+    if complete and per_group and per_group > 0 and n % per_group == 0:
+        return [f"{prefix}{i // per_group}" for i in range(n)], "blocked"
+    return [None] * n, "none"
+
+
+def first_occurrences(keys: Sequence[Any]) -> tuple[list[int], int]:
+    """Indices of the first occurrence of each key (order kept) and how many duplicates."""
+    seen: set[Any] = set()
+    keep: list[int] = []
+    for i, k in enumerate(keys):
+        if k is not None and k in seen:
+            continue
+        if k is not None:
+            seen.add(k)
+        keep.append(i)
+    return keep, len(keys) - len(keep)
+
+
+# --- vocabulary ----------------------------------------------------------------------------------
+_EVAL_SPLITS = {"eval", "evaluation", "eval-rollout", "validate", "validation", "val", "test"}
+_TRAIN_SPLITS = {"train", "training", "rollout", "rollouts"}
+
+
+def split_name(value: Any, default: str = "train") -> str:
+    """``train`` / ``eval`` for the frameworks' phase names (``rollout``, ``eval-rollout``,
+    ``validate``, ``training_phase``); other names are kept as they are."""
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return "eval" if value else "train"
+    text = str(value).strip()
+    low = text.lower()
+    if low in _EVAL_SPLITS:
+        return "eval"
+    if low in _TRAIN_SPLITS:
+        return "train"
+    return text or default
+
+
+_TRUNCATED = {"length", "max_tokens", "truncated", "context_overflow", "max_length"}
+_ERROR = {"error", "abort", "aborted", "failed", "exception"}
+
+
+def status_for(finish_reason: Any) -> str:
+    """``rl.status`` for a generation's finish reason: ``length`` → truncated, errors → error."""
+    if finish_reason is None:
+        return c.STATUS_OK
+    low = str(finish_reason).strip().lower()
+    if low in _TRUNCATED:
+        return c.STATUS_TRUNCATED
+    if low in _ERROR:
+        return c.STATUS_ERROR
+    return c.STATUS_OK
