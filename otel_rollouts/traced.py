@@ -117,6 +117,7 @@ def _bound_args(sig: inspect.Signature | None, args, kwargs) -> dict[str, Any]:
         return {"args": list(args), **kwargs} if args else dict(kwargs)
     try:
         bound = sig.bind_partial(*args, **kwargs)
+        bound.apply_defaults()
     except TypeError:
         return {"args": list(args), **kwargs}
     out: dict[str, Any] = {}
@@ -147,7 +148,8 @@ def _model_of(model: str | None, arguments: dict[str, Any], args) -> str | None:
     return None
 
 
-def _start(fn_name: str, name: str | None, kind: str, model: str | None, sig, args, kwargs) -> _Call | None:
+def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None, sig, args,
+           kwargs) -> _Call | None:
     rt = _runtime.current()
     if not rt.enabled:
         return None
@@ -179,7 +181,7 @@ def _start(fn_name: str, name: str | None, kind: str, model: str | None, sig, ar
         elif capture and arguments:
             attributes[c.INPUT_VALUE] = arguments
     elif kind == c.KIND_TOOL:
-        tool = name or fn_name
+        tool = name or short_name
         span_name = c.tool_span_name(tool)
         attributes[c.GEN_AI_TOOL_NAME] = tool
         if capture and arguments:
@@ -230,13 +232,14 @@ def _safe_start(*a) -> _Call | None:
 
 def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Callable:
     sig = _signature(fn)
-    fn_name = getattr(fn, "__qualname__", getattr(fn, "__name__", "call"))
+    short_name = getattr(fn, "__name__", "call")
+    fn_name = getattr(fn, "__qualname__", short_name)
 
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
         async def agen_wrapper(*args, **kwargs):
-            call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
             agen = fn(*args, **kwargs)
             if call is None:
                 async for item in agen:
@@ -276,7 +279,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
 
         @functools.wraps(fn)
         def gen_wrapper(*args, **kwargs):
-            call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
             gen = fn(*args, **kwargs)
             if call is None:
                 return (yield from gen)
@@ -314,7 +317,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
 
         @functools.wraps(fn)
         async def async_wrapper(*args, **kwargs):
-            call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
             if call is None:
                 return await fn(*args, **kwargs)
             token = call.attach()
@@ -334,7 +337,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        call = _safe_start(fn_name, name, kind, model, sig, args, kwargs)
+        call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
         if call is None:
             return fn(*args, **kwargs)
         token = call.attach()
