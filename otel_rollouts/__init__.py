@@ -15,6 +15,7 @@
 from otel_rollouts import conventions
 from otel_rollouts._guard import InvalidValue
 from otel_rollouts.configuration import configure, end_step, flush, set_step, shutdown, stats
+from otel_rollouts.decode import TokenBatchSummary, record_token_batch
 from otel_rollouts.episode import Episode, Generation, ToolCall, Turn, current_episode, episode
 from otel_rollouts.sampling import First, Policy, TailSampler, TopBottom, Uniform
 from otel_rollouts.traced import traced
@@ -31,10 +32,12 @@ __all__ = [
     "Generation",
     "InvalidValue",
     "Policy",
+    "record_token_batch",
     "set_step",
     "shutdown",
     "stats",
     "TailSampler",
+    "TokenBatchSummary",
     "ToolCall",
     "TopBottom",
     "traced",
