@@ -17,19 +17,31 @@ from otel_rollouts._guard import InvalidValue
 from otel_rollouts.configuration import configure, end_step, flush, set_step, shutdown, stats
 from otel_rollouts.decode import TokenBatchSummary, record_token_batch
 from otel_rollouts.episode import Episode, Generation, ToolCall, Turn, current_episode, episode
-from otel_rollouts.sampling import First, Policy, TailSampler, TopBottom, Uniform
+from otel_rollouts.sampling import (
+    Compose,
+    Errors,
+    First,
+    Groups,
+    Policy,
+    TailSampler,
+    TopBottom,
+    Uniform,
+)
 from otel_rollouts.traced import traced
 
 __all__ = [
+    "Compose",
     "configure",
     "conventions",
     "current_episode",
     "end_step",
     "episode",
     "Episode",
+    "Errors",
     "First",
     "flush",
     "Generation",
+    "Groups",
     "InvalidValue",
     "Policy",
     "record_token_batch",

@@ -3,7 +3,8 @@
 Data path: episode API / @traced (records) → this pipeline (sampler) → delivery → exporters.
 It also sits in the SDK TracerProvider as a ``SpanProcessor``, so spans made by other
 OpenTelemetry instrumentation inside an episode are held with that episode and kept or dropped
-with it; spans outside any episode pass straight through.
+with it (also when they end after the episode was decided); spans outside any episode pass
+straight through.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from otel_rollouts._delivery import Delivery
@@ -19,7 +22,8 @@ from otel_rollouts._recording import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord
 from otel_rollouts._stats import Stats
 from otel_rollouts.sampling import Bucket, TailSampler
 
-_MAX_DECIDED = 65_536  # trace ids remembered after a decision, to route late spans
+_MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
+_MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
 
 
 class _Step:
@@ -40,11 +44,25 @@ class Pipeline(SpanProcessor):
         self.stats = stats
         self._lock = threading.RLock()
         self._live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
-        self._decided: OrderedDict[int, bool] = OrderedDict()  # trace id → kept?
         self._steps: dict[tuple[int, str], _Step] = {}
         self._closed: OrderedDict[tuple[int, str], int] = OrderedDict()  # key → kept count
         self._max_step: dict[str, int] = {}
+        self._foreign: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
         self._seq = 0
+        self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
+
+    # --- distributed budget --------------------------------------------------------------------
+    def _distributed(self):
+        """The cross-rank coordinator when a distributed budget applies now, else None."""
+        setting = self.sampler.distributed
+        if setting is False or setting is None:
+            return None
+        from otel_rollouts import distributed
+
+        coordinator = self._coordinator
+        if coordinator is None or not coordinator.usable():
+            coordinator = self._coordinator = distributed.coordinator_for(setting)
+        return coordinator
 
     # --- episodes ------------------------------------------------------------------------------
     def started(self, record: EpisodeRecord) -> None:
@@ -53,15 +71,14 @@ class Pipeline(SpanProcessor):
             record.seq = self._seq
             self._live[record.trace_id] = record
             self.stats.step((record.step, record.split), "started")
-            lag = self.sampler.step_lag
             previous = self._max_step.get(record.split)
             if previous is None or record.step > previous:
                 self._max_step[record.split] = record.step
-                if lag is not None:
-                    for key in [k for k in self._steps if k[1] == record.split]:
-                        if key[0] <= record.step - lag:
-                            self._close(key)
-            self._expire()
+                lag = self.sampler.step_lag
+                if lag is not None and previous is not None:
+                    self._close_old(record.split, record.step - lag)
+            if self.sampler.step_timeout_s is not None:
+                self._expire()
 
     def part_ended(self, record: EpisodeRecord) -> None:
         """The root or the reward span ended: offer the episode once it is complete."""
@@ -71,26 +88,30 @@ class Pipeline(SpanProcessor):
                     self._offer(record)
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
+        """A span of an already decided episode ended: it goes out only with a kept one."""
         if record.state == KEPT:
             self.delivery.late_span(record, span)
         else:
             self.stats.add("dropped.late_spans")
 
+    def _is_closed(self, key: tuple[int, str]) -> bool:
+        if key in self._closed:
+            return True
+        lag = self.sampler.step_lag
+        newest = self._max_step.get(key[1])
+        return lag is not None and newest is not None and key[0] <= newest - lag
+
     def _offer(self, record: EpisodeRecord) -> None:
         key = (record.step, record.split)
         record.state = OFFERED
         self.stats.step(key, "seen")
-        if key in self._closed:
-            self.stats.step(key, "late")
-            if self._closed[key] < self.sampler.max_traces_per_step:
-                self._closed[key] += 1
-                self._keep(record)
-            else:
-                self._drop(record, "late")
-            return
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = _Step(self.sampler.bucket(key))
+            if self._is_closed(key):
+                self._late(record, key)
+                return
+            stream = self._distributed() is None
+            step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream))
         step.last_seen = time.monotonic()
         released, keep_now = step.bucket.offer(record)
         for r in released:
@@ -99,10 +120,23 @@ class Pipeline(SpanProcessor):
             step.kept += 1
             self._keep(r)
 
+    def _late(self, record: EpisodeRecord, key: tuple[int, str]) -> None:
+        """The late rule: kept while its step kept fewer than the cap (first come), else dropped.
+
+        With a distributed budget a rank cannot know what others kept: late ones are dropped.
+        """
+        self.stats.step(key, "late")
+        kept = self._closed.get(key, 0)
+        if kept < self.sampler.max_traces_per_step and self._distributed() is None:
+            self._closed[key] = kept + 1
+            self._trim_closed()
+            self._keep(record)
+        else:
+            self._drop(record, "late")
+
     def _keep(self, record: EpisodeRecord) -> None:
         record.state = KEPT
         self._live.pop(record.trace_id, None)
-        self._remember(record.trace_id, True)
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
@@ -111,35 +145,53 @@ class Pipeline(SpanProcessor):
     def _drop(self, record: EpisodeRecord, reason: str) -> None:
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
-        self._remember(record.trace_id, False)
-        self.stats.step((record.step, record.split), f"dropped.{reason}")
+        self.stats.step((record.step, record.split), "dropped." + reason)
         # free what it held at once
         record.spans = []
         record.foreign = []
 
-    def _remember(self, trace_id: int, kept: bool) -> None:
-        self._decided[trace_id] = kept
-        if len(self._decided) > _MAX_DECIDED:
-            self._decided.popitem(last=False)
-
     # --- closing steps -----------------------------------------------------------------------
     def end_step(self, step: int, split: str | None = None) -> None:
+        """Close ``step`` (every split, or one). With a distributed budget this is collective."""
+        coordinator = self._distributed()
         with self._lock:
             self._offer_waiting(lambda r: r.step == step and (split is None or r.split == split))
             keys = [k for k in self._steps if k[0] == step and (split is None or k[1] == split)]
-            for key in keys:
-                self._close(key)
-            splits = [split] if split is not None else {k[1] for k in keys} | set(self._max_step)
+            splits = {split} if split is not None else {k[1] for k in keys} | set(self._max_step)
             for s in splits:
                 self._closed.setdefault((step, s), 0)
+            if coordinator is None:
+                for key in keys:
+                    self._close(key)
+                self._trim_closed()
+                return
+            closing = {key: self._steps.pop(key) for key in keys}
+        # the collective runs outside the lock: other threads keep recording meanwhile
+        chosen = coordinator.choose(
+            self.sampler.policy,
+            self.sampler.max_traces_per_step,
+            {key: s.bucket.held() for key, s in closing.items()},
+            step=step,
+        )
+        with self._lock:
+            for key, s in closing.items():
+                self._apply(key, s, chosen.get(key, []))
             self._trim_closed()
 
     def close_all(self) -> None:
+        """Close every open step (flush/shutdown). Not collective: see ``_close``."""
         with self._lock:
             self._offer_waiting(lambda r: True)
             for key in list(self._steps):
                 self._close(key)
             self._trim_closed()
+
+    def _close_old(self, split: str, newest_closed: int) -> None:
+        """Close the steps of ``split`` up to ``newest_closed`` (the lag rule)."""
+        self._offer_waiting(lambda r: r.split == split and r.step <= newest_closed)
+        for key in [k for k in self._steps if k[1] == split and k[0] <= newest_closed]:
+            self._close(key)
+        self._trim_closed()
 
     def _offer_waiting(self, match) -> None:
         """Episodes whose root ended but whose reward never came are offered as they are."""
@@ -153,10 +205,19 @@ class Pipeline(SpanProcessor):
                 self._offer(record)
 
     def _close(self, key: tuple[int, str]) -> None:
+        """A local decision. Under a distributed budget (lag, timeout, flush: no collective is
+        possible there) each rank keeps at most ``cap // world_size``, so the job stays under
+        the cap."""
         step = self._steps.pop(key, None)
         if step is None:
             return
-        chosen = step.bucket.decide()
+        coordinator = self._distributed()
+        limit = None if coordinator is None else coordinator.local_share(
+            self.sampler.max_traces_per_step
+        )
+        self._apply(key, step, step.bucket.decide(limit))
+
+    def _apply(self, key: tuple[int, str], step: _Step, chosen: list[EpisodeRecord]) -> None:
         chosen_ids = {id(r) for r in chosen}
         for record in step.bucket.held():
             if id(record) not in chosen_ids:
@@ -166,7 +227,7 @@ class Pipeline(SpanProcessor):
         self._closed[key] = step.kept + len(chosen)
 
     def _trim_closed(self) -> None:
-        while len(self._closed) > 4096:
+        while len(self._closed) > _MAX_CLOSED:
             self._closed.popitem(last=False)
 
     def _expire(self) -> None:
@@ -175,11 +236,14 @@ class Pipeline(SpanProcessor):
             return
         now = time.monotonic()
         for key in [k for k, s in self._steps.items() if now - s.last_seen > timeout]:
+            self._offer_waiting(lambda r, key=key: (r.step, r.split) == key)
             self._close(key)
+            self._closed.setdefault(key, 0)
+        self._trim_closed()
 
     def tick(self) -> None:
-        """Called periodically from the export side: closes steps that timed out."""
-        if self.sampler.step_timeout_s is not None:
+        """Called every second by the configuration's ticker thread: closes timed-out steps."""
+        if self.sampler.step_timeout_s is not None and self._steps:
             with self._lock:
                 self._expire()
 
@@ -189,24 +253,42 @@ class Pipeline(SpanProcessor):
 
     # --- SpanProcessor: spans of other OpenTelemetry instrumentation ---------------------------
     def on_start(self, span, parent_context=None) -> None:
-        return None
+        """Note which episode a foreign span belongs to (its parent is an episode span, or a
+        foreign span already noted)."""
+        parent = trace.get_current_span(parent_context)
+        if isinstance(parent, SpanRecord):
+            record = parent.episode
+        else:
+            ctx = parent.get_span_context()
+            if not ctx.is_valid:
+                return
+            record = self._foreign.get(ctx.span_id)
+            if record is None:
+                return
+        if len(self._foreign) < _MAX_FOREIGN_OPEN:
+            self._foreign[span.context.span_id] = record
+        else:
+            self.stats.add("dropped.foreign_untracked")
 
     def on_end(self, span: ReadableSpan) -> None:
-        trace_id = span.context.trace_id
+        record = self._foreign.pop(span.context.span_id, None)
+        if record is None:
+            if span.context.trace_id in self._live:
+                # a foreign span of an episode we could not track: never export a fragment
+                self.stats.add("dropped.late_spans")
+                return
+            self.delivery.spans([span])  # not part of any episode: passes through
+            return
         with self._lock:
-            record = self._live.get(trace_id)
-            if record is not None and record.state in (OPEN, OFFERED):
+            if record.state in (OPEN, OFFERED):
                 if len(record.spans) + len(record.foreign) < record.max_spans:
                     record.foreign.append(span)
                 else:
                     record.dropped_spans += 1
                 return
-            kept = self._decided.get(trace_id)
-        if kept is None:
-            self.delivery.spans([span])  # not part of any episode: passes through
-        elif kept:
-            self.delivery.spans([span])  # late span of a kept episode
-        else:
+        if record.state == KEPT:
+            self.delivery.spans([span])  # ended after its episode was kept
+        else:  # DROPPED: nothing of a dropped episode is exported
             self.stats.add("dropped.late_spans")
 
     def shutdown(self) -> None:

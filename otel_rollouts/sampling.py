@@ -1,26 +1,38 @@
 """Tail sampling of whole episodes, per (training step, split).
 
 A policy decides which episodes of a step are worth exporting once their rewards are known.
-It sees *episode records* (never rendered spans), holds at most the cap of them, and releases a
-candidate the moment it can no longer be chosen, so memory depends on the cap, not on how many
-episodes a step saw.
+It sees *episode records* (never rendered spans), holds a number of them bounded by the cap,
+and releases a candidate the moment it can no longer be chosen, so memory depends on the cap,
+not on how many episodes a step saw.
 
-The protocol is small so that policies compose: ``Policy.bucket(cap, key)`` makes a ``Bucket``
-for one (step, split); ``Bucket.offer(record)`` returns ``(released, keep_now)``; and
-``Bucket.decide()`` returns the records to keep when the step closes. Everything a bucket still
-holds and does not return from ``decide`` is dropped.
+The protocol is small so that policies compose:
+
+* ``Policy.bucket(cap, key, stream=False, margin=0)`` makes a ``Bucket`` for one (step, split)
+  that may be asked for up to ``cap`` episodes, ``margin`` of its candidates possibly being
+  taken already by an earlier part of a composition (so it holds up to ``cap + margin``).
+* ``Bucket.offer(record)`` returns ``(released, keep_now)``: records it will never choose (the
+  caller drops them at once) and records kept for good right now (streaming policies only).
+* ``Bucket.decide(limit, exclude)`` returns at most ``limit`` held records, none whose ``id()``
+  is in ``exclude``, each once. Everything held and not returned is dropped.
+* ``Bucket.held()`` lists what it holds (each record once).
+
+A record only needs ``attribute(name)`` and an integer ``trace_id``; the distributed budget
+(``otel_rollouts.distributed``) feeds light summaries of every rank's candidates into a fresh
+bucket of the same policy, so every rank computes the same global choice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
-import random
+from collections.abc import Iterable
 from typing import Any
 
 from otel_rollouts import conventions as c
 
 Decision = tuple[list[Any], list[Any]]  # (released, keep_now)
+_MASK64 = (1 << 64) - 1
 
 
 def score_of(record: Any, attribute: str) -> float | None:
@@ -32,14 +44,24 @@ def score_of(record: Any, attribute: str) -> float | None:
     return None if math.isnan(value) else value
 
 
+def _stable_hash(seed: int, value: Any) -> int:
+    """A 64-bit hash that is the same in every process (str hashing is salted per process)."""
+    if isinstance(value, int):
+        value = value.to_bytes(16, "big", signed=False) if value >= 0 else str(value).encode()
+    else:
+        value = str(value).encode()
+    digest = hashlib.blake2b(value, digest_size=8, key=str(seed).encode()[:64])
+    return int.from_bytes(digest.digest(), "big")
+
+
 class Bucket:
     """Candidates of one (step, split) under one policy."""
 
     def offer(self, record: Any) -> Decision:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def decide(self) -> list[Any]:  # pragma: no cover - interface
-        raise NotImplementedError
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        raise NotImplementedError  # pragma: no cover - interface
 
     def held(self) -> list[Any]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -50,26 +72,106 @@ class Policy:
 
     name = "policy"
     streaming = False  # True when decisions need no comparison and can be exported at once
+    budget: int | None = None  # its own share of the cap inside a ``Compose`` (None: what is left)
 
-    def bucket(self, cap: int, key: tuple[int, str]) -> Bucket:  # pragma: no cover
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:  # pragma: no cover
         raise NotImplementedError
+
+    def needs(self) -> set[str]:
+        """Episode attributes this policy reads (carried across ranks by the distributed budget)."""
+        return set()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
+def _check_budget(n: int | None, what: str) -> int | None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"{what}: expected a non-negative int or None, got {n!r}")
+    return n
+
+
+def _pick(candidates: Iterable[Any], limit: int, exclude: set[int], out: list[Any]) -> None:
+    """Append to ``out`` up to ``limit`` candidates not excluded and not already in ``out``."""
+    if limit <= 0:
+        return
+    taken = 0
+    for r in candidates:
+        i = id(r)
+        if i in exclude:
+            continue
+        exclude.add(i)
+        out.append(r)
+        taken += 1
+        if taken >= limit:
+            return
+
+
+class _RankedBucket(Bucket):
+    """Holds the ``capacity`` best records by a key (smaller is better); releases the rest."""
+
+    __slots__ = ("capacity", "heap", "seq")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.heap: list[tuple[Any, int, Any]] = []  # max-heap via negated keys: worst on top
+        self.seq = 0
+
+    def rank(self, record: Any) -> Any:  # pragma: no cover - interface
+        """The record's key (smaller is better), or None when it is not eligible at all."""
+        raise NotImplementedError
+
+    def offer(self, record: Any) -> Decision:
+        key = self.rank(record)
+        if key is None or self.capacity <= 0:
+            return [record], []
+        self.seq += 1
+        entry = (-key, -self.seq, record)  # the worst on top; ties: the earlier arrival is better
+        if len(self.heap) < self.capacity:
+            heapq.heappush(self.heap, entry)
+            return [], []
+        if entry[:2] > self.heap[0][:2]:
+            return [heapq.heapreplace(self.heap, entry)[2]], []
+        return [record], []
+
+    def ordered(self) -> list[Any]:
+        return [e[2] for e in sorted(self.heap, key=lambda e: e[:2], reverse=True)]
+
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        out: list[Any] = []
+        _pick(self.ordered(), self.capacity if limit is None else limit, set(exclude or ()), out)
+        return out
+
+    def held(self) -> list[Any]:
+        return [e[2] for e in self.heap]
+
+
 # --- first -------------------------------------------------------------------------------------
 class First(Policy):
-    """The first ``cap`` episodes to finish; kept episodes are exported at once (streaming)."""
+    """The first ``n`` (default: the cap) episodes to finish.
+
+    Alone and in a single process it streams: kept episodes are exported at once. Inside a
+    composition or across ranks it holds the first ones until the step closes.
+    """
 
     name = "first"
     streaming = True
 
-    def bucket(self, cap: int, key: tuple[int, str]) -> Bucket:
-        return _FirstBucket(cap)
+    def __init__(self, n: int | None = None) -> None:
+        self.budget = _check_budget(n, "First(n)")
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        if stream and margin == 0:
+            return _FirstStreamBucket(cap)
+        return _FirstBucket(cap + margin)
+
+    def __repr__(self) -> str:
+        return f"First({self.budget})" if self.budget is not None else "First()"
 
 
-class _FirstBucket(Bucket):
+class _FirstStreamBucket(Bucket):
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.kept = 0
@@ -80,166 +182,432 @@ class _FirstBucket(Bucket):
             return [], [record]
         return [record], []
 
-    def decide(self) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         return []
 
     def held(self) -> list[Any]:
         return []
+
+
+class _FirstBucket(Bucket):
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.records: list[Any] = []
+
+    def offer(self, record: Any) -> Decision:
+        if len(self.records) < self.capacity:
+            self.records.append(record)
+            return [], []
+        return [record], []
+
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        out: list[Any] = []
+        _pick(self.records, self.capacity if limit is None else limit, set(exclude or ()), out)
+        return out
+
+    def held(self) -> list[Any]:
+        return list(self.records)
 
 
 # --- uniform -------------------------------------------------------------------------------------
 class Uniform(Policy):
-    """A seeded reservoir sample: every episode of the step is equally likely to be kept."""
+    """A seeded uniform sample: every episode of the step is equally likely to be kept.
+
+    Each episode gets a pseudo-random priority from a keyed hash of ``(seed, trace id)`` and the
+    ``n`` smallest are kept (bottom-k sampling, equivalent to a reservoir). Because the priority
+    depends only on the episode, the choice is reproducible and merges exactly across ranks.
+    """
 
     name = "uniform"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, n: int | None = None, *, seed: int = 0) -> None:
+        self.budget = _check_budget(n, "Uniform(n)")
         self.seed = seed
 
-    def bucket(self, cap: int, key: tuple[int, str]) -> Bucket:
-        return _ReservoirBucket(cap, random.Random(f"{self.seed}:{key[0]}:{key[1]}"))
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        return _UniformBucket(cap + margin, self.seed)
 
     def __repr__(self) -> str:
-        return f"Uniform(seed={self.seed})"
+        n = "" if self.budget is None else f"{self.budget}, "
+        return f"Uniform({n}seed={self.seed})"
 
 
-class _ReservoirBucket(Bucket):
-    def __init__(self, cap: int, rng: random.Random) -> None:
-        self.cap = cap
-        self.rng = rng
-        self.seen = 0
-        self.reservoir: list[Any] = []
+class _UniformBucket(_RankedBucket):
+    __slots__ = ("seed",)
 
-    def offer(self, record: Any) -> Decision:
-        self.seen += 1
-        if len(self.reservoir) < self.cap:
-            self.reservoir.append(record)
-            return [], []
-        j = self.rng.randrange(self.seen)
-        if j < self.cap:
-            old = self.reservoir[j]
-            self.reservoir[j] = record
-            return [old], []
-        return [record], []
+    def __init__(self, capacity: int, seed: int) -> None:
+        super().__init__(capacity)
+        self.seed = seed
 
-    def decide(self) -> list[Any]:
-        return list(self.reservoir)
+    def rank(self, record: Any) -> Any:
+        return _stable_hash(self.seed, record.trace_id)
 
-    def held(self) -> list[Any]:
-        return list(self.reservoir)
+
+# --- errors --------------------------------------------------------------------------------------
+class Errors(Policy):
+    """Episodes whose ``rl.status`` is ``error`` (first) or ``truncated`` (next), first come.
+
+    Alone it keeps only such episodes; the string ``"errors"`` means ``Compose(Errors(),
+    Uniform())``: failures first, the rest of the cap filled uniformly.
+    """
+
+    name = "errors"
+    _CLASS = {c.STATUS_ERROR: 0, c.STATUS_TRUNCATED: 1}
+
+    def __init__(self, n: int | None = None) -> None:
+        self.budget = _check_budget(n, "Errors(n)")
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        return _ErrorsBucket(cap + margin)
+
+    def needs(self) -> set[str]:
+        return {c.RL_STATUS}
+
+    def __repr__(self) -> str:
+        return f"Errors({self.budget})" if self.budget is not None else "Errors()"
+
+
+class _ErrorsBucket(_RankedBucket):
+    __slots__ = ()
+
+    def rank(self, record: Any) -> Any:
+        return Errors._CLASS.get(record.attribute(c.RL_STATUS))
 
 
 # --- top / bottom --------------------------------------------------------------------------------
 class TopBottom(Policy):
     """The ``top`` best and ``bottom`` worst episodes by a numeric attribute (default reward).
 
-    With no explicit split of the cap, half goes to each side (the extra one to the top).
-    Episodes without a score only fill what the ranked ones leave free. Ties are broken by
-    arrival order, so the same episode is never chosen twice.
+    Any numeric root attribute may be named (``score="rl.advantage"``). With no explicit split
+    of the cap, half goes to each side (the extra one to the top). Episodes without a score only
+    fill what the ranked ones leave free. Ties go to the earlier arrival; an episode that is
+    both among the best and the worst (few episodes) is kept once.
     """
 
     name = "top_bottom"
 
-    def __init__(self, score: str = c.RL_REWARD, top: int | None = None, bottom: int | None = None):
+    def __init__(self, score: str = c.RL_REWARD, top: int | None = None,
+                 bottom: int | None = None):
         self.score = score
-        self.top = top
-        self.bottom = bottom
+        self.top = _check_budget(top, "TopBottom(top)")
+        self.bottom = _check_budget(bottom, "TopBottom(bottom)")
+        self.budget = (top or 0) + (bottom or 0) if (top is not None and bottom is not None) else None
 
-    def bucket(self, cap: int, key: tuple[int, str]) -> Bucket:
-        top = self.top if self.top is not None else cap - cap // 2
-        bottom = self.bottom if self.bottom is not None else cap // 2
-        if top + bottom > cap:  # never over the cap
-            top = min(top, cap)
-            bottom = cap - top
-        return _TopBottomBucket(cap, top, bottom, self.score)
+    def split(self, limit: int) -> tuple[int, int]:
+        """(top, bottom) for a budget of ``limit`` episodes, never over it."""
+        if self.top is None and self.bottom is None:
+            return limit - limit // 2, limit // 2
+        if self.top is None:
+            bottom = min(self.bottom, limit)
+            return limit - bottom, bottom
+        top = min(self.top, limit)
+        bottom = limit - top if self.bottom is None else min(self.bottom, limit - top)
+        return top, bottom
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        top, bottom = self.split(cap)
+        return _TopBottomBucket(self, cap, top + margin if top else 0,
+                                bottom + margin if bottom else 0, margin)
+
+    def needs(self) -> set[str]:
+        return {self.score}
 
     def __repr__(self) -> str:
         return f"TopBottom(score={self.score!r}, top={self.top}, bottom={self.bottom})"
 
 
 class _TopBottomBucket(Bucket):
-    def __init__(self, cap: int, top: int, bottom: int, score: str) -> None:
-        self.cap, self.k_top, self.k_bottom, self.score = cap, top, bottom, score
-        self.top: list[tuple[float, int, Any]] = []  # min-heap: smallest of the best on top
-        self.bottom: list[tuple[float, int, Any]] = []  # max-heap via negated keys
+    def __init__(self, policy: TopBottom, cap: int, top: int, bottom: int, margin: int) -> None:
+        self.policy, self.cap, self.margin, self.score = policy, cap, margin, policy.score
+        self.best = _ScoreBucket(top, policy.score, -1.0)
+        self.worst = _ScoreBucket(bottom, policy.score, 1.0)
+        self.refs: dict[int, int] = {}  # id(record) -> how many sides hold it
         self.unscored: list[Any] = []
-        self.seq = 0
 
-    def _held(self, record: Any) -> bool:
-        return any(e[2] is record for e in self.top) or any(e[2] is record for e in self.bottom)
+    def _let_go(self, record: Any, out: list[Any]) -> None:
+        i = id(record)
+        n = self.refs.get(i, 0) - 1
+        if n > 0:
+            self.refs[i] = n
+        else:
+            self.refs.pop(i, None)
+            out.append(record)
 
     def offer(self, record: Any) -> Decision:
-        score = score_of(record, self.score)
-        if score is None:
-            if len(self.unscored) < self.cap:
+        if score_of(record, self.score) is None:
+            if len(self.refs) < self.cap + self.margin and len(self.unscored) < self.cap + self.margin:
                 self.unscored.append(record)
                 return [], []
             return [record], []
-        self.seq += 1
-        out: list[Any] = []
-        if self.k_top:
-            entry = (score, self.seq, record)
-            if len(self.top) < self.k_top:
-                heapq.heappush(self.top, entry)
-            elif entry[:2] > self.top[0][:2]:
-                out.append(heapq.heapreplace(self.top, entry)[2])
-            else:
-                out.append(record)
-        else:
-            out.append(record)
-        if self.k_bottom:
-            entry = (-score, -self.seq, record)
-            if len(self.bottom) < self.k_bottom:
-                heapq.heappush(self.bottom, entry)
-            elif entry[:2] > self.bottom[0][:2]:
-                out.append(heapq.heapreplace(self.bottom, entry)[2])
-            else:
-                out.append(record)
-        released = []
-        for r in out:
-            if not self._held(r) and not any(r is x for x in released):
-                released.append(r)
-        # a scored episode outranks an unscored one that only filled space
+        released: list[Any] = []
+        self.refs[id(record)] = 2  # held by both sides until one lets it go
+        for side in (self.best, self.worst):
+            for r in side.offer(record)[0]:
+                self._let_go(r, released)
+        if self.unscored and len(self.refs) >= self.cap + self.margin:
+            # enough distinct scored candidates: the unscored ones can never be chosen
+            released.extend(self.unscored)
+            self.unscored = []
         return released, []
 
-    def decide(self) -> list[Any]:
-        kept: list[Any] = []
-        ids: set[int] = set()
-        for _, _, r in sorted(self.top, key=lambda e: e[:2], reverse=True):
-            kept.append(r)
-            ids.add(id(r))
-        for _, _, r in sorted(self.bottom, key=lambda e: e[:2], reverse=True):
-            if id(r) not in ids:
-                kept.append(r)
-                ids.add(id(r))
-        for r in self.unscored:
-            if len(kept) >= self.cap:
-                break
-            kept.append(r)
-        return kept[: self.cap]
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        limit = self.cap if limit is None else limit
+        k_top, k_bottom = self.policy.split(limit)
+        taken = set(exclude or ())
+        out: list[Any] = []
+        best, worst = self.best.ordered(), self.worst.ordered()
+        _pick(best, k_top, taken, out)
+        _pick(worst, k_bottom, taken, out)
+        # the other side (or unscored ones) fill what one side could not
+        _pick(best, limit - len(out), taken, out)
+        _pick(worst, limit - len(out), taken, out)
+        _pick(self.unscored, limit - len(out), taken, out)
+        return out
 
     def held(self) -> list[Any]:
         seen: dict[int, Any] = {}
-        for _, _, r in self.top + self.bottom:
-            seen[id(r)] = r
-        for r in self.unscored:
+        for r in self.best.held() + self.worst.held() + self.unscored:
             seen[id(r)] = r
         return list(seen.values())
 
 
-POLICIES: dict[str, type[Policy]] = {
+class _ScoreBucket(_RankedBucket):
+    __slots__ = ("score", "sign")
+
+    def __init__(self, capacity: int, score: str, sign: float) -> None:
+        super().__init__(capacity)
+        self.score, self.sign = score, sign
+
+    def rank(self, record: Any) -> Any:
+        value = score_of(record, self.score)
+        return None if value is None else self.sign * value
+
+
+# --- groups --------------------------------------------------------------------------------------
+class Groups(Policy):
+    """Whole groups (``rl.group.id``, e.g. the samples of one GRPO prompt) kept or dropped together.
+
+    ``rule`` orders groups: ``"spread"`` (default: largest max−min of ``score`` first — a group
+    whose samples all scored the same carries no GRPO advantage), ``"uniform"`` (a seeded hash
+    of the group id) or ``"first"`` (first group to start first). Whole groups are added while
+    they fit in the budget; an episode without a group id is a group of one.
+
+    Memory rule: members arrive one by one, so a bucket holds at most ``max_held`` episode
+    records (default ``2 × (cap + margin)``) plus a small summary per group it holds. When a new
+    member would go over, the held group that ranks last right now is dropped whole (a group's
+    spread only grows as members arrive, so this is exact for groups that arrived whole, and a
+    heuristic for groups interleaved in more than ``max_held`` episodes). A group larger than the
+    cap can never be kept and is dropped whole. The ids of groups dropped this step are kept
+    (a few bytes each) until the step closes, so their later members are dropped too.
+    """
+
+    name = "groups"
+    RULES = ("spread", "uniform", "first")
+
+    def __init__(self, n: int | None = None, *, rule: str = "spread", score: str = c.RL_REWARD,
+                 max_held: int | None = None, seed: int = 0) -> None:
+        if rule not in self.RULES:
+            raise ValueError(f"Groups(rule): expected one of {self.RULES}, got {rule!r}")
+        self.budget = _check_budget(n, "Groups(n)")
+        self.rule, self.score, self.seed = rule, score, seed
+        self.max_held = _check_budget(max_held, "Groups(max_held)")
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        held = self.max_held if self.max_held is not None else 2 * (cap + margin)
+        return _GroupsBucket(self, cap, max(held, cap + margin))
+
+    def needs(self) -> set[str]:
+        return {c.RL_GROUP_ID, self.score}
+
+    def __repr__(self) -> str:
+        return f"Groups({self.budget}, rule={self.rule!r}, score={self.score!r})"
+
+
+class _Group:
+    __slots__ = ("gid", "members", "lo", "hi", "first")
+
+    def __init__(self, gid: Any, first: int) -> None:
+        self.gid, self.first = gid, first
+        self.members: list[Any] = []
+        self.lo = math.inf
+        self.hi = -math.inf
+
+
+class _GroupsBucket(Bucket):
+    def __init__(self, policy: Groups, cap: int, max_held: int) -> None:
+        self.policy, self.cap, self.max_held = policy, cap, max_held
+        self.groups: dict[Any, _Group] = {}
+        self.dropped: set[Any] = set()
+        self.count = 0
+        self.seq = 0
+
+    def priority(self, g: _Group) -> tuple:
+        """Larger is better."""
+        rule = self.policy.rule
+        if rule == "spread":
+            spread = g.hi - g.lo if g.hi >= g.lo else -1.0
+            return (spread, -g.first)
+        if rule == "uniform":
+            return (-_stable_hash(self.policy.seed, g.gid), -g.first)
+        return (-g.first,)
+
+    def offer(self, record: Any) -> Decision:
+        gid = record.attribute(c.RL_GROUP_ID)
+        if gid is None:
+            gid = ("episode", record.trace_id)
+        if gid in self.dropped:
+            return [record], []
+        self.seq += 1
+        g = self.groups.get(gid)
+        if g is None:
+            g = self.groups[gid] = _Group(gid, self.seq)
+        g.members.append(record)
+        self.count += 1
+        score = score_of(record, self.policy.score)
+        if score is not None:
+            g.lo, g.hi = min(g.lo, score), max(g.hi, score)
+        released: list[Any] = []
+        if len(g.members) > self.cap:
+            self._evict(g, released)
+        while self.count > self.max_held:
+            # the group being filled may still grow (its spread too): evict among the others
+            others = [h for h in self.groups.values() if h is not g] or [g]
+            self._evict(min(others, key=self.priority), released)
+        return released, []
+
+    def _evict(self, g: _Group, released: list[Any]) -> None:
+        del self.groups[g.gid]
+        self.dropped.add(g.gid)
+        self.count -= len(g.members)
+        released.extend(g.members)
+
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        limit = self.cap if limit is None else limit
+        taken = set(exclude or ())
+        out: list[Any] = []
+        for g in sorted(self.groups.values(), key=self.priority, reverse=True):
+            fresh = [r for r in g.members if id(r) not in taken]
+            if fresh and len(fresh) <= limit - len(out):
+                _pick(fresh, len(fresh), taken, out)
+        return out
+
+    def held(self) -> list[Any]:
+        return [r for g in self.groups.values() for r in g.members]
+
+
+# --- compositions --------------------------------------------------------------------------------
+class Compose(Policy):
+    """Parts with sub-budgets, decided in order: ``Compose(Errors(2), TopBottom(top=4,
+    bottom=4), Uniform())`` keeps 2 failures, then the 4 best and 4 worst of the rest, then fills
+    the cap uniformly. A part with a budget takes at most that many; a part without one
+    (``Uniform()``) takes all it can of what the later parts' budgets leave. Never over the cap
+    (budgets past it are cut), never the same episode twice: each part skips episodes an earlier
+    part took, and holds that many extra candidates so that it can still fill its share.
+    """
+
+    name = "compose"
+
+    def __init__(self, *parts: Policy | str) -> None:
+        if not parts:
+            raise ValueError("Compose: expected at least one policy")
+        self.parts = [make_policy(p) for p in parts]
+
+    def needs(self) -> set[str]:
+        out: set[str] = set()
+        for p in self.parts:
+            out |= p.needs()
+        return out
+
+    def limits(self, cap: int) -> list[int]:
+        """The most each part may take (its budget, or what later budgets leave), cut to the cap."""
+        out = []
+        for i, p in enumerate(self.parts):
+            later = sum(q.budget or 0 for q in self.parts[i + 1 :])
+            out.append(min(cap, p.budget) if p.budget is not None else max(cap - later, 0))
+        return out
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        subs = []
+        earlier = 0
+        for part, most in zip(self.parts, self.limits(cap), strict=True):
+            subs.append(part.bucket(most, key, margin=min(cap, earlier) + margin))
+            earlier += most
+        return _ComposeBucket(self, cap, subs)
+
+    def __repr__(self) -> str:
+        return f"Compose({', '.join(map(repr, self.parts))})"
+
+
+class _ComposeBucket(Bucket):
+    def __init__(self, policy: Compose, cap: int, subs: list[Bucket]) -> None:
+        self.policy, self.cap, self.subs = policy, cap, subs
+        self.refs: dict[int, int] = {}  # id(record) -> how many parts hold it
+
+    def offer(self, record: Any) -> Decision:
+        released: list[Any] = []
+        self.refs[id(record)] = len(self.subs)  # held by every part until each lets it go
+        for sub in self.subs:
+            for r in sub.offer(record)[0]:
+                j = id(r)
+                n = self.refs.get(j, 0) - 1
+                if n > 0:
+                    self.refs[j] = n
+                else:
+                    self.refs.pop(j, None)
+                    released.append(r)
+        return released, []
+
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        cap = self.cap if limit is None else min(limit, self.cap)
+        taken = set(exclude or ())
+        out: list[Any] = []
+        parts = self.policy.parts
+        for k, (part, sub) in enumerate(zip(parts, self.subs, strict=True)):
+            room = cap - len(out) - sum(q.budget or 0 for q in parts[k + 1 :])
+            if part.budget is not None:
+                room = min(room, part.budget)
+            if room <= 0:
+                continue
+            for r in sub.decide(room, taken):
+                taken.add(id(r))
+                out.append(r)
+        return out[:cap]
+
+    def held(self) -> list[Any]:
+        seen: dict[int, Any] = {}
+        for sub in self.subs:
+            for r in sub.held():
+                seen[id(r)] = r
+        return list(seen.values())
+
+
+# --- names ---------------------------------------------------------------------------------------
+POLICIES: dict[str, Any] = {
     First.name: First,
     Uniform.name: Uniform,
     TopBottom.name: TopBottom,
+    Errors.name: lambda: Compose(Errors(), Uniform()),
+    Groups.name: Groups,
 }
 
 
 def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
-    """A policy object from a name (``"first"``, ``"uniform"``, ``"top_bottom"``) or object."""
+    """A policy from an object, a name (``"first"``, ``"uniform"``, ``"top_bottom"``,
+    ``"errors"``, ``"groups"``) or names joined by ``+`` (``"errors+top_bottom+uniform"``:
+    a ``Compose`` of those parts)."""
     if isinstance(policy, Policy):
         return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"policy: expected a name or a Policy, got {type(policy).__name__}")
+    if "+" in policy:
+        return Compose(*(make_policy(p.strip(), seed) for p in policy.split("+")))
     if policy == Uniform.name:
-        return Uniform(seed)
+        return Uniform(seed=seed)
     try:
         return POLICIES[policy]()
     except KeyError:
@@ -251,11 +619,28 @@ def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
 class TailSampler:
     """Keeps at most ``max_traces_per_step`` whole episodes per (rl.step, rl.split).
 
-    The decision is taken when the step closes: ``otr.end_step(step)``; automatically once
-    episodes of step ``step + step_lag`` have started (``step_lag=None`` turns that off); after
-    ``step_timeout_s`` seconds without a new episode of that step; or at flush/shutdown.
-    An episode that finishes after its step closed is *late*: it is kept only while its step
-    kept fewer than the cap (first come), otherwise dropped and counted as late.
+    ``policy`` is a name (``"first"``, ``"uniform"``, ``"top_bottom"``, ``"errors"``,
+    ``"groups"``, or several joined by ``+``) or a ``Policy`` object such as
+    ``Compose(Errors(2), TopBottom(top=4, bottom=4), Uniform())``.
+
+    When a step closes (the decision is taken then):
+
+    * ``otr.end_step(step)`` closes every split of that step (or one, with ``split=``);
+    * once an episode of step ``step + step_lag`` of the same split has *started*, older steps
+      close (``step_lag=None`` turns that off; asynchronous RL overlaps policy versions);
+    * ``step_timeout_s`` seconds after the last episode of that step finished, checked every
+      second by a background ticker (``None``: no timeout);
+    * at ``otr.flush()`` / ``otr.shutdown()``.
+
+    Late rule: an episode that finishes after its step closed is counted ``late``. It is kept
+    only while its step kept fewer than the cap (first come), otherwise dropped and counted
+    ``dropped.late``. With a distributed budget a rank cannot know what the other ranks kept,
+    so late episodes are always dropped.
+
+    ``distributed`` (default ``"auto"``): when ``torch.distributed`` is initialised with more
+    than one rank (or a process group is passed), ``end_step`` agrees one global budget per step
+    across ranks (see ``otel_rollouts.distributed``); every rank must call ``end_step`` for the
+    same steps. ``False`` keeps the cap per process.
     """
 
     def __init__(
@@ -266,21 +651,29 @@ class TailSampler:
         step_lag: int | None = 2,
         step_timeout_s: float | None = None,
         seed: int = 0,
+        distributed: Any = "auto",
     ) -> None:
-        if not isinstance(max_traces_per_step, int) or max_traces_per_step < 0:
+        if (
+            isinstance(max_traces_per_step, bool)
+            or not isinstance(max_traces_per_step, int)
+            or max_traces_per_step < 0
+        ):
             raise ValueError(
                 f"max_traces_per_step must be a non-negative int, got {max_traces_per_step!r}"
             )
-        if step_lag is not None and step_lag < 1:
-            raise ValueError(f"step_lag must be >= 1 or None, got {step_lag!r}")
+        if step_lag is not None and (not isinstance(step_lag, int) or step_lag < 1):
+            raise ValueError(f"step_lag must be an int >= 1 or None, got {step_lag!r}")
+        if step_timeout_s is not None and not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s!r}")
         self.max_traces_per_step = max_traces_per_step
         self.policy = make_policy(policy, seed)
         self.step_lag = step_lag
         self.step_timeout_s = step_timeout_s
         self.seed = seed
+        self.distributed = distributed
 
-    def bucket(self, key: tuple[int, str]) -> Bucket:
-        return self.policy.bucket(self.max_traces_per_step, key)
+    def bucket(self, key: tuple[int, str], *, stream: bool = True) -> Bucket:
+        return self.policy.bucket(self.max_traces_per_step, key, stream=stream)
 
     def __repr__(self) -> str:
         return (

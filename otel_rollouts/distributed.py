@@ -1,0 +1,127 @@
+"""A global per-step budget across ranks, agreed with ``torch.distributed`` collectives.
+
+With several ranks each recording its own episodes, a per-process cap would export
+``cap × world_size`` episodes per step and a per-rank top-k is not the job's top-k. At
+``otr.end_step(step)`` every rank sends a light summary of the candidates its sampler still holds
+(trace id, end time, the few attributes the policy reads: reward, status, group id) with one
+``all_gather_object``; every rank then runs the *same* policy over the union, in the same order,
+so all ranks reach the same global choice, and each keeps its own chosen episodes. The candidates
+a bucket holds are a superset of what the policy could pick globally (the global top-k is within
+the union of the local top-k; the uniform policy ranks by a hash of the trace id, which merges
+exactly), so the job exports at most the cap per (step, split) and the policy holds across ranks.
+``Groups`` is exact when a group's samples are recorded on one rank.
+
+Rules: ``end_step`` is then a collective — every rank calls it for the same steps (as with any
+``torch.distributed`` call). Steps closed without it (the lag rule, a timeout, flush/shutdown)
+cannot be agreed, so there each rank keeps at most ``cap // world_size``; late episodes are
+dropped. Single-process use needs none of this and never imports torch: a distributed budget
+applies only when the application itself initialised ``torch.distributed`` with more than one
+rank, or passed a process group as ``TailSampler(distributed=group)``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from otel_rollouts.sampling import Policy
+
+__all__ = ["Coordinator", "coordinator_for"]
+
+
+def _torch_distributed():
+    """``torch.distributed`` when the application already imported it (never imports torch)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def coordinator_for(setting: Any) -> Coordinator | None:
+    """A coordinator for ``TailSampler(distributed=...)``: ``"auto"`` (the default group when
+    torch.distributed is initialised with more than one rank), ``True`` (the same), or a
+    process group; None when no distributed budget applies."""
+    if setting is False or setting is None:
+        return None
+    dist = _torch_distributed()
+    if dist is None:
+        return None
+    group = None if setting in ("auto", True) else setting
+    if dist.get_world_size(group) < 2:
+        return None
+    return Coordinator(dist, group)
+
+
+class _Summary:
+    """What a rank tells the others about one candidate: enough to run the policy on it."""
+
+    __slots__ = ("trace_id", "attrs", "rank", "index")
+
+    def __init__(self, trace_id: int, attrs: dict[str, Any], rank: int, index: int) -> None:
+        self.trace_id, self.attrs, self.rank, self.index = trace_id, attrs, rank, index
+
+    def attribute(self, key: str) -> Any:
+        return self.attrs.get(key)
+
+
+class Coordinator:
+    """Runs the policy globally over every rank's candidates of a step."""
+
+    def __init__(self, dist: Any, group: Any = None) -> None:
+        self.dist = dist
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def usable(self) -> bool:
+        return _torch_distributed() is self.dist
+
+    def local_share(self, cap: int) -> int:
+        """What one rank may keep of a step closed without agreement."""
+        return cap // self.world_size
+
+    def choose(
+        self,
+        policy: Policy,
+        cap: int,
+        candidates: dict[tuple[int, str], list[Any]],
+        *,
+        step: int,
+    ) -> dict[tuple[int, str], list[Any]]:
+        """This rank's records of the global choice, per (step, split). Collective."""
+        needs = sorted(policy.needs())
+        payload = {
+            key: [
+                (
+                    r.trace_id,
+                    r.root.end_ns if r.root is not None and r.root.end_ns is not None else 0,
+                    r.seq,
+                    {name: r.attribute(name) for name in needs},
+                )
+                for r in records
+            ]
+            for key, records in candidates.items()
+        }
+        gathered: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(gathered, (step, payload), group=self.group)
+        for other in gathered:
+            if other is None or other[0] != step:
+                raise RuntimeError(
+                    f"otel_rollouts: end_step({step}) met end_step({None if other is None else other[0]})"
+                    " on another rank; every rank must close the same steps in the same order"
+                )
+        keys = sorted({key for _, p in gathered for key in p})
+        out: dict[tuple[int, str], list[Any]] = {}
+        for key in keys:
+            rows = [
+                (end_ns, rank, seq, trace_id, attrs, index)
+                for rank, (_, p) in enumerate(gathered)
+                for index, (trace_id, end_ns, seq, attrs) in enumerate(p.get(key, ()))
+            ]
+            rows.sort(key=lambda row: row[:3])  # one order on every rank: first to finish first
+            bucket = policy.bucket(cap, key)
+            for _, rank, _, trace_id, attrs, index in rows:
+                bucket.offer(_Summary(trace_id, attrs, rank, index))
+            mine = candidates.get(key, [])
+            out[key] = [mine[s.index] for s in bucket.decide() if s.rank == self.rank]
+        return out
