@@ -1,0 +1,129 @@
+"""configure(): resource from arguments and env, defaults, idempotence, exporter containment."""
+
+from __future__ import annotations
+
+import threading
+
+import otel_rollouts as otr
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otel_rollouts import conventions as c
+from otel_rollouts.exporters import TrackioExporter
+
+
+def _one_episode():
+    with otr.episode(step=0) as ep:
+        ep.reward(1)
+
+
+def test_resource_from_arguments_and_env(otr_shutdown, monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,team=rl")
+    exporter = InMemorySpanExporter()
+    otr.configure(service_name="grpo-run", exporters=[exporter], resource_attributes={"rank": 0})
+    _one_episode()
+    otr.flush()
+    res = exporter.get_finished_spans()[0].resource.attributes
+    assert res[c.SERVICE_NAME] == "grpo-run"
+    assert res["deployment.environment"] == "test" and res["team"] == "rl" and res["rank"] == 0
+    assert res[c.RL_RUN_ID]
+
+
+def test_service_name_from_env(otr_shutdown, monkeypatch):
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter])
+    _one_episode()
+    otr.flush()
+    assert exporter.get_finished_spans()[0].resource.attributes[c.SERVICE_NAME] == "from-env"
+
+
+def test_reconfigure_does_not_leak_threads(otr_shutdown):
+    otr.configure(exporters=[InMemorySpanExporter()])
+    baseline = threading.active_count()
+    exporters = []
+    for _ in range(10):
+        exporter = InMemorySpanExporter()
+        exporters.append(exporter)
+        otr.configure(exporters=[exporter])
+        _one_episode()
+    assert threading.active_count() <= baseline
+    otr.flush()
+    # each configuration delivered its own episode before being replaced
+    assert all(len(e.get_finished_spans()) == 2 for e in exporters)
+
+
+def test_default_exporters_trackio_plus_otlp_when_env_set(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from otel_rollouts.configuration import default_exporters
+
+    monkeypatch.delenv(c.ENV_OTLP_ENDPOINT, raising=False)
+    monkeypatch.delenv(c.ENV_OTLP_TRACES_ENDPOINT, raising=False)
+    only = default_exporters("p")
+    assert [type(e) for e in only] == [TrackioExporter] and only[0].project == "p"
+    monkeypatch.setenv(c.ENV_OTLP_ENDPOINT, "http://127.0.0.1:4317")
+    assert [type(e) for e in default_exporters("p")] == [TrackioExporter, Grpc]
+    monkeypatch.setenv(c.ENV_OTLP_PROTOCOL, "http/protobuf")
+    assert [type(e) for e in default_exporters("p")] == [TrackioExporter, Http]
+
+
+class Raising(SpanExporter):
+    def __init__(self):
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        raise RuntimeError("exporter bug")
+
+    def shutdown(self):
+        raise RuntimeError("shutdown bug")
+
+    def force_flush(self, timeout_millis=30000):
+        raise RuntimeError("flush bug")
+
+
+class Failing(SpanExporter):
+    def export(self, spans):
+        return SpanExportResult.FAILURE
+
+    def shutdown(self):
+        pass
+
+
+def test_an_exporter_that_raises_never_reaches_user_code(otr_shutdown, caplog):
+    bad, failing, good = Raising(), Failing(), InMemorySpanExporter()
+    otr.configure(exporters=[bad, failing, good])
+    for _ in range(3):
+        _one_episode()
+    otr.flush()
+    assert bad.calls == 3
+    assert len(good.get_finished_spans()) == 6  # the others still receive
+    totals = otr.stats()["totals"]
+    assert totals["errors.export.Raising"] == 3
+    assert totals["errors.export.Failing"] == 3
+    # logged once per exporter and error kind, not once per episode
+    assert sum("Raising.export failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_export_runs_off_the_training_thread(otr_shutdown):
+    threads = set()
+
+    class Recording(InMemorySpanExporter):
+        def export(self, spans):
+            threads.add(threading.current_thread().name)
+            return super().export(spans)
+
+    otr.configure(exporters=[Recording()])
+    _one_episode()
+    otr.flush()
+    assert threads and threading.current_thread().name not in threads
+
+
+def test_unconfigured_library_records_nothing_and_does_not_raise():
+    otr.shutdown()
+    with otr.episode(step=0) as ep:
+        ep.prompt("x")
+        with ep.turn() as t:
+            t.record_generation("y")
+        ep.reward(1)
+    assert ep.trace_id is None and not ep.recording

@@ -1,0 +1,46 @@
+"""The main job: `otel-rollouts demo` fills a local Trackio project with episode trees."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from otr_helpers import trackio_rows
+
+
+def test_demo_command_fills_trackio(tmp_path, monkeypatch):
+    trackio_dir = tmp_path / "trackio"
+    env = dict(os.environ, TRACKIO_DIR=str(trackio_dir))
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+    exe = shutil.which("otel-rollouts")
+    cmd = [exe] if exe else [sys.executable, "-m", "otel_rollouts.cli"]
+    proc = subprocess.run(
+        [*cmd, "demo", "--project", "demo-test", "--steps", "3", "--prompts", "4",
+         "--group-size", "4", "--cap", "5", "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "48 seen, 15 kept" in out
+    assert "trackio show --project demo-test" in out
+    assert str(trackio_dir) in out
+    monkeypatch.setenv("TRACKIO_DIR", str(trackio_dir))
+    rows = trackio_rows("demo-test")
+    assert [r["step"] for r in rows].count(0) == 5 and len(rows) == 15
+    names = set()
+    tool_errors = 0
+    statuses = set()
+    for row in rows:
+        spans = row["spans"]
+        names |= {s["name"] for s in spans}
+        tool_errors += sum(1 for s in spans if s["kind"] == "tool" and s["status"] == "error")
+        statuses.add(row["metadata"]["rl.status"])
+        assert row["messages"][0]["role"] == "system" and row["messages"][1]["role"] == "user"
+        assert isinstance(row["metadata"]["rl.reward"], float)
+        assert isinstance(row["metadata"]["rl.advantage"], float)
+    assert {"episode", "prompt", "turn", "chat toy-policy-0.5b", "execute_tool calculator", "reward"} <= names
+    assert tool_errors > 0
+    assert "truncated" in statuses and "ok" in statuses
