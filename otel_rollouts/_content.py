@@ -174,7 +174,9 @@ def jsonable(value: Any, _depth: int = 0, _path: set[int] | None = None) -> Any:
 
 
 def to_json(value: Any) -> str:
-    """JSON text of ``value`` (strings stay as they are)."""
+    """JSON text of ``value`` (strings, and deferred values that resolve to one, stay as they are)."""
+    if isinstance(value, Deferred):
+        value = jsonable(value)
     if isinstance(value, str):
         return value
     return json.dumps(jsonable(value), ensure_ascii=False, separators=(",", ":"))

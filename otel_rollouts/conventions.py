@@ -38,6 +38,7 @@ RL_TRUNCATED_FIELDS = "rl.content.truncated"  # names of attributes whose text w
 RL_INVALID_FIELDS = "rl.invalid"  # "field: reason" for values that were refused
 RL_FEEDBACK_ROLE = "rl.feedback.role"  # env | tool | user for mask-0 spans after the prompt
 RL_TOOL_PARSE_ERROR = "rl.tool.parse_error"
+RL_TOOL_RUNTIME = "rl.tool.runtime_s"  # a tool call's runtime as the framework measured it
 RL_SPAN_KIND = "rl.span.kind"  # span | generation | tool | turn | episode | prompt | reward
 
 # rl.status values

@@ -40,9 +40,12 @@ __all__ = [
     "group_ids",
     "host_lists",
     "items",
+    "lazy_text",
     "mark_invalid",
+    "mask_runs",
     "mark_partial",
     "reward_total",
+    "set_span_attribute",
     "split_name",
     "status_for",
     "to_cpu",
@@ -360,3 +363,44 @@ def status_for(finish_reason: Any) -> str:
     if low in _ERROR:
         return c.STATUS_ERROR
     return c.STATUS_OK
+
+
+# --- token ids --------------------------------------------------------------------------------------
+def mask_runs(mask: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal mask value: ``[(start, end, value)]`` with value 0 or 1."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    prev: int | None = None
+    for j, m in enumerate(mask):
+        v = 1 if m else 0
+        if prev is None:
+            prev = v
+        elif v != prev:
+            out.append((start, j, prev))
+            start, prev = j, v
+    if prev is not None:
+        out.append((start, len(mask), prev))
+    return out
+
+
+def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
+    """Text of ``ids`` decoded only if the episode is kept (a ``Deferred`` for the exporter).
+
+    The ids are copied now (the caller may reuse its buffers); decoding keeps special tokens so
+    chat-template markers and tool tags stay visible.
+    """
+    from otel_rollouts._content import Deferred
+
+    ids = [int(t) for t in ids]
+
+    def decode() -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return Deferred(decode)
+
+
+def set_span_attribute(handle: Any, key: str, value: Any) -> None:
+    """Set an attribute on the span behind an episode-API handle (turn, tool call, generation)."""
+    span = getattr(handle, "_span", None)
+    if span is not None and value is not None:
+        span.attributes[key] = value

@@ -1,0 +1,84 @@
+"""Shared pieces of the adapter tests: a real tokenizer built offline, and read-back helpers.
+
+The tokenizer is a real ``transformers.PreTrainedTokenizerFast`` over a word-level vocabulary
+built here with the ``tokenizers`` library (no download): ``encode("user: 2 + 2")`` and
+``decode(ids)`` round-trip, with chat special tokens kept by ``skip_special_tokens=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any
+
+SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+           "<tool_response>", "</tool_response>", "<eos>"]
+WORDS = (
+    "user assistant system tool what is 2 + 3 4 5 6 7 the answer call python calc print result "
+    "ok error let me think compute : = ( ) , . ? hello world again try final"
+).split()
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    """A small real fast tokenizer (word level; special tokens for chat and tool tags)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<eos>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL[2:8]})
+    return tok
+
+
+def ids(text: str) -> list[int]:
+    """Token ids of ``text`` (no special tokens added)."""
+    return tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def configure_memory(cap: int = 1000, policy: str = "first", trackio_project: str | None = None):
+    """``otr.configure`` with a real InMemorySpanExporter (and Trackio when a project is given)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import otel_rollouts as otr
+
+    exporter = InMemorySpanExporter()
+    exporters: list[Any] = [exporter]
+    if trackio_project is not None:
+        from otel_rollouts.exporters import TrackioExporter
+
+        exporters.append(TrackioExporter(trackio_project))
+    otr.configure(exporters=exporters, sampler=otr.TailSampler(cap, policy))
+    return exporter
+
+
+def episodes(exporter) -> dict[str, dict[str, Any]]:
+    """Exported episodes by ``rl.episode.id``: ``{"root": attrs, "spans": [...], "by_kind": {...}}``."""
+    from otel_rollouts import conventions as c
+
+    traces: dict[int, list] = defaultdict(list)
+    for span in exporter.get_finished_spans():
+        traces[span.context.trace_id].append(span)
+    out = {}
+    for spans in traces.values():
+        spans.sort(key=lambda s: s.start_time)
+        roots = [s for s in spans if s.parent is None]
+        assert len(roots) == 1, [s.name for s in roots]
+        root = roots[0]
+        by_kind: dict[str, list] = defaultdict(list)
+        for s in spans:
+            by_kind[s.attributes.get(c.RL_SPAN_KIND)].append(s)
+        out[root.attributes[c.RL_EPISODE_ID]] = {"root": dict(root.attributes), "spans": spans,
+                                                 "by_kind": by_kind}
+    return out
+
+
+def messages_of(exporter) -> dict[str, list[dict[str, Any]]]:
+    """The conversation of each exported episode, as the Trackio exporter renders it."""
+    from otel_rollouts.exporters.trackio import episode_messages
+
+    return {eid: episode_messages(ep["spans"]) for eid, ep in episodes(exporter).items()}

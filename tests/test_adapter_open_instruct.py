@@ -1,0 +1,256 @@
+"""Open-Instruct adapter: batches shaped like open_instruct's Batch / GenerationResult / RequestInfo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from adapter_fixtures import configure_memory, episodes, ids, messages_of, tokenizer
+from otr_helpers import trackio_rows
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+from otel_rollouts.adapters import open_instruct
+
+
+# --- the framework's structures (open_instruct/model_utils.py, data_types.py), field for field ---
+@dataclass
+class ToolCallStats:
+    tool_name: str
+    success: bool
+    runtime: float
+
+
+@dataclass
+class RequestInfo:
+    num_calls: list[int]
+    timeouts: list[int]
+    tool_errors: list[str]
+    tool_outputs: list[str]
+    tool_runtimes: list[float]
+    tool_calleds: list[bool]
+    tool_call_stats: list[list[ToolCallStats]] = field(default_factory=list)
+    rollout_states: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    responses: list[list[int]]
+    finish_reasons: list[str]
+    masks: list[list[int]]
+    request_info: RequestInfo
+    index: list[int] | None = None
+    prompt_id: str | None = None
+    logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class Batch:
+    queries: list[list[int]]
+    ground_truths: list
+    datasets: list[str]
+    raw_queries: list[str] | None = None
+    decoded_responses: list[str] | None = None
+    indices: list[int] | None = None
+    scores: list[float] | None = None
+    active_tools: list | None = None
+    model_steps: list[int] = field(default_factory=list)
+
+
+G = 2  # samples per prompt
+
+
+def make(n_groups: int = 2, *, tools: bool = True):
+    """``n_groups`` x G samples, blocked; sample 1 of group 0 called python once."""
+    queries, raw, decoded, responses, masks, finish = [], [], [], [], [], []
+    scores, datasets, indices, steps, truths = [], [], [], [], []
+    stats, outputs, calls = [], [], []
+    for g in range(n_groups):
+        q = f"what is {g + 2} + 3 ?"
+        for r in range(G):
+            i = g * G + r
+            queries.append(ids(f"<|im_start|> user {q} <|im_end|>"))
+            raw.append(f"system: be brief\nuser: {q}")
+            if tools and i == 1:
+                model1, tool, model2 = ids("<tool_call> python print ( 5 ) </tool_call>"), ids(
+                    "<tool_response> 5 </tool_response>"), ids("the answer is 5 <eos>")
+                responses.append(model1 + tool + model2)
+                masks.append([1] * len(model1) + [0] * len(tool) + [1] * len(model2))
+                stats.append([ToolCallStats("python", True, 0.25)])
+                outputs.append("5")
+                calls.append(1)
+            else:
+                resp = ids(f"the answer is {g + 5 - r} <eos>")
+                responses.append(resp)
+                masks.append([1] * len(resp))
+                stats.append([])
+                outputs.append("")
+                calls.append(0)
+            decoded.append(tokenizer().decode(responses[-1], skip_special_tokens=False))
+            finish.append("length" if i == 3 else "stop")
+            scores.append(float(r == 0))
+            datasets.append("gsm8k")
+            indices.append(100 + g)
+            steps.append(6)
+            truths.append(str(g + 5))
+    n = len(responses)
+    info = RequestInfo(num_calls=calls, timeouts=[0] * n, tool_errors=[""] * n, tool_outputs=outputs,
+                       tool_runtimes=[0.25 if k else 0.0 for k in calls], tool_calleds=[bool(k) for k in calls],
+                       tool_call_stats=stats,
+                       rollout_states=[{"rewards": [0.0, 1.0] if k else [], "step_count": k} for k in calls])
+    batch = Batch(queries=queries, ground_truths=truths, datasets=datasets, raw_queries=raw,
+                  decoded_responses=decoded, indices=indices, scores=scores, model_steps=steps)
+    result = GenerationResult(responses=responses, finish_reasons=finish, masks=masks, request_info=info)
+    advantages = np.array([0.7, -0.7] * n_groups, dtype=np.float64)
+    return batch, result, advantages
+
+
+def test_batch_round_trips_through_trackio_with_tools_and_numbers(otr_shutdown):
+    project = "otr-test-open-instruct"
+    exporter = configure_memory(trackio_project=project)
+    batch, result, adv = make()
+    n = open_instruct.record_batch(batch, result, step=7, advantages=adv, num_samples_per_prompt=G,
+                                   tokenizer=tokenizer())
+    eval_batch, eval_result, _ = make(1, tools=False)
+    open_instruct.record_batch(eval_batch, eval_result, step=7, split="eval", tokenizer=tokenizer())
+    otr.end_step(7)
+    assert n == 4 and otr.flush()
+    eps = episodes(exporter)
+    assert sorted(eps) == ["eval-7-0", "eval-7-1", "train-7-0", "train-7-1", "train-7-2", "train-7-3"]
+    root = eps["train-7-1"]["root"]
+    assert root[c.RL_FRAMEWORK] == "open-instruct" and root[c.RL_GROUP_ID] == "100"
+    assert root[c.RL_POLICY_VERSION] == 6 and root[c.RL_STALENESS] == 1
+    assert root[c.RL_DATASET_NAME] == "gsm8k" and root[c.RL_DATASET_INDEX] == 100
+    assert root[c.RL_REWARD] == 0.0 and root[c.RL_ADVANTAGE] == pytest.approx(-0.7)
+    assert root["rl.reward.env_step_1"] == 1.0
+    assert eps["train-7-3"]["root"][c.RL_STATUS] == c.STATUS_TRUNCATED
+    assert eps["train-7-2"]["root"][c.RL_GROUP_ID] == "101"
+    assert c.RL_ALIGNMENT not in root
+
+    rows = {r["metadata"]["rl.episode.id"]: r for r in trackio_rows(project)}
+    assert len(rows) == 6 and {r["key"] for r in rows.values()} == {"rollouts", "eval/rollouts"}
+    row = rows["train-7-1"]
+    assert row["step"] == 7
+    md = row["metadata"]
+    assert md["rl.split"] == "train" and md["rl.step"] == 7 and md["rl.group.id"] == "100"
+    assert md["rl.policy.version"] == 6 and isinstance(md["rl.reward"], float)
+    assert isinstance(md["rl.advantage"], float) and isinstance(md["rl.reward.env_step_1"], float)
+    msgs = row["messages"]
+    assert msgs[0] == {"role": "system", "content": "be brief"}
+    assert msgs[1] == {"role": "user", "content": "what is 2 + 3 ?"}
+    assert msgs[2]["role"] == "assistant"
+    assert msgs[2]["content"] == "<tool_call> python print ( 5 ) </tool_call>"
+    assert msgs[2]["tool_calls"][0]["function"]["name"] == "python"
+    assert msgs[3] == {"role": "tool", "tool_call_id": "call_0", "name": "python",
+                       "content": "<tool_response> 5 </tool_response>"}
+    assert msgs[4] == {"role": "assistant", "content": "the answer is 5 <eos>"}
+    tool = next(s for s in row["spans"] if s["kind"] == "tool")
+    assert tool["metadata"][c.RL_TOOL_RUNTIME] == 0.25
+    assert rows["eval-7-0"]["metadata"]["rl.split"] == "eval"
+
+
+def test_ragged_lists_record_every_sample_as_partial_instead_of_indexerror(memory):
+    batch, result, adv = make()
+    batch.scores = batch.scores[:3]
+    batch.datasets = batch.datasets[:2]
+    assert open_instruct.record_batch(batch, result, step=1, advantages=adv[:3],
+                                      num_samples_per_prompt=G) == 4
+    assert otr.flush()
+    eps = episodes(memory)
+    assert len(eps) == 4
+    assert c.RL_ALIGNMENT not in eps["train-1-0"]["root"]
+    assert c.RL_ALIGNMENT not in eps["train-1-1"]["root"]
+    third, fourth = eps["train-1-2"]["root"], eps["train-1-3"]["root"]
+    assert third[c.RL_ALIGNMENT] == "partial" and fourth[c.RL_ALIGNMENT] == "partial"
+    assert any("datasets" in m for m in third[c.RL_ALIGNMENT_MISSING])
+    assert third[c.RL_REWARD] == 1.0 and c.RL_REWARD not in fourth
+    assert otr.stats()["steps"]["1/train"]["adapters.alignment_partial"] == 2
+
+
+def test_truncation_filter_never_pairs_request_info_with_another_sample(memory):
+    batch, result, adv = make()
+    # mask_truncated_completions dropped sample 0 from responses and batch, not from request_info
+    for name in ("queries", "raw_queries", "decoded_responses", "scores", "datasets", "indices",
+                 "model_steps", "ground_truths"):
+        setattr(batch, name, getattr(batch, name)[1:])
+    for name in ("responses", "masks", "finish_reasons"):
+        setattr(result, name, getattr(result, name)[1:])
+    open_instruct.record_batch(batch, result, step=2, advantages=adv[1:], num_samples_per_prompt=G,
+                               tokenizer=tokenizer())
+    assert otr.flush()
+    eps = episodes(memory)
+    assert len(eps) == 3
+    for ep in eps.values():
+        assert not ep["by_kind"][c.KIND_TOOL]  # request_info[i] belongs to sample i+1 now
+        assert ep["root"][c.RL_ALIGNMENT] == "partial"
+    assert eps["train-2-0"]["root"][c.RL_GROUP_ID] == "100"  # groups from dataset indices
+
+
+def test_groups_by_blocked_layout_only_when_complete(memory):
+    batch, result, adv = make()
+    batch.indices = None
+    open_instruct.record_batch(batch, result, step=3, advantages=adv, num_samples_per_prompt=G)
+    batch2, result2, _ = make()
+    batch2.indices = None
+    result2.responses = result2.responses[:3]  # a group lost a sample: i // G would be a guess
+    open_instruct.record_batch(batch2, result2, step=4, num_samples_per_prompt=G)
+    assert otr.flush()
+    eps = episodes(memory)
+    assert [eps[f"train-3-{i}"]["root"][c.RL_GROUP_ID] for i in range(4)] == ["0", "0", "1", "1"]
+    assert all(c.RL_GROUP_ID not in eps[f"train-4-{i}"]["root"] for i in range(3))
+
+
+def test_rewards_as_strings_and_numpy_scalars_become_floats_and_no_scores_still_records(memory):
+    batch, result, _ = make()
+    batch.scores = ["0.5", np.float32(1.5), "oops", 2]
+    open_instruct.record_batch(batch, result, step=5, advantages=[np.float64(0.1)] * 4)
+    batch2, result2, _ = make()
+    batch2.scores = None
+    open_instruct.record_batch(batch2, result2, step=6)
+    assert otr.flush()
+    eps = episodes(memory)
+    assert eps["train-5-0"]["root"][c.RL_REWARD] == 0.5
+    assert eps["train-5-1"]["root"][c.RL_REWARD] == 1.5
+    bad = eps["train-5-2"]["root"]
+    assert c.RL_REWARD not in bad and any("scores[2]" in m for m in bad[c.RL_INVALID_FIELDS])
+    assert type(eps["train-5-3"]["root"][c.RL_REWARD]) is float
+    assert len([e for e in eps if e.startswith("train-6-")]) == 4  # the review's `return` skipped these
+
+
+def test_content_is_snapshotted_before_the_batch_is_reused(memory):
+    batch, result, _ = make(tools=False)
+    open_instruct.record_batch(batch, result, step=8)
+    batch.decoded_responses[0] = "MUTATED"
+    batch.raw_queries[0] = "user: MUTATED"
+    result.finish_reasons[0] = "MUTATED"
+    assert otr.flush()
+    msgs = messages_of(memory)["train-8-0"]
+    assert "MUTATED" not in str(msgs) and msgs[-1]["content"] == "the answer is 5 <eos>"
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting decode calls (to see decoding happens only for kept episodes)."""
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, token_ids, **kw):
+        self.decoded += 1
+        return tokenizer().decode(token_ids, **kw)
+
+
+def test_cap_holds_per_step_and_dropped_episodes_are_never_decoded(otr_shutdown):
+    exporter = configure_memory(cap=2, policy="first")
+    tok = CountingTokenizer()
+    batch, result, adv = make(4, tools=False)
+    batch.raw_queries = batch.decoded_responses = None  # text must come from token ids
+    open_instruct.record_batch(batch, result, step=9, advantages=adv, num_samples_per_prompt=G, tokenizer=tok)
+    assert tok.decoded == 0  # nothing decoded on the training thread
+    otr.end_step(9)
+    assert otr.flush()
+    eps = episodes(exporter)
+    assert len(eps) == 2
+    assert tok.decoded == 4  # prompt + response of the 2 kept episodes only
+    msgs = messages_of(exporter)[sorted(eps)[0]]
+    assert msgs[0]["content"].startswith("<|im_start|> user what is")
