@@ -44,12 +44,14 @@ __all__ = [
     "mark_invalid",
     "mask_runs",
     "mark_partial",
+    "replay_messages",
     "reward_total",
     "set_span_attribute",
     "split_name",
     "status_for",
     "to_cpu",
     "to_list",
+    "turns_from_mask",
 ]
 
 _MISSING = object()
@@ -404,3 +406,99 @@ def set_span_attribute(handle: Any, key: str, value: Any) -> None:
     span = getattr(handle, "_span", None)
     if span is not None and value is not None:
         span.attributes[key] = value
+
+
+def turns_from_mask(
+    ep: Any,
+    token_ids: Sequence[int],
+    mask: Sequence[Any],
+    tokenizer: Any,
+    *,
+    model: str | None = None,
+    finish_reason: Any = None,
+    on_observation: Callable[[Any, int, Any], None] | None = None,
+    feedback_role: str = "environment",
+) -> int:
+    """Record a response of concatenated turns as turns; returns how many.
+
+    ``mask`` 1 = policy tokens, 0 = observation tokens (tool output, environment feedback) the
+    framework inserted into the response. Each run of policy tokens becomes a turn with a
+    generation; the observation run after it becomes ``on_observation(turn, k, text)`` (e.g. a
+    tool call paired with the framework's k-th tool record) or ``turn.feedback(text,
+    feedback_role)``. Text is decoded only if the episode is kept; without a tokenizer only the
+    token counts are recorded.
+    """
+    runs = mask_runs(mask)
+    ids = list(token_ids)
+
+    def text(start: int, end: int) -> Any:
+        return lazy_text(tokenizer, ids[start:end]) if tokenizer is not None else ""
+
+    turns = observations = 0
+    j = 0
+    while j < len(runs):
+        start, end, value = runs[j]
+        with ep.turn() as turn:
+            turns += 1
+            if value == 1:
+                last = j + 1 >= len(runs) or (j + 2 >= len(runs) and runs[j + 1][2] == 0)
+                turn.record_generation(
+                    {"role": "assistant", "content": text(start, end)},
+                    model=model,
+                    finish_reason=finish_reason if last else None,
+                    output_tokens=end - start,
+                )
+                j += 1
+                if j >= len(runs):
+                    break
+                start, end, value = runs[j]
+            observation = text(start, end)
+            if on_observation is not None:
+                on_observation(turn, observations, observation)
+            else:
+                turn.feedback(observation, role=feedback_role)
+            observations += 1
+            j += 1
+    return turns
+
+
+def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = None,
+                    finish_reason: Any = None) -> int:
+    """Record an OpenAI-style conversation: the messages before the first assistant message are
+    the prompt; each assistant message opens a turn (its ``tool_calls`` become tool spans, the
+    ``tool`` messages answering them their results); other messages are feedback. Returns the
+    number of turns. The messages are snapshotted (later mutation does not leak in)."""
+    from otel_rollouts._content import snapshot
+
+    msgs = [m if isinstance(m, Mapping) else {"role": "user", "content": str(m)} for m in messages]
+    msgs = snapshot([dict(m) for m in msgs])
+    first = next((k for k, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+    ep.prompt(msgs[:first])
+    assistants = [k for k, m in enumerate(msgs) if m.get("role") == "assistant"]
+    turns = 0
+    for a, k in enumerate(assistants):
+        message = msgs[k]
+        end = assistants[a + 1] if a + 1 < len(assistants) else len(msgs)
+        results = {m.get("tool_call_id"): m for m in msgs[k + 1:end] if m.get("role") == "tool"}
+        with ep.turn() as turn:
+            turns += 1
+            calls = message.get("tool_calls") or []
+            content = {key: v for key, v in message.items() if key != "tool_calls"}
+            turn.record_generation(content, model=model, tool_calls=calls or None,
+                                   finish_reason=finish_reason if a == len(assistants) - 1 else None)
+            used = set()
+            for n_call, call in enumerate(calls):
+                call = call if isinstance(call, Mapping) else {}
+                fn = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+                call_id = call.get("id") or f"call_{n_call}"
+                handle = turn.tool_call(str(fn.get("name") or call.get("name") or "tool"),
+                                        arguments=fn.get("arguments"), call_id=str(call_id))
+                answer = results.get(call_id)
+                if answer is not None:
+                    used.add(call_id)
+                handle.result("" if answer is None else answer.get("content"))
+            for m in msgs[k + 1:end]:
+                if m.get("role") == "tool" and m.get("tool_call_id") in used:
+                    continue
+                turn.feedback(m.get("content"), role=str(m.get("role") or "environment"))
+    return turns

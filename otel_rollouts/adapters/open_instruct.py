@@ -37,12 +37,12 @@ from otel_rollouts.adapters._common import (
     lazy_text,
     mark_invalid,
     mark_partial,
-    mask_runs,
     reward_total,
     set_span_attribute,
     split_name,
     status_for,
     to_list,
+    turns_from_mask,
 )
 
 __all__ = ["record_batch"]
@@ -204,7 +204,15 @@ def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, fi
     response = to_list(v("responses", i))
     mask = to_list(v("masks", i))
     if tokenizer is not None and response and mask and len(mask) == len(response) and 0 in mask:
-        _turns_from_mask(ep, response, mask, stats, tokenizer, model, finish)
+        def tool(turn: Any, k: int, output: Any) -> None:
+            # the k-th tool output inserted into the response answers the k-th recorded call
+            if k < len(stats):
+                _tool(turn, stats[k], k, output)
+            else:
+                turn.feedback(output, role="tool")
+
+        turns_from_mask(ep, response, mask, tokenizer, model=model, finish_reason=finish,
+                        on_observation=tool)
         return
     text = v("decoded_responses", i)
     if text is None and response is not None and tokenizer is not None:
@@ -223,38 +231,6 @@ def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, fi
             _tool(turn, stat, k, result)
         if len(stats) != 1 and outputs:
             turn.feedback(outputs, role="tool")
-
-
-def _turns_from_mask(ep: Any, response: list[int], mask: list[int], stats: list[dict[str, Any]],
-                     tokenizer: Any, model: str | None, finish: Any) -> None:
-    """Mask 1 = model tokens, 0 = tool output inserted into the response: one turn per model run,
-    the tool output after it paired with the next ``tool_call_stats`` entry."""
-    runs = mask_runs(mask)
-    call = 0
-    j = 0
-    while j < len(runs):
-        start, end, value = runs[j]
-        with ep.turn() as turn:
-            if value == 1:
-                last = j + 1 >= len(runs) or (j + 2 >= len(runs) and runs[j + 1][2] == 0)
-                turn.record_generation(
-                    {"role": "assistant", "content": lazy_text(tokenizer, response[start:end])},
-                    model=model,
-                    finish_reason=finish if last else None,
-                    output_tokens=end - start,
-                )
-                j += 1
-                if j >= len(runs):
-                    break
-                start, end, value = runs[j]
-            stat = stats[call] if call < len(stats) else None
-            result = lazy_text(tokenizer, response[start:end])
-            if stat is not None:
-                _tool(turn, stat, call, result)
-            else:
-                turn.feedback(result, role="tool")
-            call += 1
-            j += 1
 
 
 def _tool(turn: Any, stat: dict[str, Any], k: int, result: Any) -> None:
