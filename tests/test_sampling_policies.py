@@ -1,0 +1,228 @@
+"""Sampling policies on their own: the cap, ties, duplicates, release-at-once, compositions.
+
+A bucket only needs records with ``attribute(name)`` and ``trace_id`` (the protocol the
+distributed budget also feeds), so these tests drive the policies with plain records; the
+end-to-end tests in test_sampling.py run the same policies through the real pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+from otel_rollouts.sampling import make_policy
+
+
+class Rec:
+    def __init__(self, i: int, reward=None, status: str = "ok", group=None, **extra):
+        self.trace_id = 1000 + i
+        self.i = i
+        self.attrs = {c.RL_REWARD: reward, c.RL_STATUS: status, c.RL_GROUP_ID: group, **extra}
+
+    def attribute(self, key):
+        return self.attrs.get(key)
+
+    def __repr__(self) -> str:
+        return f"Rec({self.i}, {self.attrs[c.RL_REWARD]})"
+
+
+def run(policy, records, cap, stream=False):
+    """Offer every record; check the bucket's bookkeeping; return (kept, released, peak held)."""
+    bucket = make_policy(policy).bucket(cap, (0, "train"), stream=stream)
+    released, kept_now, peak = [], [], 0
+    for r in records:
+        out, now = bucket.offer(r)
+        released += out
+        kept_now += now
+        peak = max(peak, len(bucket.held()))
+    held = bucket.held()
+    chosen = bucket.decide()
+    kept = kept_now + chosen
+    ids = [id(r) for r in kept]
+    assert len(ids) == len(set(ids)), "an episode was chosen twice"
+    assert len(kept) <= cap, "over the cap"
+    released_ids = {id(r) for r in released}
+    assert len(released_ids) == len(released), "an episode was released twice"
+    assert not released_ids & set(ids), "a released episode was kept"
+    assert not released_ids & {id(r) for r in held}, "a released episode is still held"
+    everyone = released_ids | {id(r) for r in held} | {id(r) for r in kept_now}
+    assert everyone == {id(r) for r in records}, "an episode was neither held nor released"
+    return kept, released, peak
+
+
+def rewards(kept):
+    return sorted(r.attrs[c.RL_REWARD] for r in kept)
+
+
+def test_first_streams_the_first_cap_and_releases_the_rest_at_once():
+    records = [Rec(i, reward=i) for i in range(10)]
+    bucket = otr.First().bucket(3, (0, "train"), stream=True)
+    decisions = [bucket.offer(r) for r in records]
+    assert [d[1] for d in decisions[:3]] == [[records[0]], [records[1]], [records[2]]]
+    assert all(d == ([r], []) for d, r in zip(decisions[3:], records[3:], strict=True))
+    kept, _, peak = run("first", records, 3)  # held until the step closes (compositions, ranks)
+    assert [r.i for r in kept] == [0, 1, 2] and peak == 3
+
+
+def test_top_bottom_keeps_best_and_worst_with_ties_to_the_earlier():
+    records = [Rec(i, reward=r) for i, r in enumerate([5, 1, 9, 9, 3, 0, 0, 7, 9, 2])]
+    kept, released, peak = run(otr.TopBottom(top=2, bottom=2), records, 4)
+    assert [r.i for r in kept] == [2, 3, 5, 6]  # 9,9 (first two nines), 0,0
+    assert peak <= 4
+    # the default split: half each side, the extra one to the top
+    kept, _, _ = run("top_bottom", records, 5)
+    assert rewards(kept) == [0, 0, 9, 9, 9]
+
+
+def test_top_bottom_few_episodes_keeps_each_once():
+    records = [Rec(i, reward=1.0) for i in range(3)]
+    kept, released, _ = run("top_bottom", records, 8)
+    assert sorted(r.i for r in kept) == [0, 1, 2] and released == []
+
+
+def test_top_bottom_by_another_attribute_and_unscored_fill_only_free_room():
+    records = [Rec(i, reward=0.0, **{c.RL_ADVANTAGE: float(i)}) for i in range(6)]
+    records += [Rec(10 + i, reward=None) for i in range(3)]
+    kept, _, _ = run(otr.TopBottom(score=c.RL_ADVANTAGE, top=1, bottom=1), records, 2)
+    assert sorted(r.i for r in kept) == [0, 5]
+    # unscored or NaN ones only fill what scored ones leave, and are let go once they cannot
+    few = [Rec(0, reward=1.0), Rec(1, reward=math.nan), Rec(2, reward="high"), Rec(3, reward=True)]
+    kept, _, _ = run("top_bottom", few, 3)
+    assert [r.i for r in kept][0] == 0 and len(kept) == 3
+    many = [Rec(100 + i) for i in range(5)] + [Rec(i, reward=float(i)) for i in range(6)]
+    kept, released, _ = run("top_bottom", many, 4)
+    assert rewards(kept) == [0.0, 1.0, 4.0, 5.0]
+    assert {r.i for r in released} >= {100, 101, 102, 103, 104}
+
+
+def test_uniform_is_seeded_reproducible_and_close_to_uniform():
+    records = [Rec(i) for i in range(40)]
+    a, _, peak = run(otr.Uniform(seed=1), records, 5)
+    b, _, _ = run(otr.Uniform(seed=1), list(reversed(records)), 5)
+    assert {r.i for r in a} == {r.i for r in b}  # depends on the episodes, not arrival order
+    assert peak <= 5
+    counts = [0] * 40
+    for seed in range(400):
+        kept, _, _ = run(otr.Uniform(seed=seed), records, 5)
+        for r in kept:
+            counts[r.i] += 1
+    expected = 400 * 5 / 40  # 50 each
+    chi2 = sum((n - expected) ** 2 / expected for n in counts)
+    assert chi2 < 80, counts  # 39 dof: p < 1e-4 above ~80
+
+
+def test_errors_first_then_truncated_first_come():
+    statuses = ["ok", "truncated", "error", "ok", "error", "truncated", "error"]
+    records = [Rec(i, status=s) for i, s in enumerate(statuses)]
+    kept, released, peak = run(otr.Errors(), records, 4)
+    assert [r.i for r in kept] == [2, 4, 6, 1]
+    assert {r.i for r in released} == {0, 3, 5} and peak <= 4
+    # the name means: failures first, the rest of the cap uniform
+    kept, _, _ = run("errors", records, 5)
+    assert {2, 4, 6, 1, 5} == {r.i for r in kept}
+    kept, _, _ = run("errors", [Rec(i) for i in range(9)], 5)
+    assert len(kept) == 5
+
+
+def test_groups_kept_or_dropped_whole_by_reward_spread():
+    records = []
+    spreads = {"flat": [1, 1, 1, 1], "wide": [0, 1, 0, 1], "mid": [0.2, 0.5, 0.4, 0.3], "w2": [0, 1, 1, 0]}
+    i = 0
+    for gid, rs in spreads.items():
+        for r in rs:
+            records.append(Rec(i, reward=r, group=gid))
+            i += 1
+    kept, released, peak = run("groups", records, 9)
+    groups = {}
+    for r in kept:
+        groups.setdefault(r.attrs[c.RL_GROUP_ID], []).append(r)
+    assert set(groups) == {"wide", "w2"} and all(len(m) == 4 for m in groups.values())
+    assert peak <= 18  # 2 x cap
+    # interleaved arrival: still whole groups
+    order = sorted(records, key=lambda r: (r.i % 4, r.i))
+    kept, _, _ = run("groups", order, 8)
+    assert {r.attrs[c.RL_GROUP_ID] for r in kept} == {"wide", "w2"} and len(kept) == 8
+
+
+def test_groups_memory_rule_bounds_what_is_held():
+    # 200 groups of 4 arriving one after another: held never goes over 2 x cap
+    records = [Rec(i, reward=float((i // 4) % 7 == 3) * (i % 2), group=f"g{i // 4}") for i in range(800)]
+    kept, _, peak = run(otr.Groups(), records, 8)
+    assert peak <= 16
+    assert {r.attrs[c.RL_GROUP_ID] for r in kept} == {"g3", "g10"}  # the first groups with spread
+    # a group larger than the cap can never be kept whole: dropped whole
+    big = [Rec(i, reward=float(i), group="big") for i in range(6)] + [Rec(9, reward=0.0, group="x")]
+    kept, _, _ = run("groups", big, 4)
+    assert [r.i for r in kept] == [9]
+
+
+def test_compose_sub_budgets_errors_top_bottom_rest_uniform():
+    records = [Rec(i, reward=float(i), status="error" if i in (3, 50, 77) else "ok") for i in range(100)]
+    policy = otr.Compose(otr.Errors(2), otr.TopBottom(top=4, bottom=4), otr.Uniform())
+    kept, _, peak = run(policy, records, 16)
+    ids = [r.i for r in kept]
+    assert ids[:2] == [3, 50]  # 2 errors, first come
+    assert sorted(ids[2:6]) == [96, 97, 98, 99]  # top 4 of the rest
+    assert sorted(ids[6:10]) == [0, 1, 2, 4]  # bottom 4 of the rest (3 was taken as an error)
+    assert len(ids) == 16 and len(set(ids[10:]) & set(ids[:10])) == 0
+    assert peak <= 3 * 2 * 16
+
+
+def test_compose_never_over_the_cap_and_fills_from_later_parts():
+    records = [Rec(i, reward=float(i % 5)) for i in range(30)]
+    # budgets past the cap are cut
+    kept, _, _ = run(otr.Compose(otr.TopBottom(top=4, bottom=4), otr.First(5)), records, 6)
+    assert len(kept) == 6
+    # no errors at all: their share goes to the part without a budget
+    kept, _, _ = run(otr.Compose(otr.Errors(2), otr.Uniform()), records, 6)
+    assert len(kept) == 6
+    # the same episodes are candidates of several parts: each is kept once
+    kept, _, _ = run(otr.Compose(otr.First(3), otr.First(3), otr.TopBottom()), records, 9)
+    assert [r.i for r in kept[:6]] == [0, 1, 2, 3, 4, 5] and len(kept) == 9
+    assert isinstance(make_policy("errors+top_bottom"), otr.Compose)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(st.none(), st.just(math.nan), st.integers(-3, 3).map(float)), max_size=60
+    ),
+    statuses=st.lists(st.sampled_from(["ok", "error", "truncated"]), min_size=60, max_size=60),
+    cap=st.integers(0, 12),
+    name=st.sampled_from(
+        ["first", "uniform", "top_bottom", "errors", "groups", "errors+top_bottom+uniform",
+         "first+first+uniform", "groups+top_bottom"]
+    ),
+)
+def test_every_policy_respects_cap_uniqueness_and_release(values, statuses, cap, name):
+    records = [Rec(i, reward=v, status=statuses[i], group=f"g{i % 5}") for i, v in enumerate(values)]
+    kept, _, peak = run(name, records, cap)  # run() checks cap, duplicates and release
+    assert peak <= 4 * max(cap, 1) * 3
+    if name == "top_bottom" and cap:
+        scored = sorted(v for v in values if v is not None and not math.isnan(v))
+        top, bottom = cap - cap // 2, cap // 2
+        k = [r.attrs[c.RL_REWARD] for r in kept]
+        if len(scored) >= cap:
+            assert sorted(k) == sorted(scored[:bottom] + scored[len(scored) - top :])
+
+
+def test_tail_sampler_accepts_names_and_objects_and_refuses_bad_input():
+    assert isinstance(otr.TailSampler(4, "groups").policy, otr.Groups)
+    assert isinstance(otr.TailSampler(4, "errors").policy, otr.Compose)
+    composed = otr.Compose(otr.Errors(2), "top_bottom", otr.Uniform())
+    assert otr.TailSampler(4, composed).policy is composed
+    with pytest.raises(ValueError, match="unknown sampling policy"):
+        otr.TailSampler(4, "best")
+    with pytest.raises(ValueError, match="max_traces_per_step"):
+        otr.TailSampler(-1)
+    with pytest.raises(ValueError, match="step_lag"):
+        otr.TailSampler(4, step_lag=0)
+    with pytest.raises(ValueError, match="Errors"):
+        otr.Errors(-2)
+    with pytest.raises(ValueError, match="rule"):
+        otr.Groups(rule="best")
