@@ -8,6 +8,7 @@ OTLP to a collector uses the stock ``opentelemetry-exporter-otlp`` exporters.
 """
 
 from otel_rollouts.exporters.console import ConsoleExporter
+from otel_rollouts.exporters.otlp_json import OtlpJsonFileExporter
 from otel_rollouts.exporters.trackio import TrackioExporter
 
-__all__ = ["ConsoleExporter", "TrackioExporter"]
+__all__ = ["ConsoleExporter", "OtlpJsonFileExporter", "TrackioExporter"]

@@ -168,7 +168,8 @@ class TrackioExporter(SpanExporter):
     ``project``/``run``/``space_id`` are Trackio's (a ``space_id`` syncs to a Hugging Face
     Space). Train episodes go under ``trace_key``; other splits under ``"{split}/{trace_key}"``.
     ``trace_ui_url`` (or env ``OTEL_ROLLOUTS_TRACE_UI_URL``), e.g. a Jaeger base URL, adds a
-    ``trace_url`` link to each trace's metadata.
+    ``trace_url`` link to each trace's metadata; a value with ``{trace_id}`` is a URL template
+    (Phoenix: ``http://localhost:6006/redirects/traces/{trace_id}``).
     """
 
     def __init__(
@@ -218,8 +219,16 @@ class TrackioExporter(SpanExporter):
         return getattr(self._run, "name", self.run_name)
 
     def trace_url(self, trace_id: int) -> str | None:
+        """The link to this trace in a trace UI, or None when no UI is configured.
+
+        A base URL is taken as Jaeger's UI (``{base}/trace/{trace_id}``); a value containing
+        ``{trace_id}`` is a template for any other UI, e.g. Phoenix's
+        ``http://localhost:6006/redirects/traces/{trace_id}``. The id is 32 lowercase hex digits.
+        """
         if not self.trace_ui_url:
             return None
+        if "{trace_id}" in self.trace_ui_url:
+            return self.trace_ui_url.replace("{trace_id}", hex_id(trace_id, 32))
         return f"{self.trace_ui_url}/trace/{hex_id(trace_id, 32)}"
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace-ui-url", default=None,
                       help="e.g. http://localhost:16686 to link each Trackio trace to Jaeger")
     demo.set_defaults(func=_demo)
+    from otel_rollouts import replay
+
+    replay.add_arguments(sub.add_parser(
+        "replay", help="send the traces of an OTLP/JSON-lines file to trackio, otlp or console",
+    )).set_defaults(func=replay.run)
     return parser
 
 

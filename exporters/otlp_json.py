@@ -1,0 +1,265 @@
+"""Kept episodes as OTLP/JSON lines: a file a run can write where no collector is reachable.
+
+Each line is one ``ExportTraceServiceRequest`` (the message an OTLP exporter would send) in the
+OTLP/JSON encoding, one episode per line. The message is built by the stock OTLP encoder
+(``opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans``) and rendered with
+protobuf's JSON mapping (``google.protobuf.json_format``), with the two changes the OTLP
+specification makes to that mapping (https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding):
+
+* ``traceId``, ``spanId`` and ``parentSpanId`` (of spans and links) are lowercase **hex**, not
+  base64 as protobuf would write ``bytes``; other ``bytes`` values stay base64;
+* enums are written as integers (``"kind": 1``), never as names.
+
+Field names are lowerCamelCase and 64-bit integers are JSON strings (``"startTimeUnixNano":
+"1795..."``), both as protobuf's mapping writes them and OTLP receivers accept. This is the
+format of the OpenTelemetry Collector's file exporter, so ``otel-rollouts replay`` (or any
+OTLP/JSON tool) can send the file to Trackio or a collector later.
+
+The file is private (mode 0600: it holds prompts and completions), opened with ``O_APPEND`` and
+written with one ``write`` per line under a lock, so threads of one process append whole lines
+and a reader tailing the file sees only complete lines (a line without its newline is still
+being written). It rotates by size like ``logging.handlers.RotatingFileHandler``: ``path`` →
+``path.1`` → … → ``path.<backups>`` (the oldest is deleted).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+__all__ = [
+    "OtlpJsonFileExporter",
+    "decode_line",
+    "encode_request",
+    "read_requests",
+    "rotated_paths",
+]
+
+logger = logging.getLogger("otel_rollouts")
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+_ID_BYTES = {"traceId": 16, "spanId": 8, "parentSpanId": 8}
+_FILE_MODE = 0o600
+
+
+# --- the format: proto <-> one JSON line -----------------------------------------------------
+def _ids(request: dict[str, Any], convert) -> dict[str, Any]:
+    """Apply ``convert(field, value)`` to the id fields of every span and link, in place.
+
+    Anything not shaped like a request is left alone for ``ParseDict`` to reject clearly.
+    """
+    for resource_spans in _items(request.get("resourceSpans")):
+        for scope_spans in _items(resource_spans.get("scopeSpans")):
+            for span in _items(scope_spans.get("spans")):
+                for item in (span, *_items(span.get("links"))):
+                    for field in _ID_FIELDS:
+                        value = item.get(field)
+                        if value and isinstance(value, str):
+                            item[field] = convert(field, value)
+    return request
+
+
+def _items(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _b64_to_hex(_field: str, value: str) -> str:
+    return base64.b64decode(value).hex()  # the encoder's own output: always valid base64
+
+
+def _hex_to_b64(field: str, value: str) -> str:
+    """Hex ids (OTLP/JSON) back to base64 for ``ParseDict``; base64 ids pass through."""
+    if len(value) == 2 * _ID_BYTES[field]:
+        try:
+            return base64.b64encode(bytes.fromhex(value)).decode("ascii")
+        except ValueError:
+            pass  # not hex: a (non-conforming) base64 id of that length
+    return value
+
+
+def encode_request(spans: Sequence[ReadableSpan]) -> str:
+    """One OTLP/JSON line (without the newline) for ``spans``."""
+    as_dict = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+    return json.dumps(_ids(as_dict, _b64_to_hex), separators=(",", ":"), ensure_ascii=False)
+
+
+def decode_line(line: str | bytes) -> ExportTraceServiceRequest:
+    """Parse one OTLP/JSON line (hex or base64 ids, enum names or numbers) into the proto.
+
+    Raises ``ValueError`` (naming what is wrong) on text that is not such a request.
+    """
+    data = json.loads(line)
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    request = ExportTraceServiceRequest()
+    try:
+        json_format.ParseDict(_ids(data, _hex_to_b64), request)
+    except json_format.ParseError as exc:  # not a ValueError subclass
+        raise ValueError(str(exc)) from exc
+    return request
+
+
+def rotated_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """``path`` and its rotated backups that exist, oldest first (the order they were written)."""
+    path = Path(path)
+    backups = []
+    for candidate in path.parent.glob(path.name + ".*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if suffix.isdigit():
+            backups.append((int(suffix), candidate))
+    ordered = [p for _, p in sorted(backups, reverse=True)]
+    if path.exists():
+        ordered.append(path)
+    return ordered
+
+
+def read_requests(
+    path: str | os.PathLike[str], errors: list[str] | None = None
+) -> Iterator[ExportTraceServiceRequest]:
+    """Every request in one OTLP/JSON-lines file, in order.
+
+    A line that does not parse is skipped and described in ``errors`` (``"file:line: why"``),
+    or raises ``ValueError`` when ``errors`` is None. A last line without its newline is a
+    write in progress and is not read.
+    """
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.endswith(b"\n"):
+                if errors is not None and raw.strip():
+                    errors.append(f"{path}:{number}: incomplete last line (still being written?)")
+                return
+            if not raw.strip():
+                continue
+            try:
+                yield decode_line(raw)
+            except ValueError as exc:
+                message = f"{path}:{number}: not an OTLP/JSON trace request: {exc}"
+                if errors is None:
+                    raise ValueError(message) from exc
+                errors.append(message)
+
+
+# --- the exporter ----------------------------------------------------------------------------
+class OtlpJsonFileExporter(SpanExporter):
+    """Writes kept spans as OTLP/JSON lines to ``path``, one episode (trace) per line.
+
+    ``max_bytes`` (default 100 MiB; 0 turns rotation off) caps a file: a line that would pass it
+    goes to a fresh file after rotation, keeping ``backups`` old files. A single line larger than
+    ``max_bytes`` is still written whole (alone in its file). Write errors return ``FAILURE``
+    (the pipeline counts it) and are logged once per kind; they never raise.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int = 100 * 1024 * 1024,
+        backups: int = 5,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
+        if backups < 0:
+            raise ValueError(f"backups must be >= 0, got {backups!r}")
+        self.path = Path(path)
+        self.max_bytes = int(max_bytes)
+        self.backups = int(backups)
+        self.lines_written = 0
+        self.spans_written = 0
+        self.rotations = 0
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._size = 0
+        self._closed = False
+        self._logged: set[str] = set()
+
+    # -- file handling (under the lock) --
+    def _open(self) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+            self._fd = os.open(self.path, flags, _FILE_MODE)
+            self._size = os.fstat(self._fd).st_size
+        return self._fd
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def _rotate(self) -> None:
+        self._close_fd()
+        if self.backups == 0:
+            self.path.unlink(missing_ok=True)
+        else:
+            for index in range(self.backups - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{index}")
+                if older.exists():
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
+            if self.path.exists():
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self.rotations += 1
+
+    def _write_line(self, data: bytes) -> None:
+        fd = self._open()
+        if self.max_bytes and self._size > 0 and self._size + len(data) > self.max_bytes:
+            self._rotate()
+            fd = self._open()
+        view = memoryview(data)
+        while view:  # a regular file takes it in one write; loop only if the kernel splits it
+            written = os.write(fd, view)
+            view = view[written:]
+        self._size += len(data)
+
+    # -- SpanExporter --
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if not spans:
+            return SpanExportResult.SUCCESS
+        by_trace: dict[int, list[ReadableSpan]] = {}
+        for span in spans:
+            by_trace.setdefault(span.context.trace_id, []).append(span)
+        try:
+            lines = [(encode_request(group) + "\n").encode("utf-8") for group in by_trace.values()]
+        except Exception as exc:  # noqa: BLE001 - a span the encoder refuses must not crash export
+            self._log_once("encode", f"otel_rollouts: OtlpJsonFileExporter could not encode spans: {exc}")
+            return SpanExportResult.FAILURE
+        with self._lock:
+            if self._closed:
+                return SpanExportResult.FAILURE
+            try:
+                for line, group in zip(lines, by_trace.values(), strict=True):
+                    self._write_line(line)
+                    self.lines_written += 1
+                    self.spans_written += len(group)
+            except OSError as exc:
+                self._close_fd()  # reopen next time (the file may have been removed)
+                self._log_once(
+                    type(exc).__name__,
+                    f"otel_rollouts: OtlpJsonFileExporter cannot write {self.path}: {exc}",
+                )
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Lines are written straight to the file (no user-space buffer): nothing to flush."""
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._close_fd()
+
+    def _log_once(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(message)
