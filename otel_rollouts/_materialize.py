@@ -12,7 +12,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
-from otel_rollouts._content import cut, to_json
+from otel_rollouts._content import Deferred, cut, jsonable, to_json
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -35,7 +35,7 @@ class Materializer:
         self.redact = redact
 
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
-        spans = [self.span(record.trace_id, s) for s in record.spans]
+        spans = [self.span(record.trace_id, s) for s in _expanded(record.spans)]
         spans.extend(record.foreign)
         return spans
 
@@ -74,6 +74,8 @@ class Materializer:
         truncated: list[str] = []
         limit = self.max_attribute_chars
         for key, value in raw.items():
+            if isinstance(value, Deferred):  # resolved here: text stays text, None is left out
+                value = jsonable(value)
             if value is None:
                 continue
             if isinstance(value, (bool, int, float)):
@@ -95,6 +97,20 @@ class Materializer:
         if self.redact is not None:
             text = self.redact(text)
         return cut(text, limit)
+
+
+def _expanded(spans):
+    """The records, each one that has ``expand()`` replaced by the spans it stands for.
+
+    For spans known only once the episode is kept (e.g. tool calls parsed from token ids that
+    are decoded only for kept episodes: see ``decode``).
+    """
+    for s in spans:
+        expand = getattr(s, "expand", None)
+        if expand is None:
+            yield s
+        else:
+            yield from expand()
 
 
 def _homogeneous(values) -> bool:

@@ -27,7 +27,7 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import snapshot, to_float, to_int
+from otel_rollouts._content import Deferred, snapshot, to_float, to_int
 from otel_rollouts._guard import guarded, guarded_or, report
 from otel_rollouts._recording import DROPPED, KEPT, EpisodeRecord, SpanRecord
 
@@ -49,6 +49,8 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]]:
     """OpenAI-style message list from a list of messages, one message, or plain text."""
     if messages is None:
         return []
+    if isinstance(messages, Deferred):  # a message list known only if the episode is kept
+        return messages
     if isinstance(messages, str):
         return [{"role": role, "content": messages}]
     if isinstance(messages, Mapping):
@@ -202,14 +204,16 @@ class Generation:
             span.attributes[c.GEN_AI_REQUEST_MODEL] = str(model)
             span.name = c.chat_span_name(str(model))
         if _runtime.current().capture_content:
-            if isinstance(content, Mapping):
+            if isinstance(content, Deferred):  # the whole message, rendered only if kept
+                message = content
+            elif isinstance(content, Mapping):
                 message = snapshot(dict(content))
                 message.setdefault("role", "assistant")
             else:
                 message = {"role": "assistant", "content": "" if content is None else content}
                 if not isinstance(message["content"], (str, list)):
                     message["content"] = str(message["content"])
-            if tool_calls:
+            if tool_calls and isinstance(message, dict):
                 message["tool_calls"] = snapshot(list(tool_calls))
             span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
         if finish_reason is not None:
