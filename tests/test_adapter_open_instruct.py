@@ -230,27 +230,30 @@ def test_content_is_snapshotted_before_the_batch_is_reused(memory):
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting decode calls (to see decoding happens only for kept episodes)."""
+    """The real tokenizer, counting decode calls (to see decoding happens only for kept episodes).
 
-    def __init__(self):
-        self.decoded = 0
+    The counter is on the class: decoding uses a private copy of the tokenizer.
+    """
+
+    decoded = 0
 
     def decode(self, token_ids, **kw):
-        self.decoded += 1
+        type(self).decoded += 1
         return tokenizer().decode(token_ids, **kw)
 
 
 def test_cap_holds_per_step_and_dropped_episodes_are_never_decoded(otr_shutdown):
     exporter = configure_memory(cap=2, policy="first")
     tok = CountingTokenizer()
+    CountingTokenizer.decoded = 0
     batch, result, adv = make(4, tools=False)
     batch.raw_queries = batch.decoded_responses = None  # text must come from token ids
     open_instruct.record_batch(batch, result, step=9, advantages=adv, num_samples_per_prompt=G, tokenizer=tok)
-    assert tok.decoded == 0  # nothing decoded on the training thread
+    assert CountingTokenizer.decoded == 0  # nothing decoded on the training thread
     otr.end_step(9)
     assert otr.flush()
     eps = episodes(exporter)
     assert len(eps) == 2
-    assert tok.decoded == 4  # prompt + response of the 2 kept episodes only
+    assert CountingTokenizer.decoded == 4  # prompt + response of the 2 kept episodes only
     msgs = messages_of(exporter)[sorted(eps)[0]]
     assert msgs[0]["content"].startswith("<|im_start|> user what is")

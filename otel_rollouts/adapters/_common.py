@@ -388,15 +388,19 @@ def mask_runs(mask: Sequence[Any]) -> list[tuple[int, int, int]]:
 def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
     """Text of ``ids`` decoded only if the episode is kept (a ``Deferred`` for the exporter).
 
-    The ids are copied now (the caller may reuse its buffers); decoding keeps special tokens so
-    chat-template markers and tool tags stay visible.
+    The ids are copied now (the caller may reuse its buffers). Decoding runs on the export
+    thread with a private copy of the tokenizer (a fast tokenizer used from two threads at once
+    can fail in the training thread) and keeps special tokens, so chat markers and tool tags stay
+    visible.
     """
     from otel_rollouts._content import Deferred
+    from otel_rollouts.decode import _info
 
+    info = _info(tokenizer)  # learned once per tokenizer, on the calling thread
     ids = [int(t) for t in ids]
 
     def decode() -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        return info.decoder.decode(ids, skip_special_tokens=False)
 
     return Deferred(decode)
 
