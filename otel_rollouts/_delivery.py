@@ -1,29 +1,55 @@
-"""Delivery: one background thread renders kept episodes and hands them to the exporters.
+"""Delivery: kept episodes leave the training thread and reach every exporter, or are counted.
 
-The training thread only enqueues (never blocks: a full queue drops and counts). Each exporter
-call is guarded: an exporter that raises or fails is counted and logged once per exporter and
-error type, and the other exporters still receive.
+Three stages, none of which the training thread waits on:
+
+1. the training thread only ``put_nowait``s a kept episode record into a bounded queue (sized
+   from the sampler's cap); a full queue drops the item, counts it and warns once per interval;
+2. one render thread turns records into SDK spans (``Materializer``) and hands each batch to one
+   ``Outlet`` per exporter (never blocking: an outlet's memory buffer is bounded too);
+3. each outlet has its own sender thread, so a slow or dead exporter holds up only itself. A
+   batch the exporter fails (``FAILURE`` or an exception) goes to a bounded on-disk ``Spool``
+   and is retried with exponential backoff until the exporter accepts it; while an outage
+   lasts, new batches go straight to the spool. Nothing kept is lost while the spool has room;
+   when it is full the oldest batches go first, counted.
+
+``force_flush()`` of an exporter is never trusted as proof of delivery (the stock batch
+processor returns True after dropping spans): an episode counts as delivered only when an
+``export`` call that carried its root span returned ``SUCCESS``.
+
+OTLP requests are split so that none is larger than the collector's message-size limit
+(``max_request_bytes``): a batch is halved by span until every part fits.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import shutil
+import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel_rollouts import conventions as c
 from otel_rollouts._materialize import Materializer
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
+from otel_rollouts._spool import Spool, decode, encode
 from otel_rollouts._stats import Stats
 
 logger = logging.getLogger("otel_rollouts")
 
 _STOP = object()
+WARN_INTERVAL_S = 10.0
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
+_BACKOFF_MIN_S = 0.25
+_BACKOFF_MAX_S = 15.0
+_POISON_AFTER = 3  # consecutive failures of one batch before checking whether only it fails
 
 
 class _Marker:
@@ -37,8 +63,312 @@ def exporter_name(exporter: Any) -> str:
     return type(exporter).__name__
 
 
+def count_episodes(spans: Sequence[ReadableSpan]) -> int:
+    """Episode roots in a batch: a batch is delivered episode by episode, by its roots."""
+    n = 0
+    for span in spans:
+        attrs = span.attributes
+        if attrs and attrs.get(c.RL_SPAN_KIND) == c.KIND_EPISODE:
+            n += 1
+    return n
+
+
+def _is_otlp(exporter: Any) -> bool:
+    return type(exporter).__module__.startswith("opentelemetry.exporter.otlp")
+
+
+class _Warner:
+    """A warning per kind at most once per interval, with the running total."""
+
+    def __init__(self, interval: float = WARN_INTERVAL_S) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.interval:
+                return
+            self._last[kind] = now
+        logger.warning("otel_rollouts: " + message, *args)
+
+
+class Outlet:
+    """One exporter's buffer, spool and sender thread."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        name: str,
+        stats: Stats,
+        warner: _Warner,
+        *,
+        max_pending: int,
+        spool_dir: Path | None,
+        spool_max_bytes: int,
+        max_request_bytes: int | None,
+    ) -> None:
+        self.exporter = exporter
+        self.name = name
+        self.stats = stats
+        self.warner = warner
+        self.max_pending = max_pending
+        self._spool_dir = spool_dir
+        self._spool_max_bytes = spool_max_bytes
+        self._spool: Spool | None = None
+        self.max_request_bytes = max_request_bytes if _is_otlp(exporter) else None
+        limit = getattr(exporter, "_max_request_size", None)
+        if self.max_request_bytes and isinstance(limit, int) and 0 < limit < self.max_request_bytes:
+            self.max_request_bytes = limit
+        self._pending: deque[list[ReadableSpan]] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # cut a backoff short (flush, stop)
+        self._attempts = 0  # export attempts finished
+        self._last_ok = True
+        self._logged: set[str] = set()
+        if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
+            self._open_spool()  # batches a previous process left behind go first
+        self._thread = threading.Thread(target=self._run, name=f"otel-rollouts-send-{name}", daemon=True)
+        self._thread.start()
+
+    # --- render side ---------------------------------------------------------------------
+    def offer(self, spans: list[ReadableSpan]) -> None:
+        with self._cond:
+            outage = self._spool is not None and len(self._spool) > 0
+            if not outage and len(self._pending) < self.max_pending:
+                self._pending.append(spans)
+                self._cond.notify()
+                return
+        # an outage is going on, or the exporter is slower than training: keep it on disk
+        self._to_spool(spans)
+        with self._cond:
+            self._cond.notify()
+
+    def _open_spool(self) -> Spool | None:
+        if self._spool is None and self._spool_dir is not None and self._spool_max_bytes > 0:
+            try:
+                self._spool = Spool(self._spool_dir, self._spool_max_bytes)
+            except OSError as exc:
+                self._log_once("spool", f"cannot create spool at {self._spool_dir}: {exc}")
+                self._spool_max_bytes = 0
+        return self._spool
+
+    def _to_spool(self, spans: list[ReadableSpan]) -> None:
+        episodes = count_episodes(spans)
+        spool = self._open_spool()
+        if spool is None:
+            self._dropped("spool_unavailable", episodes)
+            return
+        try:
+            dropped = spool.push(encode(spans), episodes)
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop delivery
+            self.stats.add(f"errors.spool.{self.name}")
+            self._log_once("spool.write", f"spool write failed: {exc}")
+            self._dropped("spool_error", episodes)
+            return
+        self.stats.add(f"spooled.{self.name}", episodes)
+        if dropped:
+            self._dropped("spool_full", dropped)
+
+    def _dropped(self, reason: str, episodes: int) -> None:
+        self.stats.add(f"dropped.{reason}.{self.name}", episodes)
+        self.stats.add(f"dropped.{reason}", episodes)
+        self.warner.warn(
+            f"{reason}.{self.name}",
+            "%s: dropped %d episode(s) (%s); total so far %d (counted in otr.stats())",
+            self.name,
+            episodes,
+            reason,
+            self.stats.total(f"dropped.{reason}.{self.name}"),
+        )
+
+    # --- status ----------------------------------------------------------------------------
+    def pending_episodes(self) -> int:
+        with self._cond:
+            in_memory = sum(count_episodes(b) for b in self._pending)
+        return in_memory + (self._spool.episodes if self._spool is not None else 0)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._pending and not self._busy and (self._spool is None or len(self._spool) == 0)
+
+    def _idle_locked(self) -> bool:
+        return not self._pending and not self._busy and (self._spool is None or len(self._spool) == 0)
+
+    def wait_idle(self, deadline: float, *, through_outage: bool = False) -> bool:
+        """Wait until all is delivered. Unless ``through_outage``, stop waiting (returning
+        False) as soon as one attempt made after this call has failed: what failed is safe in
+        the spool and is retried in the background, and an outage may last longer than anyone
+        calling flush() wants to wait."""
+        with self._cond:
+            start = self._attempts
+            self._wake.set()  # a sender in a backoff wait tries again now
+            self._cond.notify_all()
+            while not self._idle_locked():
+                if not through_outage and self._attempts > start and not self._last_ok:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                if through_outage and self._attempts > start and not self._wake.is_set():
+                    start = self._attempts
+                    self._wake.set()  # at shutdown, retry promptly instead of backing off
+                self._cond.wait(min(remaining, 0.05))
+            return True
+
+    # --- sender thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.0
+        failures = 0
+        while not self._stopping.is_set():
+            if backoff:
+                self._wake.wait(backoff)
+                if self._stopping.is_set():
+                    return
+            self._wake.clear()
+            with self._cond:
+                while not self._pending and (self._spool is None or len(self._spool) == 0):
+                    if self._stopping.is_set():
+                        return
+                    self._cond.wait(0.5)
+                self._busy = True
+            ok = False
+            try:
+                spool = self._spool
+                if spool is not None and len(spool) > 0:
+                    ok = self._send_spooled(spool, failures)
+                else:
+                    with self._cond:
+                        batch = self._pending.popleft() if self._pending else None
+                    ok = True
+                    if batch is not None:
+                        failed = self._send(batch)
+                        ok = not failed
+                        if failed:
+                            # keep it, and everything behind it, on disk until the exporter is back
+                            for part in failed:
+                                self._to_spool(part)
+                            with self._cond:
+                                rest, self._pending = list(self._pending), deque()
+                            for item in rest:
+                                self._to_spool(item)
+            except Exception as exc:  # noqa: BLE001 - the sender thread never dies
+                ok = False
+                self._log_once("sender", f"delivery error: {exc!r}")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._attempts += 1
+                    self._last_ok = ok
+                    self._cond.notify_all()
+            if ok:
+                backoff, failures = 0.0, 0
+            else:
+                failures += 1
+                backoff = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
+
+    def _send_spooled(self, spool: Spool, failures: int) -> bool:
+        head = spool.peek()
+        if head is None:
+            return True
+        path, data, _ = head
+        spans = decode(data)
+        failed = self._send(spans)
+        if not failed:
+            spool.remove(path)
+            return True
+        if sum(len(p) for p in failed) < len(spans):  # part of it went through: keep the rest
+            spool.remove(path)
+            for part in failed:
+                self._to_spool(part)
+            return False
+        if failures + 1 >= _POISON_AFTER and len(spool) > 1:
+            # this batch, or the exporter? try the next one: if it goes through, the head is one
+            # the exporter will never accept: drop it (counted) rather than stall behind it
+            second = spool.peek(1)
+            if second is not None and not self._send(decode(second[1])):
+                spool.remove(second[0])
+                spool.remove(path)
+                self._dropped("rejected", count_episodes(spans))
+                return True
+        return False
+
+    def _send(self, spans: list[ReadableSpan]) -> list[list[ReadableSpan]]:
+        """Export ``spans`` (split under the request-size limit); return the parts that failed."""
+        parts = self._split(spans) if self.max_request_bytes else [spans]
+        failed: list[list[ReadableSpan]] = []
+        for part in parts:
+            if not part:
+                continue
+            try:
+                result = self.exporter.export(part)
+            except Exception as exc:  # noqa: BLE001 - an exporter bug never reaches training
+                self.stats.add(f"errors.export.{self.name}")
+                self._log_once(f"export.{type(exc).__name__}", f"export raised {type(exc).__name__}: {exc}")
+                result = SpanExportResult.FAILURE
+            if result is SpanExportResult.FAILURE:
+                self.stats.add(f"export.failures.{self.name}")
+                self._log_once("export.FAILURE", "export returned FAILURE (will retry from the spool)")
+                failed.append(part)
+            else:
+                self.stats.add(f"delivered.{self.name}", count_episodes(part))
+        return failed
+
+    def _split(self, spans: list[ReadableSpan]) -> list[list[ReadableSpan]]:
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        limit = self.max_request_bytes or 0
+        out: list[list[ReadableSpan]] = []
+        stack = [spans]
+        while stack:
+            part = stack.pop()
+            if encode_spans(part).ByteSize() <= limit:
+                out.append(part)
+            elif len(part) == 1:
+                self.stats.add(f"dropped.oversize_spans.{self.name}")
+                self._dropped("oversize", count_episodes(part))
+            else:
+                half = len(part) // 2
+                stack.append(part[half:])
+                stack.append(part[:half])
+        if len(out) > 1:
+            self.stats.add(f"export.split_requests.{self.name}", len(out) - 1)
+        return out
+
+    # --- shutdown --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the sender; batches still in memory are kept on disk (when there is a spool)."""
+        self._stopping.set()
+        self._wake.set()
+        with self._cond:
+            rest, self._pending = list(self._pending), deque()
+            self._cond.notify_all()
+        if rest and self._spool_max_bytes > 0:
+            for batch in rest:
+                self._to_spool(batch)
+        elif rest:
+            self._dropped("shutdown", sum(count_episodes(b) for b in rest))
+
+    def leftover(self) -> tuple[int, Path | None]:
+        """(episodes left undelivered on disk, spool directory) after stop()."""
+        spool = self._spool
+        if spool is None:
+            return 0, None
+        return spool.episodes, spool.directory
+
+    def _log_once(self, what: str, message: str) -> None:
+        if what in self._logged:
+            return
+        self._logged.add(what)
+        logger.warning("otel_rollouts: exporter %s: %s (logged once; counted in otr.stats())", self.name, message)
+
+
 class Delivery:
-    """A bounded queue and the thread that drains it into the exporters."""
+    """A bounded queue, the render thread that drains it, and one outlet per exporter."""
 
     def __init__(
         self,
@@ -46,15 +376,45 @@ class Delivery:
         materializer: Materializer,
         stats: Stats,
         max_queue: int = 1024,
+        *,
+        spool_dir: str | Path | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self.exporters = list(exporters)
         self.materializer = materializer
         self.stats = stats
+        self.warner = _Warner()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._logged: set[tuple[str, str]] = set()
-        self._last_full_warning = 0.0
+        self._own_spool_root = spool_dir is None
+        self.spool_root = Path(spool_dir) if spool_dir is not None else None
+        self.outlets: list[Outlet] = []
+        seen: dict[str, int] = {}
+        for i, exporter in enumerate(self.exporters):
+            base = exporter_name(exporter)
+            seen[base] = seen.get(base, 0) + 1
+            name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+            self.outlets.append(
+                Outlet(
+                    exporter,
+                    name,
+                    stats,
+                    self.warner,
+                    max_pending=max_queue,
+                    spool_dir=self._spool_dir_for(i, base),
+                    spool_max_bytes=spool_max_bytes,
+                    max_request_bytes=max_request_bytes,
+                )
+            )
         self._thread = threading.Thread(target=self._run, name="otel-rollouts-export", daemon=True)
         self._thread.start()
+
+    def _spool_dir_for(self, index: int, name: str) -> Path | None:
+        if self.spool_root is None:
+            # created lazily, private to this process, removed at shutdown when empty
+            self.spool_root = Path(tempfile.gettempdir()) / f"otel-rollouts-spool-{time.time_ns():x}-{id(self):x}"
+        return self.spool_root / f"{index}-{name}"
 
     # --- called from the training side -------------------------------------------------------
     def episode(self, record: EpisodeRecord) -> None:
@@ -71,18 +431,21 @@ class Delivery:
             self._queue.put_nowait(item)
         except queue.Full:
             self.stats.add(f"dropped.queue_full.{what}")
-            now = time.monotonic()
-            if now - self._last_full_warning > 10.0:
-                self._last_full_warning = now
-                logger.warning(
-                    "otel_rollouts: export queue full (%d items); dropping %s. Total dropped: %s",
-                    self._queue.maxsize,
-                    what,
-                    self.stats.total(f"dropped.queue_full.{what}"),
-                )
+            self.warner.warn(
+                f"queue_full.{what}",
+                "export queue full (%d items); dropping %s. Total dropped: %s (otr.stats())",
+                self._queue.maxsize,
+                what,
+                self.stats.total(f"dropped.queue_full.{what}"),
+            )
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until everything queued before this call went to the exporters."""
+    # --- flush / shutdown ----------------------------------------------------------------------
+    def flush(self, timeout: float, *, through_outage: bool = False) -> bool:
+        """Wait until everything queued before this call was delivered (or the deadline).
+
+        Returns False early when an exporter is failing (its batches wait in the spool and are
+        retried in the background), unless ``through_outage`` (shutdown: the last chance).
+        """
         deadline = time.monotonic() + timeout
         if not self._thread.is_alive():
             return False
@@ -94,30 +457,83 @@ class Delivery:
         if not marker.event.wait(max(deadline - time.monotonic(), 0.0)):
             return False
         ok = True
-        for exporter in self.exporters:
-            remaining_ms = int(max(deadline - time.monotonic(), 0.0) * 1000)
-            ok = self._call(exporter, "force_flush", remaining_ms) is not False and ok
+        for outlet in self.outlets:
+            ok = outlet.wait_idle(deadline, through_outage=through_outage) and ok
+        for outlet in self.outlets:
+            if time.monotonic() >= deadline:
+                return False
+            ok = self._flush_exporter(outlet, deadline) and ok
         return ok
 
+    def _flush_exporter(self, outlet: Outlet, deadline: float) -> bool:
+        result: list[Any] = []
+        remaining_ms = int(max(deadline - time.monotonic(), 0.0) * 1000)
+        worker = threading.Thread(
+            target=lambda: result.append(self._call(outlet, "force_flush", remaining_ms)), daemon=True
+        )
+        worker.start()
+        worker.join(max(deadline - time.monotonic(), 0.0))
+        return bool(result) and result[0] is not False
+
     def shutdown(self, timeout: float) -> bool:
+        """Flush, then stop; never waits past ``timeout`` (a dead network included)."""
         deadline = time.monotonic() + timeout
-        flushed = self.flush(timeout)
+        if not self._thread.is_alive():
+            return False  # a forked copy: the threads (and the work) are the parent's
+        flushed = self.flush(max(timeout * 0.8, 0.0), through_outage=True)
         try:
             self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
         except queue.Full:
             pass
         self._thread.join(max(deadline - time.monotonic(), 0.0))
+        for outlet in self.outlets:
+            outlet.stop()
         # exporters' shutdown may hang on a dead network: run it where we can stop waiting
         closer = threading.Thread(target=self._shutdown_exporters, daemon=True)
         closer.start()
         closer.join(max(deadline - time.monotonic(), 0.0))
+        self._report_leftovers()
         return flushed and not self._thread.is_alive() and not closer.is_alive()
 
-    def _shutdown_exporters(self) -> None:
-        for exporter in self.exporters:
-            self._call(exporter, "shutdown")
+    def _report_leftovers(self) -> None:
+        for outlet in self.outlets:
+            episodes, directory = outlet.leftover()
+            if episodes:
+                self.stats.add(f"undelivered_at_exit.{outlet.name}", episodes)
+                logger.warning(
+                    "otel_rollouts: %s: %d kept episode(s) not delivered; they stay in %s and are "
+                    "sent by the next process configured with spool_dir pointing there",
+                    outlet.name,
+                    episodes,
+                    directory,
+                )
+        root = self.spool_root
+        if self._own_spool_root and root is not None and root.is_dir():
+            if not any(root.rglob("*.otlp")):
+                shutil.rmtree(root, ignore_errors=True)
 
-    # --- the export thread ---------------------------------------------------------------------
+    def _shutdown_exporters(self) -> None:
+        for outlet in self.outlets:
+            self._call(outlet, "shutdown")
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """Per exporter: episodes delivered, spooled to disk, pending, dropped."""
+        out = {}
+        for outlet in self.outlets:
+            n = outlet.name
+            dropped = sum(
+                v for k, v in self.stats.snapshot()["totals"].items() if k.startswith("dropped.") and k.endswith("." + n)
+            )
+            out[n] = {
+                "delivered": self.stats.total(f"delivered.{n}"),
+                "spooled": self.stats.total(f"spooled.{n}"),
+                "pending": outlet.pending_episodes(),
+                "dropped": dropped,
+                "failures": self.stats.total(f"export.failures.{n}"),
+            }
+        return out
+
+    # --- the render thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -135,23 +551,24 @@ class Delivery:
                     trace_id, span = payload
                     spans = [self.materializer.span(trace_id, span)]
                 else:
-                    spans = payload
+                    spans = [self.materializer.foreign(s) for s in payload]
             except Exception as exc:  # noqa: BLE001 - rendering must never kill the thread
                 self._log_once("materialize", exc)
                 self.stats.add("errors.materialize")
                 continue
-            for exporter in self.exporters:
-                result = self._call(exporter, "export", spans)
-                if result is SpanExportResult.FAILURE:
-                    self.stats.add(f"errors.export.{exporter_name(exporter)}")
-                    self._log_once(exporter_name(exporter), "export returned FAILURE")
+            for outlet in self.outlets:
+                try:
+                    outlet.offer(spans)
+                except Exception as exc:  # noqa: BLE001
+                    self._log_once(f"{outlet.name}.offer", exc)
+                    self.stats.add(f"errors.offer.{outlet.name}")
 
-    def _call(self, exporter: Any, method: str, *args: Any) -> Any:
+    def _call(self, outlet: Outlet, method: str, *args: Any) -> Any:
         try:
-            return getattr(exporter, method)(*args)
+            return getattr(outlet.exporter, method)(*args)
         except Exception as exc:  # noqa: BLE001 - an exporter bug never reaches training
-            self.stats.add(f"errors.{method}.{exporter_name(exporter)}")
-            self._log_once(f"{exporter_name(exporter)}.{method}", exc)
+            self.stats.add(f"errors.{method}.{outlet.name}")
+            self._log_once(f"{outlet.name}.{method}", exc)
             return False
 
     def _log_once(self, where: str, error: Any) -> None:

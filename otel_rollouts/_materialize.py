@@ -28,16 +28,52 @@ class Materializer:
         scope: InstrumentationScope,
         max_attribute_chars: int = 16_384,
         redact: Callable[[str], str] | None = None,
+        max_episode_chars: int | None = None,
     ) -> None:
         self.resource = resource
         self.scope = scope
         self.max_attribute_chars = max_attribute_chars
         self.redact = redact
+        # text budget of one whole episode (all its attributes); None: unlimited
+        self.max_episode_chars = max_episode_chars
+        self._budget: int | None = None
 
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
-        spans = [self.span(record.trace_id, s) for s in _expanded(record.spans)]
-        spans.extend(record.foreign)
+        self._budget = self.max_episode_chars
+        try:
+            spans = [self.span(record.trace_id, s) for s in _expanded(record.spans)]
+        finally:
+            self._budget = None
+        spans.extend(self.foreign(s) for s in record.foreign)
         return spans
+
+    def foreign(self, span: ReadableSpan) -> ReadableSpan:
+        """A span of other instrumentation, with its text attributes redacted (if redacting)."""
+        if self.redact is None or not span.attributes:
+            return span
+        attrs = span.attributes
+        if not any(isinstance(v, str) or (isinstance(v, tuple) and v and isinstance(v[0], str)) for v in attrs.values()):
+            return span
+        clean = {
+            k: self.redact(v) if isinstance(v, str)
+            else tuple(self.redact(x) if isinstance(x, str) else x for x in v) if isinstance(v, tuple)
+            else v
+            for k, v in attrs.items()
+        }
+        return ReadableSpan(
+            name=span.name,
+            context=span.context,
+            parent=span.parent,
+            resource=span.resource,
+            attributes=clean,
+            events=span.events,
+            links=span.links,
+            kind=span.kind,
+            status=span.status,
+            start_time=span.start_time,
+            end_time=span.end_time,
+            instrumentation_scope=span.instrumentation_scope,
+        )
 
     def span(self, trace_id: int, s: SpanRecord) -> ReadableSpan:
         attributes, truncated = self._attributes(s.attributes)
@@ -48,7 +84,10 @@ class Materializer:
             events = tuple(
                 Event(name, self._attributes(attrs)[0], timestamp=ts) for name, attrs, ts in s.events
             )
-        status = Status(s.status_code, s.status_message if s.status_code is StatusCode.ERROR else None)
+        message = s.status_message if s.status_code is StatusCode.ERROR else None
+        if message and self.redact is not None:
+            message = self.redact(message)
+        status = Status(s.status_code, message)
         parent = (
             SpanContext(trace_id, s.parent_id, is_remote=False, trace_flags=_SAMPLED)
             if s.parent_id is not None
@@ -96,6 +135,14 @@ class Materializer:
     def _text(self, text: str, limit: int) -> tuple[str, bool]:
         if self.redact is not None:
             text = self.redact(text)
+        budget = self._budget
+        if budget is not None:
+            # the episode's budget is shared by its texts, in span order; each keeps at least a
+            # small head and tail so that a cut text still shows what it was
+            limit = max(min(limit, budget), 256) if limit > 0 else max(budget, 256)
+            text, was_cut = cut(text, limit)
+            self._budget = max(budget - len(text), 0)
+            return text, was_cut
         return cut(text, limit)
 
 

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from otel_rollouts import _runtime
+from otel_rollouts import _exit, _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._delivery import Delivery
+from otel_rollouts._delivery import DEFAULT_MAX_REQUEST_BYTES, Delivery
 from otel_rollouts._guard import guarded
 from otel_rollouts._materialize import Materializer
 from otel_rollouts._pipeline import Pipeline
 from otel_rollouts._stats import Stats
+from otel_rollouts.redaction import make_redactor
 from otel_rollouts.sampling import TailSampler
 
 logger = logging.getLogger("otel_rollouts")
@@ -30,7 +29,6 @@ logger = logging.getLogger("otel_rollouts")
 __all__ = ["configure", "end_step", "flush", "shutdown", "stats", "set_step"]
 
 _lock = threading.RLock()
-_atexit_registered = False
 _ticker: threading.Thread | None = None
 _ticker_stop = threading.Event()
 
@@ -72,24 +70,16 @@ def otlp_exporter_from_env() -> SpanExporter:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()
+    timeout = None
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
+        timeout = 5.0  # its own retries must give up soon: our spool retries for as long as it takes
+    return OTLPSpanExporter(timeout=timeout)
 
 
 def _resource(service_name: str | None, attributes: Mapping[str, Any] | None, run_id: str) -> Resource:
-    attrs: dict[str, Any] = {
-        c.SERVICE_INSTANCE_ID: f"{socket.gethostname()}-{os.getpid()}",
-        c.RL_RUN_ID: run_id,
-    }
-    if attributes:
-        attrs.update(attributes)
-    if service_name:
-        attrs[c.SERVICE_NAME] = service_name
-    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME (env wins for the name
-    # only when no explicit service_name was given)
-    resource = Resource.create(attrs)
-    if not service_name and not os.environ.get(c.ENV_SERVICE_NAME):
-        resource = resource.merge(Resource({c.SERVICE_NAME: "otel-rollouts"}))
-    return resource
+    from otel_rollouts.resource import run_resource
+
+    return run_resource(service_name, attributes, run_id)
 
 
 def configure(
@@ -105,9 +95,18 @@ def configure(
     max_spans_per_episode: int = 1024,
     max_attribute_chars: int = 16_384,
     max_queue: int | None = None,
-    redact: Callable[[str], str] | None = None,
+    redact: bool | Callable[[str], str] | None = True,
     strict: bool = False,
     set_global_provider: bool = False,
+    redact_patterns: Sequence[str] = (),
+    max_episode_chars: int | None = 1_048_576,
+    max_attributes_per_span: int = 1024,
+    spool_dir: str | os.PathLike[str] | None = None,
+    spool_max_bytes: int = 256 * 1024 * 1024,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    handle_signals: bool = True,
+    exit_timeout: float = 10.0,
+    metric_readers: Sequence[Any] | None = None,
 ) -> None:
     """Set up tracing of episodes for this process. Safe to call again: it reconfigures.
 
@@ -121,10 +120,26 @@ def configure(
     * ``strict``: raise on refused values instead of recording them flagged.
     * ``set_global_provider``: also install the TracerProvider as OpenTelemetry's global one, so
       other instrumentation's spans (httpx, OpenAI clients) join episode traces.
+    * ``redact`` (default on), ``redact_patterns``: secrets in captured content are replaced
+      before anything leaves the process (see ``otel_rollouts.redaction``); a callable is run
+      after the built-in patterns; ``False`` turns the built-in patterns off.
+    * ``max_attribute_chars`` / ``max_episode_chars``: text budgets per attribute and per
+      episode (head and tail kept, cut attributes named in ``rl.content.truncated``);
+      ``max_spans_per_episode``: spans beyond it are dropped and counted;
+      ``max_attributes_per_span``: OpenTelemetry's attribute-count limit (default 128) raised.
+    * ``spool_dir`` / ``spool_max_bytes``: where batches an exporter failed wait for it to come
+      back (default: a private temporary directory, removed when empty), and its cap;
+      ``max_request_bytes``: OTLP requests are split under the collector's message-size limit.
+    * ``handle_signals`` / ``exit_timeout``: flush at exit, SIGTERM included, within this time.
+    * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
+      ``otel_rollouts.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
+      ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
     """
-    global _atexit_registered
+    arguments = dict(locals())  # a forked child rebuilds its own runtime from these (workers.py)
     with _lock:
         old = _runtime.installed()
+        if old is not None and old.extra.get("pid", os.getpid()) != os.getpid():
+            old = None  # inherited through fork: the parent's threads are not here; the parent delivers it
         if old is not None:
             _shutdown_runtime(old, timeout=10.0)
         if _env_flag(c.ENV_SDK_DISABLED):
@@ -143,12 +158,29 @@ def configure(
             resource,
             InstrumentationScope(c.SCOPE_NAME, _version()),
             max_attribute_chars=max_attribute_chars,
-            redact=redact,
+            redact=make_redactor(redact, redact_patterns),
+            max_episode_chars=max_episode_chars,
         )
         queue_size = max_queue or max(256, 8 * sampler.max_traces_per_step)
-        delivery = Delivery(list(exporters), materializer, stats, max_queue=queue_size)
+        delivery = Delivery(
+            list(exporters),
+            materializer,
+            stats,
+            max_queue=queue_size,
+            spool_dir=spool_dir,
+            spool_max_bytes=spool_max_bytes,
+            max_request_bytes=max_request_bytes,
+        )
         pipeline = Pipeline(sampler, delivery, stats)
-        provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        provider = TracerProvider(
+            resource=resource,
+            shutdown_on_exit=False,
+            span_limits=SpanLimits(
+                max_attributes=max_attributes_per_span,
+                max_event_attributes=max_attributes_per_span,
+                max_span_attributes=max_attributes_per_span,
+            ),
+        )
         provider.add_span_processor(pipeline)
         if set_global_provider:
             from opentelemetry import trace
@@ -167,11 +199,23 @@ def configure(
             deterministic_ids=deterministic_ids,
             tracer=provider.get_tracer(c.SCOPE_NAME, _version()),
         )
+        rt.extra["pid"] = os.getpid()
+        rt.extra["configure_kwargs"] = arguments
+        _attach_metrics(rt, resource, metric_readers, exporters)
         _runtime.install(rt)
         _start_ticker()
-        if not _atexit_registered:
-            atexit.register(_at_exit)
-            _atexit_registered = True
+        _exit.install(_at_exit_flush, exit_timeout, handle_signals)
+
+
+def _attach_metrics(rt: _runtime.Runtime, resource: Resource, readers, exporters) -> None:
+    """Rollout metrics when there is somewhere to send them (readers, OTLP env, Trackio)."""
+    from otel_rollouts.metrics import RolloutMetrics, meter_provider
+
+    provider = meter_provider(resource, readers)
+    sinks = [e for e in exporters if callable(getattr(e, "log_metrics", None))]
+    if provider is None and not sinks:
+        return
+    rt.extra["metrics"] = rt.pipeline.observer = RolloutMetrics(provider, sinks, rt.stats)
 
 
 def _start_ticker() -> None:
@@ -198,15 +242,20 @@ def _shutdown_runtime(rt: _runtime.Runtime, timeout: float) -> bool:
         return True
     rt.enabled = False
     rt.pipeline.close_all()
+    metrics = rt.extra.get("metrics")
+    if metrics is not None:
+        metrics.flush(timeout)  # step summaries reach the exporters before they shut down
     ok = rt.delivery.shutdown(timeout)
+    if metrics is not None:
+        metrics.shutdown(timeout)
     return ok
 
 
-def _at_exit() -> None:
-    try:
-        shutdown(timeout=10.0)
-    except Exception:  # noqa: BLE001
-        pass
+def _at_exit_flush(timeout: float) -> None:
+    rt = _runtime.installed()
+    if rt is not None and rt.extra.get("pid", os.getpid()) != os.getpid():
+        return  # a forked child's copy of its parent's runtime: the parent delivers it
+    shutdown(timeout=timeout)
 
 
 @guarded
@@ -237,7 +286,9 @@ def flush(timeout: float = 30.0) -> bool:
         return True
     try:
         rt.pipeline.close_all()
-        return rt.delivery.flush(timeout)
+        metrics = rt.extra.get("metrics")
+        ok = metrics.flush(timeout) if metrics is not None else True
+        return rt.delivery.flush(timeout) and ok
     except Exception as exc:  # noqa: BLE001
         logger.warning("otel_rollouts: flush failed: %s", exc)
         return False
@@ -270,4 +321,7 @@ def stats() -> dict[str, Any]:
     rt = _runtime.installed()
     if rt is None or rt.stats is None:
         return {"totals": {}, "steps": {}}
-    return rt.stats.snapshot()
+    snapshot = rt.stats.snapshot()
+    if rt.delivery is not None:
+        snapshot["delivery"] = rt.delivery.report()
+    return snapshot
