@@ -1,0 +1,163 @@
+"""torchforge adapter: GRPO ``Episode`` records and the sample dicts forge's sample logging keeps.
+
+``forge`` is not imported (it needs monarch, torchtitan, vllm); ``Episode`` and ``Completion``
+below copy the field names of ``apps/grpo/main.py`` and ``forge/data_models/completion.py``
+(PR #486 head), with real CPU torch tensors for the token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from adapter_fixtures import configure_memory, episodes, messages_of
+from otr_helpers import trackio_rows
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+from otel_rollouts.adapters.torchforge import record_episodes
+
+
+@dataclass
+class Completion:
+    prompt: Any
+    text: str
+    prompt_ids: torch.Tensor
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    stop_reason: str | None = None
+    generator_version: int | None = None
+    metadata: dict | None = None
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    pad_id: int
+    request_len: int
+    response_len: int
+    target: Any | None = None
+    request: str | None = None
+    response: str | None = None
+    completion: Completion | None = None
+    ref_logprobs: torch.Tensor | None = None
+    reward: float | None = None
+    reward_breakdown: dict[str, float] | None = None
+    advantage: float | None = None
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.completion.generator_version
+
+    def to_dict(self, exclude: list[str] | None = None) -> dict[str, Any]:
+        """As in PR #486: the breakdown is flattened into the top level."""
+        result = {
+            "episode_id": self.episode_id, "policy_version": self.policy_version,
+            "prompt": self.request, "response": self.response, "target": str(self.target),
+            "request_len": self.request_len, "response_len": self.response_len,
+            "pad_id": self.pad_id, "ref_logprobs": self.ref_logprobs, "completion": self.completion,
+            "reward": self.reward, "advantage": self.advantage,
+        }
+        if self.reward_breakdown is not None and "reward_breakdown" not in exclude:
+            result.update(self.reward_breakdown)
+        return {k: v for k, v in result.items() if k not in exclude}
+
+
+REQUEST = ("<|im_start|>system\nlet me think<|im_end|>\n<|im_start|>user\nwhat is 2 + 2 ?"
+           "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def make_episode(i, text, math, thinking, version=3, stop="stop", response_tokens=5):
+    completion = Completion(prompt=None, text=text, prompt_ids=torch.arange(12),
+                            token_ids=torch.arange(response_tokens), stop_reason=stop,
+                            generator_version=version, metadata={"num_cached_tokens": 8})
+    ep = Episode(episode_id=f"uuid-{i}", pad_id=0, request_len=512, response_len=512, target=4,
+                 request=REQUEST, response=text, completion=completion)
+    ep.reward_breakdown = {"MathReward": math, "ThinkingReward": thinking}
+    ep.reward = (math + thinking) / 2
+    return ep
+
+
+def test_episodes_read_back_from_trackio(otr_shutdown):
+    project = "adapter-torchforge"
+    mem = configure_memory(trackio_project=project)
+    group = [make_episode(0, "the answer is 4", 1.0, 0.5),
+             make_episode(1, "the answer is", 0.0, 0.0, stop="length", response_tokens=512)]
+    group[0].advantage, group[1].advantage = torch.tensor(0.7), torch.tensor(-0.7)
+    assert record_episodes(group, step=5) == ["uuid-0", "uuid-1"]
+    otr.flush()
+
+    eps = episodes(mem)
+    a = eps["uuid-0"]["root"]
+    assert a[c.RL_STEP] == 5 and a[c.RL_SPLIT] == "train" and a[c.RL_POLICY_VERSION] == 3
+    assert a[c.RL_STALENESS] == 2 and a[c.RL_FRAMEWORK] == "torchforge"
+    assert a[c.RL_GROUP_ID] == eps["uuid-1"]["root"][c.RL_GROUP_ID]  # same request: same group
+    assert a[c.RL_REWARD] == 0.75 and a[c.RL_REWARD_PREFIX + "MathReward"] == 1.0
+    assert a[c.RL_REWARD_PREFIX + "ThinkingReward"] == 0.5
+    assert abs(a[c.RL_ADVANTAGE] - 0.7) < 1e-6 and a[c.RL_STATUS] == "ok"
+    chat = eps["uuid-1"]["by_kind"]["generation"][0].attributes
+    # real token counts from the completion, not the padded request_len/response_len
+    assert chat[c.GEN_AI_USAGE_INPUT_TOKENS] == 12 and chat[c.GEN_AI_USAGE_OUTPUT_TOKENS] == 512
+    truncated = eps["uuid-1"]["root"]
+    assert truncated[c.RL_STATUS] == "truncated" and truncated[c.RL_FINISH_REASON] == "length"
+
+    rows = {r["metadata"][c.RL_EPISODE_ID]: r for r in trackio_rows(project)}
+    row = rows["uuid-0"]
+    assert row["step"] == 5
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+    assert row["messages"][0]["content"] == REQUEST and row["messages"][1]["content"] == "the answer is 4"
+    md = row["metadata"]
+    assert md[c.RL_REWARD_PREFIX + "MathReward"] == 1.0 and md[c.RL_POLICY_VERSION] == 3
+    assert md[c.RL_METADATA_PREFIX + "padded_request_len"] == 512
+    assert md[c.RL_METADATA_PREFIX + "completion.num_cached_tokens"] == 8
+    assert md[c.RL_METADATA_PREFIX + "target"] == "4"
+
+
+def test_sample_dicts_from_top_bottom_heaps_recorded_once(memory):
+    """``SampleAccumulator`` with fewer samples than top_k + bottom_k returns the same dict in both
+    heaps, and global_reduce concatenates ranks: each episode must appear once."""
+    a = make_episode(0, "the answer is 4", 1.0, 1.0).to_dict(exclude=["ref_logprobs", "completion"])
+    b = make_episode(1, "no", 0.0, 0.0).to_dict(exclude=["ref_logprobs", "completion"])
+    state = {"reduction_type": "sample", "samples": [b, a, b, a, a]}  # bottoms + tops, 2 ranks
+    assert record_episodes(state, step=2) == ["uuid-1", "uuid-0"]
+    otr.flush()
+    eps = episodes(memory)
+    assert sorted(eps) == ["uuid-0", "uuid-1"]
+    assert eps["uuid-0"]["root"][c.RL_REWARD_PREFIX + "MathReward"] == 1.0  # flattened column
+    assert c.RL_REWARD_PREFIX + "pad_id" not in eps["uuid-0"]["root"]
+    assert otr.stats()["steps"]["2/train"]["adapters.duplicates"] == 3
+
+
+def test_streamed_dict_string_rewards_placeholder_version_and_mutation(memory):
+    """per_rank_no_reduce streams one dict; legacy values as text; -1 version; mutated later."""
+    sample = make_episode(7, "the answer is 4", 1.0, 0.5, version=-1).to_dict(
+        exclude=["ref_logprobs", "completion"])
+    sample.update(reward="0.750", advantage="0.25", MathReward="1.0")
+    record_episodes(sample, step=1)
+    sample["response"] = "MUTATED"
+    sample["MathReward"] = 0.0
+    bad = make_episode(8, "x", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
+    bad["reward"] = "n/a"
+    record_episodes([bad], step=1)
+    otr.flush()
+
+    eps = episodes(memory)
+    a = eps["uuid-7"]["root"]
+    assert a[c.RL_REWARD] == 0.75 and a[c.RL_ADVANTAGE] == 0.25
+    assert a[c.RL_REWARD_PREFIX + "MathReward"] == 1.0
+    assert c.RL_POLICY_VERSION not in a and c.RL_STALENESS not in a  # -1 placeholder ignored
+    assert messages_of(memory)["uuid-7"][1]["content"] == "the answer is 4"
+    flagged = eps["uuid-8"]["root"]
+    assert c.RL_REWARD not in flagged and flagged[c.RL_REWARD_PREFIX + "ThinkingReward"] == 0.5
+    assert any("uuid-8" in m and "reward" in m for m in flagged[c.RL_INVALID_FIELDS])
+
+
+def test_cap_per_step_across_calls(otr_shutdown):
+    mem = configure_memory(cap=2, policy="first")
+    for call in range(3):  # continuous_rollouts records group after group
+        record_episodes([make_episode(f"{call}-{i}", "the answer is 4", 1.0, 0.5) for i in range(2)],
+                        step=9)
+    otr.end_step(9)
+    otr.flush()
+    assert len(episodes(mem)) == 2 and otr.stats()["steps"]["9/train"]["seen"] == 6
