@@ -261,6 +261,14 @@ class TrackioExporter(SpanExporter):
                 self.exported += len(traces)
         return SpanExportResult.SUCCESS
 
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
+        as its traces). Handed down by the pipeline's metrics when the step closes."""
+        if not values:
+            return
+        with self._lock:
+            self._trackio_run().log(dict(values), step=int(step))
+
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Make everything logged so far durable (Trackio writes on ``finish``).
 

@@ -17,6 +17,14 @@ from otel_rollouts._guard import InvalidValue
 from otel_rollouts.configuration import configure, end_step, flush, set_step, shutdown, stats
 from otel_rollouts.decode import TokenBatchSummary, record_token_batch
 from otel_rollouts.episode import Episode, Generation, ToolCall, Turn, current_episode, episode
+from otel_rollouts.logs import instrument_logging, uninstrument_logging
+from otel_rollouts.propagation import (
+    extract_context,
+    httpx_event_hooks,
+    inject_headers,
+    instrument_requests_session,
+    openai_extra_headers,
+)
 from otel_rollouts.sampling import (
     Compose,
     Errors,
@@ -28,8 +36,21 @@ from otel_rollouts.sampling import (
     Uniform,
 )
 from otel_rollouts.traced import traced
+from otel_rollouts.workers import WorkerResult, adopt, context_carrier, submit, with_context
 
 __all__ = [
+    "adopt",
+    "context_carrier",
+    "extract_context",
+    "httpx_event_hooks",
+    "inject_headers",
+    "instrument_logging",
+    "instrument_requests_session",
+    "openai_extra_headers",
+    "submit",
+    "uninstrument_logging",
+    "with_context",
+    "WorkerResult",
     "Compose",
     "configure",
     "conventions",

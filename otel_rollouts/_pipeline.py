@@ -50,6 +50,7 @@ class Pipeline(SpanProcessor):
         self._foreign: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
         self._seq = 0
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
+        self.observer: Any = None  # metrics: told of each decision and each closed step
 
     # --- distributed budget --------------------------------------------------------------------
     def _distributed(self):
@@ -140,12 +141,14 @@ class Pipeline(SpanProcessor):
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
+        self._observe("decided", record, None)
         self.delivery.episode(record)
 
     def _drop(self, record: EpisodeRecord, reason: str) -> None:
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
         self.stats.step((record.step, record.split), "dropped." + reason)
+        self._observe("decided", record, reason)
         # free what it held at once
         record.spans = []
         record.foreign = []
@@ -225,6 +228,15 @@ class Pipeline(SpanProcessor):
         for record in chosen:
             self._keep(record)
         self._closed[key] = step.kept + len(chosen)
+        self._observe("step_closed", key)
+
+    def _observe(self, event: str, *args: Any) -> None:
+        observer = self.observer
+        if observer is not None:
+            try:
+                getattr(observer, event)(*args)
+            except Exception:  # noqa: BLE001 - metrics never break the pipeline
+                self.stats.add("errors.metrics")
 
     def _trim_closed(self) -> None:
         while len(self._closed) > _MAX_CLOSED:
@@ -290,6 +302,27 @@ class Pipeline(SpanProcessor):
             self.delivery.spans([span])  # ended after its episode was kept
         else:  # DROPPED: nothing of a dropped episode is exported
             self.stats.add("dropped.late_spans")
+
+    def adopt(self, spans: list[ReadableSpan], record: EpisodeRecord | None = None) -> None:
+        """Finished spans made in another process (a worker task) for an episode held here:
+        held with it while undecided, exported if it was kept, dropped (counted) otherwise."""
+        late: list[ReadableSpan] = []
+        with self._lock:
+            for span in spans:
+                trace_id = span.context.trace_id
+                owner = record if record is not None and record.trace_id == trace_id else None
+                owner = owner or self._live.get(trace_id)
+                if owner is not None and owner.state in (OPEN, OFFERED):
+                    if len(owner.spans) + len(owner.foreign) < owner.max_spans:
+                        owner.foreign.append(span)
+                    else:
+                        owner.dropped_spans += 1
+                elif owner is not None and owner.state == KEPT:
+                    late.append(span)
+                else:  # dropped, or decided so long ago that it is not known any more
+                    self.stats.add("dropped.late_spans")
+        if late:
+            self.delivery.spans(late)
 
     def shutdown(self) -> None:
         return None

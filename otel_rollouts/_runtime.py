@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,10 @@ def current() -> Runtime:
     rt = _runtime
     if rt is not None:
         return rt
+    if _revive is not None:
+        rt = _run_revive()
+        if rt is not None:
+            return rt
     if not _warned_unconfigured:
         _warned_unconfigured = True
         logger.warning(
@@ -60,8 +65,37 @@ def current() -> Runtime:
 
 
 def install(rt: Runtime | None) -> None:
-    global _runtime
+    global _runtime, _revive
     _runtime = rt
+    _revive = None
+
+
+# --- a forked child rebuilds its runtime on first use (see workers.py) ----------------------------
+_revive = None
+_revive_lock = threading.Lock()
+
+
+def set_revive(revive) -> None:
+    """Register a callable that builds the runtime the first time ``current()`` needs one."""
+    global _revive
+    _revive = revive
+
+
+def pending_revive():
+    return _revive
+
+
+def _run_revive() -> Runtime | None:
+    global _revive
+    with _revive_lock:
+        revive, _revive = _revive, None
+    if revive is None:
+        return _runtime
+    try:
+        return revive()
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the child
+        logger.warning("otel_rollouts: could not rebuild the runtime after fork: %s", exc)
+        return None
 
 
 def installed() -> Runtime | None:

@@ -144,3 +144,24 @@ SERVICE_INSTANCE_ID = "service.instance.id"
 
 # --- instrumentation scope ------------------------------------------------------------------
 SCOPE_NAME = "otel_rollouts"
+
+# --- correlation with infrastructure telemetry (resource, metrics, logs) ---------------------
+RL_RANK = "rl.rank"  # resource: this process's rank (torch.distributed or env RANK)
+RL_LOCAL_RANK = "rl.local_rank"
+RL_WORLD_SIZE = "rl.world_size"
+RL_DROP_REASON = "rl.drop.reason"  # metric attribute: why the sampler dropped an episode
+GEN_AI_TOKEN_TYPE = "gen_ai.token.type"  # metric attribute: input | output (GenAI conventions)
+ENV_METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
+ENV_LOGS_EXPORTER = "OTEL_LOGS_EXPORTER"
+METRIC_EPISODES_SEEN = "rl.episodes.seen"
+METRIC_EPISODES_KEPT = "rl.episodes.kept"
+METRIC_EPISODES_DROPPED = "rl.episodes.dropped"
+METRIC_REWARD = "rl.reward"
+METRIC_EPISODE_DURATION = "rl.episode.duration"
+METRIC_TOKENS = "rl.tokens"
+METRIC_TOOL_ERRORS = "rl.tool.errors"
+# log record attributes (Python identifiers: LogRecord fields, usable in format strings)
+LOG_TRACE_ID = "trace_id"
+LOG_SPAN_ID = "span_id"
+LOG_RL_STEP = "rl_step"
+LOG_RL_EPISODE_ID = "rl_episode_id"

@@ -1,0 +1,146 @@
+"""Trace context into outgoing requests, and out of incoming ones (W3C TraceContext + Baggage).
+
+An episode's spans are light records, but the current one sits in the OpenTelemetry context as
+a real ``Span`` with the episode's trace id, so OpenTelemetry's own propagators serialise it as
+is. On top of ``traceparent``/``tracestate`` the W3C ``baggage`` header carries ``rl.step`` and
+``rl.episode.id`` so a server (vLLM, SGLang, a reward model) can tag its own spans or logs with
+the episode they served.
+
+    with turn.generation("policy") as gen:
+        response = client.chat.completions.create(..., extra_headers=otr.openai_extra_headers())
+
+The server's span then becomes a child of this generation span, in the episode's trace.
+
+The ``sampled`` flag stays set: when the request leaves, the tail sampler has not decided yet
+(rewards come later), so the server records and exports its spans itself. Server-side spans of
+an episode that is later dropped reach the collector as a fragment without its root; they carry
+the episode id in baggage if the server copies baggage to span attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from otel_rollouts import conventions as c
+from otel_rollouts._recording import SpanRecord
+
+__all__ = [
+    "extract_context",
+    "httpx_event_hooks",
+    "inject_headers",
+    "instrument_requests_session",
+    "openai_extra_headers",
+    "propagator",
+]
+
+# Always W3C, whatever OTEL_PROPAGATORS says: inference servers (vLLM, SGLang) and the OTel
+# server instrumentations read exactly these headers.
+_PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+
+
+def propagator() -> CompositePropagator:
+    """The propagator used here: W3C TraceContext followed by W3C Baggage."""
+    return _PROPAGATOR
+
+
+def _episode_context(ctx: otel_context.Context | None = None) -> otel_context.Context:
+    """``ctx`` (default: current) with ``rl.step`` and ``rl.episode.id`` added to its baggage."""
+    ctx = ctx if ctx is not None else otel_context.get_current()
+    span = trace.get_current_span(ctx)
+    if isinstance(span, SpanRecord):
+        root = span.episode.root
+        attrs = root.attributes if root is not None else {}
+        for key in (c.RL_STEP, c.RL_EPISODE_ID):
+            value = attrs.get(key)
+            if value is not None:
+                ctx = baggage.set_baggage(key, str(value), ctx)
+    return ctx
+
+
+def inject_headers(
+    headers: MutableMapping[str, str] | None = None,
+    context: otel_context.Context | None = None,
+) -> MutableMapping[str, str]:
+    """Add ``traceparent``/``tracestate``/``baggage`` for the current span to ``headers``.
+
+    Returns ``headers`` (a new dict when None was given). Outside any span nothing is added
+    (baggage set by the user still is). Never raises: a failure leaves the headers as they were.
+    """
+    if headers is None:
+        headers = {}
+    try:
+        _PROPAGATOR.inject(headers, context=_episode_context(context))
+    except Exception:  # noqa: BLE001 - telemetry never breaks a request
+        pass
+    return headers
+
+
+def openai_extra_headers(headers: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Headers for the ``extra_headers=`` argument of an OpenAI-compatible client call."""
+    out = dict(headers) if headers else {}
+    inject_headers(out)
+    return out
+
+
+def extract_context(
+    headers: Mapping[str, Any], context: otel_context.Context | None = None
+) -> otel_context.Context:
+    """The context (remote parent span + baggage) carried by incoming ``headers``.
+
+    Use it as ``parent``/``context`` of the server's span, or ``otel_context.attach`` it.
+    Header names are matched case-insensitively.
+    """
+    lowered = {str(k).lower(): v for k, v in headers.items()}
+    return _PROPAGATOR.extract(lowered, context=context)
+
+
+# --- httpx -----------------------------------------------------------------------------------------
+def _httpx_inject(request: Any) -> None:
+    carrier: dict[str, str] = {}
+    inject_headers(carrier)
+    for key, value in carrier.items():
+        request.headers[key] = value
+
+
+async def _httpx_inject_async(request: Any) -> None:
+    _httpx_inject(request)
+
+
+def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list]:
+    """``event_hooks`` for ``httpx.Client`` (or ``httpx.AsyncClient`` with ``asynchronous=True``).
+
+    ``httpx.Client(event_hooks=otr.httpx_event_hooks())``: every request carries the context
+    current when it is sent (hooks run in the caller's thread / task).
+    """
+    return {"request": [_httpx_inject_async if asynchronous else _httpx_inject]}
+
+
+# --- requests --------------------------------------------------------------------------------------
+def _adapter_class():
+    from requests.adapters import HTTPAdapter
+
+    class ContextAdapter(HTTPAdapter):
+        """A ``requests`` adapter that adds the current trace context to each request it sends."""
+
+        def add_headers(self, request, **kwargs):
+            super().add_headers(request, **kwargs)
+            carrier: dict[str, str] = {}
+            inject_headers(carrier)
+            request.headers.update(carrier)
+
+    return ContextAdapter
+
+
+def instrument_requests_session(session: Any) -> Any:
+    """Mount an adapter on ``session`` (http and https) that injects the trace context; returns it."""
+    adapter = _adapter_class()()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session

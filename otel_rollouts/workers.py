@@ -1,0 +1,330 @@
+"""Episode context in thread pools, process pools and multiprocessing workers.
+
+Threads share the process's pipeline, so a task only needs the context: spans it makes join
+the episode directly. A worker *process* cannot hand its spans to the parent's tail sampler,
+and the sampler decides only later (when rewards are in). So a task run in another process
+records its spans locally, under the parent's span (same trace id, parent span id from the
+W3C ``traceparent`` of the carrier), and returns them with its result as a ``WorkerResult``
+(an OTLP protobuf ``ExportTraceServiceRequest``: picklable, language-neutral). The parent
+adopts them into the episode, which keeps or drops them with everything else. Nothing is
+exported from the worker; no round trip is needed.
+
+    # ThreadPoolExecutor or ProcessPoolExecutor: a future of the plain value
+    future = otr.submit(executor, score, completion)
+    # multiprocessing.Pool (or any API that returns what the task returned)
+    results = [otr.adopt(r) for r in pool.map(otr.with_context(score), completions)]
+
+A worker task raising an exception carries its spans on the exception; ``adopt_exception``
+(called by ``submit``) adopts them. Spans are adopted only while the episode is undecided (or
+kept: then they go out as late spans); adopt before the episode's step closes.
+
+Fork safety: a forked child must neither export nor forget the parent's buffered episodes.
+At fork the child drops its copy of the runtime (those undecided episodes and the export queue
+belong to the parent, which still has them) and rebuilds its own pipeline and export threads
+lazily, on first use, from the same ``configure()`` arguments.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
+
+from otel_rollouts import _runtime
+from otel_rollouts import conventions as c
+from otel_rollouts._recording import EpisodeRecord, SpanRecord
+from otel_rollouts.propagation import extract_context, inject_headers
+
+__all__ = [
+    "WorkerResult",
+    "adopt",
+    "adopt_exception",
+    "context_carrier",
+    "submit",
+    "with_context",
+]
+
+_EXC_ATTR = "_otel_rollouts_worker_spans"
+
+
+def context_carrier() -> dict[str, str]:
+    """The current trace context as a plain ``dict[str, str]`` (W3C headers): picklable,
+    JSON-safe, fit for any task payload (multiprocessing, Ray, a queue message)."""
+    return dict(inject_headers({}))
+
+
+class WorkerResult:
+    """A worker task's return value plus the spans it made (OTLP protobuf bytes)."""
+
+    __slots__ = ("value", "spans", "trace_id")
+
+    def __init__(self, value: Any, spans: bytes, trace_id: int) -> None:
+        self.value = value
+        self.spans = spans
+        self.trace_id = trace_id
+
+    def __getstate__(self):
+        return (self.value, self.spans, self.trace_id)
+
+    def __setstate__(self, state) -> None:
+        self.value, self.spans, self.trace_id = state
+
+    def __repr__(self) -> str:
+        return f"WorkerResult(value={self.value!r}, spans={len(self.spans)} bytes)"
+
+
+class ContextTask:
+    """``fn`` bound to a trace context; picklable when ``fn`` is (a module-level function).
+
+    Called in the process that made it (a thread pool), it runs ``fn`` in the captured context
+    and returns ``fn``'s value. Called in another process, it records ``fn``'s spans under the
+    carried context and returns a ``WorkerResult``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], carrier: Mapping[str, str] | None = None) -> None:
+        self.fn = fn
+        self.carrier = dict(carrier) if carrier is not None else context_carrier()
+        self.pid = os.getpid()
+        # the live context (with the episode's own span record): same process only
+        self.context = otel_context.get_current() if carrier is None else None
+
+    def __getstate__(self):
+        return {"fn": self.fn, "carrier": self.carrier, "pid": self.pid}
+
+    def __setstate__(self, state) -> None:
+        self.fn, self.carrier, self.pid = state["fn"], state["carrier"], state["pid"]
+        self.context = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() == self.pid:
+            ctx = self.context if self.context is not None else extract_context(self.carrier)
+            token = otel_context.attach(ctx)
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                otel_context.detach(token)
+        return _run_captured(self.fn, self.carrier, args, kwargs)
+
+
+def with_context(fn: Callable[..., Any], carrier: Mapping[str, str] | None = None) -> ContextTask:
+    """Wrap ``fn`` so that it runs in the current episode context (or ``carrier``'s) wherever
+    it is called: a thread, a ``ProcessPoolExecutor`` or ``multiprocessing.Pool`` worker.
+
+    Call it inside the episode (the context is captured now). In another process the wrapped
+    call returns a ``WorkerResult``: pass it to ``adopt`` to get the value and hand its spans
+    to the episode (``submit`` does this for executors).
+    """
+    return ContextTask(fn, carrier)
+
+
+# --- the worker side ---------------------------------------------------------------------------
+class _Sink:
+    """Stands in for the pipeline of the parent's episode inside a worker: holds nothing back."""
+
+    def part_ended(self, record: EpisodeRecord) -> None:
+        return None
+
+    def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
+        return None
+
+
+_SINK = _Sink()
+_worker_lock = threading.Lock()
+
+
+def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwargs) -> Any:
+    remote = extract_context(carrier)
+    parent = trace.get_current_span(remote).get_span_context()
+    if not parent.is_valid:
+        return WorkerResult(fn(*args, **kwargs), b"", 0)
+    installed = _runtime.installed()
+    revive = _runtime.pending_revive()
+    temporary = None
+    if installed is None or not installed.enabled:
+        # an unconfigured worker: record this task's spans anyway, they go back to the parent
+        temporary = _runtime.Runtime(enabled=True, capture_content=_capture_content())
+    max_spans = (installed or temporary).max_spans_per_episode
+    record = EpisodeRecord(parent.trace_id, _int(baggage.get_baggage(c.RL_STEP, remote)),
+                           "", _SINK, max_spans)
+    # the parent's span, as seen from here: children point at it; it is never exported
+    anchor = SpanRecord(record, "remote parent", parent.span_id, None, c.KIND_SPAN)
+    anchor.attributes[c.RL_STEP] = baggage.get_baggage(c.RL_STEP, remote)
+    anchor.attributes[c.RL_EPISODE_ID] = baggage.get_baggage(c.RL_EPISODE_ID, remote)
+    record.root = anchor
+    with _worker_lock:
+        if temporary is not None:
+            _runtime.install(temporary)
+    token = otel_context.attach(trace.set_span_in_context(anchor, remote))
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:
+        try:
+            setattr(exc, _EXC_ATTR, (_encode(record), parent.trace_id))
+        except Exception:  # noqa: BLE001 - an exception type that refuses attributes
+            pass
+        raise
+    finally:
+        otel_context.detach(token)
+        with _worker_lock:
+            if temporary is not None and _runtime.installed() is temporary:
+                _runtime.install(installed)
+                _runtime.set_revive(revive)
+    return WorkerResult(value, _encode(record), parent.trace_id)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _capture_content() -> bool:
+    value = os.environ.get(c.ENV_CAPTURE_CONTENT, "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def _encode(record: EpisodeRecord) -> bytes:
+    """The worker's finished spans (SDK form, OTLP protobuf); open ones are ended now."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    from otel_rollouts._materialize import Materializer
+
+    if not record.spans:
+        return b""
+    materializer = Materializer(Resource({}), InstrumentationScope(c.SCOPE_NAME))
+    spans = []
+    for span in record.spans:
+        if span.end_ns is None:
+            span.end_ns = span.start_ns
+        spans.append(materializer.span(record.trace_id, span))
+    return encode_spans(spans).SerializeToString()
+
+
+# --- the parent side ---------------------------------------------------------------------------
+def _decode(data: bytes) -> list:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    from otel_rollouts.replay import spans_from_request
+
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(data)
+    rt = _runtime.installed()
+    resource = rt.provider.resource if rt is not None and rt.provider is not None else None
+    out = []
+    for s in spans_from_request(request):
+        # re-stamped with this run's resource: worker spans are part of this run's trace
+        out.append(ReadableSpan(
+            name=s.name, context=s.context, parent=s.parent, resource=resource or s.resource,
+            attributes=s.attributes, events=s.events, links=s.links, kind=s.kind,
+            status=s.status, start_time=s.start_time, end_time=s.end_time,
+            instrumentation_scope=s.instrumentation_scope,
+        ))
+    return out
+
+
+def _hand_over(data: bytes, trace_id: int, record: EpisodeRecord | None = None) -> None:
+    if not data:
+        return
+    rt = _runtime.installed()
+    if rt is None or not rt.enabled or rt.pipeline is None:
+        return
+    try:
+        rt.pipeline.adopt(_decode(data), record)
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the caller
+        if rt.stats is not None:
+            rt.stats.add("errors.worker_spans")
+        from otel_rollouts._guard import report
+
+        report(f"worker spans: {type(exc).__name__}: {exc}")
+
+
+def adopt(result: Any, record: EpisodeRecord | None = None) -> Any:
+    """The value of a worker task; its spans join their episode (kept or dropped with it).
+
+    Anything that is not a ``WorkerResult`` is returned unchanged, so the same code serves
+    thread and process pools.
+    """
+    if not isinstance(result, WorkerResult):
+        return result
+    _hand_over(result.spans, result.trace_id, record)
+    return result.value
+
+
+def adopt_exception(exc: BaseException, record: EpisodeRecord | None = None) -> BaseException:
+    """Adopt the spans a failed worker task attached to its exception; returns ``exc``."""
+    carried = getattr(exc, _EXC_ATTR, None)
+    if carried is not None:
+        try:
+            delattr(exc, _EXC_ATTR)
+        except Exception:  # noqa: BLE001
+            pass
+        _hand_over(carried[0], carried[1], record)
+    return exc
+
+
+def submit(executor: concurrent.futures.Executor, fn: Callable[..., Any], /, *args: Any,
+           **kwargs: Any) -> concurrent.futures.Future:
+    """``executor.submit(fn, *args, **kwargs)`` in the current episode context.
+
+    Works with ``ThreadPoolExecutor`` and ``ProcessPoolExecutor``: the returned future holds
+    ``fn``'s value (or exception); a process worker's spans are adopted into the episode
+    before the future completes.
+    """
+    task = with_context(fn)
+    span = trace.get_current_span(task.context)
+    record = span.episode if isinstance(span, SpanRecord) else None
+    inner = executor.submit(task, *args, **kwargs)
+    outer: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(future: concurrent.futures.Future) -> None:
+        if future.cancelled():
+            outer.cancel()
+            outer.set_running_or_notify_cancel()
+            return
+        exc = future.exception()
+        if exc is not None:
+            outer.set_exception(adopt_exception(exc, record))
+        else:
+            outer.set_result(adopt(future.result(), record))
+
+    inner.add_done_callback(done)
+    return outer
+
+
+# --- fork safety -------------------------------------------------------------------------------
+def _after_fork_in_child() -> None:
+    """The child drops the parent's runtime (its undecided episodes and export queue stay the
+    parent's) and rebuilds its own, lazily, from the same configure() arguments."""
+    global _worker_lock
+    _worker_lock = threading.Lock()
+    rt = _runtime.installed()
+    if rt is None or not rt.enabled:
+        return
+    kwargs = rt.extra.get("configure_kwargs")
+    _runtime.install(None)
+    if kwargs is None:
+        return
+
+    def revive() -> _runtime.Runtime | None:
+        from otel_rollouts import configuration
+
+        # a metric reader belongs to one MeterProvider (the parent's): the child takes its
+        # metric settings from the environment only; a spool directory is the parent's too
+        overrides = {k: None for k in ("metric_readers", "spool_dir") if k in kwargs}
+        configuration.configure(**{**kwargs, **overrides})
+        return _runtime.installed()
+
+    _runtime.set_revive(revive)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
