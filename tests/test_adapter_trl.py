@@ -222,6 +222,7 @@ def test_tool_calling_completions_ragged_buffers_and_reused_batches(memory):
     plain = [{"role": "assistant", "content": "5"}]
     trainer.generate([tool_completion, plain], [1.0, 0.0], [1.0, 0.0], [0.7, -0.7])
     _step(callback, trainer, 1)
+    tool_completion[2]["content"] = "MUTATED"  # the trainer's buffers change after the step
     _step(callback, trainer, 2)  # num_iterations > 1: the same batch again, not recorded twice
     # a buffer shorter than the others (ragged): no IndexError, the sample is marked partial
     trainer.generate([plain, plain], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0])
@@ -237,6 +238,7 @@ def test_tool_calling_completions_ragged_buffers_and_reused_batches(memory):
     assert len(tool_ep["by_kind"]["turn"]) == 2
     conv = messages_of(memory)["train:1:0:0"]
     assert [m["role"] for m in conv] == ["user", "assistant", "tool", "assistant"]
+    assert conv[0]["content"] == "what is 2 + 2 ?" and conv[3]["content"] == "the answer is 4"
     assert conv[1]["tool_calls"][0]["function"]["name"] == "calc"
     assert tool_ep["root"][c.RL_REWARD] == 2.0 and tool_ep["root"][c.RL_ADVANTAGE] == 0.7
     assert tool_ep["root"][c.RL_GROUP_ID] == eps["train:1:0:1"]["root"][c.RL_GROUP_ID]
