@@ -1,0 +1,249 @@
+"""A small real OTLP/HTTP receiver, run as its own process on loopback, for fault injection.
+
+Phoenix (``receivers.py``) is the realistic receiver, but it takes 10-15 s to start and ingests
+~150 spans/s here. This one starts in well under a second, and can be told to misbehave:
+
+* ``delay``: sleep that many seconds before answering each request (a slow or hanging receiver);
+* ``status``: answer every request with this HTTP status (e.g. 503, what an overloaded Phoenix
+  or collector answers) without keeping the spans;
+* ``max_body``: refuse requests larger than this many bytes with 413 (a collector's
+  message-size limit).
+
+Every accepted span is appended to a JSON-lines file, so what was received survives a restart
+(``kill()`` then ``start()`` on the same port simulates a collector crash). Also records the
+``Authorization`` header of requests and whether they came over TLS.
+
+    python tests/otlp_sink.py --port 4318 --out spans.jsonl [--certfile c.pem --keyfile k.pem]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+# --- the server (runs in the child process) -------------------------------------------------------
+def _value(v: Any) -> Any:
+    which = v.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
+    if which == "bytes_value":
+        return v.bytes_value.hex()
+    return getattr(v, which)
+
+
+def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    state: dict[str, Any] = {"delay": 0.0, "status": None, "max_body": None, "requests": 0,
+                             "accepted": 0, "refused": 0, "authorization": [], "sizes": []}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:  # quiet
+            return
+
+        def _reply(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            with lock:
+                body = json.dumps({k: v for k, v in state.items()}).encode()
+            self._reply(200, body)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            data = self.rfile.read(length)
+            if self.path == "/control":
+                with lock:
+                    state.update(json.loads(data or b"{}"))
+                self._reply(200, b"{}")
+                return
+            with lock:
+                state["requests"] += 1
+                state["sizes"].append(length)
+                auth = self.headers.get("Authorization")
+                if auth is not None:
+                    state["authorization"].append(auth)
+                delay, status, max_body = state["delay"], state["status"], state["max_body"]
+            if delay:
+                time.sleep(delay)
+            if max_body is not None and length > max_body:
+                with lock:
+                    state["refused"] += 1
+                self._reply(413, b"request too large", "text/plain")
+                return
+            if status:
+                with lock:
+                    state["refused"] += 1
+                self._reply(int(status), b"unavailable", "text/plain")
+                return
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(data)
+            lines = []
+            for rs in request.resource_spans:
+                resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        lines.append(json.dumps({
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_id": span.parent_span_id.hex() or None,
+                            "name": span.name,
+                            "attributes": {kv.key: _value(kv.value) for kv in span.attributes},
+                            "events": [{"name": e.name, "attributes": {kv.key: _value(kv.value) for kv in e.attributes}}
+                                       for e in span.events],
+                            "status": span.status.message,
+                            "service": resource.get("service.name"),
+                        }))
+            with lock:
+                state["accepted"] += 1
+                with open(out, "a", encoding="utf-8") as fh:
+                    fh.write("".join(line + "\n" for line in lines))
+            self._reply(200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    if certfile:
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certfile, keyfile)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+    server.serve_forever()
+
+
+# --- the handle the tests use --------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OtlpSink:
+    """The sink as a subprocess: ``start()``, ``kill()``, ``start()`` again on the same port."""
+
+    def __init__(self, directory: Path, *, certfile: str | None = None, keyfile: str | None = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.out = self.directory / "received.jsonl"
+        self.port = free_port()
+        self.certfile, self.keyfile = certfile, keyfile
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.certfile else "http"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}/v1/traces"
+
+    def start(self, **control: Any) -> OtlpSink:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port), "--out", str(self.out)]
+        if self.certfile:
+            cmd += ["--certfile", self.certfile, "--keyfile", str(self.keyfile)]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=open(self.directory / "sink.log", "ab"))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    break
+            except OSError as exc:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.directory / "sink.log").read_text()
+                    raise RuntimeError(f"otlp sink did not start: {log}") from exc
+                time.sleep(0.02)
+        if control:
+            self.control(**control)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the receiver dies mid-run, no goodbye."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(10)
+            self._proc = None
+
+    stop = kill
+
+    def _open(self, request: urllib.request.Request | str):
+        if self.certfile:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.certfile)
+            return urllib.request.urlopen(request, timeout=10, context=ctx)
+        return urllib.request.urlopen(request, timeout=10)
+
+    def control(self, **settings: Any) -> None:
+        req = urllib.request.Request(
+            f"{self.scheme}://127.0.0.1:{self.port}/control", data=json.dumps(settings).encode(), method="POST"
+        )
+        with self._open(req):
+            pass
+
+    def state(self) -> dict[str, Any]:
+        with self._open(f"{self.scheme}://127.0.0.1:{self.port}/state") as response:
+            return json.load(response)
+
+    def spans(self) -> list[dict[str, Any]]:
+        if not self.out.exists():
+            return []
+        with open(self.out, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.endswith("\n")]
+
+    def roots(self) -> list[dict[str, Any]]:
+        return [s for s in self.spans() if s["attributes"].get("rl.span.kind") == "episode"]
+
+    def wait_for_roots(self, count: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            roots = self.roots()
+            if len(roots) >= count or time.monotonic() > deadline:
+                return roots
+            time.sleep(0.05)
+
+    def __enter__(self) -> OtlpSink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--certfile")
+    parser.add_argument("--keyfile")
+    args = parser.parse_args()
+    serve(args.port, args.out, args.certfile, args.keyfile)
