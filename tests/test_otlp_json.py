@@ -313,3 +313,45 @@ def test_file_replayed_into_trackio_matches_direct_export(tmp_path: Path) -> Non
         assert copy["metadata"] == original["metadata"]
         names = [s["name"] for s in copy["spans"]]
         assert names[0] == "episode" and "execute_tool search" in names
+
+
+def test_links_kinds_remote_parents_and_trace_state_survive(tmp_path: Path) -> None:
+    """Foreign OTel spans (e.g. an HTTP client span under an episode) round-trip too."""
+    from opentelemetry import trace
+    from opentelemetry.trace import Link, SpanContext, TraceFlags, TraceState
+
+    path = tmp_path / "foreign.jsonl"
+    memory = InMemorySpanExporter()
+    provider, tracer = _tracer(memory)
+    remote = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1),
+                         trace_state=TraceState([("vendor", "v1")]))
+    linked = SpanContext(0x1234, 0x5678, is_remote=False, trace_flags=TraceFlags(1))
+    with tracer.start_as_current_span(
+        "POST /v1/chat/completions", context=trace.set_span_in_context(trace.NonRecordingSpan(remote)),
+        kind=SpanKind.CLIENT, links=[Link(linked, {"link.reason": "retry-of"})],
+        attributes={"http.status_code": 200, "tags": ["a", "b"], "ratio": 0.5, "ok": True},
+    ):
+        pass
+    provider.shutdown()
+    exporter = OtlpJsonFileExporter(path)
+    assert exporter.export(memory.get_finished_spans()) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+
+    line = json.loads(path.read_text())
+    pb_span = line["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert pb_span["parentSpanId"] == f"{0xDEF:016x}"
+    assert pb_span["links"][0]["traceId"] == f"{0x1234:032x}"  # link ids are hex too
+    assert pb_span["links"][0]["spanId"] == f"{0x5678:016x}"
+    assert pb_span["kind"] == 3  # SPAN_KIND_CLIENT
+
+    (original,) = memory.get_finished_spans()
+    ((copy,),) = list(spans_from_file(path))
+    assert copy.kind is SpanKind.CLIENT
+    assert copy.context.trace_id == original.context.trace_id == 0xABC
+    assert copy.parent.span_id == 0xDEF and copy.parent.is_remote
+    assert copy.context.trace_state.get("vendor") == "v1"
+    assert [(lk.context.trace_id, lk.context.span_id, dict(lk.attributes)) for lk in copy.links] == [
+        (0x1234, 0x5678, {"link.reason": "retry-of"})
+    ]
+    assert dict(copy.attributes) == {"http.status_code": 200, "tags": ("a", "b"), "ratio": 0.5,
+                                     "ok": True}
