@@ -450,7 +450,12 @@ class Episode:
         if record is None or record.root is None or record.root.end_ns is not None:
             return
         root = record.root
-        if exc is not None:
+        if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+            # the process is exiting (sys.exit, Ctrl-C, SIGINT) or the episode was abandoned:
+            # it did not fail, it was cut short
+            root.attributes[c.RL_STATUS] = c.STATUS_TRUNCATED
+            root.attributes.setdefault(c.RL_FINISH_REASON, type(exc).__name__)
+        elif exc is not None:
             root.fail(exc)
             root.attributes[c.RL_STATUS] = c.STATUS_ERROR
         root.attributes.setdefault(c.RL_STATUS, c.STATUS_OK)

@@ -1,0 +1,256 @@
+"""Every way a process ends flushes what it recorded: a child Python process records episodes,
+then exits (normally, ``sys.exit``, an uncaught exception, SIGTERM, SIGINT, as a forked or
+spawned worker); the parent reads back what landed in the child's exporter (an OTLP/JSON file
+or Trackio's SQLite database)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from otlp_sink import free_port
+
+from otel_rollouts import conventions as c
+from otel_rollouts.replay import spans_from_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    import otel_rollouts as otr
+    from otel_rollouts.exporters import OtlpJsonFileExporter
+
+    mode, out = sys.argv[1], sys.argv[2]
+    otr.configure(exporters=[OtlpJsonFileExporter(out)], sampler=otr.TailSampler(100, "first"))
+    # step 0: three finished episodes; the step is never closed by the script
+    for i in range(3):
+        with otr.episode(step=0, sample_index=i, episode_id=f"done-{i}") as ep:
+            ep.prompt("question")
+            ep.reward(float(i))
+    if mode == "normal":
+        otr.episode(step=0, episode_id="open").start().prompt("never finished")
+        sys.stdout.write("READY\\n"); sys.stdout.flush()
+    elif mode == "sys_exit":
+        with otr.episode(step=0, episode_id="open") as ep:
+            ep.prompt("exiting")
+            sys.exit(3)
+    elif mode == "exception":
+        with otr.episode(step=0, episode_id="open") as ep:
+            ep.prompt("about to fail")
+            raise RuntimeError("boom in user code")
+    else:  # wait for a signal inside an open episode
+        with otr.episode(step=0, episode_id="open") as ep:
+            ep.prompt("waiting for a signal")
+            sys.stdout.write("READY\\n"); sys.stdout.flush()
+            time.sleep(60)
+    """
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _run_child(tmp_path: Path, mode: str, send: int | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    if send is not None:
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", proc.stderr.read()
+        proc.send_signal(send)
+    stdout, stderr = proc.communicate(timeout=60)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    episodes = {}
+    if out.exists():
+        for batch in spans_from_file(out):
+            for span in batch:
+                if (span.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE:
+                    episodes[span.attributes[c.RL_EPISODE_ID]] = dict(span.attributes)
+    return done, episodes
+
+
+@pytest.mark.parametrize(
+    ("mode", "send", "open_status", "returncode"),
+    [
+        ("normal", None, c.STATUS_TRUNCATED, 0),
+        ("sys_exit", None, c.STATUS_TRUNCATED, 3),
+        ("exception", None, c.STATUS_ERROR, 1),
+        ("signal", signal.SIGTERM, c.STATUS_TRUNCATED, -signal.SIGTERM),
+        ("signal", signal.SIGINT, c.STATUS_TRUNCATED, None),
+    ],
+    ids=["normal", "sys.exit", "uncaught-exception", "SIGTERM", "SIGINT"],
+)
+def test_every_exit_flushes_open_steps_and_closes_open_episodes(tmp_path, mode, send, open_status, returncode):
+    done, episodes = _run_child(tmp_path, mode, send)
+    if returncode is not None:
+        assert done.returncode == returncode, done.stderr
+    else:
+        assert done.returncode != 0  # KeyboardInterrupt ends the process
+    # the open step was closed and its episodes exported; the open episode too, closed and marked
+    assert sorted(episodes) == ["done-0", "done-1", "done-2", "open"], done.stderr
+    assert episodes["open"][c.RL_STATUS] == open_status
+    assert all(episodes[f"done-{i}"][c.RL_STATUS] == c.STATUS_OK for i in range(3))
+    if mode == "exception":
+        assert "boom in user code" in done.stderr  # the user's exception, untouched
+
+
+def test_sigterm_keeps_the_default_exit_status_and_a_users_handler_is_respected(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import signal, sys, time
+            got = []
+            signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+            import otel_rollouts as otr
+            from otel_rollouts.exporters import OtlpJsonFileExporter
+            otr.configure(exporters=[OtlpJsonFileExporter(sys.argv[1])], sampler=otr.TailSampler(10, "first"))
+            with otr.episode(step=0, episode_id="e") as ep:
+                ep.reward(1.0)
+            print("READY", flush=True)
+            deadline = time.time() + 30
+            while not got and time.time() < deadline:
+                time.sleep(0.01)
+            print("handled" if got else "not handled", flush=True)
+            """
+        )
+    )
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], stdout=subprocess.PIPE, text=True, env=_env())
+    assert proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert stdout.strip() == "handled" and proc.returncode == 0  # the user's handler ran, not ours
+    assert out.exists()  # and the normal exit still flushed
+
+
+def test_shutdown_never_hangs_past_its_timeout_with_the_receiver_down(tmp_path):
+    port = free_port()  # nothing listens there
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import json, sys, time
+            import otel_rollouts as otr
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            # a long exporter timeout: its own retries would take 30 s per batch
+            otr.configure(exporters=[OTLPSpanExporter(endpoint="http://127.0.0.1:{port}/v1/traces", timeout=30)],
+                          sampler=otr.TailSampler(10, "first"), spool_dir=sys.argv[1])
+            for i in range(5):
+                with otr.episode(step=0) as ep:
+                    ep.reward(1.0)
+            started = time.monotonic()
+            ok = otr.shutdown(timeout=2)
+            print(json.dumps({{"ok": ok, "took": time.monotonic() - started}}), flush=True)
+            """
+        )
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "spool")], capture_output=True, text=True, env=_env(), timeout=60
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] is False  # it says it could not deliver...
+    assert result["took"] < 5  # ...within its timeout (2 s, plus scheduling noise)
+    assert elapsed < 30  # and the process exits without waiting on the exporter
+    assert list((tmp_path / "spool").rglob("*.otlp"))  # what it could not send is kept on disk
+
+
+WORKER = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, sys
+
+    def work(out, n):
+        import otel_rollouts as otr
+        from otel_rollouts.exporters import OtlpJsonFileExporter
+        otr.configure(exporters=[OtlpJsonFileExporter(out)], sampler=otr.TailSampler(100, "first"))
+        for i in range(n):
+            with otr.episode(step=0, episode_id=f"{os.getpid()}-{i}") as ep:
+                ep.reward(1.0)
+        # no end_step, no flush: the worker just returns
+
+    if __name__ == "__main__":
+        method, out = sys.argv[1], sys.argv[2]
+        ctx = mp.get_context(method)
+        procs = [ctx.Process(target=work, args=(f"{out}.{k}", 4)) for k in range(2)]
+        for p in procs: p.start()
+        for p in procs: p.join(60)
+        print(",".join(str(p.exitcode) for p in procs))
+    """
+)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_forked_and_spawned_workers_flush_their_own_pipelines(tmp_path, method):
+    script = tmp_path / "parent.py"
+    script.write_text(WORKER)
+    out = tmp_path / "worker.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(script), method, str(out)], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "0,0", done.stderr
+    for k in range(2):
+        roots = [
+            s
+            for batch in spans_from_file(f"{out}.{k}")
+            for s in batch
+            if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE
+        ]
+        assert len(roots) == 4, f"worker {k} ({method}) lost episodes at exit"
+
+
+def test_trackio_receives_the_episodes_of_a_process_killed_by_sigterm(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            import otel_rollouts as otr
+            from otel_rollouts.exporters import TrackioExporter
+            otr.configure(exporters=[TrackioExporter("exits", run="r")], sampler=otr.TailSampler(10, "first"))
+            for i in range(3):
+                with otr.episode(step=i, episode_id=f"e{i}") as ep:
+                    ep.prompt("q"); ep.reward(1.0)
+            print("READY", flush=True)
+            time.sleep(60)
+            """
+        )
+    )
+    trackio_dir = tmp_path / "trackio"
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(TRACKIO_DIR=str(trackio_dir)),
+    )
+    assert proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, stderr
+    import sqlite3
+
+    db = sqlite3.connect(trackio_dir / "exits.db")
+    try:
+        steps = sorted(row[0] for row in db.execute("SELECT step FROM traces"))
+    finally:
+        db.close()
+    assert steps == [0, 1, 2], stderr
