@@ -116,7 +116,7 @@ def record_batch(
     )
     for i in range(n):
         _record_sample(cols, i, step=step, split=split, group=groups[i], tokenizer=tokenizer,
-                       model=model, n_per_group=num_samples_per_prompt)
+                       model=model, n_per_group=num_samples_per_prompt if complete else 0)
     return n
 
 
