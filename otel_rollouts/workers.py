@@ -101,13 +101,20 @@ class ContextTask:
         self.context = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if os.getpid() == self.pid:
-            ctx = self.context if self.context is not None else extract_context(self.carrier)
-            token = otel_context.attach(ctx)
+        if os.getpid() == self.pid and self.context is not None:
+            token = otel_context.attach(self.context)
             try:
                 return self.fn(*args, **kwargs)
             finally:
                 otel_context.detach(token)
+        if os.getpid() == self.pid:
+            # only a carrier, but this process holds the episode: record, then adopt here
+            try:
+                result = _run_captured(self.fn, self.carrier, args, kwargs)
+            except BaseException as exc:
+                adopt_exception(exc)
+                raise
+            return adopt(result)
         return _run_captured(self.fn, self.carrier, args, kwargs)
 
 

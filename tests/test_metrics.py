@@ -136,3 +136,57 @@ def test_per_step_numbers_land_in_trackio_at_the_same_step_as_the_traces():
     # the kept traces sit at the same steps
     steps_with_traces = {t["step"] for t in SQLiteStorage.get_traces(project, run=exporter.run)}
     assert steps_with_traces == {0, 1}
+
+
+def test_otlp_from_env_delivers_metrics_with_the_run_resource(monkeypatch):
+    """OTEL_METRICS_EXPORTER=otlp: the stock OTLP/HTTP metric exporter posts to a real HTTP
+    server on loopback, which decodes the protobuf request."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    received: list[ExportMetricsServiceRequest] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            request = ExportMetricsServiceRequest()
+            request.ParseFromString(self.rfile.read(int(self.headers["content-length"])))
+            received.append(request)
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            return None
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                       f"http://127.0.0.1:{httpd.server_address[1]}/v1/metrics")
+    try:
+        otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(1, "first"),
+                      run_id="otlp-run", handle_signals=False)
+        try:
+            for r in REWARDS:
+                _episode(0, r)
+            otr.end_step(0)
+            assert otr.flush(30)
+        finally:
+            otr.shutdown()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert received
+    names, resource = set(), {}
+    for request in received:
+        for rm in request.resource_metrics:
+            resource = {kv.key: kv.value for kv in rm.resource.attributes}
+            for sm in rm.scope_metrics:
+                names.update(m.name for m in sm.metrics)
+    assert {c.METRIC_EPISODES_SEEN, c.METRIC_REWARD, c.METRIC_TOKENS} <= names
+    assert resource[c.RL_RUN_ID].string_value == "otlp-run"

@@ -269,3 +269,17 @@ def test_a_forked_child_neither_duplicates_nor_loses_buffered_episodes(tmp_path)
     # every episode of the parent exported exactly once, by the parent
     assert sorted(roots) == sorted([(t, os.getpid()) for t in parent_traces] + [(report["trace"], child.pid)])
     assert report["trace"] not in parent_traces
+
+
+def test_an_explicit_carrier_in_the_same_process_joins_the_episode(exported):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with otr.episode(step=0) as ep:
+            with ep.turn():
+                carrier = otr.context_carrier()
+                parent_id = _current_span_id()
+            # e.g. an actor in this process that only got the carrier in its payload
+            result = pool.submit(otr.with_context(score, carrier), "hello").result(timeout=30)
+            ep.reward(1.0)
+    assert result["pid"] == os.getpid()
+    otr.flush()
+    _assert_worker_spans(_by_trace(exported)[ep.trace_id], parent_id)
