@@ -216,3 +216,27 @@ def test_areal_split_names(memory, split, expected):
     assert otr.flush()
     (ep,) = episodes(memory).values()
     assert ep["root"][c.RL_SPLIT] == expected
+
+
+def test_a_sample_ending_in_non_generated_tokens_is_recorded(memory):
+    """AReaL's own logger dropped samples whose last token is not a loss token (mask[-1] == 0),
+    e.g. MultiTurnWorkflow's retry prompt after a wrong answer."""
+    g = group(("plain", "plain"))
+    retry = text_ids(TOK, "\n<|im_start|>user\nPlease retry: your previous answer was wrong.<|im_end|>\n")
+    width = g["input_ids"].shape[1] + len(retry)
+    real = int(g["attention_mask"][1].sum())
+    for key, fill in (("input_ids", TOK.pad_token_id), ("attention_mask", False), ("loss_mask", 0),
+                      ("logprobs", 0.0), ("versions", -1)):
+        pad = torch.full((2, len(retry)), fill, dtype=g[key].dtype)
+        g[key] = torch.cat([g[key], pad], dim=1)
+    g["input_ids"][1, real:real + len(retry)] = torch.tensor(retry, dtype=torch.int32)
+    g["attention_mask"][1, real:real + len(retry)] = True
+    assert g["input_ids"].shape[1] == width
+    assert areal.record_trajectories([g], step=8, tokenizer=TOK) == 2
+    assert otr.flush()
+    eps = episodes(memory)
+    assert sorted(eps) == ["train-8-0-0", "train-8-0-1"]
+    msgs = messages_of(memory)["train-8-0-1"]
+    assert msgs[2] == {"role": "assistant", "content": "The answer is 4."}
+    assert msgs[-1]["content"] == "Please retry: your previous answer was wrong."
+    assert eps["train-8-0-1"]["root"][c.RL_REWARD] == 0.0
