@@ -206,7 +206,18 @@ def _encode(record: EpisodeRecord) -> bytes:
 
     if not record.spans:
         return b""
-    materializer = Materializer(Resource({}), InstrumentationScope(c.SCOPE_NAME))
+    # content rules of this process's configuration if it has one, else the defaults (secrets
+    # redacted, long text cut); the parent redacts adopted spans again with its own patterns
+    rt = _runtime.installed()
+    configured = getattr(getattr(rt, "delivery", None), "materializer", None)
+    if configured is not None:
+        redact, limit = configured.redact, configured.max_attribute_chars
+    else:
+        from otel_rollouts.redaction import make_redactor
+
+        redact, limit = make_redactor(True), 16_384
+    materializer = Materializer(Resource({}), InstrumentationScope(c.SCOPE_NAME),
+                                max_attribute_chars=limit, redact=redact)
     spans = []
     for span in record.spans:
         if span.end_ns is None:

@@ -47,6 +47,14 @@ def plain(text: str) -> int:
     return len(text)
 
 
+SECRET = "sk-proj-abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+@otr.traced(kind="tool")
+def leak(text: str) -> str:
+    return f"token is {SECRET}"
+
+
 # --- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
@@ -283,3 +291,15 @@ def test_an_explicit_carrier_in_the_same_process_joins_the_episode(exported):
     assert result["pid"] == os.getpid()
     otr.flush()
     _assert_worker_spans(_by_trace(exported)[ep.trace_id], parent_id)
+
+
+def test_secrets_in_worker_content_are_redacted(exported):
+    ctx = multiprocessing.get_context(METHODS[0])
+    with ctx.Pool(1) as pool:
+        with otr.episode(step=0) as ep:
+            otr.adopt(pool.apply(otr.with_context(leak), ("x",)))
+            ep.reward(1.0)
+    otr.flush()
+    (tool,) = [s for s in _by_trace(exported)[ep.trace_id] if s.name == "execute_tool leak"]
+    result = tool.attributes[c.GEN_AI_TOOL_CALL_RESULT]
+    assert "token is" in result and SECRET not in result
