@@ -257,3 +257,13 @@ def test_cap_holds_per_step_and_dropped_episodes_are_never_decoded(otr_shutdown)
     assert CountingTokenizer.decoded == 4  # prompt + response of the 2 kept episodes only
     msgs = messages_of(exporter)[sorted(eps)[0]]
     assert msgs[0]["content"].startswith("<|im_start|> user what is")
+
+
+def test_placeholder_model_steps_are_not_policy_versions(memory):
+    batch, result, _ = make(1, tools=False)
+    batch.model_steps = [-1, 3]
+    open_instruct.record_batch(batch, result, step=4)
+    assert otr.flush()
+    eps = episodes(memory)
+    assert c.RL_POLICY_VERSION not in eps["train-4-0"]["root"]
+    assert eps["train-4-1"]["root"][c.RL_POLICY_VERSION] == 3

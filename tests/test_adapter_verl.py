@@ -232,3 +232,13 @@ def test_reward_extra_info_as_strings_becomes_numbers(memory):
     root = episodes(memory)["train-7-uid-0-1"]["root"]
     assert root["rl.reward.format"] == 0.5 and type(root["rl.reward.acc"]) is float
     assert root[c.RL_POLICY_VERSION] == 6
+
+
+def test_placeholder_policy_versions_are_ignored(memory):
+    data = make(("4", "391"))
+    data.non_tensor_batch["param_version"] = np.array([-1, 4], dtype=object)
+    verl.record_batch(data, step=8, tokenizer=TOK)
+    assert otr.flush()
+    eps = episodes(memory)
+    assert c.RL_POLICY_VERSION not in eps["train-8-uid-0-0"]["root"]
+    assert eps["train-8-uid-0-1"]["root"][c.RL_POLICY_VERSION] == 4

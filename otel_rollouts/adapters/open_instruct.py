@@ -133,6 +133,8 @@ def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str |
                    tokenizer: Any, model: str | None, n_per_group: int) -> None:
     v = cols.value
     model_step = v("model_steps", i)
+    if isinstance(model_step, (int, float)) and model_step < 0:
+        model_step = None  # a placeholder, not a policy version
     metadata: dict[str, Any] = {}
     for name in ("num_calls", "timeouts", "tool_errors", "tool_runtimes"):
         value = v(name, i)
