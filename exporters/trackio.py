@@ -39,6 +39,8 @@ _CONTENT_KEYS = {
     c.INPUT_VALUE,
     c.OUTPUT_VALUE,
 }
+# Trackio's warning keys for data it could not persist (trackio.run.Run._warn_once)
+_PERSIST_FAILURES = ("write-", "persist-", "local-sender", "remote-sender", "flush-local-buffer", "finish-pending")
 _TRACKIO_KIND = {c.KIND_GENERATION: "generation", c.KIND_TOOL: "tool"}
 
 
@@ -283,6 +285,16 @@ class TrackioExporter(SpanExporter):
     def _finish(self) -> None:
         with self._lock:
             if self._run is not None:
-                self.run_name = self._run.name
-                self._run.finish()
-                self._run = None
+                run, self._run = self._run, None
+                self.run_name = run.name
+                run.finish()
+                # Trackio writes on its own thread and only *warns* when a write fails (read-only
+                # or full directory, locked database): turn that into an error the delivery
+                # layer counts and logs once, instead of a silent loss
+                failed = sorted(
+                    key
+                    for key in getattr(run, "_warned_failures", ())
+                    if key.startswith(_PERSIST_FAILURES)
+                )
+                if failed:
+                    raise OSError(f"trackio could not persist run {run.name!r} ({', '.join(failed)})")
