@@ -9,6 +9,12 @@ W3C ``traceparent`` of the carrier), and returns them with its result as a ``Wor
 adopts them into the episode, which keeps or drops them with everything else. Nothing is
 exported from the worker; no round trip is needed.
 
+What a worker task records: spans made through otel_rollouts (``@otr.traced`` functions and
+their nesting). Spans of other OpenTelemetry instrumentation in the worker (an httpx client
+span) get the right parent in the context but are exported, or not, by the worker's own SDK
+setup; they are not carried back. Log records in the worker are stamped with the episode's
+step and id (``instrument_logging`` in the worker's initializer).
+
     # ThreadPoolExecutor or ProcessPoolExecutor: a future of the plain value
     future = otr.submit(executor, score, completion)
     # multiprocessing.Pool (or any API that returns what the task returned)
@@ -156,12 +162,16 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwar
         # an unconfigured worker: record this task's spans anyway, they go back to the parent
         temporary = _runtime.Runtime(enabled=True, capture_content=_capture_content())
     max_spans = (installed or temporary).max_spans_per_episode
-    record = EpisodeRecord(parent.trace_id, _int(baggage.get_baggage(c.RL_STEP, remote)),
-                           "", _SINK, max_spans)
-    # the parent's span, as seen from here: children point at it; it is never exported
+    step = _int(baggage.get_baggage(c.RL_STEP, remote))
+    record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, max_spans)
+    # the parent's span, as seen from here: children point at it; it is never exported. It
+    # carries the episode's step and id (from baggage) for logs and onward propagation.
     anchor = SpanRecord(record, "remote parent", parent.span_id, None, c.KIND_SPAN)
-    anchor.attributes[c.RL_STEP] = baggage.get_baggage(c.RL_STEP, remote)
-    anchor.attributes[c.RL_EPISODE_ID] = baggage.get_baggage(c.RL_EPISODE_ID, remote)
+    if step is not None:
+        anchor.attributes[c.RL_STEP] = step
+    episode_id = baggage.get_baggage(c.RL_EPISODE_ID, remote)
+    if episode_id is not None:
+        anchor.attributes[c.RL_EPISODE_ID] = str(episode_id)
     record.root = anchor
     with _worker_lock:
         if temporary is not None:
@@ -184,11 +194,11 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwar
     return WorkerResult(value, _encode(record), parent.trace_id)
 
 
-def _int(value: Any) -> int:
+def _int(value: Any) -> int | None:
     try:
         return int(value)
     except (TypeError, ValueError):
-        return 0
+        return None
 
 
 def _capture_content() -> bool:
@@ -197,7 +207,19 @@ def _capture_content() -> bool:
 
 
 def _encode(record: EpisodeRecord) -> bytes:
-    """The worker's finished spans (SDK form, OTLP protobuf); open ones are ended now."""
+    """The worker's finished spans (SDK form, OTLP protobuf); open ones are ended now.
+
+    Never raises: a failure loses these spans (logged once), never the task's result."""
+    try:
+        return _encode_spans(record)
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the task
+        from otel_rollouts._guard import report
+
+        report(f"worker spans: {type(exc).__name__}: {exc}")
+        return b""
+
+
+def _encode_spans(record: EpisodeRecord) -> bytes:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope

@@ -134,3 +134,27 @@ def test_records_exported_over_the_sdk_log_pipeline_with_the_run_resource(config
     assert log.attributes[c.RL_STEP] == 2 and log.attributes[c.RL_EPISODE_ID] == "e2"
     assert exported.resource.attributes == _runtime.installed().provider.resource.attributes
     assert exported.resource.attributes[c.RL_RUN_ID] == _runtime.installed().run_id
+
+
+def _log_in_worker(message: str) -> dict:
+    """In a worker process: log one record and return the fields it was stamped with."""
+    logger = logging.getLogger("otr-test-worker")
+    logger.propagate = False
+    handler = _Collect()
+    logger.addHandler(handler)
+    logger.warning(message)
+    record = handler.records[-1]
+    return {k: getattr(record, k, "missing") for k in ("trace_id", "span_id", "rl_step", "rl_episode_id")}
+
+
+def test_records_in_a_worker_process_carry_the_parent_episode(configured):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, initializer=otr.instrument_logging) as pool:
+        with otr.episode(step=3, episode_id="w3") as ep:
+            with ep.turn():
+                trace_id, span_id = _ids()
+                fields = otr.adopt(pool.apply(otr.with_context(_log_in_worker), ("from worker",)))
+            ep.reward(1.0)
+    assert fields == {"trace_id": trace_id, "span_id": span_id, "rl_step": 3, "rl_episode_id": "w3"}
