@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -42,7 +43,7 @@ def server(phoenix: PhoenixReceiver, project: str) -> Iterator[str]:
     """The OpenAI-compatible server as its own process on a free loopback port."""
     (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"openai-server-{port}.log", "wb")  # noqa: SIM115
+    log = open(Path(tempfile.gettempdir()) / f"openai-server-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, str(SERVER), "--port", str(port), "--endpoint", phoenix.http_endpoint,
          "--project", project],
