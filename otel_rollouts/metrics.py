@@ -169,7 +169,7 @@ class RolloutMetrics:
                                          "Episodes the tail sampler kept")
         self.dropped = meter.create_counter(c.METRIC_EPISODES_DROPPED, "{episode}",
                                             "Episodes the tail sampler dropped, by reason")
-        self.reward = meter.create_histogram(c.METRIC_REWARD, "1", "Episode reward",
+        self.reward = meter.create_histogram(c.METRIC_REWARD, "{reward}", "Episode reward",
                                              explicit_bucket_boundaries_advisory=_REWARD_BUCKETS)
         self.duration = meter.create_histogram(
             c.METRIC_EPISODE_DURATION, "s", "Episode wall time (root span)",
