@@ -44,12 +44,13 @@ def host_array(x: Any, dtype: Any) -> np.ndarray:
         import torch
 
         t = x.detach()
+        if t.device.type == "cpu" and t.dtype not in (torch.bfloat16, torch.float16):
+            host = t.numpy()  # shares memory: one converting copy below, never the caller's buffer
+            return np.not_equal(host, 0) if dtype is np.bool_ else np.array(host, dtype=dtype, copy=True)
         if dtype is np.bool_:
             t = t != 0
-        else:
+        else:  # converted on the device: a smaller device→host copy
             t = t.to({np.int32: torch.int32, np.int64: torch.int64, np.float64: torch.float64}[dtype])
-        if t.device.type == "cpu":
-            return np.array(t.numpy(), copy=True)
         return t.cpu().numpy()
     if isinstance(x, np.ndarray):
         return (x != 0) if dtype is np.bool_ else x.astype(dtype, copy=True)
@@ -83,6 +84,8 @@ class Layout:
     lengths: np.ndarray
     width: int | None = None  # the padded width of a 2-D batch
     last_column: np.ndarray | None = None  # 2-D: column of each sample's last token
+    inside: np.ndarray | None = None  # flat bool: positions that belong to a sample (None: all)
+    row_lengths: np.ndarray | None = None  # ragged + attention mask: each item's untrimmed length
 
 
 def _ranges(attention: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -137,7 +140,8 @@ def layout_of(input_ids: Any, attention_mask: Any) -> tuple[Layout, dict[int, st
         for i in np.flatnonzero(~contiguous).tolist():
             refused[i] = f"sample {i}: attention_mask is not one contiguous run of tokens"
         starts = np.arange(batch, dtype=np.int64) * width + first
-        return Layout(arr.reshape(-1), starts, counts.astype(np.int64), width, last), refused
+        inside = None if attention_mask is None else attention.reshape(-1)
+        return Layout(arr.reshape(-1), starts, counts.astype(np.int64), width, last, inside), refused
     if is_tensor(ids) and len(ids.shape) == 1 or _is_flat_ints(ids):
         ids = [ids]  # one sequence
     items = list(ids)
@@ -145,6 +149,9 @@ def layout_of(input_ids: Any, attention_mask: Any) -> tuple[Layout, dict[int, st
     starts = np.zeros(len(items), dtype=np.int64)
     if len(items) > 1:
         starts[1:] = np.cumsum(lengths)[:-1]
+    if attention_mask is None:
+        return Layout(flat, starts, lengths), refused
+    full = lengths.copy()
     if attention_mask is not None:
         masks = list(_local(attention_mask)) if not (is_tensor(attention_mask) and len(attention_mask.shape) == 1) else [attention_mask]
         if len(masks) != len(items):
@@ -164,7 +171,7 @@ def layout_of(input_ids: Any, attention_mask: Any) -> tuple[Layout, dict[int, st
                     refused[i] = f"sample {i}: attention_mask is not one contiguous run of tokens"
                 starts[i] += lo
                 lengths[i] = hi - lo
-    return Layout(flat, starts, lengths), refused
+    return Layout(flat, starts, lengths, row_lengths=full), refused
 
 
 def field_layout(name: str, value: Any, ids: Layout, dtype: Any, refused: dict[int, str]) -> Layout | None:
@@ -177,8 +184,10 @@ def field_layout(name: str, value: Any, ids: Layout, dtype: Any, refused: dict[i
             for i in range(batch):
                 refused.setdefault(i, f"sample {i}: {name} has shape {tuple(value.shape)} but input_ids {shape}")
             return None
-        arr = host_array(value, dtype)
-        return Layout(arr.reshape(-1), ids.starts, ids.lengths, ids.width, ids.last_column)
+        flat = host_array(value, dtype).reshape(-1)
+        if dtype is np.bool_ and ids.inside is not None:
+            flat &= ids.inside  # a mask says nothing about padding
+        return Layout(flat, ids.starts, ids.lengths, ids.width, ids.last_column, ids.inside)
     if is_tensor(value) and len(value.shape) == 1 or _is_flat_ints(value):
         value = [value]
     items = list(value)
@@ -191,13 +200,20 @@ def field_layout(name: str, value: Any, ids: Layout, dtype: Any, refused: dict[i
     if batch > 1:
         starts[1:] = np.cumsum(lengths)[:-1]
     out_lengths = lengths.copy()
+    base = np.zeros(batch, dtype=np.int64)
+    if batch > 1 and ids.width is None:
+        base[1:] = np.cumsum(ids.row_lengths if ids.row_lengths is not None else ids.lengths)[:-1]
     for i in range(batch):
         n = int(ids.lengths[i])
-        if lengths[i] == n:
-            continue
-        if ids.width is not None and lengths[i] == ids.width:  # a padded row for a padded batch
-            starts[i] += int(ids.starts[i] - i * ids.width)
+        row = ids.width if ids.width is not None else (
+            int(ids.row_lengths[i]) if ids.row_lengths is not None else n)
+        if lengths[i] == row and row != n:  # an untrimmed row: cut like the ids
+            offset = int(ids.starts[i] - i * ids.width) if ids.width is not None else int(ids.starts[i] - base[i])
+            starts[i] += offset
             out_lengths[i] = n
             continue
+        if lengths[i] == n:
+            continue
         refused.setdefault(i, f"sample {i}: {name} has {int(lengths[i])} tokens but input_ids has {n}")
-    return Layout(flat, starts, out_lengths)
+    trimmed = ids.row_lengths is not None and not np.array_equal(ids.row_lengths, ids.lengths)
+    return Layout(flat, starts, out_lengths, row_lengths=ids.row_lengths if trimmed else None)

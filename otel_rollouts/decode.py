@@ -153,53 +153,58 @@ def _info(tokenizer: Any) -> _TokenizerInfo:
         return info
 
 
-# --- the lazy per-sample decoding ----------------------------------------------------------------
-class _Decoded:
-    """One sample's token ids and segments; decodes and parses everything once, when asked."""
+# --- the lazy episode body ----------------------------------------------------------------------
+class _Field(Deferred):
+    """A Deferred reading one value of a sample's decoded body (decoded at most once)."""
 
-    __slots__ = ("info", "ids", "bounds", "first_value", "skip_special", "_result")
+    __slots__ = ("body", "key")
 
-    def __init__(self, info: _TokenizerInfo, ids: np.ndarray, bounds: list[int], first_value: bool,
-                 skip_special: bool) -> None:
-        self.info = info
-        self.ids = ids  # a view of the batch's host array
-        self.bounds = bounds  # segment edges: [0, cut1, ..., n]
-        self.first_value = first_value  # loss-mask value of the first segment
-        self.skip_special = skip_special
-        self._result: dict[str, Any] | None = None
+    def __init__(self, body: _EpisodeBody, key: str) -> None:
+        self.body, self.key = body, key
 
-    def result(self) -> dict[str, Any]:
-        if self._result is None:
-            self._result = self._compute()
-        return self._result
+    def resolve(self) -> Any:
+        return self.body.decoded()[self.key]
 
-    def _compute(self) -> dict[str, Any]:
+
+class _EpisodeBody(SpanRecord):
+    """Stands for an episode's prompt, turns, generations, tool calls and feedback.
+
+    On the training thread it holds only a view of the sample's token ids and its loss-mask
+    segment edges. The materializer calls ``expand`` only when the episode is kept: the segments
+    are decoded then (one ``batch_decode`` call), and the spans are built as the episode API
+    builds them: ``prompt``; per loss-mask-1 run a ``turn`` with its ``chat`` span; after it
+    ``execute_tool`` spans when the turn made parseable tool calls (their results from the
+    following mask-0 tokens), else a ``feedback`` span (role from the chat template's markers,
+    else ``environment``).
+    """
+
+    __slots__ = ("info", "ids", "bounds", "first_value", "skip_special", "model", "finish",
+                 "capture", "eos_ids", "_decoded")
+
+    # --- decoding (export thread, kept episodes only) ------------------------------------------
+    def decoded(self) -> dict[str, Any]:
+        if self._decoded is None:
+            self._decoded = self._decode()
+        return self._decoded
+
+    def _decode(self) -> dict[str, Any]:
         info = self.info
         b = self.bounds
         segments = [self.ids[b[k] : b[k + 1]].tolist() for k in range(len(b) - 1)]
         texts = info.decoder.batch_decode(segments, skip_special_tokens=False) if segments else []
         markers = info.markers
-        values = [self.first_value if k % 2 == 0 else not self.first_value for k in range(len(texts))]
         prompt: list[dict[str, Any]] = []
         turns: list[ParsedMessage] = []
         feedback: list[str | None] = []
-        start = 0
-        if texts and not values[0]:
-            prompt = markers.messages(texts[0])
-            start = 1
-        for k in range(start, len(texts)):
-            if values[k]:
-                text = markers.clean(texts[k])
-                prefix = markers.prefixes.get("assistant")
-                if prefix and text.startswith(prefix):
-                    text = text[len(prefix) :]
-                for eos in self._eos_strings():
-                    if text.endswith(eos):
-                        text = text[: -len(eos)]
-                turns.append(parse_tool_calls(text, f"call_{len(turns)}_"))
+        for k, text in enumerate(texts):
+            generated = self.first_value if k % 2 == 0 else not self.first_value
+            if k == 0 and not generated:
+                prompt = markers.messages(text)
+            elif generated:
+                turns.append(parse_tool_calls(self._assistant_text(text), f"call_{len(turns)}_"))
                 feedback.append(None)
             elif feedback:
-                feedback[-1] = texts[k]
+                feedback[-1] = text
         if self.skip_special:
             prompt = [dict(m, content=self._unspecial(m["content"])) for m in prompt]
             for t in turns:
@@ -207,130 +212,127 @@ class _Decoded:
         errors = [f"turn {i}: {e}" for i, t in enumerate(turns) for e in t.errors]
         return {"prompt": prompt, "turns": turns, "feedback": feedback, "errors": errors or None}
 
-    def _eos_strings(self) -> list[str]:
-        tokenizer = self.info.decoder
-        eos = getattr(tokenizer, "eos_token", None)
-        return [eos] if isinstance(eos, str) and eos else []
+    def _assistant_text(self, text: str) -> str:
+        markers = self.info.markers
+        prefix = markers.prefixes.get("assistant")
+        if prefix and text.startswith(prefix):
+            text = text[len(prefix) :]
+        text = markers.clean(text)
+        eos = getattr(self.info.decoder, "eos_token", None)
+        if isinstance(eos, str) and eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        return text
 
     def _unspecial(self, text: str) -> str:
         for s in self.info.special:
             text = text.replace(s, "")
         return text
 
-    # the values read by the span attributes
-    def prompt(self) -> list[dict[str, Any]]:
-        return self.result()["prompt"]
-
-    def assistant(self, k: int) -> dict[str, Any]:
-        turn = self.result()["turns"][k]
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if turn.tool_calls:
-            message["tool_calls"] = turn.tool_calls
-        return message
-
-    def errors(self) -> list[str] | None:
-        return self.result()["errors"]
-
-    def tail(self, k: int) -> tuple[ParsedMessage, str | None]:
-        result = self.result()
-        return result["turns"][k], result["feedback"][k]
-
-
-class _Field(Deferred):
-    """A Deferred reading one value of a sample's ``_Decoded`` (decoded at most once)."""
-
-    __slots__ = ("decoded", "key", "index")
-
-    def __init__(self, decoded: _Decoded, key: str, index: int = -1) -> None:
-        self.decoded, self.key, self.index = decoded, key, index
-
-    def resolve(self) -> Any:
-        method = getattr(self.decoded, self.key)
-        return method(self.index) if self.index >= 0 else method()
-
-
-class _TurnTail(SpanRecord):
-    """Stands for what follows a turn's generation: its tool calls and the feedback it got.
-
-    Both depend on decoded text, so the materializer asks for them (``expand``) only when the
-    episode is kept: ``execute_tool`` spans (with the tool result from the following mask-0
-    tokens) when the turn made parseable tool calls, else one ``feedback`` span (role from the
-    chat template's markers, else ``environment``).
-    """
-
-    __slots__ = ("decoded", "turn_index", "has_feedback", "capture")
-
+    # --- spans (export thread) -----------------------------------------------------------------
     def expand(self) -> list[SpanRecord]:
+        out: list[SpanRecord] = []
         try:
-            return self._expand()
+            self._expand(out)
         except Exception as exc:  # noqa: BLE001 - a decoding problem must not lose the episode
-            span = self._child(FEEDBACK_SPAN, c.KIND_SPAN, {c.RL_FEEDBACK_ROLE: ROLE_ENVIRONMENT})
+            span = self._span(out, c.SPAN_PROMPT, c.KIND_SPAN, self.parent_id, {})
+            span.name = "decode"
             span.fail(exc)
-            return [span] if self.has_feedback else []
+        return out
 
-    def _child(self, name: str, kind: str, attrs: dict[str, Any], offset: int = 0) -> SpanRecord:
+    def _span(self, out: list[SpanRecord], name: str, kind: str, parent_id: int | None,
+              attrs: dict[str, Any]) -> SpanRecord:
+        """A finished span like ``episode.child_span`` makes (never ``end()``: not a late span)."""
         base = {c.RL_SPAN_KIND: kind, c.OPENINFERENCE_SPAN_KIND: c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)}
         op = c.OPERATION_OF.get(kind)
         if op is not None:
             base[c.GEN_AI_OPERATION_NAME] = op
         base.update(attrs)
-        span = SpanRecord(self.episode, name, _runtime.new_id64(), self.parent_id, kind, base, self.start_ns + offset)
-        span.end_ns = self.end_ns if self.end_ns is not None else span.start_ns  # no end(): not a late span
+        start = self.start_ns + len(out)  # keeps the recorded order when sorted by start time
+        span = SpanRecord(self.episode, name, _runtime.new_id64(), parent_id, kind, base, start)
+        span.end_ns = max(self.end_ns or start, start)
+        out.append(span)
         return span
 
-    def _expand(self) -> list[SpanRecord]:
-        if not self.capture:
-            if not self.has_feedback:
-                return []
-            return [self._child(FEEDBACK_SPAN, c.KIND_SPAN, {c.RL_FEEDBACK_ROLE: ROLE_ENVIRONMENT})]
-        parsed, text = self.decoded.tail(self.turn_index)
-        markers = self.decoded.info.markers
-        if parsed.tool_calls:
-            results: list[str | None] = [None] * len(parsed.tool_calls)
-            if text is not None:
-                blocks = tool_responses(text)
-                if blocks:
-                    results[: len(blocks)] = blocks[: len(results)]
-                else:
-                    results[0] = "\n".join(m["content"] for m in markers.messages(text)) or text.strip()
-            spans = []
-            for j, (call, result) in enumerate(zip(parsed.tool_calls, results, strict=True)):
-                name = call["function"]["name"]
-                attrs = {
-                    c.GEN_AI_TOOL_NAME: name,
-                    c.GEN_AI_TOOL_CALL_ID: call["id"],
-                    c.GEN_AI_TOOL_CALL_ARGUMENTS: call["function"]["arguments"],
-                }
-                if result is not None:
-                    attrs[c.GEN_AI_TOOL_CALL_RESULT] = result
-                spans.append(self._child(c.tool_span_name(name), c.KIND_TOOL, attrs, j))
-            return spans
-        if text is None:
-            return []
-        messages = markers.messages(text, default_role=ROLE_ENVIRONMENT)
+    def _expand(self, out: list[SpanRecord]) -> None:
+        root = self.parent_id
+        b = self.bounds
+        nseg = len(b) - 1
+        content = self.decoded() if self.capture else None
+        k0 = 0
+        if nseg > 0 and not self.first_value:
+            attrs = {c.GEN_AI_INPUT_MESSAGES: content["prompt"]} if content is not None else {}
+            self._span(out, c.SPAN_PROMPT, c.KIND_PROMPT, root, attrs)
+            k0 = 1
+        turns = (nseg - k0 + 1) // 2
+        for t in range(turns):
+            k = k0 + 2 * t
+            start, end = b[k], b[k + 1]
+            turn = self._span(out, c.SPAN_TURN, c.KIND_TURN, root, {c.RL_TURN_INDEX: t})
+            attrs: dict[str, Any] = {
+                c.GEN_AI_USAGE_INPUT_TOKENS: start,
+                c.GEN_AI_USAGE_OUTPUT_TOKENS: end - start,
+            }
+            if self.model:
+                attrs[c.GEN_AI_REQUEST_MODEL] = self.model
+            finish = self.finish if t == turns - 1 else None
+            if finish is None and int(self.ids[end - 1]) in self.eos_ids:
+                finish = FINISH_STOP
+            if finish is not None:
+                attrs[c.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]
+            parsed = None
+            if content is not None:
+                parsed = content["turns"][t]
+                message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+                if parsed.tool_calls:
+                    message["tool_calls"] = parsed.tool_calls
+                attrs[c.GEN_AI_OUTPUT_MESSAGES] = [message]
+                if parsed.errors:
+                    attrs[c.RL_TOOL_PARSE_ERROR] = list(parsed.errors)
+            self._span(out, c.chat_span_name(self.model), c.KIND_GENERATION, turn.span_id, attrs)
+            has_feedback = k + 2 <= nseg
+            text = content["feedback"][t] if content is not None else None
+            if parsed is not None and parsed.tool_calls:
+                self._tools(out, turn.span_id, parsed, text)
+            elif has_feedback:
+                self._feedback(out, turn.span_id, text)
+
+    def _tools(self, out: list[SpanRecord], parent: int, parsed: ParsedMessage, text: str | None) -> None:
+        results: list[str | None] = [None] * len(parsed.tool_calls)
+        if text is not None:
+            blocks = tool_responses(text)
+            if blocks:
+                results[: len(blocks)] = blocks[: len(results)]
+            else:
+                messages = self.info.markers.messages(text)
+                results[0] = "\n".join(m["content"] for m in messages) if messages else text.strip()
+        for call, result in zip(parsed.tool_calls, results, strict=True):
+            name = call["function"]["name"]
+            attrs = {
+                c.GEN_AI_TOOL_NAME: name,
+                c.GEN_AI_TOOL_CALL_ID: call["id"],
+                c.GEN_AI_TOOL_CALL_ARGUMENTS: call["function"]["arguments"],
+                c.RL_FEEDBACK_ROLE: ROLE_TOOL,
+            }
+            if result is not None:
+                attrs[c.GEN_AI_TOOL_CALL_RESULT] = self._unspecial(result) if self.skip_special else result
+            self._span(out, c.tool_span_name(name), c.KIND_TOOL, parent, attrs)
+
+    def _feedback(self, out: list[SpanRecord], parent: int, text: str | None) -> None:
+        if text is None:  # content not captured
+            self._span(out, FEEDBACK_SPAN, c.KIND_SPAN, parent, {c.RL_FEEDBACK_ROLE: ROLE_ENVIRONMENT})
+            return
+        messages = self.info.markers.messages(text, default_role=ROLE_ENVIRONMENT)
         roles = {m["role"] for m in messages}
         role = roles.pop() if len(roles) == 1 else ROLE_ENVIRONMENT
         if role in ("assistant", ROLE_TOOL):
             role = ROLE_ENVIRONMENT  # no parsed tool call before it: no evidence it is a tool result
         content = "\n".join(m["content"] for m in messages) if messages else text
-        if self.decoded.skip_special:
-            content = self.decoded._unspecial(content)
-        return [self._child(FEEDBACK_SPAN, c.KIND_SPAN, {
+        if self.skip_special:
+            content = self._unspecial(content)
+        self._span(out, FEEDBACK_SPAN, c.KIND_SPAN, parent, {
             c.RL_FEEDBACK_ROLE: role,
             c.GEN_AI_INPUT_MESSAGES: [{"role": role, "content": content}],
-        })]
-
-
-def _tail_span(decoded: _Decoded | None, turn_index: int, has_feedback: bool, capture: bool) -> None:
-    """Add a ``_TurnTail`` under the current span (the turn)."""
-    parent = trace.get_current_span()
-    if not isinstance(parent, SpanRecord):
-        return
-    record = parent.episode
-    span = _TurnTail(record, FEEDBACK_SPAN, _runtime.new_id64(), parent.span_id, c.KIND_SPAN, {})
-    span.decoded, span.turn_index, span.has_feedback, span.capture = decoded, turn_index, has_feedback, capture
-    record.add(span)
-    span.end()
+        })
 
 
 # --- the batch ------------------------------------------------------------------------------------
@@ -451,7 +453,7 @@ def record_token_batch(
                 and not hasattr(versions[0], "shape") and batch != 1):
             per_sample_versions = _per_sample("versions", versions, batch, summary)
         else:
-            vers = field_layout("versions", versions, ids, np.int64, refused)
+            vers = field_layout("versions", versions, ids, np.int32, refused)
 
     reward_col = _token_values("rewards", rewards, ids, mask, batch, refused, summary, "sum")
     advantage_col = _token_values("advantages", advantages, ids, mask, batch, refused, summary, "mean")
@@ -469,33 +471,42 @@ def record_token_batch(
     for problem in summary.problems:
         report(f"record_token_batch: {problem}")
 
-    # mask-run edges for the whole batch at once
+    # batch-level, vectorized: mask-run edges, generated-token version range, last tokens
+    n_list = ids.lengths.tolist()
+    s_list = ids.starts.tolist()
     if mask is not None:
         mflat = mask.flat
         edges = np.flatnonzero(mflat[1:] != mflat[:-1]) + 1
-        mstarts = mask.starts
-        lo = np.searchsorted(edges, mstarts, side="right")
-        hi = np.searchsorted(edges, mstarts + mask.lengths, side="left")
+        lo = np.searchsorted(edges, mask.starts, side="right").tolist()
+        hi = np.searchsorted(edges, mask.starts + mask.lengths, side="left").tolist()
+        ms_list = mask.starts.tolist()
+        first_values = mflat[np.minimum(mask.starts, max(len(mflat) - 1, 0))].tolist() if len(mflat) else [False] * batch
+    vrange = _version_ranges(vers, mask, batch) if vers is not None and mask is not None else None
     right_padded = (
         ids.width is not None and ids.last_column is not None
         and bool(np.any((ids.lengths > 0) & (ids.last_column < ids.width - 1)))
     )
-    flat_ids = ids.flat
-    starts_list = ids.starts.tolist()
-    lengths_list = ids.lengths.tolist()
     last_col = ids.last_column.tolist() if ids.last_column is not None else None
+    flat_ids = ids.flat
+    model = str(model) if model is not None else None
 
     for i in range(batch):
         try:
             reason = refused.get(i)
+            vmin = vmax = None
+            if reason is None and vrange is not None:
+                vmin, vmax = vrange[i]
+            elif per_sample_versions is not None:
+                vmin = vmax = per_sample_versions[i]
             sample = i if index_col is None or index_col[i] is None else index_col[i]
             ep = new_episode(
                 step, split,
-                group_id=_pick(group_col, i),
+                group_id=None if group_col is None else group_col[i],
                 sample_index=sample,
-                episode_id=_pick(episode_col, i),
+                policy_version=vmax,
+                episode_id=None if episode_col is None else episode_col[i],
                 dataset_name=dataset_name,
-                dataset_index=_pick(dataset_col, i),
+                dataset_index=None if dataset_col is None else dataset_col[i],
                 framework=framework,
                 metadata=metadata if meta_col is None else meta_col[i],
             )
@@ -507,58 +518,25 @@ def record_token_batch(
                     _finish_reward(ep, i, reward_col, advantage_col, components, None, c.STATUS_ERROR, reason)
                     summary.recorded += 1
                     continue
-                s, n = starts_list[i], lengths_list[i]
-                ms = int(mask.starts[i])
-                cuts = (edges[lo[i] : hi[i]] - ms).tolist() if n else []
-                bounds = [0, *cuts, n] if n else []
-                first_value = bool(mflat[ms]) if n else False
-                # policy versions from generated tokens only
-                vmin = vmax = None
-                if vers is not None and n:
-                    vs = int(vers.starts[i])
-                    gen = vers.flat[vs : vs + n][mflat[ms : ms + n]]
-                    gen = gen[gen >= 0]
-                    if gen.size:
-                        vmin, vmax = int(gen.min()), int(gen.max())
-                elif per_sample_versions is not None:
-                    vmax = vmin = per_sample_versions[i]
-                if vmax is not None:
-                    ep.set_attribute(c.RL_POLICY_VERSION, vmax)
-                    if vmin != vmax:
-                        ep.set_attribute(c.RL_POLICY_VERSION_MIN, vmin)
-                        ep.set_attribute(c.RL_POLICY_VERSION_MAX, vmax)
-                decoded = _Decoded(info, flat_ids[s : s + n], bounds, first_value, skip_special_tokens) if capture else None
-                # structure: prompt, then one turn per generated run
-                nseg = len(bounds) - 1
-                k0 = 0
-                if nseg > 0 and not first_value:
-                    if capture:
-                        ep.prompt(_Field(decoded, "prompt"))
-                    else:
-                        ep.prompt(None)
-                    k0 = 1
-                finish = _pick(finish_col, i)
-                turns = (nseg - k0 + 1) // 2
-                for t in range(turns):
-                    k = k0 + 2 * t
-                    a, b = bounds[k], bounds[k + 1]
-                    turn_finish = FINISH_STOP if int(flat_ids[s + b - 1]) in eos_ids else None
-                    with ep.turn() as turn:
-                        gen_attrs: dict[str, Any] = {"input_tokens": a, "output_tokens": b - a}
-                        if t == turns - 1:
-                            if finish is None:
-                                finish = _infer_finish(turn_finish, n, max_length, right_padded,
-                                                       last_col[i] if last_col else None, ids.width)
-                            if finish is not None:
-                                gen_attrs["finish_reason"] = finish
-                        elif turn_finish is not None:
-                            gen_attrs["finish_reason"] = turn_finish
-                        turn.record_generation(_Field(decoded, "assistant", t) if capture else None,
-                                               model=model, **gen_attrs)
-                        _tail_span(decoded, t, k + 2 <= nseg, capture)
-                if capture and turns:
-                    ep.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(decoded, "errors"))
-                status = _pick(status_col, i)
+                s, n = s_list[i], n_list[i]
+                bounds = [0, *(edges[lo[i] : hi[i]] - ms_list[i]).tolist(), n] if n else []
+                first_value = bool(first_values[i]) if n else False
+                generated = len(bounds) > 1 + (0 if first_value else 1)
+                finish = None if finish_col is None else finish_col[i]
+                if finish is None and generated:
+                    last = bounds[-1] if (len(bounds) - 1) % 2 == (1 if first_value else 0) else bounds[-2]
+                    finish = _infer_finish(int(flat_ids[s + last - 1]) in eos_ids, n, max_length, right_padded,
+                                           last_col[i] if last_col else None, ids.width)
+                root = trace.get_current_span()  # the episode's root span record
+                if isinstance(root, SpanRecord):
+                    if vmin is not None and vmin != vmax:  # several policy versions: staleness
+                        root.set_attribute(c.RL_POLICY_VERSION_MIN, vmin)
+                        root.set_attribute(c.RL_POLICY_VERSION_MAX, vmax)
+                    body = _body(root, info, flat_ids[s : s + n], bounds, first_value, skip_special_tokens,
+                                 model, finish, capture, eos_ids)
+                    if capture and generated:
+                        root.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(body, "errors"))
+                status = None if status_col is None else status_col[i]
                 if status is None and finish == FINISH_LENGTH:
                     status = c.STATUS_TRUNCATED
                 _finish_reward(ep, i, reward_col, advantage_col, components, finish, status, None)
@@ -572,10 +550,51 @@ def record_token_batch(
     return summary
 
 
-def _infer_finish(turn_finish: str | None, n: int, max_length: int | None, right_padded: bool,
+def _body(root: SpanRecord, info: _TokenizerInfo, ids: np.ndarray, bounds: list[int], first_value: bool,
+          skip_special: bool, model: str | None, finish: str | None, capture: bool,
+          eos_ids: frozenset[int]) -> _EpisodeBody:
+    """Add the episode's lazy body under its root span."""
+    record = root.episode
+    body = _EpisodeBody(record, c.SPAN_TURN, _runtime.new_id64(), root.span_id, c.KIND_SPAN, {})
+    body.info, body.ids, body.bounds, body.first_value = info, ids, bounds, first_value
+    body.skip_special, body.model, body.finish, body.capture = skip_special, model, finish, capture
+    body.eos_ids, body._decoded = eos_ids, None
+    record.add(body)
+    body.end()
+    return body
+
+
+def _version_ranges(vers: Layout, mask: Layout, batch: int) -> list[tuple[int | None, int | None]]:
+    """(min, max) policy version over each sample's generated tokens; −1 placeholders ignored."""
+    vflat, mflat = vers.flat, mask.flat
+    out: list[tuple[int | None, int | None]] = [(None, None)] * batch
+    idx = vers.starts
+    if (batch and len(vflat) and len(vflat) == len(mflat) and np.array_equal(idx, mask.starts)
+            and bool(np.all(idx[1:] >= idx[:-1])) and mask.row_lengths is None):
+        # vectorized over the batch: a sample's segment [start_i, start_i+1) may hold padding of
+        # the next row, but there the loss mask is 0 (masks are cut to the attended tokens)
+        valid = mflat & (vflat >= 0)
+        idx = np.minimum(idx, len(vflat) - 1)
+        maxs = np.maximum.reduceat(np.where(valid, vflat, -1), idx).tolist()
+        mins = np.minimum.reduceat(np.where(valid, vflat, np.iinfo(vflat.dtype).max), idx).tolist()
+        for i, (n, lo, hi) in enumerate(zip(vers.lengths.tolist(), mins, maxs, strict=True)):
+            if n and hi >= 0:
+                out[i] = (lo, hi)
+        return out
+    for i in range(batch):
+        vs, ms, n = int(vers.starts[i]), int(mask.starts[i]), int(vers.lengths[i])
+        gen = vflat[vs : vs + n][mflat[ms : ms + n]] if int(mask.lengths[i]) == n else vflat[:0]
+        gen = gen[gen >= 0]
+        if gen.size:
+            out[i] = (int(gen.min()), int(gen.max()))
+    return out
+
+
+def _infer_finish(ends_with_eos: bool, n: int, max_length: int | None, right_padded: bool,
                   last_column: int | None, width: int | None) -> str | None:
-    if turn_finish is not None:
-        return turn_finish
+    """``stop`` after an EOS; ``length`` at ``max_length`` or the right edge of a right-padded batch."""
+    if ends_with_eos:
+        return FINISH_STOP
     if max_length is not None and n >= max_length:
         return FINISH_LENGTH
     if right_padded and last_column is not None and width is not None and last_column == width - 1:
