@@ -53,7 +53,8 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
     r"\bxox[abposr]-[A-Za-z0-9\-]{10,}",
     r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}",
     # key = value, key: value, "key": "value" (the key is kept, the value replaced)
-    r"(?i)[\"']?\b(?:" + _KEY_WORDS + r")\b[\"']?\s*[:=]\s*[\"']?(?P<secret>[^\s\"',;}\]]{3,})",
+    # (also inside JSON text that was itself JSON-encoded: quotes escaped as \")
+    r"(?i)\b(?:" + _KEY_WORDS + r")\b(?:\\*[\"'])?\s*[:=]\s*(?:\\*[\"'])?(?P<secret>[^\s\"'\\,;}\]]{3,})",
     # passwords in URLs
     r"(?i)\b[a-z][a-z0-9+.\-]*://[^\s/:@]+:(?P<secret>[^\s/@]+)@",
 )
