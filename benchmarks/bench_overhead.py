@@ -139,8 +139,9 @@ def make_raw_sdk():
 
 
 def make_otr(cap: int, redact: bool = True):
-    import otel_rollouts as otr
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import otel_rollouts as otr
 
     exporter = InMemorySpanExporter()
     otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, "top_bottom", step_lag=None),
