@@ -9,6 +9,7 @@ objects with ``.to_local()`` (AReaL's ``RTensor``) are localized first.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,8 @@ __all__ = ["Layout", "host_array", "host_column", "layout_of", "field_layout", "
 
 
 def _is_torch(x: Any) -> bool:
-    return type(x).__module__.split(".", 1)[0] == "torch"
+    torch = sys.modules.get("torch")  # a torch tensor exists only if torch was imported
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def is_tensor(x: Any) -> bool:
