@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import otel_rollouts as otr
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otel_rollouts import conventions as c
 from otr_helpers import root, traces, tree
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
 
 
 def _run(exporter, policy, cap, steps=3, per_step=20, splits=("train", "eval")):
@@ -73,7 +74,7 @@ def test_nothing_of_a_dropped_episode_is_exported(otr_shutdown):
     exporter = InMemorySpanExporter()
     otr.configure(exporters=[exporter], sampler=otr.TailSampler(1, "top_bottom"))
     eps = []
-    for i in range(4):
+    for _ in range(4):
         with otr.episode(step=0) as ep:
             ep.prompt("p")
         eps.append(ep)

@@ -6,9 +6,10 @@ import asyncio
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+from otr_helpers import root, traces, tree
+
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otr_helpers import root, traces, tree
 
 
 async def _async_episode(i: int) -> str:

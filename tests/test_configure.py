@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 
-import otel_rollouts as otr
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otel_rollouts import conventions as c
 from otel_rollouts.exporters import TrackioExporter
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
 
 
 def _one_episode():
@@ -55,6 +56,7 @@ def test_reconfigure_does_not_leak_threads(otr_shutdown):
 def test_default_exporters_trackio_plus_otlp_when_env_set(monkeypatch):
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
     from otel_rollouts.configuration import default_exporters
 
     monkeypatch.delenv(c.ENV_OTLP_ENDPOINT, raising=False)

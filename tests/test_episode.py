@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import otel_rollouts as otr
 import pytest
 import torch
 from opentelemetry.trace.status import StatusCode
-from otel_rollouts import conventions as c
 from otr_helpers import root, traces, tree
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
 
 
 def _episode(step=0, reward=1.0, group="g0", sample=0, tool_error=False):

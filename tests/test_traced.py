@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-import otel_rollouts as otr
 import pytest
 from opentelemetry.trace.status import StatusCode
-from otel_rollouts import conventions as c
 from otr_helpers import root, traces, tree
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
 
 
 class Env:
@@ -143,8 +144,7 @@ def test_episode_kind_exception_marks_episode_error(memory):
 def test_generator_span_lives_until_exhausted_and_context_is_restored(memory):
     @otr.traced
     def tokens(n):
-        for i in range(n):
-            yield i
+        yield from range(n)
         return "done"
 
     @otr.traced

@@ -1,0 +1,60 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+# Trackio reads TRACKIO_DIR when it is first imported: point it at a throwaway directory for the
+# whole session before anything imports trackio. Tests use their own project names.
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="otr-trackio-"))
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest  # noqa: E402
+from receivers import PhoenixReceiver, require_phoenix_python  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Real OTLP receivers (helpers in tests/receivers.py)
+#
+# `phoenix`: one Arize Phoenix server for the whole session (start-up costs 10-15 s).
+# Send to `phoenix.http_endpoint` / `phoenix.grpc_endpoint` (insecure=True); give each test its
+# own project (resource attribute `openinference.project.name`) and read back with
+# `phoenix.wait_for_spans(project, count, trace_ids=...)`. Skips when Phoenix is not installed,
+# fails instead when CI is set.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def phoenix() -> Iterator[PhoenixReceiver]:
+    python = require_phoenix_python()
+    with PhoenixReceiver(python) as receiver:
+        yield receiver
+
+
+# ---------------------------------------------------------------------------------------------
+# The SDK configured with a real in-memory exporter (helpers in tests/otr_helpers.py)
+#
+# `memory`: otr.configure(exporters=[InMemorySpanExporter()], sampler=TailSampler(1000, "first"))
+# for one test, shut down afterwards. Build your own configure() call for other settings and call
+# otr.shutdown() in a finally (or use the `otr_shutdown` fixture).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def otr_shutdown() -> Iterator[None]:
+    import otel_rollouts as otr
+
+    yield
+    otr.shutdown(timeout=10)
+
+
+@pytest.fixture
+def memory(otr_shutdown):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import otel_rollouts as otr
+
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(1000, "first"))
+    return exporter
