@@ -6,17 +6,21 @@
     )
 
 Why it is cheap: each tensor leaves the device once per batch, as a compact private numpy array
-(``_token_layout``). The training thread then records, per sample, the episode's structure
-through the normal episode API — prompt, one turn per loss-mask-1 run, token counts, reward,
-policy versions, finish reason — with message text as ``Deferred`` values that hold only array
-views. Nothing is decoded on the training thread. When the tail sampler keeps an episode, the
-export thread resolves those values: one ``batch_decode`` call per episode for all its segments,
-cached in a per-sample ``_Decoded`` object that every attribute of that episode reads from.
+(``_token_layout``), and everything that can be vectorized over the batch is (loss-mask run
+edges, policy-version ranges over generated tokens, sequence ranges from the attention mask).
+Per sample, the training thread then only records the episode through the episode API — the
+root with its ``rl.*`` values, the reward, the finish reason — plus one ``_EpisodeBody`` span
+record holding a view of the sample's ids and its segment edges. Nothing is decoded there.
 
-Tool calls are parsed from the decoded text, so the ``execute_tool`` spans (and whether the
-feedback after a turn is a tool result or environment feedback) are known only then: each turn
-carries a ``_TurnTail`` span record that the materializer replaces by those spans. A dropped
-episode costs a few small objects and is never decoded.
+When the tail sampler keeps an episode, the materializer (export thread) expands its body: the
+segments are decoded with one ``batch_decode`` call, cached, and turned into the spans the
+episode API would have made — ``prompt`` (split into system/user messages by the chat template's
+role markers), one ``turn`` per loss-mask-1 run with its ``chat`` span, then ``execute_tool``
+spans when the turn made parseable tool calls (the following mask-0 run is their result) or a
+``feedback`` span (role from the template's markers, else ``environment``). Tool calls can only be
+known after decoding, which is why these spans are built at materialization rather than
+recorded up front; the root's ``rl.tool.parse_error`` is a ``Deferred`` read from the same cache.
+A dropped episode is never decoded and costs a few small objects.
 
 Decoding uses a private copy of the tokenizer: a fast tokenizer used from two threads at once can
 raise "Already borrowed" in the *training* thread (huggingface/tokenizers#537), and telemetry must
