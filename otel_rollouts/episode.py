@@ -66,6 +66,17 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]]:
     return [{"role": role, "content": str(messages)}]
 
 
+def _base_attrs(kind: str) -> dict[str, Any]:
+    attrs = {c.RL_SPAN_KIND: kind, c.OPENINFERENCE_SPAN_KIND: c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)}
+    op = c.OPERATION_OF.get(kind)
+    if op is not None:
+        attrs[c.GEN_AI_OPERATION_NAME] = op
+    return attrs
+
+
+_BASE_ATTRS: dict[str, dict[str, Any]] = {}  # per span kind, built once (hot path)
+
+
 def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord | None = None,
                attributes: dict[str, Any] | None = None) -> SpanRecord:
     """A new span of ``record`` under ``parent`` (default: the current span of this episode)."""
@@ -76,12 +87,10 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
             if isinstance(current, SpanRecord) and current.episode is record
             else record.root
         )
-    attrs = {c.RL_SPAN_KIND: kind, c.OPENINFERENCE_SPAN_KIND: c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)}
-    op = c.OPERATION_OF.get(kind)
-    if op is not None:
-        attrs[c.GEN_AI_OPERATION_NAME] = op
-    if attributes:
-        attrs.update(attributes)
+    base = _BASE_ATTRS.get(kind)
+    if base is None:
+        base = _BASE_ATTRS[kind] = _base_attrs(kind)
+    attrs = {**base, **attributes} if attributes else base.copy()
     span = SpanRecord(record, name, _runtime.new_id64(), parent.span_id if parent else None, kind, attrs)
     return record.add(span)
 

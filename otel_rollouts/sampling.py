@@ -123,7 +123,9 @@ class _RankedBucket(Bucket):
         raise NotImplementedError
 
     def offer(self, record: Any) -> Decision:
-        key = self.rank(record)
+        return self.offer_ranked(record, self.rank(record))
+
+    def offer_ranked(self, record: Any, key: Any) -> Decision:
         if key is None or self.capacity <= 0:
             return [record], []
         self.seq += 1
@@ -337,16 +339,18 @@ class _TopBottomBucket(Bucket):
             out.append(record)
 
     def offer(self, record: Any) -> Decision:
-        if score_of(record, self.score) is None:
+        score = score_of(record, self.score)
+        if score is None:
             if len(self.refs) < self.cap + self.margin and len(self.unscored) < self.cap + self.margin:
                 self.unscored.append(record)
                 return [], []
             return [record], []
         released: list[Any] = []
         self.refs[id(record)] = 2  # held by both sides until one lets it go
-        for side in (self.best, self.worst):
-            for r in side.offer(record)[0]:
-                self._let_go(r, released)
+        for r in self.best.offer_ranked(record, -score)[0]:
+            self._let_go(r, released)
+        for r in self.worst.offer_ranked(record, score)[0]:
+            self._let_go(r, released)
         if self.unscored and len(self.refs) >= self.cap + self.margin:
             # enough distinct scored candidates: the unscored ones can never be chosen
             released.extend(self.unscored)
