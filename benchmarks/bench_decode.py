@@ -11,6 +11,9 @@ trained here (tests/tokenizer_fixture.py, vocabulary ~8k), wrapped in PreTrained
                episodes with otel_rollouts' episode API.
   lazy         ``otr.record_token_batch(...)``: tensors to the host once per batch, per-sample
                structure only, text decoded on the export thread for the 32 kept episodes.
+  api_floor    for reference, not a competitor: one bare ``otr.episode`` + ``ep.reward`` +
+               ``ep.finish`` per sample and nothing else (no tokens at all) - the cost of
+               offering 4,096 episodes to the tail sampler, which any per-episode path pays.
 
 Reported per step: training-thread time (CPU time of the thread running the call(s) the training
 loop waits for, including ``otr.end_step``: robust to other processes on a shared machine; wall
@@ -34,9 +37,10 @@ import tracemalloc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import otel_rollouts as otr  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from tokenizer_fixture import CORPUS, build_tokenizer  # noqa: E402
+
+import otel_rollouts as otr  # noqa: E402
 
 CAP = 32
 
@@ -67,7 +71,11 @@ def make_batch(tokenizer, samples: int, width: int, seed: int = 0):
     stop = torch.rand(samples, generator=g) < 0.8  # 80% end with EOS, the rest ran out of room
     ids[torch.arange(samples)[stop], ends[stop]] = eos
     ids[~attention] = tokenizer.pad_token_id
-    versions = torch.where(loss, torch.randint(3, 5, (samples, width), generator=g), torch.full_like(ids, -1))
+    # async RL: most samples come from one policy version, a quarter straddle a weight update
+    base = torch.randint(3, 6, (samples, 1), generator=g)
+    switch = torch.where(torch.rand(samples, generator=g) < 0.25, prompt_len + (total - prompt_len) // 2, width)
+    per_token = base + (cols >= switch[:, None]).to(torch.int64)
+    versions = torch.where(loss, per_token, torch.full_like(ids, -1))
     rewards = torch.rand(samples, generator=g)
     return {"input_ids": ids, "attention_mask": attention.to(torch.int64), "loss_mask": loss.to(torch.int32),
             "versions": versions, "rewards": rewards}
@@ -112,10 +120,19 @@ def lazy(batch, tokenizer, step: int) -> None:
     otr.end_step(step)
 
 
+def api_floor(batch, tokenizer, step: int) -> None:
+    rewards = batch["rewards"].tolist()
+    for i, reward in enumerate(rewards):
+        with otr.episode(step=step, sample_index=i) as ep:
+            ep.reward(reward)
+            ep.finish("stop")
+    otr.end_step(step)
+
+
 def run(variant, batch, tokenizer, repeat: int) -> dict[str, float]:
     exporter = InMemorySpanExporter()
     otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP, "top_bottom"))
-    fn = decode_all if variant == "decode_all" else lazy
+    fn = {"decode_all": decode_all, "lazy": lazy, "api_floor": api_floor}[variant]
     train, wall, export = [], [], []
     try:
         for step in range(repeat):
@@ -154,7 +171,7 @@ def main() -> None:
     batch = make_batch(tokenizer, args.samples, args.width)
     print(f"batch: {args.samples} samples x {args.width} tokens, {int(batch['attention_mask'].sum())} real tokens,"
           f" vocab {len(tokenizer)}, cap {CAP}/step, median of {args.repeat} steps")
-    results = {v: run(v, batch, tokenizer, args.repeat) for v in ("decode_all", "lazy")}
+    results = {v: run(v, batch, tokenizer, args.repeat) for v in ("decode_all", "lazy", "api_floor")}
     print(f"{'variant':<12}{'training thread CPU':>21}{'(wall)':>12}{'export (flush)':>16}{'peak traced mem':>18}")
     for v, r in results.items():
         print(f"{v:<12}{r['train'] * 1000:>18.1f} ms{r['wall'] * 1000:>9.1f} ms{r['export'] * 1000:>13.1f} ms"
@@ -162,6 +179,9 @@ def main() -> None:
     a, b = results["decode_all"], results["lazy"]
     print(f"training-thread CPU time: lazy is {a['train'] / b['train']:.1f}x less than decode_all (target >= 20x);"
           f" wall {a['wall'] / b['wall']:.1f}x")
+    f = results["api_floor"]
+    print(f"per sample: decode_all {a['train'] / args.samples * 1e6:.0f} us, lazy {b['train'] / args.samples * 1e6:.0f} us,"
+          f" of which the bare episode API (api_floor) is {f['train'] / args.samples * 1e6:.0f} us")
     print(f"peak traced memory: decode_all {a['peak'] / 2**20:.1f} MiB, lazy {b['peak'] / 2**20:.1f} MiB"
           f" ({a['peak'] / max(b['peak'], 1):.1f}x)")
 

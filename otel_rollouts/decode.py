@@ -34,9 +34,8 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from opentelemetry import trace
 
 from otel_rollouts import _runtime
@@ -45,9 +44,13 @@ from otel_rollouts._chat_roles import RoleMarkers, learn_markers
 from otel_rollouts._content import Deferred, to_float
 from otel_rollouts._guard import InvalidValue, guarded_or, report
 from otel_rollouts._recording import SpanRecord
-from otel_rollouts._token_layout import Layout, field_layout, host_column, layout_of
 from otel_rollouts.episode import episode as new_episode
 from otel_rollouts.toolcalls import ParsedMessage, parse_tool_calls, tool_responses
+
+if TYPE_CHECKING:  # numpy (and torch) are imported only when a batch is recorded
+    import numpy as np
+
+    from otel_rollouts._token_layout import Layout
 
 __all__ = ["record_token_batch", "TokenBatchSummary"]
 
@@ -342,6 +345,8 @@ class _EpisodeBody(SpanRecord):
 # --- the batch ------------------------------------------------------------------------------------
 def _per_sample(name: str, value: Any, batch: int, summary: TokenBatchSummary) -> list[Any] | None:
     """A per-sample column aligned to the batch: short columns leave ``None`` and are noted."""
+    from otel_rollouts._token_layout import host_column
+
     column = host_column(value)
     if column is None:
         return None
@@ -359,6 +364,10 @@ def _token_values(name: str, value: Any, ids: Layout, mask: Layout | None, batch
     shape = getattr(value, "shape", None)
     if shape is not None and len(shape) == 2 or (isinstance(value, (list, tuple)) and value
                                                   and isinstance(value[0], (list, tuple))):
+        import numpy as np
+
+        from otel_rollouts._token_layout import field_layout
+
         layout = field_layout(name, value, ids, np.float64, refused)
         if layout is None:
             return None
@@ -444,6 +453,10 @@ def record_token_batch(
     info = _info(tokenizer)
     eos_ids = frozenset(int(x) for x in eos_token_ids) if eos_token_ids is not None else info.eos_ids
     capture = rt.capture_content
+
+    import numpy as np
+
+    from otel_rollouts._token_layout import field_layout, layout_of
 
     ids, refused = layout_of(input_ids, attention_mask)
     batch = len(ids.starts)
@@ -570,6 +583,8 @@ def _body(root: SpanRecord, info: _TokenizerInfo, ids: np.ndarray, bounds: list[
 
 def _version_ranges(vers: Layout, mask: Layout, batch: int) -> list[tuple[int | None, int | None]]:
     """(min, max) policy version over each sample's generated tokens; −1 placeholders ignored."""
+    import numpy as np
+
     vflat, mflat = vers.flat, mask.flat
     out: list[tuple[int | None, int | None]] = [(None, None)] * batch
     idx = vers.starts
@@ -577,10 +592,15 @@ def _version_ranges(vers: Layout, mask: Layout, batch: int) -> list[tuple[int | 
             and bool(np.all(idx[1:] >= idx[:-1])) and mask.row_lengths is None):
         # vectorized over the batch: a sample's segment [start_i, start_i+1) may hold padding of
         # the next row, but there the loss mask is 0 (masks are cut to the attended tokens)
-        valid = mflat & (vflat >= 0)
+        # in place: vflat is this call's private copy (no batch-sized temporaries)
+        invalid = vflat >= 0
+        invalid &= mflat
+        np.logical_not(invalid, out=invalid)  # not (generated and a real version)
         idx = np.minimum(idx, len(vflat) - 1)
-        maxs = np.maximum.reduceat(np.where(valid, vflat, -1), idx).tolist()
-        mins = np.minimum.reduceat(np.where(valid, vflat, np.iinfo(vflat.dtype).max), idx).tolist()
+        vflat[invalid] = -1
+        maxs = np.maximum.reduceat(vflat, idx).tolist()
+        vflat[invalid] = np.iinfo(vflat.dtype).max
+        mins = np.minimum.reduceat(vflat, idx).tolist()
         for i, (n, lo, hi) in enumerate(zip(vers.lengths.tolist(), mins, maxs, strict=True)):
             if n and hi >= 0:
                 out[i] = (lo, hi)
