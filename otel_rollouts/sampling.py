@@ -125,17 +125,22 @@ class _RankedBucket(Bucket):
     def offer(self, record: Any) -> Decision:
         return self.offer_ranked(record, self.rank(record))
 
-    def offer_ranked(self, record: Any, key: Any) -> Decision:
+    def takes(self, key: Any) -> bool:
+        """Whether a record of this key would be held now (ties: the earlier arrival wins)."""
+        heap = self.heap
         if key is None or self.capacity <= 0:
+            return False
+        return len(heap) < self.capacity or -key > heap[0][0]
+
+    def offer_ranked(self, record: Any, key: Any) -> Decision:
+        if not self.takes(key):
             return [record], []
         self.seq += 1
         entry = (-key, -self.seq, record)  # the worst on top; ties: the earlier arrival is better
         if len(self.heap) < self.capacity:
             heapq.heappush(self.heap, entry)
             return [], []
-        if entry[:2] > self.heap[0][:2]:
-            return [heapq.heapreplace(self.heap, entry)[2]], []
-        return [record], []
+        return [heapq.heapreplace(self.heap, entry)[2]], []
 
     def ordered(self) -> list[Any]:
         return [e[2] for e in sorted(self.heap, key=lambda e: e[:2], reverse=True)]
@@ -345,6 +350,8 @@ class _TopBottomBucket(Bucket):
                 self.unscored.append(record)
                 return [], []
             return [record], []
+        if not self.best.takes(-score) and not self.worst.takes(score):
+            return [record], []  # the common case once the step is under way
         released: list[Any] = []
         self.refs[id(record)] = 2  # held by both sides until one lets it go
         for r in self.best.offer_ranked(record, -score)[0]:

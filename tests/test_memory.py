@@ -1,0 +1,90 @@
+"""Bounded memory: what the sampler holds depends on the cap, never on how many episodes a step saw.
+
+200 steps × 4,096 small episodes with cap 32. Two measurements:
+
+* tracemalloc (slow, so only over a few early and a few late steps): the peak of memory
+  allocated while a step runs stays the same late in the run as early, and under a bound fit
+  for the cap (an unbounded buffer of 4,096 episodes per step would be several MiB);
+* ``sys.getallocatedblocks()`` after a collection, every 20 steps over the whole run: the memory
+  blocks still alive do not grow with the steps (a leak of one object per episode would add
+  ~700,000 blocks).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tracemalloc
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import root, traces
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+
+STEPS = 200
+PER_STEP = 4096
+CAP = 32
+
+
+def _step(exporter: InMemorySpanExporter, step: int) -> None:
+    for i in range(PER_STEP):
+        ep = otr.episode(step=step).start()  # no `with`: the smallest whole episode
+        ep.reward(float((i * 7919) % PER_STEP))
+        ep.end()
+    otr.end_step(step)
+    otr.flush()
+    kept = traces(exporter)
+    assert len(kept) == CAP, (step, len(kept))
+    exporter.clear()
+
+
+def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(otr_shutdown):
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP, "top_bottom", step_lag=None),
+                  run_id="memory")
+    peaks: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    traced = {4, 5, STEPS - 2, STEPS - 1}
+    for step in range(STEPS):
+        if step in traced:
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            _step(exporter, step)
+            peaks[step] = tracemalloc.get_traced_memory()[1] - base
+            tracemalloc.stop()
+        else:
+            _step(exporter, step)
+        if step % 20 == 0 or step == STEPS - 1:
+            gc.collect()
+            blocks[step] = sys.getallocatedblocks()
+    stats = otr.stats()["steps"]
+    assert stats[f"{STEPS - 1}/train"]["seen"] == PER_STEP
+    assert stats[f"{STEPS - 1}/train"]["dropped.sampled_out"] == PER_STEP - CAP
+
+    early = max(peaks[4], peaks[5])
+    late = max(peaks[STEPS - 2], peaks[STEPS - 1])
+    assert early < 3 * 2**20, f"peak while a step runs: {early} bytes"
+    assert late <= early * 1.25 + 64 * 1024, (early, late)
+    # blocks alive between steps: flat after the first steps (a few per step are the bounded
+    # per-step counters and closed-step marks, capped at 4,096 steps)
+    growth = blocks[STEPS - 1] - blocks[20]
+    assert growth < 40 * (STEPS - 20), (blocks, growth)
+
+
+def test_what_a_dropped_episode_held_is_released_at_once(otr_shutdown):
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
+    handles = []
+    for i in range(10):
+        with otr.episode(step=0) as ep:
+            ep.prompt("a" * 10_000)
+            ep.reward(float(i))
+        handles.append(ep)
+    # before the step closes, the 8 episodes that can no longer be chosen are already let go
+    records = [h._record for h in handles]
+    held = [r for r in records if r.spans]
+    assert len(held) == 2  # the current best and worst candidates (cap 2: top 1, bottom 1)
+    otr.end_step(0)
+    otr.flush()
+    assert sorted(root(s).attributes[c.RL_REWARD] for s in traces(exporter).values()) == [0.0, 9.0]
