@@ -357,7 +357,7 @@ def _per_sample(name: str, value: Any, batch: int, summary: TokenBatchSummary) -
 
 
 def _token_values(name: str, value: Any, ids: Layout, mask: Layout | None, batch: int,
-                  refused: dict[int, str], summary: TokenBatchSummary, reduce: str) -> list[Any] | None:
+                  summary: TokenBatchSummary, reduce: str) -> list[Any] | None:
     """Rewards/advantages given per sample ([B]) or per token ([B, L]: summed / averaged)."""
     if value is None:
         return None
@@ -368,11 +368,17 @@ def _token_values(name: str, value: Any, ids: Layout, mask: Layout | None, batch
 
         from otel_rollouts._token_layout import field_layout
 
-        layout = field_layout(name, value, ids, np.float64, refused)
+        misfit: dict[int, str] = {}  # a misshapen reward column leaves the tokens usable
+        layout = field_layout(name, value, ids, np.float64, misfit)
+        if misfit:
+            summary.problems.append(f"{name}: per-token values do not match input_ids ({len(misfit)} samples)")
         if layout is None:
             return None
         out: list[Any] = []
         for i in range(batch):
+            if i in misfit:
+                out.append(None)
+                continue
             s, n = int(layout.starts[i]), int(layout.lengths[i])
             row = layout.flat[s : s + n]
             if reduce == "sum" or mask is None:
@@ -472,8 +478,8 @@ def record_token_batch(
         else:
             vers = field_layout("versions", versions, ids, np.int32, refused)
 
-    reward_col = _token_values("rewards", rewards, ids, mask, batch, refused, summary, "sum")
-    advantage_col = _token_values("advantages", advantages, ids, mask, batch, refused, summary, "mean")
+    reward_col = _token_values("rewards", rewards, ids, mask, batch, summary, "sum")
+    advantage_col = _token_values("advantages", advantages, ids, mask, batch, summary, "mean")
     components = _components(reward_components, batch, summary)
     group_col = _per_sample("group_ids", group_ids, batch, summary)
     episode_col = _per_sample("episode_ids", episode_ids, batch, summary)
