@@ -387,3 +387,22 @@ def test_bad_columns_are_noted_not_raised(tok, memory):
     assert summary.problems == ["rewards: 2 values for 3 samples (alignment partial)"]
     assert [got[i]["root"].get(c.RL_REWARD) for i in range(3)] == [1.0, 2.0, None]
     assert got[2]["root"][c.RL_GROUP_ID] == "c" and got[2]["root"]["rl.metadata.task"] == "math"
+
+
+def test_token_level_rewards_advantages_components_and_ids(tok, memory):
+    samples = [single_turn(tok, "q0", "a0"), single_turn(tok, "q1", "a1")]
+    batch = padded(samples, tok.pad_token_id)
+    token_rewards = torch.zeros(batch["input_ids"].shape)
+    token_rewards[0, len(samples[0].ids) - 1] = 1.0  # verl: the score sits on the last token
+    token_rewards[1, len(samples[1].ids) - 1] = 0.25
+    advantages = batch["loss_mask"].float() * torch.tensor([[0.5], [-0.5]])  # constant over generated tokens
+    _, got = record(tok, memory, batch["input_ids"], attention_mask=batch["attention_mask"],
+                    loss_mask=batch["loss_mask"], rewards=token_rewards, advantages=advantages,
+                    reward_components={"format": [1.0, 0.0], "math": torch.tensor([0.0, 0.25])},
+                    episode_ids=["ep-a", "ep-b"], sample_indices=[7, 9], framework="verl", dataset_name="gsm8k",
+                    dataset_indices=[3, 4])
+    a, b = got[7]["root"], got[9]["root"]
+    assert (a[c.RL_REWARD], a[c.RL_ADVANTAGE], a["rl.reward.format"], a["rl.reward.math"]) == (1.0, 0.5, 1.0, 0.0)
+    assert (b[c.RL_REWARD], b[c.RL_ADVANTAGE], b["rl.reward.format"], b["rl.reward.math"]) == (0.25, -0.5, 0.0, 0.25)
+    assert (a[c.RL_EPISODE_ID], a[c.RL_FRAMEWORK], a[c.RL_DATASET_NAME], a[c.RL_DATASET_INDEX]) == (
+        "ep-a", "verl", "gsm8k", 3)
