@@ -435,6 +435,7 @@ def record_token_batch(
     max_length: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     skip_special_tokens: bool = False,
+    attributes: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> TokenBatchSummary:
     """Record one episode per sample of a token-id batch; decode only the episodes that are kept.
 
@@ -449,7 +450,8 @@ def record_token_batch(
     ``finish_reasons`` default to ``stop`` (last generated token is an EOS) or ``length`` (the
     sample reached ``max_length``, or the right edge of a right-padded batch).
 
-    Returns a ``TokenBatchSummary``. A sample whose masks do not match its ids is refused with a
+    ``attributes``: per sample, extra attributes for the episode root (e.g. an adapter's
+    ``rl.alignment``: "partial"). Returns a ``TokenBatchSummary``. A sample whose masks do not match its ids is refused with a
     reason naming it (recorded as an error episode); the rest of the batch is still recorded.
     """
     summary = TokenBatchSummary()
@@ -491,6 +493,7 @@ def record_token_batch(
         meta_col = None
     else:
         meta_col = _per_sample("metadata", metadata, batch, summary)
+    attr_col = _per_sample("attributes", attributes, batch, summary)
     for problem in summary.problems:
         report(f"record_token_batch: {problem}")
 
@@ -534,6 +537,10 @@ def record_token_batch(
                 metadata=metadata if meta_col is None else meta_col[i],
             )
             with ep:
+                extra = None if attr_col is None else attr_col[i]
+                if isinstance(extra, Mapping):
+                    for key, value in extra.items():
+                        ep.set_attribute(str(key), value)
                 if reason is not None:
                     summary.refused.append((i, reason))
                     report(f"record_token_batch: {reason}")

@@ -400,9 +400,10 @@ def test_token_level_rewards_advantages_components_and_ids(tok, memory):
                     loss_mask=batch["loss_mask"], rewards=token_rewards, advantages=advantages,
                     reward_components={"format": [1.0, 0.0], "math": torch.tensor([0.0, 0.25])},
                     episode_ids=["ep-a", "ep-b"], sample_indices=[7, 9], framework="verl", dataset_name="gsm8k",
-                    dataset_indices=[3, 4])
+                    dataset_indices=[3, 4], attributes=[None, {c.RL_ALIGNMENT: "partial"}])
     a, b = got[7]["root"], got[9]["root"]
     assert (a[c.RL_REWARD], a[c.RL_ADVANTAGE], a["rl.reward.format"], a["rl.reward.math"]) == (1.0, 0.5, 1.0, 0.0)
     assert (b[c.RL_REWARD], b[c.RL_ADVANTAGE], b["rl.reward.format"], b["rl.reward.math"]) == (0.25, -0.5, 0.0, 0.25)
     assert (a[c.RL_EPISODE_ID], a[c.RL_FRAMEWORK], a[c.RL_DATASET_NAME], a[c.RL_DATASET_INDEX]) == (
         "ep-a", "verl", "gsm8k", 3)
+    assert c.RL_ALIGNMENT not in a and b[c.RL_ALIGNMENT] == "partial"
