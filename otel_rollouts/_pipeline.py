@@ -170,12 +170,21 @@ class Pipeline(SpanProcessor):
                 return
             closing = {key: self._steps.pop(key) for key in keys}
         # the collective runs outside the lock: other threads keep recording meanwhile
-        chosen = coordinator.choose(
-            self.sampler.policy,
-            self.sampler.max_traces_per_step,
-            {key: s.bucket.held() for key, s in closing.items()},
-            step=step,
-        )
+        try:
+            chosen = coordinator.choose(
+                self.sampler.policy,
+                self.sampler.max_traces_per_step,
+                {key: s.bucket.held() for key, s in closing.items()},
+                step=step,
+            )
+        except Exception:
+            # no agreement (ranks out of step, a dead peer): decide locally within this rank's
+            # share so the job stays under the cap, then let the error be reported
+            with self._lock:
+                share = coordinator.local_share(self.sampler.max_traces_per_step)
+                for key, s in closing.items():
+                    self._apply(key, s, s.bucket.decide(share))
+            raise
         with self._lock:
             for key, s in closing.items():
                 self._apply(key, s, chosen.get(key, []))

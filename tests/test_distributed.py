@@ -77,6 +77,21 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     )
     phase("first", otr.TailSampler(4, "first", step_lag=None), steps=[0])
     phase("no_end_step", otr.TailSampler(8, "top_bottom", step_lag=None), steps=[0], end_steps=False)
+
+    # ranks out of step: rank r closes step r. The collective finds the mismatch on every rank;
+    # each decides locally within its share, and the error is reported, not raised
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(6, "top_bottom", step_lag=None))
+    for step in (0, 1):
+        for i in range(PER_RANK):
+            with otr.episode(step=step) as ep:
+                ep.reward(float(i))
+    otr.end_step(rank % 2)
+    errors = otr.stats()["totals"].get("errors.library", 0)
+    otr.flush()
+    roots = [s for s in exporter.get_finished_spans() if s.parent is None]
+    result["mismatch"] = {"errors": errors, "kept": len(roots)}
+    otr.shutdown()
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(result))
 
@@ -166,6 +181,12 @@ def test_steps_closed_without_end_step_keep_a_share_per_rank(three_ranks):
         assert len(r["phases"]["no_end_step"]["kept"]) <= 8 // 3
     _, kept = _union(three_ranks, "no_end_step")
     assert len(kept) <= 8
+
+
+def test_ranks_out_of_step_fall_back_to_a_share_and_report(three_ranks):
+    for r in three_ranks:
+        assert r["mismatch"]["errors"] >= 1
+        assert r["mismatch"]["kept"] <= 2 * (6 // 3)  # two steps, each within the rank's share
 
 
 def test_two_ranks(tmp_path):
