@@ -84,7 +84,7 @@ def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
     else:
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - a hostile __float__ is refused like any non-number
             return None, f"{field}: not a number: {type(value).__name__} {_short_repr(value)}"
     if math.isnan(number) or math.isinf(number):
         return None, f"{field}: not finite: {number!r}"

@@ -9,6 +9,8 @@ from otel_rollouts import _runtime
 
 logger = logging.getLogger("otel_rollouts")
 _logged: set[str] = set()
+_MAX_KINDS_LOGGED = 50
+_MAX_LOGGED_CHARS = 500
 
 
 class InvalidValue(ValueError):
@@ -24,13 +26,21 @@ def report(message: str, *, exc: BaseException | None = None) -> None:
         if exc is not None:
             raise exc
         raise InvalidValue(message)
-    kind = message.split(":", 1)[0]
-    if kind not in _logged:
-        _logged.add(kind)
-        if exc is not None:
-            logger.warning("otel_rollouts: internal error contained: %s", message, exc_info=exc)
-        else:
-            logger.warning("otel_rollouts: %s (further reports of this kind are counted only)", message)
+    # the kind is the message's first part (the field, or the function that failed); a message
+    # is shortened for the log (a refused value may be huge) and the number of kinds logged is
+    # capped, so bad input can never flood the log: everything is counted in otr.stats()
+    kind = message.split(":", 1)[0][:80]
+    if kind in _logged or len(_logged) > _MAX_KINDS_LOGGED:
+        return
+    _logged.add(kind)
+    if len(message) > _MAX_LOGGED_CHARS:
+        message = message[:_MAX_LOGGED_CHARS] + f"... ({len(message)} chars)"
+    if len(_logged) > _MAX_KINDS_LOGGED:
+        logger.warning("otel_rollouts: many kinds of problems reported; from now on they are only counted")
+    elif exc is not None:
+        logger.warning("otel_rollouts: internal error contained: %s", message, exc_info=exc)
+    else:
+        logger.warning("otel_rollouts: %s (further reports of this kind are counted only)", message)
 
 
 def guarded(fn):
