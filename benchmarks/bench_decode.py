@@ -3,7 +3,7 @@
 One script, one run, both variants on the same batch: 4,096 samples x 1,024 tokens (right-padded
 ``input_ids`` / ``attention_mask`` / ``loss_mask`` / per-token ``versions`` torch tensors, rewards),
 cap 32 episodes per step (top 16 + bottom 16 by reward). The tokenizer is a real byte-level BPE
-trained here (tests/tokenizer_fixture.py, vocabulary ~8k), wrapped in PreTrainedTokenizerFast.
+trained here (tests/tokenizer_fixture.py, a vocabulary of ~2.6k), wrapped in PreTrainedTokenizerFast.
 
   decode_all   what RL frameworks' rollout loggers do today: per sample ``.tolist()`` of ids and
                loss mask, split the sequence into loss-mask runs, ``tokenizer.decode`` each run,
@@ -46,7 +46,7 @@ CAP = 32
 
 
 def bench_tokenizer():
-    """A larger vocabulary than the tests' (closer to a real model's token lengths)."""
+    """A larger vocabulary than the tests' (longer tokens, closer to a real model's)."""
     words = " ".join(CORPUS).split()
     corpus = [" ".join(words[(i * 7) % len(words):] + words[: (i * 7) % len(words)]) for i in range(400)]
     corpus += [f"step {i} reward {i % 7} value {i * 31 % 1000} item {i * 17 % 97}" for i in range(2000)]
