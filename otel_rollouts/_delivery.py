@@ -49,7 +49,9 @@ WARN_INTERVAL_S = 10.0
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 15.0
-_POISON_AFTER = 3  # consecutive failures of one batch before checking whether only it fails
+_POISON_AFTER = 3
+_DRAIN_BATCHES = 64  # spooled batches sent together once the exporter takes them again
+_DRAIN_BYTES = 2 * 1024 * 1024  # consecutive failures of one batch before checking whether only it fails
 
 
 class _Marker:
@@ -272,6 +274,17 @@ class Outlet:
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
 
     def _send_spooled(self, spool: Spool, failures: int) -> bool:
+        if failures == 0 and len(spool) > 1:
+            # the exporter is taking batches: drain several spooled ones per request
+            many = spool.peek_many(_DRAIN_BATCHES, _DRAIN_BYTES)
+            spans = [span for _, data, _ in many for span in decode(data)]
+            failed = self._send(spans)
+            if not failed or sum(len(p) for p in failed) < len(spans):
+                for path, _, _ in many:
+                    spool.remove(path)
+                for part in failed:
+                    self._to_spool(part)
+            return not failed
         head = spool.peek()
         if head is None:
             return True

@@ -121,6 +121,21 @@ class Spool:
                     self._bytes -= size
             return None
 
+    def peek_many(self, count: int, max_bytes: int) -> list[tuple[Path, bytes, int]]:
+        """Up to ``count`` oldest batches (at least one, if any) totalling about ``max_bytes``."""
+        out: list[tuple[Path, bytes, int]] = []
+        total = 0
+        with self._lock:
+            for path, size, episodes in list(self._files)[:count]:
+                if out and total + size > max_bytes:
+                    break
+                try:
+                    out.append((path, path.read_bytes(), episodes))
+                except OSError:
+                    continue
+                total += size
+        return out
+
     def remove(self, path: Path) -> None:
         """Forget a delivered batch (a no-op if it was already dropped to make room)."""
         with self._lock:

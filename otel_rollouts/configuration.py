@@ -161,7 +161,7 @@ def configure(
             redact=make_redactor(redact, redact_patterns),
             max_episode_chars=max_episode_chars,
         )
-        queue_size = max_queue or max(256, 8 * sampler.max_traces_per_step)
+        queue_size = max_queue or max(1024, 16 * sampler.max_traces_per_step)
         delivery = Delivery(
             list(exporters),
             materializer,

@@ -1,0 +1,188 @@
+"""Soak: thousands of episodes over many steps with faults injected on a schedule.
+
+A child process runs a training-like loop (so its memory is its own) with three exporters: the
+stock OTLP/HTTP exporter to a real receiver process (``otlp_sink``) that is killed and restarted,
+an exporter that raises for a stretch of steps, and Trackio whose directory turns read-only for
+a stretch (a tmpfs remounted read-only when running as root, file permissions otherwise). A
+ledger exporter that never fails records what was kept. The test asserts that no exception
+reached the loop, that memory stayed flat, and that what each retried exporter received equals
+what was kept. ``OTR_SOAK_STEPS`` scales it (default: 120 steps x 64 episodes, under a minute here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+CHILD = textwrap.dedent(
+    """
+    import gc, json, os, subprocess, sys, threading, time
+    sys.path.insert(0, sys.argv[1])
+    from pathlib import Path
+    from otlp_sink import OtlpSink
+    import otel_rollouts as otr
+    from otel_rollouts.exporters import TrackioExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    work = Path(sys.argv[2]); trackio_dir = Path(os.environ["TRACKIO_DIR"]); mounted = sys.argv[3] == "1"
+    steps = int(os.environ.get("OTR_SOAK_STEPS", "120")); per_step = 64; cap = 8
+
+    class Ledger(SpanExporter):
+        \"\"\"Records the trace id of every episode root it receives; can be told to raise.\"\"\"
+        def __init__(self):
+            self.ids, self.raising, self.lock = set(), False, threading.Lock()
+        def export(self, spans):
+            if self.raising:
+                raise RuntimeError("injected exporter failure")
+            with self.lock:
+                self.ids.update(f"{s.context.trace_id:032x}" for s in spans if s.name == "episode")
+            return SpanExportResult.SUCCESS
+
+    def read_only(on):
+        if mounted:
+            # "busy" while Trackio has a file open for writing: retry until it has not
+            deadline = time.monotonic() + 30
+            while subprocess.run(["mount", "-o", "remount," + ("ro" if on else "rw"), str(trackio_dir)],
+                                 capture_output=True).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("could not remount the Trackio directory")
+                time.sleep(0.05)
+        else:
+            trackio_dir.chmod(0o555 if on else 0o755)
+
+    def rss_mb():
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+
+    sink = OtlpSink(work / "sink").start()
+    ledger, flaky = Ledger(), Ledger()
+    otr.configure(
+        exporters=[OTLPSpanExporter(endpoint=sink.endpoint, timeout=1), flaky, TrackioExporter("soak", run="r"), ledger],
+        sampler=otr.TailSampler(cap, "top_bottom"), spool_dir=work / "spool",
+    )
+    def total(name):
+        return otr.stats()["totals"].get(name, 0)
+
+    def until(predicate, timeout=60):
+        # the loop outruns the export threads: wait until the fault has really been met
+        deadline = time.monotonic() + timeout
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def outage():
+        sink.kill()
+        until(lambda: total("export.failures.OTLPSpanExporter") >= 1)
+
+    def raising():
+        flaky.raising = True
+        until(lambda: total("errors.export.Ledger") >= 1)
+
+    def trackio_back():
+        otr.flush(timeout=10)  # Trackio writes (and fails) at flush
+        read_only(False)
+
+    schedule = {
+        8: outage, 16: sink.start,                                            # collector outage
+        20: raising, 28: lambda: setattr(flaky, "raising", False),           # an exporter raising
+        32: lambda: read_only(True), 40: trackio_back,                        # Trackio read-only
+        44: sink.kill, 45: sink.start,                                        # a quick restart
+    }
+    scaled = {max(1, k * steps // 60): v for k, v in schedule.items()}
+    user_errors, rss, started = [], [], time.monotonic()
+    for step in range(steps):
+        if step in scaled:
+            scaled[step]()
+        try:
+            for i in range(per_step):
+                with otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i) as ep:
+                    ep.prompt([{"role": "user", "content": f"problem {step}-{i} " + "x" * 200}])
+                    with ep.turn() as turn:
+                        turn.record_generation(f"answer {i} " + "y" * 300, model="policy", output_tokens=60)
+                        with turn.tool_call("calc", arguments={"i": i}) as call:
+                            call.result(i * 2)
+                    ep.reward((i * 7919 % 101) / 100.0, components={"format": 1.0})
+            otr.end_step(step)
+        except BaseException as exc:
+            user_errors.append(repr(exc))
+        gc.collect()
+        rss.append(rss_mb())
+    loop_seconds = time.monotonic() - started
+    otr.flush(timeout=30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        d = otr.stats()["delivery"]
+        if d["OTLPSpanExporter"]["pending"] == 0 and d["Ledger"]["pending"] == 0:
+            break
+        time.sleep(0.2)
+    otr.flush(timeout=30)
+    received = sorted(r["trace_id"] for r in sink.roots())
+    stats = otr.stats()
+    result = {
+        "user_errors": user_errors, "rss": rss, "loop_seconds": loop_seconds,
+        "kept": sorted(ledger.ids), "otlp": received, "flaky": sorted(flaky.ids),
+        "totals": stats["totals"], "delivery": stats["delivery"], "episodes": steps * per_step,
+    }
+    otr.shutdown(timeout=10)
+    sink.kill()
+    (work / "result.json").write_text(json.dumps(result))
+    """
+)
+
+
+def _mount_tmpfs(path: Path) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def test_soak_with_faults_on_a_schedule(tmp_path):
+    trackio_dir = tmp_path / "trackio"
+    mounted = _mount_tmpfs(trackio_dir)
+    script = tmp_path / "soak.py"
+    script.write_text(CHILD)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["TRACKIO_DIR"] = str(trackio_dir)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), str(TESTS), str(tmp_path), "1" if mounted else "0"],
+            capture_output=True, text=True, env=env, timeout=600,
+        )
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(trackio_dir)], capture_output=True)
+    assert done.returncode == 0, done.stderr[-5000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+
+    assert result["user_errors"] == []  # no exception reached the training loop
+    totals = result["totals"]
+    assert totals["seen"] == result["episodes"]
+    kept = result["kept"]
+    assert totals["kept"] == 8 * len(result["rss"])  # the cap, every step
+    # on a starved machine the export queue may overflow: every such loss must be counted
+    assert len(kept) == totals["kept"] - totals.get("dropped.queue_full.episodes", 0)
+    # delivered == kept, for the exporters that were down or raising along the way
+    assert result["otlp"] == kept
+    assert result["flaky"] == kept
+    assert result["delivery"]["OTLPSpanExporter"]["dropped"] == 0
+    # the faults did happen, and were counted
+    assert totals["export.failures.OTLPSpanExporter"] >= 1
+    assert totals["errors.export.Ledger"] >= 1
+    assert result["delivery"]["OTLPSpanExporter"]["spooled"] > 0
+    assert any(k.startswith("errors.") and k.endswith("TrackioExporter") for k in totals), totals
+    # memory is flat: the second half of the run grows by less than a few MB
+    rss = result["rss"]
+    half = len(rss) // 2
+    growth = max(rss[half:]) - max(rss[half // 2 : half])
+    assert growth < 24, f"RSS grew by {growth:.1f} MB over the second half: {rss}"
