@@ -130,6 +130,7 @@ class Outlet:
         self._stopping = threading.Event()
         self._wake = threading.Event()  # cut a backoff short (flush, stop)
         self._attempts = 0  # export attempts finished
+        self._inflight = 0  # episodes in the export call under way
         self._last_ok = True
         self._logged: set[str] = set()
         if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
@@ -191,7 +192,7 @@ class Outlet:
     # --- status ----------------------------------------------------------------------------
     def pending_episodes(self) -> int:
         with self._cond:
-            in_memory = sum(count_episodes(b) for b in self._pending)
+            in_memory = sum(count_episodes(b) for b in self._pending) + self._inflight
         return in_memory + (self._spool.episodes if self._spool is not None else 0)
 
     def idle(self) -> bool:
@@ -246,6 +247,7 @@ class Outlet:
                 else:
                     with self._cond:
                         batch = self._pending.popleft() if self._pending else None
+                        self._inflight = count_episodes(batch) if batch is not None else 0
                     ok = True
                     if batch is not None:
                         failed = self._send(batch)
@@ -254,16 +256,14 @@ class Outlet:
                             # keep it, and everything behind it, on disk until the exporter is back
                             for part in failed:
                                 self._to_spool(part)
-                            with self._cond:
-                                rest, self._pending = list(self._pending), deque()
-                            for item in rest:
-                                self._to_spool(item)
+                            self._spill_pending()
             except Exception as exc:  # noqa: BLE001 - the sender thread never dies
                 ok = False
                 self._log_once("sender", f"delivery error: {exc!r}")
             finally:
                 with self._cond:
                     self._busy = False
+                    self._inflight = 0
                     self._attempts += 1
                     self._last_ok = ok
                     self._cond.notify_all()
@@ -272,6 +272,19 @@ class Outlet:
             else:
                 failures += 1
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
+
+    def _spill_pending(self) -> None:
+        """Move the memory buffer to disk, oldest first; each batch is on disk before it leaves
+        memory, so ``pending_episodes`` never undercounts."""
+        while True:
+            with self._cond:
+                if not self._pending:
+                    return
+                item = self._pending[0]
+            self._to_spool(item)
+            with self._cond:
+                if self._pending and self._pending[0] is item:
+                    self._pending.popleft()
 
     def _send_spooled(self, spool: Spool, failures: int) -> bool:
         if failures == 0 and len(spool) > 1:
@@ -509,21 +522,32 @@ class Delivery:
         return flushed and not self._thread.is_alive() and not closer.is_alive()
 
     def _report_leftovers(self) -> None:
+        own = self._own_spool_root
         for outlet in self.outlets:
             episodes, directory = outlet.leftover()
-            if episodes:
+            if not episodes:
+                continue
+            if own:
+                # a private temporary spool dies with the process: say so, and count the loss
+                self.stats.add(f"dropped.undelivered_at_exit.{outlet.name}", episodes)
+                logger.warning(
+                    "otel_rollouts: %s: %d kept episode(s) could not be delivered before exit and are "
+                    "lost (pass configure(spool_dir=...) to keep them for the next run)",
+                    outlet.name,
+                    episodes,
+                )
+            else:
                 self.stats.add(f"undelivered_at_exit.{outlet.name}", episodes)
                 logger.warning(
-                    "otel_rollouts: %s: %d kept episode(s) not delivered; they stay in %s and are "
-                    "sent by the next process configured with spool_dir pointing there",
+                    "otel_rollouts: %s: %d kept episode(s) not delivered yet; they stay in %s and are "
+                    "sent by the next process configured with this spool_dir",
                     outlet.name,
                     episodes,
                     directory,
                 )
         root = self.spool_root
-        if self._own_spool_root and root is not None and root.is_dir():
-            if not any(root.rglob("*.otlp")):
-                shutil.rmtree(root, ignore_errors=True)
+        if own and root is not None and root.is_dir():
+            shutil.rmtree(root, ignore_errors=True)
 
     def _shutdown_exporters(self) -> None:
         for outlet in self.outlets:
