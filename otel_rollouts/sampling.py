@@ -619,6 +619,10 @@ def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
         return Compose(*(make_policy(p.strip(), seed) for p in policy.split("+")))
     if policy == Uniform.name:
         return Uniform(seed=seed)
+    if policy == Errors.name:
+        return Compose(Errors(), Uniform(seed=seed))
+    if policy == Groups.name:
+        return Groups(seed=seed)
     try:
         return POLICIES[policy]()
     except KeyError:
