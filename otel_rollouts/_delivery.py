@@ -142,7 +142,9 @@ class Outlet:
     def offer(self, spans: list[ReadableSpan]) -> None:
         with self._cond:
             outage = self._spool is not None and len(self._spool) > 0
-            if not outage and len(self._pending) < self.max_pending:
+            # during an outage batches go to disk, behind those already there; while the memory
+            # buffer is being spilled (it is not empty), they queue behind it, so order is kept
+            if (not outage or self._pending) and len(self._pending) < self.max_pending:
                 self._pending.append(spans)
                 self._cond.notify()
                 return
