@@ -172,8 +172,11 @@ def test_soak_with_faults_on_a_schedule(tmp_path):
     assert totals["kept"] == 8 * len(result["rss"])  # the cap, every step
     # on a starved machine the export queue may overflow: every such loss must be counted
     assert len(kept) == totals["kept"] - totals.get("dropped.queue_full.episodes", 0)
-    # delivered == kept, for the exporters that were down or raising along the way
-    assert result["otlp"] == kept
+    # delivered == kept, for the exporters that were down or raising along the way. Delivery is
+    # at least once: a request that timed out after the receiver had stored it is sent again,
+    # with the same ids (a receiver or a collector de-duplicates by span id)
+    assert set(result["otlp"]) == set(kept)
+    assert len(result["otlp"]) - len(kept) <= 8 * 3  # a few retried requests at most
     assert result["flaky"] == kept
     assert result["delivery"]["OTLPSpanExporter"]["dropped"] == 0
     # the faults did happen, and were counted
