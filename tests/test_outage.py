@@ -175,7 +175,7 @@ def _kept_ids_after_flush(memory):
     return _kept_ids(memory)
 
 
-def test_slow_receiver_never_blocks_training_and_spills_to_disk(sink, tmp_path, otr_shutdown):
+def test_slow_receiver_never_blocks_training_and_everything_arrives(sink, tmp_path, otr_shutdown):
     sink.start(delay=2.0)  # every request takes 2 s
     memory = InMemorySpanExporter()
     otr.configure(
