@@ -43,24 +43,12 @@ def report(message: str, *, exc: BaseException | None = None) -> None:
         logger.warning("otel_rollouts: %s (further reports of this kind are counted only)", message)
 
 
-def guarded(fn):
-    """Run ``fn``; an exception from the library is reported and None returned instead."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except InvalidValue:
-            raise
-        except Exception as exc:  # noqa: BLE001 - containment is the point
-            report(f"{fn.__qualname__}: {type(exc).__name__}: {exc}", exc=exc)
-            return None
-
-    return wrapper
-
-
 def guarded_or(fallback):
-    """Like ``guarded`` but returns ``fallback()`` (e.g. a no-op handle) after an error."""
+    """Run the function; a library exception is reported and ``fallback()`` returned instead.
+
+    ``fallback`` gives what the caller can still use (a no-op handle, an empty list), so user
+    code that goes on with the result never breaks.
+    """
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -69,10 +57,18 @@ def guarded_or(fallback):
                 return fn(*args, **kwargs)
             except InvalidValue:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - containment is the point
                 report(f"{fn.__qualname__}: {type(exc).__name__}: {exc}", exc=exc)
                 return fallback()
 
         return wrapper
 
     return decorate
+
+
+def _none() -> None:
+    return None
+
+
+guarded = guarded_or(_none)
+guarded.__doc__ = "Run the function; a library exception is reported and None returned instead."

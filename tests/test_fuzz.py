@@ -306,10 +306,7 @@ ADAPTER_FUZZ = settings(FUZZ, max_examples=30, phases=[Phase.explicit, Phase.reu
                         report_multiple_bugs=False)
 # found by this test and reported to the adapters' authors; not strict: a random search may miss
 # the bug in a given run
-KNOWN = {
-    "tinker": "tinker._as_groups indexes a mapping-like object with [0]: KeyError reaches the caller",
-    "torchforge": "torchforge.record_episodes (line ~96) tests a numpy array's truth value: ValueError",
-}
+KNOWN: dict[str, str] = {}  # adapter -> known bug (xfail) while one is open
 
 
 @pytest.mark.parametrize(
@@ -341,10 +338,6 @@ def test_adapters_never_raise_on_bad_input(module, otr_shutdown):
     assert not math.isnan(sum(v for v in totals.values() if isinstance(v, (int, float))))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="trl.RolloutTraceCallback.on_step_begin converts state.global_step with int() outside its guard",
-)
 def test_trl_callback_never_raises_on_bad_trainer_logs(otr_shutdown):
     from otel_rollouts.adapters.trl import RolloutTraceCallback
 

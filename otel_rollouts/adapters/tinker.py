@@ -44,7 +44,7 @@ from typing import Any
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._content import to_int
-from otel_rollouts._guard import report
+from otel_rollouts._guard import guarded_or, report
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
     Columns,
@@ -78,6 +78,7 @@ _TRUNCATION_METRICS = ("max_tokens_reached", "context_overflow", "context_length
                        "context_window_exceeded")
 
 
+@guarded_or(list)
 def record_trajectory_groups(
     trajectory_groups: Sequence[Any],
     *,

@@ -37,7 +37,7 @@ from typing import Any
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._content import to_int
-from otel_rollouts._guard import report
+from otel_rollouts._guard import guarded_or, report
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     as_float,
@@ -61,6 +61,7 @@ _COLUMNS = frozenset({
 })
 
 
+@guarded_or(list)
 def record_episodes(
     episodes: Any,
     *,

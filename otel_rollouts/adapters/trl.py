@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._guard import report
+from otel_rollouts._guard import guarded, report
 from otel_rollouts.adapters._common import as_float, group_ids, mark_invalid, mark_partial
 from otel_rollouts.adapters._messages import conversation, record_completion
 
@@ -68,17 +68,21 @@ class RolloutTraceCallback(TrainerCallback):
         self._batches = 0
 
     # --- Trainer events -------------------------------------------------------------------------
+    @guarded
     def on_step_begin(self, args, state, control, **kwargs):
         self._version = int(state.global_step)  # the weights this step's generation uses
 
+    @guarded
     def on_step_end(self, args, state, control, **kwargs):
         self._collect(args, state, "train", policy_version=self._version)
         if self.end_steps and state.is_world_process_zero:
             otr.end_step(int(state.global_step), split="train")
 
+    @guarded
     def on_prediction_step(self, args, state, control, **kwargs):
         self._collect(args, state, "eval", policy_version=int(state.global_step))
 
+    @guarded
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.end_steps and state.is_world_process_zero:
             otr.end_step(int(state.global_step), split="eval")
