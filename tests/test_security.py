@@ -294,3 +294,20 @@ def test_otlp_over_tls_with_auth_headers_never_logs_them(tmp_path):
     assert "401" in output or "Failed to export" in output or "FAILURE" in output
     assert token not in output
     assert write_token not in output
+
+
+@pytest.mark.parametrize("index", range(len(__import__("otel_rollouts.redaction").redaction.DEFAULT_PATTERNS)))
+def test_every_default_pattern_needs_one_of_the_trigger_literals(index):
+    """The fast path skips text without a trigger literal: that must never skip a secret."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as hst
+    from otel_rollouts import redaction
+
+    pattern = redaction.DEFAULT_PATTERNS[index]
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(hst.from_regex(pattern))
+    def check(text):
+        assert redaction._TRIGGERS.search(text), (pattern, text)
+
+    check()
