@@ -15,8 +15,8 @@ Variants:
   otr_dropped   otel_rollouts, cap 0: every episode recorded, then dropped by the sampler
   otr_kept_plain  otel_rollouts, no cap: every episode kept, rendered and exported, with
                 secret redaction off (the same work as the raw SDK tree)
-  otr_kept      the same with the default secret redaction (13 regular expressions over every
-                exported string, on the export thread)
+  otr_kept      the same with the default secret redaction (a literal pre-scan, then the
+                patterns on text that may hold a secret; on the export thread)
   otr_cap32     otel_rollouts, cap 32 (top_bottom): the real setting
   logfire       Pydantic Logfire, send_to_logfire=False, console=False, logfire.span() for each
                 span into the same in-memory exporter (no per-step tail sampling: all exported)

@@ -60,11 +60,20 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
 )
 
 # A literal every default pattern needs (checked by tests/test_security.py): text without any of
-# them cannot match a default pattern, so the patterns run only on text that has one.
-_TRIGGERS = re.compile(
-    r"(?i)BEGIN|bearer|authorization|sk-|hf_|gh[pousr]_|github_pat_|AKIA|ASIA|AIza|xox|eyJ|"
-    r"passw|passphrase|pwd|secret|api[_-]?key|apikey|access[_-]?key|private[_-]?key|token|://"
+# them (compared lower-cased) cannot match a default pattern, so the patterns run only on text
+# that has one. Substring tests run at C speed; a regular expression alternation would not.
+_TRIGGERS = (
+    "begin", "bearer", "authorization", "sk-", "hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_",
+    "github_pat_", "akia", "asia", "aiza", "xox", "eyj", "passw", "passphrase", "pwd", "secret",
+    "apikey", "api_key", "api-key", "accesskey", "access_key", "access-key", "privatekey",
+    "private_key", "private-key", "token", "://",
 )
+
+
+def might_hold_secret(text: str) -> bool:
+    """False only when no default pattern can match ``text``."""
+    lowered = text.lower()
+    return any(literal in lowered for literal in _TRIGGERS)
 
 
 class Redactor:
@@ -99,7 +108,7 @@ class Redactor:
 
     def __call__(self, text: str) -> str:
         # most text holds none of the default patterns' literal parts: one scan rules them out
-        if self.defaults and _TRIGGERS.search(text) is not None:
+        if self.defaults and might_hold_secret(text):
             for pattern in self.defaults:
                 text = pattern.sub(self._replace, text)
         for pattern in self.extra:
