@@ -9,9 +9,9 @@ from typing import IO, Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from otel_rollouts.exporters._tree import by_trace, duration_ms, hex_id, is_error, kind_of, ordered
 
 from otel_rollouts import conventions as c
+from otel_rollouts.exporters._tree import by_trace, duration_ms, hex_id, is_error, kind_of, ordered
 
 _SHOWN = (
     c.RL_STEP,

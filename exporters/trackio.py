@@ -15,6 +15,8 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from otel_rollouts import conventions as c
 from otel_rollouts.exporters._tree import (
     by_trace,
     duration_ms,
@@ -26,8 +28,6 @@ from otel_rollouts.exporters._tree import (
     parse,
     root_of,
 )
-
-from otel_rollouts import conventions as c
 
 logger = logging.getLogger("otel_rollouts")
 

@@ -6,10 +6,10 @@ import threading
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otel_rollouts.exporters import TrackioExporter
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.exporters import TrackioExporter
 
 
 def _one_episode():

@@ -13,12 +13,12 @@ from decode_samples import (
     single_turn,
     tool_episode,
 )
-from otel_rollouts.exporters.trackio import episode_messages
 from otr_helpers import root, traces, trackio_rows, tree
 from tokenizer_fixture import DecodeLog, build_tokenizer, counting_tokenizer, text_ids
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.exporters.trackio import episode_messages
 
 
 @pytest.fixture(scope="module")

@@ -104,8 +104,9 @@ def test_no_reader_and_no_trackio_means_no_metrics_at_all():
 
 
 def test_per_step_numbers_land_in_trackio_at_the_same_step_as_the_traces():
-    from otel_rollouts.exporters import TrackioExporter
     from trackio.sqlite_storage import SQLiteStorage
+
+    from otel_rollouts.exporters import TrackioExporter
 
     project = f"metrics-{uuid.uuid4().hex[:8]}"
     exporter = TrackioExporter(project)

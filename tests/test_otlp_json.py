@@ -16,8 +16,6 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from otel_rollouts.exporters import OtlpJsonFileExporter
-from otel_rollouts.exporters.otlp_json import decode_line, read_requests, rotated_paths
 from otr_scenario import (
     SPANS_PER_EPISODE,
     TOOL_ERROR,
@@ -28,6 +26,8 @@ from otr_scenario import (
 )
 
 import otel_rollouts as otr
+from otel_rollouts.exporters import OtlpJsonFileExporter
+from otel_rollouts.exporters.otlp_json import decode_line, read_requests, rotated_paths
 from otel_rollouts.replay import replay, spans_from_file
 
 REWARDS = [0.4, 0.9, 0.1, 0.6]

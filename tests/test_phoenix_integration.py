@@ -25,7 +25,6 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
 )
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otel_rollouts.exporters import OtlpJsonFileExporter
 from otr_scenario import (
     MODEL,
     SPAN_KINDS,
@@ -39,6 +38,7 @@ from otr_scenario import (
 from receivers import PhoenixReceiver
 
 import otel_rollouts as otr
+from otel_rollouts.exporters import OtlpJsonFileExporter
 
 pytestmark = pytest.mark.receiver
 

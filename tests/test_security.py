@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otel_rollouts.exporters import ConsoleExporter, OtlpJsonFileExporter, TrackioExporter
 from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.exporters import ConsoleExporter, OtlpJsonFileExporter, TrackioExporter
 from otel_rollouts.redaction import Redactor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -301,6 +301,7 @@ def test_every_default_pattern_needs_one_of_the_trigger_literals(index):
     """The fast path skips text without a trigger literal: that must never skip a secret."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as hst
+
     from otel_rollouts import redaction
 
     pattern = redaction.DEFAULT_PATTERNS[index]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from otel_rollouts.exporters import TrackioExporter
 from otr_helpers import trackio_rows
 
 import otel_rollouts as otr
+from otel_rollouts.exporters import TrackioExporter
 
 
 def test_trackio_traces_read_back_from_sqlite(otr_shutdown):
