@@ -88,6 +88,7 @@ SPAN_EPISODE = "episode"
 SPAN_PROMPT = "prompt"
 SPAN_TURN = "turn"
 SPAN_REWARD = "reward"
+SPAN_FEEDBACK = "feedback"  # what the environment (or a user, or a tool) said back after a turn
 SPAN_CHAT = "chat"  # "chat {model}" when a model is known
 SPAN_EXECUTE_TOOL = "execute_tool"  # "execute_tool {tool}"
 

@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # numpy (and torch) are imported only when a batch is recorde
 
 __all__ = ["record_token_batch", "TokenBatchSummary"]
 
-FEEDBACK_SPAN = "feedback"
+FEEDBACK_SPAN = c.SPAN_FEEDBACK
 ROLE_TOOL = "tool"
 ROLE_ENVIRONMENT = "environment"
 FINISH_STOP = "stop"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -136,13 +136,41 @@ def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
 
 
 # --- handles ---------------------------------------------------------------------------------------
-class ToolCall:
-    """One tool call inside a turn: ``execute_tool {name}``."""
+_H = TypeVar("_H", bound="_SpanHandle")
+
+
+class _SpanHandle:
+    """A span that is the current one for a (async) ``with`` block and ends with it.
+
+    Used without ``with``, the span ends when its result is recorded. ``None`` spans (not
+    recording: disabled, unconfigured, or after a contained error) make every method a no-op.
+    """
 
     def __init__(self, span: SpanRecord | None) -> None:
         self._span = span
         self._scope = _Scope()
         self._entered = False
+
+    def __enter__(self: _H) -> _H:
+        self._entered = True
+        if self._span is not None:
+            self._scope.attach(self._span)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._scope.detach()
+        if self._span is not None:
+            _end_with(self._span, exc)
+
+    async def __aenter__(self: _H) -> _H:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+class ToolCall(_SpanHandle):
+    """One tool call inside a turn: ``execute_tool {name}``."""
 
     @guarded
     def result(self, value: Any) -> None:
@@ -168,31 +196,10 @@ class ToolCall:
         if not self._entered:
             span.end()
 
-    def __enter__(self) -> ToolCall:
-        self._entered = True
-        if self._span is not None:
-            self._scope.attach(self._span)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._scope.detach()
-        if self._span is not None:
-            _end_with(self._span, exc)
-
-    async def __aenter__(self) -> ToolCall:
-        return self.__enter__()
-
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        self.__exit__(exc_type, exc, tb)
 
 
-class Generation:
+class Generation(_SpanHandle):
     """One model generation inside a turn: ``chat {model}``."""
-
-    def __init__(self, span: SpanRecord | None) -> None:
-        self._span = span
-        self._scope = _Scope()
-        self._entered = False
 
     @guarded
     def output(
@@ -234,32 +241,15 @@ class Generation:
         if not self._entered:
             span.end()
 
-    def __enter__(self) -> Generation:
-        self._entered = True
-        if self._span is not None:
-            self._scope.attach(self._span)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._scope.detach()
-        if self._span is not None:
-            _end_with(self._span, exc)
-
-    async def __aenter__(self) -> Generation:
-        return self.__enter__()
-
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        self.__exit__(exc_type, exc, tb)
 
 
-class Turn:
+class Turn(_SpanHandle):
     """One policy step: a generation, the tool calls it made, and the feedback it got."""
 
     def __init__(self, record: EpisodeRecord | None, span: SpanRecord | None, index: int) -> None:
+        super().__init__(span)
         self._record = record
-        self._span = span
         self.index = index
-        self._scope = _Scope()
 
     @guarded_or(lambda: Generation(None))
     def generation(self, model: str | None = None, *, messages: Any = None) -> Generation:
@@ -303,24 +293,9 @@ class Turn:
         attrs: dict[str, Any] = {c.RL_FEEDBACK_ROLE: str(role)}
         if _runtime.current().capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": str(role), "content": snapshot(content)}]
-        span = child_span(self._record, "feedback", c.KIND_SPAN, self._span, attrs)
+        span = child_span(self._record, c.SPAN_FEEDBACK, c.KIND_SPAN, self._span, attrs)
         span.end()
 
-    def __enter__(self) -> Turn:
-        if self._span is not None:
-            self._scope.attach(self._span)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._scope.detach()
-        if self._span is not None:
-            _end_with(self._span, exc)
-
-    async def __aenter__(self) -> Turn:
-        return self.__enter__()
-
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        self.__exit__(exc_type, exc, tb)
 
 
 def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
