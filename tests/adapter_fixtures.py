@@ -82,3 +82,39 @@ def messages_of(exporter) -> dict[str, list[dict[str, Any]]]:
     from otel_rollouts.exporters.trackio import episode_messages
 
     return {eid: episode_messages(ep["spans"]) for eid, ep in episodes(exporter).items()}
+
+
+def counting_tensor_class():
+    """A real ``torch.Tensor`` subclass that counts host transfers, on itself and every slice.
+
+    Built on first use so that importing this module does not import torch.
+    """
+    import torch
+
+    class CountingTensor(torch.Tensor):
+        calls: dict[str, int] = {}
+
+        def _count(self, name):
+            CountingTensor.calls[name] = CountingTensor.calls.get(name, 0) + 1
+
+        def cpu(self, *a, **k):
+            self._count("cpu")
+            return super().cpu(*a, **k)
+
+        def to(self, *a, **k):
+            self._count("to")
+            return super().to(*a, **k)
+
+        def numpy(self, *a, **k):
+            self._count("numpy")
+            return super().numpy(*a, **k)
+
+        def tolist(self):
+            self._count("tolist")
+            return super().tolist()
+
+        def item(self):
+            self._count("item")
+            return super().item()
+
+    return CountingTensor

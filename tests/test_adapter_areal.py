@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from adapter_fixtures import configure_memory, episodes, messages_of
+from adapter_fixtures import configure_memory, counting_tensor_class, episodes, messages_of
 from otr_helpers import trackio_rows
 from tokenizer_fixture import build_tokenizer, chat_ids, text_ids
 
@@ -15,6 +15,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts.adapters import areal
 
 TOK = build_tokenizer()
+CountingTensor = counting_tensor_class()
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call><|im_end|>'
 
@@ -93,40 +94,6 @@ def test_trajectories_round_trip_through_trackio(otr_shutdown):
     assert msgs[4] == {"role": "assistant", "content": "The answer is 391."}
     assert rows["eval-12-0-0"]["key"] == "eval/rollouts"
     assert rows["train-12-1-rejected"]["metadata"]["status"] == "filtered"
-
-
-class CountingTensor(torch.Tensor):
-    """A real torch tensor that counts host transfers, on itself and on every slice of it."""
-
-    calls: dict[str, int] = {}
-
-    def _count(self, name):
-        CountingTensor.calls[name] = CountingTensor.calls.get(name, 0) + 1
-
-    def cpu(self, *a, **k):
-        self._count("cpu")
-        return super().cpu(*a, **k)
-
-    def to(self, *a, **k):
-        self._count("to")
-        return super().to(*a, **k)
-
-    def numpy(self, *a, **k):
-        self._count("numpy")
-        return super().numpy(*a, **k)
-
-    def tolist(self):
-        self._count("tolist")
-        return super().tolist()
-
-    def item(self):
-        self._count("item")
-        return super().item()
-
-
-# decode's _token_layout recognises torch tensors by their class's module: a subclass defined in
-# a test module would take its generic (non-tensor) path, so the subclass claims torch's module.
-CountingTensor.__module__ = "torch.counting"
 
 
 def test_each_tensor_leaves_the_device_once_per_group_not_per_sample(memory):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from adapter_fixtures import configure_memory, episodes, messages_of
+from adapter_fixtures import configure_memory, counting_tensor_class, episodes, messages_of
 from otr_helpers import trackio_rows
 from tokenizer_fixture import build_tokenizer, chat_ids, text_ids
 
@@ -18,6 +18,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts.adapters import verl
 
 TOK = build_tokenizer()
+CountingTensor = counting_tensor_class()
 PAD = TOK.pad_token_id
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call><|im_end|>'
@@ -141,36 +142,6 @@ def test_batch_round_trips_through_trackio(otr_shutdown):
     assert msgs[4] == {"role": "assistant", "content": "The answer is 391."}
     val = rows["eval-5-uid-0-1"]
     assert val["key"] == "eval/rollouts" and val["metadata"]["rl.metadata.validate"] is True
-
-
-class CountingTensor(torch.Tensor):
-    """A real torch tensor counting host transfers, on itself and on every slice of it."""
-
-    calls: dict[str, int] = {}
-
-    def _count(self, name):
-        CountingTensor.calls[name] = CountingTensor.calls.get(name, 0) + 1
-
-    def cpu(self, *a, **k):
-        self._count("cpu")
-        return super().cpu(*a, **k)
-
-    def numpy(self, *a, **k):
-        self._count("numpy")
-        return super().numpy(*a, **k)
-
-    def tolist(self):
-        self._count("tolist")
-        return super().tolist()
-
-    def item(self):
-        self._count("item")
-        return super().item()
-
-
-# decode's _token_layout recognises torch tensors by their class's module: a subclass defined in
-# a test module would take its generic (non-tensor) path, so the subclass claims torch's module.
-CountingTensor.__module__ = "torch.counting"
 
 
 def test_tensors_leave_the_device_once_per_batch_not_per_sample(memory):
