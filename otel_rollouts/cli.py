@@ -30,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     from otel_rollouts import demo
 
     stats = demo.run(steps=args.steps, prompts=args.prompts, group_size=args.group_size,
-                     cap=args.cap, seed=args.seed, progress=not args.no_progress)
+                     seed=args.seed, progress=not args.no_progress)
     run_name = trackio.run
     otr.shutdown()
     totals = stats["totals"]

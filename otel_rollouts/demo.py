@@ -126,7 +126,7 @@ async def run_step(step: int, prompts: int, group_size: int, rng: random.Random,
     return outcomes
 
 
-def run(steps: int = 4, prompts: int = 8, group_size: int = 4, cap: int = 8, seed: int = 0,
+def run(steps: int = 4, prompts: int = 8, group_size: int = 4, seed: int = 0,
         max_turns: int = 3, progress: bool = True) -> dict:
     """Run the loop; returns otr.stats(). Call otr.configure() first."""
     from tqdm import tqdm
