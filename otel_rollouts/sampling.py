@@ -616,7 +616,9 @@ def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
     if not isinstance(policy, str):
         raise TypeError(f"policy: expected a name or a Policy, got {type(policy).__name__}")
     if "+" in policy:
-        return Compose(*(make_policy(p.strip(), seed) for p in policy.split("+")))
+        # inside a composition "errors" is only the errors: what they leave goes to the next part
+        parts = [p.strip() for p in policy.split("+")]
+        return Compose(*(Errors() if p == Errors.name else make_policy(p, seed) for p in parts))
     if policy == Uniform.name:
         return Uniform(seed=seed)
     if policy == Errors.name:

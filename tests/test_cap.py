@@ -85,3 +85,18 @@ def test_nothing_of_a_dropped_episode_is_exported(otr_shutdown):
     (spans,) = traces(exporter).values()
     assert root(spans).attributes[c.RL_REWARD] == 3.0
     assert {s.context.trace_id for s in exporter.get_finished_spans()} == {spans[0].context.trace_id}
+
+
+def test_errors_then_top_bottom_by_name(otr_shutdown):
+    """In a composition, "errors" takes only the errors; the rest of the cap goes on to top_bottom."""
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "errors+top_bottom"))
+    for i in range(100):
+        with otr.episode(step=0) as ep:
+            ep.reward(float(i))
+            if i in (40, 50, 60):
+                ep.finish(status="error")
+    otr.end_step(0)
+    otr.flush()
+    kept = sorted(root(s).attributes[c.RL_REWARD] for s in traces(exporter).values())
+    assert kept == [0.0, 1.0, 2.0, 40.0, 50.0, 60.0, 96.0, 97.0, 98.0, 99.0]
