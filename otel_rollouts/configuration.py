@@ -19,6 +19,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._delivery import DEFAULT_MAX_REQUEST_BYTES, Delivery
 from otel_rollouts._guard import guarded
 from otel_rollouts._materialize import Materializer
+from otel_rollouts._otlp_env import uses_http
 from otel_rollouts._pipeline import Pipeline
 from otel_rollouts._stats import Stats
 from otel_rollouts.redaction import make_redactor
@@ -63,10 +64,7 @@ def default_exporters(project: str | None = None) -> list[SpanExporter]:
 
 def otlp_exporter_from_env() -> SpanExporter:
     """The stock OTLP span exporter for ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (default grpc)."""
-    protocol = (
-        os.environ.get(c.ENV_OTLP_TRACES_PROTOCOL) or os.environ.get(c.ENV_OTLP_PROTOCOL) or "grpc"
-    ).strip().lower()
-    if protocol.startswith("http"):
+    if uses_http(c.ENV_OTLP_TRACES_PROTOCOL):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

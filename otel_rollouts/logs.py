@@ -29,6 +29,7 @@ from opentelemetry import context as otel_context
 
 from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._otlp_env import uses_http
 from otel_rollouts._recording import SpanRecord
 
 __all__ = ["EpisodeLogFilter", "LoggingIntegration", "instrument_logging", "uninstrument_logging"]
@@ -236,12 +237,7 @@ def _logger_provider(exporter: Any) -> Any:
 
 
 def _otlp_log_exporter() -> Any:
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL")
-        or os.environ.get(c.ENV_OTLP_PROTOCOL)
-        or "grpc"
-    ).strip().lower()
-    if protocol.startswith("http"):
+    if uses_http(c.ENV_OTLP_LOGS_PROTOCOL):
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
     else:
         from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter

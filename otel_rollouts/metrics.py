@@ -34,6 +34,7 @@ from opentelemetry.trace import NonRecordingSpan
 from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
+from otel_rollouts._otlp_env import uses_http
 from otel_rollouts._recording import EpisodeRecord
 
 logger = logging.getLogger("otel_rollouts")
@@ -62,12 +63,7 @@ def meter_provider(resource, metric_readers: Sequence[Any] | None):
 
 
 def _otlp_metric_exporter():
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
-        or os.environ.get(c.ENV_OTLP_PROTOCOL)
-        or "grpc"
-    ).strip().lower()
-    if protocol.startswith("http"):
+    if uses_http(c.ENV_OTLP_METRICS_PROTOCOL):
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     else:
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter

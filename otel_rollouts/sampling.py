@@ -54,6 +54,17 @@ def _stable_hash(seed: int, value: Any) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
+def _let_go(refs: dict[int, int], record: Any, out: list[Any]) -> None:
+    """One holder lets ``record`` go; once no holder is left it goes to ``out`` (released)."""
+    i = id(record)
+    n = refs.get(i, 0) - 1
+    if n > 0:
+        refs[i] = n
+    else:
+        refs.pop(i, None)
+        out.append(record)
+
+
 class Bucket:
     """Candidates of one (step, split) under one policy."""
 
@@ -335,13 +346,7 @@ class _TopBottomBucket(Bucket):
         self.unscored: list[Any] = []
 
     def _let_go(self, record: Any, out: list[Any]) -> None:
-        i = id(record)
-        n = self.refs.get(i, 0) - 1
-        if n > 0:
-            self.refs[i] = n
-        else:
-            self.refs.pop(i, None)
-            out.append(record)
+        _let_go(self.refs, record, out)
 
     def offer(self, record: Any) -> Decision:
         score = score_of(record, self.score)
@@ -564,13 +569,7 @@ class _ComposeBucket(Bucket):
         self.refs[id(record)] = len(self.subs)  # held by every part until each lets it go
         for sub in self.subs:
             for r in sub.offer(record)[0]:
-                j = id(r)
-                n = self.refs.get(j, 0) - 1
-                if n > 0:
-                    self.refs[j] = n
-                else:
-                    self.refs.pop(j, None)
-                    released.append(r)
+                _let_go(self.refs, r, released)
         return released, []
 
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
