@@ -166,7 +166,9 @@ def test_global_composition_errors_top_bottom_rest(three_ranks):
     assert len(ids) == len(kept) == 7
     by_id = {e["trace_id"]: e for e in recorded}
     errors = [t for t in ids if by_id[t]["status"] == "error"]
-    assert len(errors) == 2  # 6 errors in the job (2 per rank): exactly 2 kept
+    # 6 errors in the job (2 per rank): the Errors(2) part keeps exactly 2 of them; the one
+    # uniform slot ranks by a hash of random trace ids and may pick one of the other 4 errors
+    assert 2 <= len(errors) <= 3
     rest = sorted((e for e in recorded if e["trace_id"] not in errors), key=lambda e: e["reward"])
     assert {rest[0]["trace_id"], rest[1]["trace_id"], rest[-1]["trace_id"], rest[-2]["trace_id"]} <= ids
 
