@@ -7,6 +7,14 @@ Two jobs, kept apart on purpose:
   nothing is serialised, because most episodes are dropped by the sampler;
 * at materialisation (only for kept episodes, off the training thread) snapshots are rendered
   to JSON text and long text is cut keeping its head *and* its tail.
+
+User values are hostile: a container may refer to itself or share children many times over, and
+``__repr__``, ``__str__``, ``__float__``, ``items()`` may raise anything, ``SystemExit``
+included. So both walks remember what they already visited (a cycle becomes ``"<cycle>"``, a
+shared child is copied once) and stop at a node budget, keeping the head and the tail of what
+is too long; and every call into user code goes through one guarded conversion that turns any
+exception into a placeholder naming the type. The one exception let through is a
+``KeyboardInterrupt`` on the main thread: that is Ctrl-C, and it must still stop the program.
 """
 
 from __future__ import annotations
@@ -15,12 +23,16 @@ import base64
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
-_MAX_SNAPSHOT_DEPTH = 32
-_MAX_RENDER_DEPTH = 64
-_MAX_ITEMS = 10_000
+_MAX_DEPTH = 64
+DEFAULT_MAX_NODES = 16_384  # containers and items copied or rendered per value (the attribute budget)
+CYCLE = "<cycle>"
+MAX_DEPTH = "<max depth>"
+_ATOMS = (str, int, float, bool)
+_MAIN_THREAD = threading.main_thread()
 
 
 class Deferred:
@@ -38,30 +50,175 @@ class Deferred:
         return self.fn()
 
 
-def snapshot(value: Any, _depth: int = 0) -> Any:
-    """Copy containers (not their immutable leaves) so later mutation cannot leak in."""
-    if isinstance(value, (str, int, float, bool)) or value is None:
+# --- the one guarded way into user code ---------------------------------------------------------
+def reraise_interrupt(exc: BaseException) -> None:
+    """Re-raise ``exc`` if it is Ctrl-C on the main thread; anything else is the caller's to contain."""
+    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is _MAIN_THREAD:
+        raise exc
+
+
+def type_name(value: Any) -> str:
+    """The qualified name of ``value``'s type, whatever its metaclass does."""
+    try:
+        name = type(value).__qualname__
+        return name if type(name) is str else "object"
+    except BaseException as exc:  # noqa: BLE001 - a hostile metaclass is still only a value
+        reraise_interrupt(exc)
+        return "object"
+
+
+def call_user(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    """``fn(*args)`` with any exception returned instead of raised (Ctrl-C on main excepted)."""
+    try:
+        return fn(*args), None
+    except BaseException as exc:  # noqa: BLE001 - containment is the point
+        reraise_interrupt(exc)
+        return None, exc
+
+
+def text(value: Any, how: Callable[[Any], str] = str) -> str:
+    """``str(value)`` (or ``how(value)``, e.g. ``repr``) that never raises.
+
+    A failing conversion gives ``<TypeName: str raised ExceptionType>``.
+    """
+    if type(value) is str and how is str:
         return value
-    if _depth >= _MAX_SNAPSHOT_DEPTH:
+    result, exc = call_user(how, value)
+    if exc is None and isinstance(result, str):
+        return result
+    failure = type_name(exc) if exc is not None else f"returned {type_name(result)}"
+    return f"<{type_name(value)}: {getattr(how, '__name__', 'conversion')} raised {failure}>"
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """A guarded ``repr`` cut to ``limit`` characters."""
+    out = text(value, repr)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def exception_text(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception, whatever its ``__str__`` does."""
+    message = text(exc)
+    name = type_name(exc)
+    return f"{name}: {message}" if message else name
+
+
+def _ends(n: int, room: int) -> tuple[int, int]:
+    """How many items to keep from the head and the tail of ``n`` when only ``room`` fit."""
+    room = max(room, 2)
+    head = (room + 1) // 2
+    return head, room - head
+
+
+def _cut_marker(removed: int) -> str:
+    return f"<{removed} items cut>"
+
+
+# --- record time: snapshots ------------------------------------------------------------------
+def snapshot(value: Any, max_nodes: int = DEFAULT_MAX_NODES) -> Any:
+    """Copy containers (not their immutable leaves) so later mutation cannot leak in.
+
+    Dicts, other mappings, lists, tuples and sets are copied; every container once, however
+    often it is referred to (a shared child is copied once and shared in the copy; a container
+    that contains itself becomes ``"<cycle>"``). At most ``max_nodes`` items are copied in all:
+    a longer container keeps its head and its tail around a ``"<N items cut>"`` marker. Other
+    objects are kept as they are and rendered (guarded) only if their episode is kept.
+    """
+    if value is None or type(value) in _ATOMS:
         return value
-    if isinstance(value, dict):
-        return {k: snapshot(v, _depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [snapshot(v, _depth + 1) for v in value]
-    return value
+    return _Snapshot(max_nodes).copy(value, 0)
+
+
+class _Snapshot:
+    __slots__ = ("memo", "active", "left")
+
+    def __init__(self, max_nodes: int) -> None:
+        self.memo: dict[int, Any] = {}
+        self.active: set[int] = set()
+        self.left = max_nodes
+
+    def copy(self, value: Any, depth: int) -> Any:
+        if value is None or type(value) in _ATOMS:
+            return value
+        if isinstance(value, (dict, list, tuple, Mapping, set, frozenset)):
+            key = id(value)
+            done = self.memo.get(key)
+            if done is not None:
+                return done
+            if key in self.active:
+                return CYCLE
+            if depth >= _MAX_DEPTH:
+                return MAX_DEPTH
+            self.active.add(key)
+            try:
+                out = self._container(value, depth)
+            finally:
+                self.active.discard(key)
+            self.memo[key] = out
+            return out
+        return value
+
+    def _container(self, value: Any, depth: int) -> Any:
+        if isinstance(value, dict):
+            items = list(dict.items(value))  # the stored items: a subclass's items() is not called
+        elif isinstance(value, Mapping):
+            items, exc = call_user(lambda m: list(m.items()), value)
+            if exc is not None:
+                return f"<{type_name(value)}: items() raised {type_name(exc)}>"
+        elif isinstance(value, (list, tuple)):
+            # the stored items (a subclass's __iter__ is not called); only the head and the
+            # tail are taken from a container longer than the budget
+            if isinstance(value, list):
+                get, size = list.__getitem__, list.__len__
+            else:
+                get, size = tuple.__getitem__, tuple.__len__
+            n = size(value)
+            if n > self.left:
+                head, tail = _ends(n, self.left)
+                seq = [*get(value, slice(0, head)), _cut_marker(n - head - tail), *get(value, slice(n - tail, n))]
+            else:
+                seq = list(get(value, slice(None)))
+            self.left -= len(seq)
+            return self._items(seq, depth + 1)
+        else:  # set, frozenset
+            seq, exc = call_user(list, value)
+            if exc is not None:
+                return f"<{type_name(value)}: iteration raised {type_name(exc)}>"
+            return self._sequence(seq, depth)
+        n = len(items)
+        if n > self.left:
+            head, tail = _ends(n, self.left)
+            items = items[:head] + [("<cut>", _cut_marker(n - head - tail))] + items[n - tail:]
+        self.left -= len(items)
+        keys = [k for k, _ in items]
+        return dict(zip(keys, self._items([v for _, v in items], depth + 1), strict=True))
+
+    def _sequence(self, seq: list[Any], depth: int) -> list[Any]:
+        n = len(seq)
+        if n > self.left:
+            head, tail = _ends(n, self.left)
+            seq = seq[:head] + [_cut_marker(n - head - tail)] + seq[n - tail:]
+        self.left -= len(seq)
+        return self._items(seq, depth + 1)
+
+    def _items(self, values: list[Any], depth: int) -> list[Any]:
+        copy, atoms = self.copy, _ATOMS
+        return [v if v is None or type(v) in atoms else copy(v, depth) for v in values]
 
 
 def scalar(value: Any) -> Any:
     """Unwrap numpy / torch scalars (and 0-d or 1-element arrays) into Python numbers."""
-    item = getattr(value, "item", None)
-    if item is not None and callable(item):
-        try:
+    if value is None or type(value) in _ATOMS:
+        return value
+    try:
+        item = getattr(value, "item", None)
+        if item is not None and callable(item):
             numel = getattr(value, "numel", None)  # torch
             size = numel() if callable(numel) else getattr(value, "size", 1)  # numpy
             if size == 1:
                 return item()
-        except Exception:  # noqa: BLE001 - anything odd stays as it was
-            return value
+    except BaseException as exc:  # noqa: BLE001 - anything odd stays as it was
+        reraise_interrupt(exc)
     return value
 
 
@@ -75,17 +232,16 @@ def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
     if isinstance(value, bool):
         return float(value), None
     if isinstance(value, (int, float)):
-        number = float(value)
+        number, exc = call_user(float, value)
     elif isinstance(value, (str, bytes)):
-        try:
-            number = float(value)
-        except ValueError:
-            return None, f"{field}: not a number: {_short_repr(value)}"
+        number, exc = call_user(float, value)
+        if exc is not None:
+            return None, f"{field}: not a number: {short_repr(value)}"
     else:
-        try:
-            number = float(value)
-        except Exception:  # noqa: BLE001 - a hostile __float__ is refused like any non-number
-            return None, f"{field}: not a number: {type(value).__name__} {_short_repr(value)}"
+        # a hostile __float__ is refused like any non-number, whatever it raises
+        number, exc = call_user(float, value)
+    if exc is not None or type(number) is not float:
+        return None, f"{field}: not a number: {type_name(value)} {short_repr(value)}"
     if math.isnan(number) or math.isinf(number):
         return None, f"{field}: not finite: {number!r}"
     return number, None
@@ -96,90 +252,123 @@ def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
     value = scalar(value)
     if isinstance(value, bool):
         return int(value), None
-    if isinstance(value, int):
+    if type(value) is int:
         return value, None
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, int):  # an int subclass: its own __int__ is user code
+        number, exc = call_user(int.__index__, value)
+        if exc is None:
+            return number, None
+    if type(value) is float and value.is_integer():
         return int(value), None
-    if isinstance(value, str):
+    if type(value) is str:
         try:
             return int(value), None
         except ValueError:
             pass
-    return None, f"{field}: not an integer: {type(value).__name__} {_short_repr(value)}"
+    return None, f"{field}: not an integer: {type_name(value)} {short_repr(value)}"
 
 
-def _short_repr(value: Any, limit: int = 80) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+# --- materialisation: JSON ------------------------------------------------------------------------
+def jsonable(value: Any, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> Any:
+    """A JSON-safe copy of ``value``: cycles, shared children, depth, bytes, numpy, dataclasses.
 
-
-def jsonable(value: Any, _depth: int = 0, _path: set[int] | None = None) -> Any:
-    """A JSON-safe copy of ``value``: cycles, depth, bytes, numpy, dataclasses handled."""
-    if isinstance(value, (str, bool, int)) or value is None:
+    At most ``max_nodes`` items are rendered (a structure that shares children renders each
+    path, so this bound is what keeps a small hostile graph from expanding exponentially); a
+    container past it keeps its head and tail. Any user code that fails leaves a placeholder.
+    """
+    if value is None or type(value) in (str, bool, int):
         return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, Deferred):
+    return _Render(max_nodes).render(value, 0)
+
+
+class _Render:
+    __slots__ = ("active", "left")
+
+    def __init__(self, max_nodes: int) -> None:
+        self.active: set[int] = set()
+        self.left = max_nodes
+
+    def render(self, value: Any, depth: int) -> Any:
         try:
-            value = value.resolve()
-        except Exception as exc:  # noqa: BLE001 - a failing deferred value is recorded, not raised
-            return f"<deferred value failed: {type(exc).__name__}: {exc}>"
-        return jsonable(value, _depth, _path)
-    if _depth >= _MAX_RENDER_DEPTH:
-        return "<max depth>"
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        raw = bytes(value)
+            return self._render(value, depth)
+        except BaseException as exc:  # noqa: BLE001 - a hostile value renders as a placeholder
+            reraise_interrupt(exc)
+            return f"<{type_name(value)}: not renderable ({type_name(exc)})>"
+
+    def _render(self, value: Any, depth: int) -> Any:
+        if value is None or type(value) in (str, bool, int):
+            return value
+        if type(value) is float:
+            return value if math.isfinite(value) else repr(value)
+        if isinstance(value, Deferred):
+            resolved, exc = call_user(value.resolve)
+            if exc is not None:
+                return f"<deferred value failed: {exception_text(exc)}>"
+            return self.render(resolved, depth)
+        if isinstance(value, str):  # subclasses: their stored value, no user __str__
+            return str.__str__(value)
+        if isinstance(value, int):
+            return int.__int__(value)
+        if isinstance(value, float):
+            return self._render(float.__float__(value), depth)
+        if depth >= _MAX_DEPTH:
+            return MAX_DEPTH
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            raw = bytes(value)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "base64:" + base64.b64encode(raw[:65536]).decode("ascii")
+        unwrapped = scalar(value)
+        if unwrapped is not value:
+            return self.render(unwrapped, depth)
+        marker = id(value)
+        if marker in self.active:
+            return CYCLE
+        self.active.add(marker)
         try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "base64:" + base64.b64encode(raw[:65536]).decode("ascii")
-    unwrapped = scalar(value)
-    if unwrapped is not value:
-        return jsonable(unwrapped, _depth, _path)
-    path = _path if _path is not None else set()
-    marker = id(value)
-    if marker in path:
-        return "<cycle>"
-    path.add(marker)
-    try:
+            return self._composite(value, depth)
+        finally:
+            self.active.discard(marker)
+
+    def _composite(self, value: Any, depth: int) -> Any:
+        nxt = depth + 1
         if isinstance(value, Mapping):
-            out = {}
-            for i, (k, v) in enumerate(value.items()):
-                if i >= _MAX_ITEMS:
-                    out["<truncated>"] = f"{len(value) - i} more items"
-                    break
-                out[k if isinstance(k, str) else str(k)] = jsonable(v, _depth + 1, path)
-            return out
+            items = list(dict.items(value)) if isinstance(value, dict) else list(value.items())
+            n = len(items)
+            if n > self.left:
+                head, tail = _ends(n, self.left)
+                items = items[:head] + [("<cut>", _cut_marker(n - head - tail))] + items[n - tail:]
+            self.left -= len(items)
+            return {
+                (k if type(k) is str else text(k)): self.render(v, nxt) for k, v in items
+            }
         if isinstance(value, (list, tuple, set, frozenset)):
-            seq = list(value)
-            out_list = [jsonable(v, _depth + 1, path) for v in seq[:_MAX_ITEMS]]
-            if len(seq) > _MAX_ITEMS:
-                out_list.append(f"<{len(seq) - _MAX_ITEMS} more items>")
-            return out_list
+            seq = list.copy(value) if isinstance(value, list) else list(value)
+            n = len(seq)
+            if n > self.left:
+                head, tail = _ends(n, self.left)
+                seq = seq[:head] + [_cut_marker(n - head - tail)] + seq[n - tail:]
+            self.left -= len(seq)
+            return [self.render(v, nxt) for v in seq]
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             fields = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
-            return jsonable(fields, _depth + 1, path)
+            return self.render(fields, nxt)
         tolist = getattr(value, "tolist", None)
         if callable(tolist):
-            try:
-                return jsonable(tolist(), _depth + 1, path)
-            except Exception:  # noqa: BLE001
-                pass
-        return _short_repr(value, 1000)
-    finally:
-        path.discard(marker)
+            listed, exc = call_user(tolist)
+            if exc is None:
+                return self.render(listed, nxt)
+        return short_repr(value, 1000)
 
 
-def to_json(value: Any) -> str:
+def to_json(value: Any, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> str:
     """JSON text of ``value`` (strings, and deferred values that resolve to one, stay as they are)."""
     if isinstance(value, Deferred):
-        value = jsonable(value)
-    if isinstance(value, str):
+        value = jsonable(value, max_nodes)
+    if type(value) is str:
         return value
-    return json.dumps(jsonable(value), ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(jsonable(value, max_nodes), ensure_ascii=False, separators=(",", ":"))
 
 
 def cut(text: str, max_chars: int) -> tuple[str, bool]:

@@ -6,6 +6,7 @@ import functools
 import logging
 
 from otel_rollouts import _runtime
+from otel_rollouts._content import exception_text, reraise_interrupt
 
 logger = logging.getLogger("otel_rollouts")
 _logged: set[str] = set()
@@ -17,12 +18,12 @@ class InvalidValue(ValueError):
     """Raised in strict mode for a value the library refused (the message names the field)."""
 
 
-def report(message: str, *, exc: BaseException | None = None) -> None:
+def report(message: str, *, exc: BaseException | None = None, may_raise: bool = True) -> None:
     """Count and log (once per message kind) a problem; raise it in strict mode."""
     rt = _runtime.installed()
     if rt is not None and rt.stats is not None:
         rt.stats.add("errors.library" if exc is not None else "invalid_values")
-    if rt is not None and rt.strict:
+    if rt is not None and rt.strict and may_raise:
         if exc is not None:
             raise exc
         raise InvalidValue(message)
@@ -35,12 +36,23 @@ def report(message: str, *, exc: BaseException | None = None) -> None:
     _logged.add(kind)
     if len(message) > _MAX_LOGGED_CHARS:
         message = message[:_MAX_LOGGED_CHARS] + f"... ({len(message)} chars)"
-    if len(_logged) > _MAX_KINDS_LOGGED:
-        logger.warning("otel_rollouts: many kinds of problems reported; from now on they are only counted")
-    elif exc is not None:
-        logger.warning("otel_rollouts: internal error contained: %s", message, exc_info=exc)
-    else:
-        logger.warning("otel_rollouts: %s (further reports of this kind are counted only)", message)
+    try:
+        if len(_logged) > _MAX_KINDS_LOGGED:
+            logger.warning("otel_rollouts: many kinds of problems reported; from now on they are only counted")
+        elif exc is not None:
+            logger.warning("otel_rollouts: internal error contained: %s", message, exc_info=exc)
+        else:
+            logger.warning("otel_rollouts: %s (further reports of this kind are counted only)", message)
+    except BaseException as err:  # noqa: BLE001 - a traceback that cannot be printed, a broken handler
+        reraise_interrupt(err)
+
+
+def contained(where: str, exc: BaseException) -> None:
+    """Count and log (once per kind) a failure that must not raise, even in strict mode.
+
+    For the places where raising would replace the user's own exception (``__exit__``).
+    """
+    report(f"{where}: {exception_text(exc)}", exc=exc, may_raise=False)
 
 
 def guarded_or(fallback):
@@ -58,7 +70,7 @@ def guarded_or(fallback):
             except InvalidValue:
                 raise
             except Exception as exc:  # noqa: BLE001 - containment is the point
-                report(f"{fn.__qualname__}: {type(exc).__name__}: {exc}", exc=exc)
+                report(f"{fn.__qualname__}: {exception_text(exc)}", exc=exc)
                 return fallback()
 
         return wrapper

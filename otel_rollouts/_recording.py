@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
+from otel_rollouts._content import call_user, exception_text, text, type_name
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
@@ -117,16 +118,10 @@ class SpanRecord(trace.Span):
             self.status_message = description
 
     def record_exception(self, exception, attributes=None, timestamp=None, escaped=False) -> None:
-        attrs = {
-            c.EXCEPTION_TYPE: type(exception).__qualname__,
-            c.EXCEPTION_MESSAGE: str(exception),
-            "exception.stacktrace": "".join(
-                traceback.format_exception(type(exception), exception, exception.__traceback__)
-            ),
-        }
+        attrs = exception_attributes(exception)
         if attributes:
             attrs.update(attributes)
-        self.add_event("exception", attrs, timestamp)
+        self.add_event(c.EVENT_EXCEPTION, attrs, timestamp)
 
     def end(self, end_time: int | None = None) -> None:
         if self.end_ns is not None:
@@ -139,9 +134,29 @@ class SpanRecord(trace.Span):
         """Mark this span as an error, recording the exception when there is one."""
         if exception is not None:
             self.record_exception(exception)
-            message = message or f"{type(exception).__name__}: {exception}"
+            message = message or exception_text(exception)
         self.status_code = StatusCode.ERROR
         self.status_message = message
+
+
+def exception_attributes(exception: BaseException) -> dict[str, str]:
+    """The ``exception`` event's attributes, whatever the exception's ``__str__`` does."""
+    return {
+        c.EXCEPTION_TYPE: type_name(exception),
+        c.EXCEPTION_MESSAGE: text(exception),
+        c.EXCEPTION_STACKTRACE: _stacktrace(exception),
+    }
+
+
+def _stacktrace(exception: BaseException) -> str:
+    """The formatted traceback; a message that cannot be printed is replaced, not raised."""
+    lines, exc = call_user(
+        traceback.format_exception, type(exception), exception, exception.__traceback__
+    )
+    if exc is None:
+        return "".join(lines)
+    frames, _ = call_user(traceback.format_tb, exception.__traceback__)
+    return "".join(frames or ()) + exception_text(exception) + "\n"
 
 
 class EpisodeRecord:

@@ -82,6 +82,8 @@ OUTPUT_VALUE = "output.value"
 # --- exception events (OpenTelemetry semantic conventions) ----------------------------------
 EXCEPTION_TYPE = "exception.type"
 EXCEPTION_MESSAGE = "exception.message"
+EXCEPTION_STACKTRACE = "exception.stacktrace"
+EVENT_EXCEPTION = "exception"
 
 # --- span names (contract) ------------------------------------------------------------------
 SPAN_EPISODE = "episode"

@@ -27,8 +27,8 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred, snapshot, to_float, to_int
-from otel_rollouts._guard import guarded, guarded_or, report
+from otel_rollouts._content import Deferred, short_repr, snapshot, text, to_float, to_int
+from otel_rollouts._guard import contained, guarded, guarded_or, report
 from otel_rollouts._recording import DROPPED, KEPT, EpisodeRecord, SpanRecord
 
 __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
@@ -54,16 +54,21 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]]:
     if isinstance(messages, str):
         return [{"role": role, "content": messages}]
     if isinstance(messages, Mapping):
-        return [snapshot(dict(messages))]
+        return [_message(snapshot(messages), role)]
     if isinstance(messages, (list, tuple)):
         out = []
-        for m in messages:
-            if isinstance(m, Mapping):
-                out.append(snapshot(dict(m)))
+        for m in snapshot(messages):  # one copy of the whole list: shared parts copied once
+            if isinstance(m, dict):
+                out.append(m)
             else:
-                out.append({"role": role, "content": m if isinstance(m, str) else str(m)})
+                out.append({"role": role, "content": m if isinstance(m, str) else text(m)})
         return out
-    return [{"role": role, "content": str(messages)}]
+    return [{"role": role, "content": text(messages)}]
+
+
+def _message(copied: Any, role: str) -> dict[str, Any]:
+    """A snapshot of a message mapping (a placeholder text if the mapping could not be read)."""
+    return copied if isinstance(copied, dict) else {"role": role, "content": copied}
 
 
 def _base_attrs(kind: str) -> dict[str, Any]:
@@ -158,9 +163,14 @@ class _SpanHandle:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._scope.detach()
-        if self._span is not None:
-            _end_with(self._span, exc)
+        # never raises: the user's exception, if any, must leave this block as it came in
+        try:
+            self._scope.detach()
+            if self._span is not None:
+                _end_with(self._span, exc)
+        except Exception as err:  # noqa: BLE001 - containment is the point
+            # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
+            contained(f"{type(self).__name__}.__exit__", err)
 
     async def __aenter__(self: _H) -> _H:
         return self.__enter__()
@@ -192,7 +202,7 @@ class ToolCall(_SpanHandle):
         if isinstance(error, BaseException):
             span.fail(error)
         else:
-            span.fail(message=str(error))
+            span.fail(message=text(error))
         if not self._entered:
             span.end()
 
@@ -217,23 +227,23 @@ class Generation(_SpanHandle):
         if span is None:
             return
         if model:
-            span.attributes[c.GEN_AI_REQUEST_MODEL] = str(model)
-            span.name = c.chat_span_name(str(model))
+            span.attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
+            span.name = c.chat_span_name(text(model))
         if _runtime.current().capture_content:
             if isinstance(content, Deferred):  # the whole message, rendered only if kept
                 message = content
             elif isinstance(content, Mapping):
-                message = snapshot(dict(content))
+                message = _message(snapshot(content), "assistant")
                 message.setdefault("role", "assistant")
             else:
                 message = {"role": "assistant", "content": "" if content is None else content}
                 if not isinstance(message["content"], (str, list)):
-                    message["content"] = str(message["content"])
+                    message["content"] = text(message["content"])
             if tool_calls and isinstance(message, dict):
-                message["tool_calls"] = snapshot(list(tool_calls))
+                message["tool_calls"] = snapshot(tool_calls)
             span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
         if finish_reason is not None:
-            span.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [str(finish_reason)]
+            span.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
         if input_tokens is not None:
             span.attributes[c.GEN_AI_USAGE_INPUT_TOKENS] = _integer(span, input_tokens, "input_tokens")
         if output_tokens is not None:
@@ -258,7 +268,7 @@ class Turn(_SpanHandle):
             return Generation(None)
         attrs: dict[str, Any] = {}
         if model:
-            attrs[c.GEN_AI_REQUEST_MODEL] = str(model)
+            attrs[c.GEN_AI_REQUEST_MODEL] = text(model)
         if messages is not None and _runtime.current().capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
         span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
@@ -277,12 +287,12 @@ class Turn(_SpanHandle):
         """Start a tool call span; end it with ``with`` or with ``.result()`` / ``.error()``."""
         if self._record is None:
             return ToolCall(None)
-        attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: str(name)}
+        attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: text(name)}
         if call_id is not None:
-            attrs[c.GEN_AI_TOOL_CALL_ID] = str(call_id)
+            attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
         if arguments is not None and _runtime.current().capture_content:
             attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
-        span = child_span(self._record, c.tool_span_name(str(name)), c.KIND_TOOL, self._span, attrs)
+        span = child_span(self._record, c.tool_span_name(text(name)), c.KIND_TOOL, self._span, attrs)
         return ToolCall(span)
 
     @guarded
@@ -290,9 +300,9 @@ class Turn(_SpanHandle):
         """Record what the environment (or a user) said back after this turn's action."""
         if self._record is None:
             return
-        attrs: dict[str, Any] = {c.RL_FEEDBACK_ROLE: str(role)}
+        attrs: dict[str, Any] = {c.RL_FEEDBACK_ROLE: text(role)}
         if _runtime.current().capture_content:
-            attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": str(role), "content": snapshot(content)}]
+            attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": text(role), "content": snapshot(content)}]
         span = child_span(self._record, c.SPAN_FEEDBACK, c.KIND_SPAN, self._span, attrs)
         span.end()
 
@@ -356,10 +366,10 @@ class Episode:
                 step_value = rt.current_step
             elif step_value < 0:
                 problems.append(f"step: negative ({step_value})")
-        split = str(split) if split is not None else "train"
+        split = text(split) if split is not None else "train"
         if episode_id is None:
             episode_id = f"{step_value}-{_runtime.new_id64():016x}"
-        episode_id = str(episode_id)
+        episode_id = text(episode_id)
         trace_id = (
             trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids else _runtime.new_id128()
         )
@@ -376,21 +386,21 @@ class Episode:
         }
         if rt.run_id:
             attrs[c.RL_RUN_ID] = rt.run_id
-        root = SpanRecord(record, str(name), _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
+        root = SpanRecord(record, text(name), _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
         record.root = root
         record.add(root)
         if group_id is not None:
-            attrs[c.RL_GROUP_ID] = str(group_id)
+            attrs[c.RL_GROUP_ID] = text(group_id)
         if sample_index is not None:
             attrs[c.RL_SAMPLE_INDEX] = _integer(root, sample_index, "sample_index")
         if policy_version is not None:
             attrs[c.RL_POLICY_VERSION] = _integer(root, policy_version, "policy_version")
         if dataset_name is not None:
-            attrs[c.RL_DATASET_NAME] = str(dataset_name)
+            attrs[c.RL_DATASET_NAME] = text(dataset_name)
         if dataset_index is not None:
-            attrs[c.RL_DATASET_INDEX] = dataset_index if isinstance(dataset_index, (int, str)) else str(dataset_index)
+            attrs[c.RL_DATASET_INDEX] = dataset_index if isinstance(dataset_index, (int, str)) else text(dataset_index)
         if framework is not None:
-            attrs[c.RL_FRAMEWORK] = str(framework)
+            attrs[c.RL_FRAMEWORK] = text(framework)
         if metadata:
             self._metadata(root, metadata)
         for problem in problems:
@@ -406,7 +416,7 @@ class Episode:
             return
         capture = _runtime.current().capture_content
         for key, value in metadata.items():
-            name = c.RL_METADATA_PREFIX + str(key)
+            name = c.RL_METADATA_PREFIX + text(key)
             if isinstance(value, (bool, int, float)) or value is None:
                 root.attributes[name] = value
             elif isinstance(value, str) or capture:
@@ -419,8 +429,13 @@ class Episode:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._scope.detach()
-        self._close(exc)
+        # never raises: the user's exception, if any, must leave this block as it came in
+        try:
+            self._scope.detach()
+            self._close(exc)
+        except Exception as err:  # noqa: BLE001 - containment is the point
+            # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
+            contained("Episode.__exit__", err)
 
     async def __aenter__(self) -> Episode:
         return self.__enter__()
@@ -515,7 +530,7 @@ class Episode:
                 for key, comp in components.items():
                     number = _number(span, comp, f"reward.{key}")
                     if number is not None:
-                        values[c.RL_REWARD_PREFIX + str(key)] = number
+                        values[c.RL_REWARD_PREFIX + text(key)] = number
             else:
                 flag(span, f"components: expected a mapping, got {type(components).__name__}")
         if advantage is not None:
@@ -537,10 +552,10 @@ class Episode:
             return
         root = record.root
         if reason is not None:
-            root.attributes[c.RL_FINISH_REASON] = str(reason)
+            root.attributes[c.RL_FINISH_REASON] = text(reason)
         if status is not None:
             if status not in c.STATUSES:
-                flag(root, f"status: expected one of {', '.join(c.STATUSES)}, got {status!r}")
+                flag(root, f"status: expected one of {', '.join(c.STATUSES)}, got {short_repr(status)}")
                 status = c.STATUS_ERROR if status == "failed" else None
             if status is not None:
                 root.attributes[c.RL_STATUS] = status
@@ -551,7 +566,7 @@ class Episode:
     def set_attribute(self, key: str, value: Any) -> None:
         """Set an extra attribute on the episode root span."""
         if self._record is not None:
-            self._record.root.attributes[str(key)] = snapshot(value)
+            self._record.root.attributes[text(key)] = snapshot(value)
 
 
 def episode(

@@ -17,11 +17,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.status import StatusCode
 
-from otel_rollouts import _runtime
+from otel_rollouts import _exit, _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import snapshot
+from otel_rollouts._content import call_user, exception_text, snapshot
 from otel_rollouts._guard import report
-from otel_rollouts._recording import SpanRecord
+from otel_rollouts._recording import SpanRecord, exception_attributes
 from otel_rollouts.episode import Episode, as_messages, child_span
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,8 +53,9 @@ class _Call:
     def fail(self, exc: BaseException) -> None:
         try:
             if self.sdk:
-                self.span.record_exception(exc)
-                self.span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+                # not the SDK's record_exception: it calls the exception's __str__ unguarded
+                self.span.add_event(c.EVENT_EXCEPTION, exception_attributes(exc))
+                self.span.set_status(StatusCode.ERROR, exception_text(exc))
             else:
                 self.span.fail(exc)
                 if self.episode is not None:
@@ -142,7 +143,9 @@ def _model_of(model: str | None, arguments: dict[str, Any], args) -> str | None:
     if args:
         owner = args[0]
         for key in ("model_name", "model"):
-            value = getattr(owner, key, None) if not isinstance(owner, (str, int, float)) else None
+            value = None
+            if not isinstance(owner, (str, int, float)):
+                value, _ = call_user(getattr, owner, key, None)  # a user __getattr__ may raise anything
             if isinstance(value, str) and value:
                 return value
     return None
@@ -354,6 +357,10 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
             call.end()
 
     return wrapper
+
+
+# a wrapper's frame only runs the user's function: a signal landing below it may flush at once
+_exit.calls_user_code([_wrap])
 
 
 @overload
