@@ -37,6 +37,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts import conventions as c
+from otel_rollouts._content import exception_text, type_name
 from otel_rollouts._materialize import Materializer
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
 from otel_rollouts._spool import Spool, decode, encode
@@ -59,6 +60,14 @@ class _Marker:
 
     def __init__(self) -> None:
         self.event = threading.Event()
+
+
+def _warn(message: str, *args: Any) -> None:
+    """Log a warning from a delivery thread; a logging handler that raises cannot stop the thread."""
+    try:
+        logger.warning(message, *args)
+    except BaseException:  # noqa: BLE001, S110 - nothing left to tell it to
+        pass
 
 
 def exporter_name(exporter: Any) -> str:
@@ -94,7 +103,7 @@ class _Warner:
             if last is not None and now - last < self.interval:
                 return
             self._last[kind] = now
-        logger.warning("otel_rollouts: " + message, *args)
+        _warn("otel_rollouts: " + message, *args)
 
 
 class Outlet:
@@ -170,9 +179,9 @@ class Outlet:
             return
         try:
             dropped = spool.push(encode(spans), episodes)
-        except Exception as exc:  # noqa: BLE001 - a full disk must not stop delivery
+        except BaseException as exc:  # noqa: BLE001 - a full disk must not stop delivery
             self.stats.add(f"errors.spool.{self.name}")
-            self._log_once("spool.write", f"spool write failed: {exc}")
+            self._log_once("spool.write", f"spool write failed: {exception_text(exc)}")
             self._dropped("spool_error", episodes)
             return
         self.stats.add(f"spooled.{self.name}", episodes)
@@ -242,6 +251,7 @@ class Outlet:
                     self._cond.wait(0.5)
                 self._busy = True
             ok = False
+            batch = None  # taken from memory, and neither delivered nor spooled yet
             try:
                 spool = self._spool
                 if spool is not None and len(spool) > 0:
@@ -253,15 +263,19 @@ class Outlet:
                     ok = True
                     if batch is not None:
                         failed = self._send(batch)
+                        batch = None
                         ok = not failed
                         if failed:
                             # keep it, and everything behind it, on disk until the exporter is back
                             for part in failed:
                                 self._to_spool(part)
                             self._spill_pending()
-            except Exception as exc:  # noqa: BLE001 - the sender thread never dies
+            except BaseException as exc:  # noqa: BLE001 - the sender thread never dies
                 ok = False
-                self._log_once("sender", f"delivery error: {exc!r}")
+                self.stats.add(f"errors.sender.{self.name}")
+                if batch is not None:
+                    self._dropped("sender_error", count_episodes(batch))
+                self._log_once(f"sender.{type_name(exc)}", f"delivery error: {exception_text(exc)}")
             finally:
                 with self._cond:
                     self._busy = False
@@ -334,9 +348,9 @@ class Outlet:
                 continue
             try:
                 result = self.exporter.export(part)
-            except Exception as exc:  # noqa: BLE001 - an exporter bug never reaches training
+            except BaseException as exc:  # noqa: BLE001 - an exporter bug (even SystemExit) never kills the sender
                 self.stats.add(f"errors.export.{self.name}")
-                self._log_once(f"export.{type(exc).__name__}", f"export raised {type(exc).__name__}: {exc}")
+                self._log_once(f"export.{type_name(exc)}", f"export raised {exception_text(exc)}")
                 result = SpanExportResult.FAILURE
             if result is SpanExportResult.FAILURE:
                 self.stats.add(f"export.failures.{self.name}")
@@ -392,7 +406,7 @@ class Outlet:
         if what in self._logged:
             return
         self._logged.add(what)
-        logger.warning("otel_rollouts: exporter %s: %s (logged once; counted in otr.stats())", self.name, message)
+        _warn("otel_rollouts: exporter %s: %s (logged once; counted in otr.stats())", self.name, message)
 
 
 class Delivery:
@@ -414,6 +428,7 @@ class Delivery:
         self.stats = stats
         self.warner = _Warner()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.closed = False  # set by shutdown: later items are counted, not queued
         self._logged: set[tuple[str, str]] = set()
         self._own_spool_root = spool_dir is None
         self.spool_root = Path(spool_dir) if spool_dir is not None else None
@@ -455,6 +470,9 @@ class Delivery:
         self._put(("spans", spans), "spans")
 
     def _put(self, item: Any, what: str) -> None:
+        if self.closed:  # a span of an episode begun before shutdown or reconfiguration
+            self.stats.add(f"dropped.after_shutdown.{what}")
+            return
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -509,6 +527,7 @@ class Delivery:
         if not self._thread.is_alive():
             return False  # a forked copy: the threads (and the work) are the parent's
         flushed = self.flush(max(timeout * 0.8, 0.0), through_outage=True)
+        self.closed = True
         try:
             self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
         except queue.Full:
@@ -582,37 +601,49 @@ class Delivery:
                 item.event.set()
                 continue
             try:
-                kind, payload = item
-                if kind == "episode":
-                    spans = self.materializer.episode(payload)
-                    self.stats.add("exported.episodes")
-                elif kind == "late":
-                    trace_id, span = payload
-                    spans = [self.materializer.span(trace_id, span)]
-                else:
-                    spans = [self.materializer.foreign(s) for s in payload]
-            except Exception as exc:  # noqa: BLE001 - rendering must never kill the thread
-                self._log_once("materialize", exc)
-                self.stats.add("errors.materialize")
-                continue
-            for outlet in self.outlets:
-                try:
-                    outlet.offer(spans)
-                except Exception as exc:  # noqa: BLE001
-                    self._log_once(f"{outlet.name}.offer", exc)
-                    self.stats.add(f"errors.offer.{outlet.name}")
+                self._render(item)
+            except BaseException:  # noqa: BLE001 - last resort (a logging handler that raises): go on
+                self.stats.add("errors.render_thread")
+
+    def _render(self, item: Any) -> None:
+        """Materialise one queued item and offer it to every outlet; failures are counted."""
+        kind, payload = item
+        try:
+            if kind == "episode":
+                spans = self.materializer.episode(payload)
+                self.stats.add("exported.episodes")
+            elif kind == "late":
+                trace_id, span = payload
+                spans = [self.materializer.span(trace_id, span)]
+            else:
+                spans = [self.materializer.foreign(s) for s in payload]
+        except BaseException as exc:  # noqa: BLE001 - rendering must never kill the thread
+            self.stats.add("errors.materialize")
+            if kind == "episode":
+                self.stats.add("dropped.render_error")
+            else:
+                self.stats.add("dropped.render_error_spans", len(payload) if kind == "spans" else 1)
+            self._log_once("materialize", exc)
+            return
+        for outlet in self.outlets:
+            try:
+                outlet.offer(spans)
+            except BaseException as exc:  # noqa: BLE001
+                self.stats.add(f"errors.offer.{outlet.name}")
+                self._log_once(f"{outlet.name}.offer", exc)
 
     def _call(self, outlet: Outlet, method: str, *args: Any) -> Any:
         try:
             return getattr(outlet.exporter, method)(*args)
-        except Exception as exc:  # noqa: BLE001 - an exporter bug never reaches training
+        except BaseException as exc:  # noqa: BLE001 - an exporter bug never reaches training
             self.stats.add(f"errors.{method}.{outlet.name}")
             self._log_once(f"{outlet.name}.{method}", exc)
             return False
 
     def _log_once(self, where: str, error: Any) -> None:
-        key = (where, type(error).__name__ if isinstance(error, BaseException) else str(error))
+        key = (where, type_name(error) if isinstance(error, BaseException) else str(error))
         if key in self._logged:
             return
         self._logged.add(key)
-        logger.warning("otel_rollouts: %s failed: %s (logged once; counted in otr.stats())", where, error)
+        message = exception_text(error) if isinstance(error, BaseException) else str(error)
+        _warn("otel_rollouts: %s failed: %s (logged once; counted in otr.stats())", where, message)
