@@ -9,10 +9,21 @@
 * ``SIGINT``: Python raises ``KeyboardInterrupt``, which unwinds ``with otr.episode`` blocks
   (those episodes are marked ``truncated``) and ends in the ``atexit`` hook.
 
-The flush at a signal runs on a helper thread joined with a deadline: the signal may have
-interrupted the main thread inside one of the library's locks, and waiting on it must not hang
-the exit. Only the process that configured a runtime flushes it: a forked child that inherited
-its parent's (with the parent's export threads gone) discards it.
+A signal handler runs on the main thread between two bytecodes, possibly in the middle of one
+of the library's own calls (``end_step``, ``flush``, ``configure``, recording an episode) that
+holds a lock the flush needs. The flush therefore never runs under the interrupted call:
+
+* if the main thread was in user code (the usual case), the flush runs on a helper thread while
+  the main thread waits in the handler, at most ``exit_timeout``;
+* if it was inside the library, the handler only starts the helper and returns, so that the
+  interrupted call finishes and releases its locks; the helper waits for the main thread to
+  leave the library (at most half the deadline), then flushes what is decided by then, taking
+  every lock with a deadline, and ends the process with the signal.
+
+Either way the process ends within ``exit_timeout`` (plus a second), and a second signal ends
+it at once (the default action is restored as soon as the first arrives). Only the process that
+configured a runtime flushes it: a forked child that inherited its parent's (with the parent's
+export threads gone) discards it.
 """
 
 from __future__ import annotations
@@ -21,15 +32,23 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
-from collections.abc import Callable
+import time
+import types
+from collections.abc import Callable, Iterable
 
 logger = logging.getLogger("otel_rollouts")
+
+_PACKAGE = __name__.rpartition(".")[0]
+_POLL_S = 0.005  # how often the helper looks whether the main thread left the library
 
 _installed_pid: int | None = None
 _signals_installed: set[int] = set()
 _flush: Callable[[float], object] | None = None
 _timeout = 10.0
+_calls_out: set[types.CodeType] = set()  # library frames that run user code, holding no lock
+_pending: tuple[int, threading.Thread] | None = None  # a signal whose flush is under way
 
 
 def install(flush: Callable[[float], object], timeout: float, handle_signals: bool = True) -> None:
@@ -51,6 +70,31 @@ def install(flush: Callable[[float], object], timeout: float, handle_signals: bo
         _install_signal(signal.SIGTERM)
 
 
+def calls_user_code(functions: Iterable[Callable[..., object]]) -> None:
+    """Mark functions (and the functions defined inside them) whose frames only call user code.
+
+    While the main thread is in such a frame it holds none of the library's locks: a signal
+    landing in the user code below it may flush at once (``@traced`` wrappers, for instance).
+    """
+    stack = [fn.__code__ for fn in functions]
+    while stack:
+        code = stack.pop()
+        _calls_out.add(code)
+        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+
+
+def inside_library(frame: types.FrameType | None) -> bool:
+    """Whether a stack (innermost frame first) is inside a library call that may hold a lock."""
+    while frame is not None:
+        if frame.f_code not in _calls_out:
+            module = frame.f_globals.get("__name__")
+            if isinstance(module, str) and (module == _PACKAGE or module.startswith(_PACKAGE + ".")):
+                if module != __name__:
+                    return True
+        frame = frame.f_back
+    return False
+
+
 def _install_signal(signum: int) -> None:
     if signum in _signals_installed or threading.current_thread() is not threading.main_thread():
         return
@@ -63,20 +107,73 @@ def _install_signal(signum: int) -> None:
         pass
 
 
-def _at_exit() -> None:
+def _run_flush(timeout: float) -> None:
     if _installed_pid != os.getpid() or _flush is None:
         return
     try:
-        _flush(_timeout)
-    except Exception:  # noqa: BLE001 - exiting: nothing may be raised from here
+        _flush(max(timeout, 0.0))
+    except BaseException as exc:  # noqa: BLE001 - exiting: nothing may be raised from here
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            raise
+
+
+def _at_exit() -> None:
+    pending = _pending
+    if pending is not None:
+        # a signal's flush is under way on its helper: let it finish, then die of that signal
+        signum, helper = pending
+        if helper is not threading.current_thread():
+            helper.join(_timeout + 1.0)
+            os.kill(os.getpid(), signum)
+        return
+    _run_flush(_timeout)
+
+
+def _on_signal(signum: int, frame: types.FrameType | None) -> None:
+    global _pending
+    try:
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+    except (ValueError, OSError):
         pass
+    if _pending is not None:
+        return  # already flushing for an earlier signal
+    deadline = time.monotonic() + _timeout
+    if not inside_library(frame):
+        # the training thread stays where it is (in user code, holding none of our locks)
+        _pending = (signum, threading.current_thread())
+        _flush_then_kill(signum, deadline)
+        return
+    # the main thread was interrupted inside the library, maybe holding a lock the flush needs:
+    # let it finish that call; the helper flushes once it has, and ends the process
+    helper = threading.Thread(
+        target=_flush_after_library, args=(signum, deadline), name="otel-rollouts-exit", daemon=True
+    )
+    _pending = (signum, helper)
+    helper.start()
 
 
-def _on_signal(signum: int, frame: object) -> None:
-    worker = threading.Thread(target=_at_exit, name="otel-rollouts-exit-flush", daemon=True)
-    worker.start()
-    worker.join(_timeout + 1.0)
-    if worker.is_alive():
-        logger.warning("otel_rollouts: flush at signal %d did not finish within %.0f s", signum, _timeout)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+def _flush_after_library(signum: int, deadline: float) -> None:
+    try:
+        main = threading.main_thread()
+        wait_until = time.monotonic() + _timeout / 2
+        while time.monotonic() < wait_until and main.is_alive():
+            if not inside_library(sys._current_frames().get(main.ident)):
+                break
+            time.sleep(_POLL_S)  # polling another thread's stack: there is nothing to wait on
+    finally:
+        _flush_then_kill(signum, deadline)
+
+
+def _flush_then_kill(signum: int, deadline: float) -> None:
+    """Flush on a thread of its own, give it until ``deadline`` (+1 s), then die of ``signum``.
+
+    Nothing here logs or takes a lock: a thread stuck in the flush may hold any of them.
+    """
+    try:
+        flusher = threading.Thread(
+            target=_run_flush, args=(deadline - time.monotonic(),), name="otel-rollouts-exit-flush", daemon=True
+        )
+        flusher.start()
+        flusher.join(max(deadline - time.monotonic(), 0.0) + 1.0)
+    finally:
+        os.kill(os.getpid(), signum)

@@ -17,6 +17,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
+from otel_rollouts import conventions as c
 from otel_rollouts._delivery import Delivery
 from otel_rollouts._recording import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._stats import Stats
@@ -190,13 +191,40 @@ class Pipeline(SpanProcessor):
                 self._apply(key, s, chosen.get(key, []))
             self._trim_closed()
 
-    def close_all(self) -> None:
-        """Close every open step (flush/shutdown). Not collective: see ``_close``."""
-        with self._lock:
+    def close_all(self, timeout: float | None = None) -> bool:
+        """Close every open step (flush/shutdown). Not collective: see ``_close``.
+
+        With ``timeout``, gives up (returning False, counted) if the lock is not free by then:
+        at exit the thread holding it may be the one a signal interrupted.
+        """
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self.stats.add("errors.close_lock_busy")
+            return False
+        try:
             self._offer_waiting(lambda r: True)
             for key in list(self._steps):
                 self._close(key)
             self._trim_closed()
+            return True
+        finally:
+            self._lock.release()
+
+    def end_open(self, status: str, timeout: float | None = None) -> int:
+        """End every episode whose root is still open, marked ``status`` (shutdown, reconfigure)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self.stats.add("errors.close_lock_busy")
+            return 0
+        try:
+            ended = 0
+            for record in [r for r in self._live.values() if r.state == OPEN]:
+                root = record.root
+                if root is not None and root.end_ns is None:
+                    root.attributes[c.RL_STATUS] = status
+                    root.end()
+                    ended += 1
+            return ended
+        finally:
+            self._lock.release()
 
     def _close_old(self, split: str, newest_closed: int) -> None:
         """Close the steps of ``split`` up to ``newest_closed`` (the lag rule)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = ["configure", "end_step", "flush", "shutdown", "stats", "set_step"]
 _lock = threading.RLock()
 _ticker: threading.Thread | None = None
 _ticker_stop = threading.Event()
+_last: _runtime.Runtime | None = None  # the last runtime stopped: otr.stats() reads it after shutdown
 
 
 def _env_flag(name: str) -> bool | None:
@@ -133,13 +135,16 @@ def configure(
       ``otel_rollouts.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
     """
+    global _last
     arguments = dict(locals())  # a forked child rebuilds its own runtime from these (workers.py)
     with _lock:
         old = _runtime.installed()
         if old is not None and old.extra.get("pid", os.getpid()) != os.getpid():
             old = None  # inherited through fork: the parent's threads are not here; the parent delivers it
         if old is not None:
-            _shutdown_runtime(old, timeout=10.0)
+            # its open episodes are ended (truncated) and delivered by the pipeline they began in
+            _stop_runtime(old, timeout=10.0)
+        _last = None  # a new run: otr.stats() counts from zero
         if _env_flag(c.ENV_SDK_DISABLED):
             _runtime.install(_runtime.Runtime(enabled=False))
             return
@@ -228,25 +233,35 @@ def _start_ticker() -> None:
             if rt is not None and rt.pipeline is not None:
                 try:
                     rt.pipeline.tick()
-                except Exception:  # noqa: BLE001
-                    pass
+                except BaseException:  # noqa: BLE001 - a user policy's error never stops the ticker
+                    if rt.stats is not None:
+                        rt.stats.add("errors.ticker")
 
     _ticker = threading.Thread(target=tick, name="otel-rollouts-ticker", daemon=True)
     _ticker.start()
 
 
-def _shutdown_runtime(rt: _runtime.Runtime, timeout: float) -> bool:
+def _stop_runtime(rt: _runtime.Runtime, timeout: float) -> bool:
+    """End open episodes (truncated), close every step, deliver, stop; within ``timeout``.
+
+    Every lock is taken with a deadline: at a signal the thread holding one may be the one
+    that was interrupted. What cannot be decided by then is counted, not waited for.
+    """
+    global _last
     if not rt.enabled or rt.pipeline is None or rt.delivery is None:
         return True
+    deadline = time.monotonic() + timeout
+    rt.pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
     rt.enabled = False
-    rt.pipeline.close_all()
+    closed = rt.pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)
     metrics = rt.extra.get("metrics")
     if metrics is not None:
-        metrics.flush(timeout)  # step summaries reach the exporters before they shut down
-    ok = rt.delivery.shutdown(timeout)
+        metrics.flush(max(deadline - time.monotonic(), 0.0) / 2)  # step summaries go before exporters stop
+    ok = rt.delivery.shutdown(max(deadline - time.monotonic(), 0.0))
     if metrics is not None:
-        metrics.shutdown(timeout)
-    return ok
+        metrics.shutdown(max(deadline - time.monotonic(), 0.0))
+    _last = rt
+    return ok and closed
 
 
 def _at_exit_flush(timeout: float) -> None:
@@ -293,33 +308,45 @@ def flush(timeout: float = 30.0) -> bool:
 
 
 def shutdown(timeout: float = 30.0) -> bool:
-    """Flush and stop; episodes still open are ended and marked truncated. Never hangs."""
-    with _lock:
+    """Flush and stop; episodes still open are ended and marked truncated. Never hangs.
+
+    Returns within ``timeout`` whatever holds the library's locks (at a signal, the interrupted
+    thread may): what could not be delivered by then is counted in ``otr.stats()``, which keeps
+    the final totals after shutdown.
+    """
+    deadline = time.monotonic() + timeout
+    locked = _lock.acquire(timeout=max(timeout / 4, 0.0))
+    try:
         rt = _runtime.installed()
         if rt is None:
             return True
         try:
-            if rt.enabled and rt.pipeline is not None:
-                for record in rt.pipeline.open_episodes():
-                    root = record.root
-                    if root is not None and root.end_ns is None:
-                        root.attributes[c.RL_STATUS] = c.STATUS_TRUNCATED
-                        root.end()
-            ok = _shutdown_runtime(rt, timeout)
+            ok = _stop_runtime(rt, max(deadline - time.monotonic(), 0.0)) and locked
         except Exception as exc:  # noqa: BLE001
             logger.warning("otel_rollouts: shutdown failed: %s", exc)
             ok = False
         _runtime.install(None)
         _ticker_stop.set()
         return ok
+    finally:
+        if locked:
+            _lock.release()
 
 
-def stats() -> dict[str, Any]:
-    """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late) and totals."""
-    rt = _runtime.installed()
-    if rt is None or rt.stats is None:
-        return {"totals": {}, "steps": {}}
-    snapshot = rt.stats.snapshot()
+def _snapshot(rt: _runtime.Runtime) -> dict[str, Any]:
+    snapshot = rt.stats.snapshot() if rt.stats is not None else {"totals": {}, "steps": {}}
     if rt.delivery is not None:
         snapshot["delivery"] = rt.delivery.report()
     return snapshot
+
+
+def stats() -> dict[str, Any]:
+    """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late) and totals.
+
+    After ``shutdown()`` (and until the next ``configure()``) the final totals of the last run.
+    """
+    rt = _runtime.installed()
+    if rt is None or rt.stats is None:
+        last = _last
+        return _snapshot(last) if last is not None else {"totals": {}, "steps": {}}
+    return _snapshot(rt)
