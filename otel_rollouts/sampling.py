@@ -122,12 +122,13 @@ def _pick(candidates: Iterable[Any], limit: int, exclude: set[int], out: list[An
 class _RankedBucket(Bucket):
     """Holds the ``capacity`` best records by a key (smaller is better); releases the rest."""
 
-    __slots__ = ("capacity", "heap", "seq")
+    __slots__ = ("capacity", "heap", "seq", "later_wins")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, later_wins: bool = False) -> None:
         self.capacity = capacity
         self.heap: list[tuple[Any, int, Any]] = []  # max-heap via negated keys: worst on top
         self.seq = 0
+        self.later_wins = later_wins  # ties: the later arrival is better (default: the earlier)
 
     def rank(self, record: Any) -> Any:  # pragma: no cover - interface
         """The record's key (smaller is better), or None when it is not eligible at all."""
@@ -141,13 +142,14 @@ class _RankedBucket(Bucket):
         heap = self.heap
         if key is None or self.capacity <= 0:
             return False
-        return len(heap) < self.capacity or -key > heap[0][0]
+        return len(heap) < self.capacity or -key > heap[0][0] or (self.later_wins and -key == heap[0][0])
 
     def offer_ranked(self, record: Any, key: Any) -> Decision:
         if not self.takes(key):
             return [record], []
         self.seq += 1
-        entry = (-key, -self.seq, record)  # the worst on top; ties: the earlier arrival is better
+        # the worst on top; ties: the earlier arrival is better, or the later one (later_wins)
+        entry = (-key, self.seq if self.later_wins else -self.seq, record)
         if len(self.heap) < self.capacity:
             heapq.heappush(self.heap, entry)
             return [], []
@@ -300,8 +302,9 @@ class TopBottom(Policy):
 
     Any numeric root attribute may be named (``score="rl.advantage"``). With no explicit split
     of the cap, half goes to each side (the extra one to the top). Episodes without a score only
-    fill what the ranked ones leave free. Ties go to the earlier arrival; an episode that is
-    both among the best and the worst (few episodes) is kept once.
+    fill what the ranked ones leave free. Ties among the best go to the earlier arrival, among
+    the worst to the later one, so equal scores still fill the cap with distinct episodes; an
+    episode that is both among the best and the worst (few episodes) is kept once.
     """
 
     name = "top_bottom"
@@ -340,8 +343,11 @@ class TopBottom(Policy):
 class _TopBottomBucket(Bucket):
     def __init__(self, policy: TopBottom, cap: int, top: int, bottom: int, margin: int) -> None:
         self.policy, self.cap, self.margin, self.score = policy, cap, margin, policy.score
+        # one total order, (score, arrival), read from both ends: the best are the highest scores
+        # (ties: the earlier arrival), the worst the lowest (ties: the later), so the two sides
+        # never hold the same episode once there are more than top + bottom of them
         self.best = _ScoreBucket(top, policy.score, -1.0)
-        self.worst = _ScoreBucket(bottom, policy.score, 1.0)
+        self.worst = _ScoreBucket(bottom, policy.score, 1.0, later_wins=True)
         self.refs: dict[int, int] = {}  # id(record) -> how many sides hold it
         self.unscored: list[Any] = []
 
@@ -393,8 +399,8 @@ class _TopBottomBucket(Bucket):
 class _ScoreBucket(_RankedBucket):
     __slots__ = ("score", "sign")
 
-    def __init__(self, capacity: int, score: str, sign: float) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int, score: str, sign: float, *, later_wins: bool = False) -> None:
+        super().__init__(capacity, later_wins=later_wins)
         self.score, self.sign = score, sign
 
     def rank(self, record: Any) -> Any:
@@ -523,14 +529,25 @@ class Compose(Policy):
     (``Uniform()``) takes all it can of what the later parts' budgets leave. Never over the cap
     (budgets past it are cut), never the same episode twice: each part skips episodes an earlier
     part took, and holds that many extra candidates so that it can still fill its share.
+
+    ``equal_shares=True`` (what names joined by ``+`` build, e.g. ``"errors+top_bottom"``)
+    splits the cap into equal shares instead: part ``i`` of ``n`` gets ``(cap + i) // n``, i.e.
+    ``cap // n`` each, the remainder one each to the last parts (the last part, typically the
+    main policy, gets the most). A part takes at most its own share plus what the earlier parts
+    left of theirs (and at most its budget, when it has one), so the first part takes at most its
+    share and a share a part could not fill passes on to the next parts: ``"errors+top_bottom"``
+    at cap 8 keeps at most 4 errors and fills the rest (8 with no errors) by top/bottom. The
+    shares are of the cap the composition is asked for (a smaller ``limit`` at decide time
+    shrinks them).
     """
 
     name = "compose"
 
-    def __init__(self, *parts: Policy | str) -> None:
+    def __init__(self, *parts: Policy | str, equal_shares: bool = False) -> None:
         if not parts:
             raise ValueError("Compose: expected at least one policy")
         self.parts = [make_policy(p) for p in parts]
+        self.equal_shares = bool(equal_shares)
 
     def needs(self) -> set[str]:
         out: set[str] = set()
@@ -538,25 +555,46 @@ class Compose(Policy):
             out |= p.needs()
         return out
 
+    def shares(self, cap: int) -> list[int]:
+        """Each part's equal share of ``cap`` (summing to ``cap``, the remainder to the last)."""
+        n = len(self.parts)
+        return [(cap + i) // n for i in range(n)]
+
+    def reserved(self, cap: int) -> list[int]:
+        """For each part, how much of ``cap`` is kept back for the parts after it: their budgets
+        (by default) or their equal shares (``equal_shares``)."""
+        keep = self.shares(cap) if self.equal_shares else [p.budget or 0 for p in self.parts]
+        out, later = [], 0
+        for k in reversed(keep):
+            out.append(later)
+            later += k
+        return out[::-1]
+
     def limits(self, cap: int) -> list[int]:
-        """The most each part may take (its budget, or what later budgets leave), cut to the cap."""
+        """The most each part may take (its budget, or what the later parts' budgets or shares
+        leave when no earlier part took anything), cut to the cap."""
         out = []
-        for i, p in enumerate(self.parts):
-            later = sum(q.budget or 0 for q in self.parts[i + 1 :])
-            out.append(min(cap, p.budget) if p.budget is not None else max(cap - later, 0))
+        for p, later in zip(self.parts, self.reserved(cap), strict=True):
+            most = max(cap - later, 0)
+            out.append(min(most, p.budget) if p.budget is not None else most)
         return out
 
     def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
                margin: int = 0) -> Bucket:
         subs = []
-        earlier = 0
-        for part, most in zip(self.parts, self.limits(cap), strict=True):
-            subs.append(part.bucket(most, key, margin=min(cap, earlier) + margin))
+        earlier = 0  # the most the earlier parts may take together
+        before = cap  # ... which is also at most what the previous part's room left (the cap)
+        for part, most, later in zip(self.parts, self.limits(cap), self.reserved(cap), strict=True):
+            # each part holds its most plus as many as the earlier parts may have taken of its
+            # candidates, so that it can still fill its room after them
+            subs.append(part.bucket(most, key, margin=min(earlier, before) + margin))
             earlier += most
+            before = max(cap - later, 0)
         return _ComposeBucket(self, cap, subs)
 
     def __repr__(self) -> str:
-        return f"Compose({', '.join(map(repr, self.parts))})"
+        shares = ", equal_shares=True" if self.equal_shares else ""
+        return f"Compose({', '.join(map(repr, self.parts))}{shares})"
 
 
 class _ComposeBucket(Bucket):
@@ -577,8 +615,8 @@ class _ComposeBucket(Bucket):
         taken = set(exclude or ())
         out: list[Any] = []
         parts = self.policy.parts
-        for k, (part, sub) in enumerate(zip(parts, self.subs, strict=True)):
-            room = cap - len(out) - sum(q.budget or 0 for q in parts[k + 1 :])
+        for part, sub, later in zip(parts, self.subs, self.policy.reserved(cap), strict=True):
+            room = cap - len(out) - later
             if part.budget is not None:
                 room = min(room, part.budget)
             if room <= 0:
@@ -609,15 +647,18 @@ POLICIES: dict[str, Any] = {
 def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
     """A policy from an object, a name (``"first"``, ``"uniform"``, ``"top_bottom"``,
     ``"errors"``, ``"groups"``) or names joined by ``+`` (``"errors+top_bottom+uniform"``:
-    a ``Compose`` of those parts)."""
+    a ``Compose(..., equal_shares=True)`` of those parts: each gets ``cap // n`` of the cap, the
+    remainder to the last parts, and what a part leaves of its share passes on to the next)."""
     if isinstance(policy, Policy):
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"policy: expected a name or a Policy, got {type(policy).__name__}")
     if "+" in policy:
-        # inside a composition "errors" is only the errors: what they leave goes to the next part
+        # inside a composition "errors" is only the errors (at most their share of the cap):
+        # what they leave goes to the next part
         parts = [p.strip() for p in policy.split("+")]
-        return Compose(*(Errors() if p == Errors.name else make_policy(p, seed) for p in parts))
+        return Compose(*(Errors() if p == Errors.name else make_policy(p, seed) for p in parts),
+                       equal_shares=True)
     if policy == Uniform.name:
         return Uniform(seed=seed)
     if policy == Errors.name:

@@ -8,6 +8,7 @@ end-to-end tests in test_sampling.py run the same policies through the real pipe
 from __future__ import annotations
 
 import math
+from random import Random
 
 import pytest
 from hypothesis import given, settings
@@ -77,6 +78,15 @@ def test_top_bottom_keeps_best_and_worst_with_ties_to_the_earlier():
     # the default split: half each side, the extra one to the top
     kept, _, _ = run("top_bottom", records, 5)
     assert rewards(kept) == [0, 0, 9, 9, 9]
+
+
+def test_top_bottom_with_equal_scores_still_fills_the_cap():
+    records = [Rec(i, reward=1.0) for i in range(10)]
+    kept, _, peak = run("top_bottom", records, 4)
+    assert sorted(r.i for r in kept) == [0, 1, 8, 9]  # best: the earliest; worst: the latest
+    assert peak <= 4
+    kept, _, _ = run(otr.TopBottom(top=1, bottom=3), [Rec(i, reward=0.5) for i in range(6)], 4)
+    assert len(kept) == 4
 
 
 def test_top_bottom_few_episodes_keeps_each_once():
@@ -185,6 +195,98 @@ def test_compose_never_over_the_cap_and_fills_from_later_parts():
     kept, _, _ = run(otr.Compose(otr.First(3), otr.First(3), otr.TopBottom()), records, 9)
     assert [r.i for r in kept[:6]] == [0, 1, 2, 3, 4, 5] and len(kept) == 9
     assert isinstance(make_policy("errors+top_bottom"), otr.Compose)
+
+
+def test_named_composition_errors_take_at_most_their_share_and_pass_the_rest_on():
+    # cap 3, two parts: shares 1 (errors) and 2 (top_bottom); most episodes failed
+    records = [Rec(i, reward=float(i), status="error" if 5 <= i < 25 else "ok") for i in range(30)]
+    for policy in ("errors+top_bottom", otr.TailSampler(3, "errors+top_bottom").policy):
+        kept, _, _ = run(policy, records, 3)
+        assert [r.i for r in kept] == [5, 29, 0]  # the first error, then the best and the worst
+    # no errors in the step: the errors' share passes on, top_bottom fills the whole cap
+    calm = [Rec(i, reward=float(i)) for i in range(30)]
+    kept, _, _ = run("errors+top_bottom", calm, 3)
+    assert [r.i for r in kept] == [29, 28, 0]
+    # a few errors: each is kept (within the share), the rest of the cap goes on
+    kept, _, _ = run("errors+top_bottom", records[:6] + calm[6:], 8)  # one error (5)
+    assert [r.i for r in kept] == [5, 29, 28, 27, 26, 0, 1, 2]
+    # at cap 8 errors get at most 4, explicit objects keep their explicit budgets, and the plain
+    # name "errors" still means failures first (all the cap they can fill), the rest uniform
+    kept, _, _ = run("errors+top_bottom", records, 8)
+    assert [r.i for r in kept] == [5, 6, 7, 8, 29, 28, 0, 1]
+    kept, _, _ = run(otr.Compose(otr.Errors(), otr.TopBottom()), records, 3)
+    assert [r.i for r in kept] == [5, 6, 7]
+    kept, _, _ = run("errors", records, 3)
+    assert [r.i for r in kept] == [5, 6, 7]
+
+
+def test_named_three_part_composition_splits_the_cap_as_documented():
+    policy = make_policy("errors+top_bottom+uniform")
+    records = [Rec(i, reward=float(i), status="error" if 10 <= i < 30 else "ok") for i in range(40)]
+    kept, _, peak = run(policy, records, 8)
+    ids = [r.i for r in kept]
+    assert ids[:2] == [10, 11]  # errors: their share, 2
+    assert ids[2:5] == [39, 38, 0]  # top_bottom: its share, 3 (2 best, 1 worst)
+    uniform = otr.Uniform().bucket(3, (0, "train"))
+    for r in records:
+        if r.i not in ids[:5]:
+            uniform.offer(r)
+    assert ids[5:] == [r.i for r in uniform.decide()]  # uniform: its share, 3, of the rest
+    assert peak <= 3 * 2 * 8
+    assert policy.shares(8) == [2, 3, 3] and policy.shares(7) == [2, 2, 3]
+    assert policy.shares(2) == [0, 1, 1] and sum(policy.shares(100)) == 100
+    assert repr(policy).endswith("equal_shares=True)")
+    # no errors: their 2 pass on to top_bottom (5), uniform still gets its 3
+    kept, _, _ = run(policy, [Rec(i, reward=float(i)) for i in range(40)], 8)
+    assert [r.i for r in kept][:5] == [39, 38, 37, 0, 1] and len(kept) == 8
+    # an explicit Compose with equal shares is the same policy as the name
+    same = otr.Compose(otr.Errors(), otr.TopBottom(), otr.Uniform(), equal_shares=True)
+    assert [r.i for r in run(same, records, 7)[0]] == [r.i for r in run(policy, records, 7)[0]]
+
+
+def _reference(parts, records, cap):
+    """What a named composition keeps, part by part: each part, alone, over what the earlier parts
+    left, with room for its equal share plus whatever the earlier parts left of theirs."""
+    n = len(parts)
+    shares = [(cap + i) // n for i in range(n)]
+    assert sum(shares) == cap and max(shares) - min(shares) <= 1
+    taken: list = []
+    picks = []
+    for k, part in enumerate(parts):
+        room = sum(shares[: k + 1]) - len(taken)
+        rest = [r for r in records if r not in taken]
+        bucket = part.bucket(room, (0, "train"))
+        for r in rest:
+            bucket.offer(r)
+        chosen = bucket.decide() if room > 0 else []
+        picks.append(chosen)
+        taken += chosen
+    return picks, shares
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    statuses=st.lists(st.sampled_from(["ok", "ok", "error", "truncated"]), max_size=40),
+    cap=st.integers(0, 13),
+    name=st.sampled_from(["errors+top_bottom", "errors+uniform", "errors+top_bottom+uniform",
+                          "errors+first+top_bottom", "first+uniform"]),
+    seed=st.integers(0, 5),
+)
+def test_named_compositions_follow_their_shares_never_over_the_cap(statuses, cap, name, seed):
+    rewards = list(range(len(statuses)))
+    Random(seed).shuffle(rewards)  # distinct rewards: top/bottom is a total order
+    records = [Rec(i, reward=float(rewards[i]), status=s) for i, s in enumerate(statuses)]
+    policy = make_policy(name, seed)
+    kept, _, _ = run(policy, records, cap)  # run() checks the cap, duplicates and release
+    picks, shares = _reference(policy.parts, records, cap)
+    at = 0
+    for part, chosen, share in zip(policy.parts, picks, shares, strict=True):
+        got = kept[at : at + len(chosen)]
+        assert {id(r) for r in got} == {id(r) for r in chosen}, (name, part)
+        if isinstance(part, otr.Errors):
+            assert len(got) <= share  # errors never take more than their share
+        at += len(chosen)
+    assert at == len(kept) == min(cap, len(records))  # what one part leaves, the next fills
 
 
 @settings(max_examples=120, deadline=None)
