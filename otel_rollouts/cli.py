@@ -5,8 +5,71 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from otel_rollouts import conventions as c
+
+DEBUG_ENV = "OTEL_ROLLOUTS_DEBUG"
+EPILOG = f"""\
+exit status: 0 ok; 1 failed (traces not delivered, an unexpected error);
+  2 usage error (a bad option or value; an input file missing, a directory or unreadable)
+environment:
+  {DEBUG_ENV}=1  the full traceback of an unexpected error (otherwise one line)
+  {c.ENV_OTLP_ENDPOINT}, ..._PROTOCOL, ..._TIMEOUT  where OTLP traces go"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake reported on one line of stderr (no usage block), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("otel-rollouts")
+    except PackageNotFoundError:
+        import otel_rollouts
+
+        return str(getattr(otel_rollouts, "__version__", "unknown (not installed)"))
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _policy(text: str) -> str:
+    """A policy name, checked by building it (the names and '+' rules live in sampling)."""
+    from otel_rollouts.sampling import make_policy
+
+    try:
+        make_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -38,6 +101,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"episodes: {totals.get('seen', 0)} seen, {totals.get('kept', 0)} kept "
           f"(cap {args.cap} per step, policy {args.policy}), "
           f"{sum(v for k, v in totals.items() if k.startswith('dropped.'))} dropped")
+    if run_name is None:
+        print(f"traces: none kept (cap {args.cap}), nothing written to Trackio")
+        return 0
     trackio_dir = os.environ.get("TRACKIO_DIR") or os.path.join(
         os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "trackio")
     print(f"traces: Trackio project '{args.project}', run '{run_name}' in {trackio_dir}")
@@ -50,34 +116,71 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="otel-rollouts", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run a small traced multi-turn tool-using RL rollout loop")
-    demo.add_argument("--project", default="otel-rollouts-demo", help="Trackio project")
-    demo.add_argument("--run", default=None, help="Trackio run name (default: generated)")
-    demo.add_argument("--steps", type=int, default=4)
-    demo.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    demo.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
-    demo.add_argument("--cap", type=int, default=8, help="episodes kept per step")
-    demo.add_argument("--policy", default="top_bottom", help="sampling policy")
-    demo.add_argument("--seed", type=int, default=0)
+    from otel_rollouts.sampling import POLICIES
+
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="otel-rollouts", description=__doc__, epilog=EPILOG,
+                     formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,replay}")
+    demo = sub.add_parser("demo", help="run a small traced multi-turn tool-using RL rollout loop",
+                          description="Run a small traced multi-turn tool-using RL rollout loop and log\n"
+                          "the kept episodes to a local Trackio project (and OTLP when configured).",
+                          epilog=EPILOG, formatter_class=formatter)
+    demo.add_argument("--project", type=_non_empty, default="otel-rollouts-demo",
+                      help="Trackio project (default: %(default)s)")
+    demo.add_argument("--run", type=_non_empty, default=None,
+                      help="Trackio run name (default: generated by Trackio)")
+    at_least_1 = _int_at_least(1)
+    demo.add_argument("--steps", type=at_least_1, default=4,
+                      help="training steps, >= 1 (default: %(default)s)")
+    demo.add_argument("--prompts", type=at_least_1, default=8,
+                      help="prompts per step, >= 1 (default: %(default)s)")
+    demo.add_argument("--group-size", type=at_least_1, default=4,
+                      help="samples per prompt (GRPO group), >= 1 (default: %(default)s)")
+    demo.add_argument("--cap", type=_int_at_least(0), default=8,
+                      help="episodes kept per step, >= 0 (default: %(default)s)")
+    demo.add_argument("--policy", type=_policy, default="top_bottom",
+                      help=f"tail-sampling policy: one of {', '.join(sorted(POLICIES))}, or several "
+                      "joined by '+', e.g. errors+top_bottom (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     demo.add_argument("--console", action="store_true", help="also print kept episodes as trees")
-    demo.add_argument("--no-progress", action="store_true")
-    demo.add_argument("--trace-ui-url", default=None,
-                      help="e.g. http://localhost:16686 to link each Trackio trace to Jaeger")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--trace-ui-url", type=_url, default=None,
+                      help="e.g. http://localhost:16686 to link each Trackio trace to Jaeger "
+                      f"(default: ${c.ENV_TRACE_UI_URL}, else no link)")
     demo.set_defaults(func=_demo)
     from otel_rollouts import replay
 
     replay.add_arguments(sub.add_parser(
         "replay", help="send the traces of an OTLP/JSON-lines file to trackio, otlp or console",
+        description="Send the traces of an OTLP/JSON-lines file (and its rotated backups) to\n"
+        "trackio, otlp or console; report what was delivered and what failed.",
+        epilog=EPILOG, formatter_class=formatter,
     )).set_defaults(func=replay.run)
     return parser
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    prog = f"{parser.prog} {args.command}"
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback (unless debugging)
+        if _debug():
+            raise
+        detail = " ".join(str(exc).split()) or "(no message)"
+        print(f"{prog}: unexpected error: {type(exc).__name__}: {detail} "
+              f"(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -244,35 +244,152 @@ def make_exporter(to: str, project: str | None = None, run: str | None = None) -
 
 
 # --- command line --------------------------------------------------------------------------------
+_ENV_OTLP_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``replay`` arguments (shared by ``otel-rollouts replay`` and ``main``)."""
+    from otel_rollouts import conventions as c
+
     parser.add_argument("file", help="OTLP/JSON-lines file written by OtlpJsonFileExporter")
     parser.add_argument("--to", choices=TARGETS, required=True, help="where to send the traces")
-    parser.add_argument("--project", help="Trackio project (--to trackio)")
-    parser.add_argument("--run", help="Trackio run name (--to trackio)")
+    parser.add_argument(
+        "--project",
+        help=f"Trackio project (--to trackio; default: ${c.ENV_TRACKIO_PROJECT}, else otel-rollouts)",
+    )
+    parser.add_argument("--run", help="Trackio run name (--to trackio; default: generated)")
     parser.add_argument(
         "--no-backups", action="store_true", help="read FILE only, not its rotated FILE.N backups"
+    )
+    parser.add_argument(
+        "--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+        help=f"--to otlp: give up on a batch after SECONDS, retries included (default: "
+        f"${_ENV_OTLP_TRACES_TIMEOUT} or $OTEL_EXPORTER_OTLP_TIMEOUT, else 5)",
     )
     return parser
 
 
+class _Counting(SpanExporter):
+    """Wraps the target exporter to count what it accepted and what it refused, for the summary.
+
+    A failed ``force_flush``/``shutdown`` (Trackio writes at flush) turns what was accepted into
+    "not confirmed", reported as failed.
+    """
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self.exporter = exporter
+        self.batches = self.failed_batches = 0
+        self.sent_spans = self.failed_spans = 0
+        self.sent_traces: set[int] = set()
+        self.failed_traces: set[int] = set()
+        self.flush_error: str | None = None
+
+    def _count(self, ok: bool, spans: Sequence[ReadableSpan]) -> None:
+        self.batches += 1
+        ids = {s.context.trace_id for s in spans}
+        if ok:
+            self.sent_spans += len(spans)
+            self.sent_traces |= ids
+        else:
+            self.failed_batches += 1
+            self.failed_spans += len(spans)
+            self.failed_traces |= ids
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            outcome = self.exporter.export(spans)
+        except Exception:
+            self._count(False, spans)
+            raise  # replay() logs it and counts the batch
+        self._count(outcome is SpanExportResult.SUCCESS, spans)
+        return outcome
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            ok = self.exporter.force_flush(timeout_millis)
+        except Exception as exc:  # noqa: BLE001 - reported in the summary
+            ok, self.flush_error = False, f"flush failed: {exc}"
+        if ok is False and self.flush_error is None:
+            self.flush_error = "flush failed"
+        return ok is not False
+
+    def shutdown(self) -> None:
+        try:
+            self.exporter.shutdown()
+        except Exception as exc:  # noqa: BLE001 - reported in the summary
+            self.flush_error = self.flush_error or f"shutdown failed: {exc}"
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """(delivered traces, delivered spans, failed traces, failed spans)."""
+        if self.flush_error:
+            failed = self.sent_traces | self.failed_traces
+            return 0, 0, len(failed), self.sent_spans + self.failed_spans
+        return (len(self.sent_traces - self.failed_traces), self.sent_spans,
+                len(self.failed_traces), self.failed_spans)
+
+
+def _input_problem(path: str) -> str | None:
+    """Why ``path`` cannot be replayed (missing, a directory, unreadable), or None."""
+    if os.path.isdir(path):
+        return f"{path} is a directory, not an OTLP/JSON-lines file"
+    if not os.path.exists(path):
+        return f"no such file: {path}"
+    if not os.access(path, os.R_OK):
+        return f"cannot read {path}: permission denied"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Execute a parsed ``replay`` command; the exit status (0 ok, 1 partial, 2 nothing read)."""
-    if not os.path.exists(args.file):
-        print(f"otel-rollouts replay: no such file: {args.file}", file=sys.stderr)
+    """Execute a parsed ``replay`` command; the exit status: 0 everything read was delivered,
+    1 something failed to send (or lines were unreadable), 2 bad input (nothing to read)."""
+    prog = "otel-rollouts replay"
+    problem = _input_problem(args.file)
+    if problem:
+        print(f"{prog}: error: argument file: {problem}", file=sys.stderr)
         return 2
-    exporter = make_exporter(args.to, args.project, args.run)
-    result = replay(args.file, exporter, with_backups=not args.no_backups)
+    saved = os.environ.get(_ENV_OTLP_TRACES_TIMEOUT)
+    if args.to == "otlp" and getattr(args, "timeout", None) is not None:
+        os.environ[_ENV_OTLP_TRACES_TIMEOUT] = str(args.timeout)  # read by the OTLP exporter
+    try:
+        exporter = make_exporter(args.to, args.project, args.run)
+    finally:
+        if saved is None:
+            os.environ.pop(_ENV_OTLP_TRACES_TIMEOUT, None)
+        else:
+            os.environ[_ENV_OTLP_TRACES_TIMEOUT] = saved
+    counting = _Counting(exporter)
+    try:
+        result = replay(args.file, counting, with_backups=not args.no_backups)
+    except OSError as exc:  # unreadable although it exists (os.access says yes to root)
+        print(f"{prog}: error: argument file: cannot read {exc.filename or args.file}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     for error in result.errors:
-        print(f"otel-rollouts replay: {error}", file=sys.stderr)
-    print(
-        f"replayed {result.traces} traces ({result.spans} spans) from {args.file} to {args.to}"
-        + (f"; {result.failed_batches} batches failed" if result.failed_batches else ""),
-        file=sys.stderr,
-    )
+        print(f"{prog}: {error}", file=sys.stderr)
+    delivered, delivered_spans, failed, failed_spans = counting.totals()
+    unreadable = f"; {len(result.errors)} unreadable lines skipped" if result.errors else ""
+    if failed == 0 and failed_spans == 0:
+        print(f"replayed {result.traces} traces ({result.spans} spans) from {args.file} to "
+              f"{args.to}: {delivered} traces delivered, 0 failed{unreadable}", file=sys.stderr)
+    else:
+        why = counting.flush_error or (
+            f"{counting.failed_batches} of {counting.batches} batches refused by {args.to}")
+        print(f"{prog}: delivery failed: {delivered} traces ({delivered_spans} spans) delivered, "
+              f"{failed} traces ({failed_spans} spans) failed, of {result.traces} traces read "
+              f"from {args.file} ({why}){unreadable}", file=sys.stderr)
     if result.spans == 0 and result.errors:
         return 2
-    return 0 if result.ok else 1
+    return 0 if failed == 0 and failed_spans == 0 and not result.errors else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
