@@ -22,7 +22,17 @@ from otel_rollouts.replay import spans_from_file
 
 REPO = Path(__file__).resolve().parent.parent
 
-CHILD = textwrap.dedent(
+# Every child sets its signal dispositions itself: a child inherits ignored signals (SIGINT is
+# ignored in a process started in the background by a non-interactive shell, as CI may be).
+DISPOSITIONS = textwrap.dedent(
+    """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """
+)
+
+CHILD = DISPOSITIONS + textwrap.dedent(
     """
     import os, sys, time
     import otel_rollouts as otr
@@ -223,7 +233,7 @@ def test_forked_and_spawned_workers_flush_their_own_pipelines(tmp_path, method):
 def test_trackio_receives_the_episodes_of_a_process_killed_by_sigterm(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(
-        textwrap.dedent(
+        DISPOSITIONS + textwrap.dedent(
             """
             import sys, time
             import otel_rollouts as otr
@@ -254,3 +264,109 @@ def test_trackio_receives_the_episodes_of_a_process_killed_by_sigterm(tmp_path):
     finally:
         db.close()
     assert steps == [0, 1, 2], stderr
+
+
+# --- a signal landing inside one of the library's own calls -------------------------------------
+# The child prints READY from inside the call (a user policy's decision under end_step, an
+# exporter's export under flush, an old exporter's shutdown under configure) and keeps that call
+# going until our handler has run (it restores the default disposition first thing).
+SIGNAL_INSIDE = DISPOSITIONS + textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import otel_rollouts as otr
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    from otel_rollouts.exporters import OtlpJsonFileExporter
+
+    where, out = sys.argv[1], sys.argv[2]
+
+    def ready_and_wait_for_the_signal():
+        print("READY", flush=True)
+        while signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            time.sleep(0.005)  # the call goes on until the signal came
+
+    class SlowDecision(otr.Uniform):
+        def bucket(self, cap, key, *, stream=False, margin=0):
+            inner = super().bucket(cap, key, stream=stream, margin=margin)
+            decide = inner.decide
+            def slow_decide(limit=None, exclude=None):
+                ready_and_wait_for_the_signal()
+                return decide(limit, exclude)
+            inner.decide = slow_decide
+            return inner
+
+    class SlowExport(OtlpJsonFileExporter):
+        def export(self, spans):
+            if where == "flush" and not getattr(self, "waited", False):
+                self.waited = True
+                ready_and_wait_for_the_signal()
+            return super().export(spans)
+
+    class SlowShutdown(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+        def shutdown(self):
+            ready_and_wait_for_the_signal()
+
+    class Marked(OtlpJsonFileExporter):
+        def shutdown(self):
+            super().shutdown()
+            open(out + ".shutdown", "w").close()  # the new configuration's exporter was closed
+
+    def episodes(step, n):
+        for i in range(n):
+            with otr.episode(step=step, episode_id=f"{step}-{i}") as ep:
+                ep.prompt("q")
+                ep.reward(float(i))
+
+    if where == "end_step":
+        otr.configure(exporters=[OtlpJsonFileExporter(out)], exit_timeout=3,
+                      sampler=otr.TailSampler(100, SlowDecision()))
+        episodes(0, 48)
+        otr.end_step(0)
+    elif where == "flush":
+        otr.configure(exporters=[SlowExport(out)], exit_timeout=3, sampler=otr.TailSampler(100, "first"))
+        episodes(0, 24)
+        otr.end_step(0)
+        episodes(1, 24)
+        otr.flush(timeout=30)
+    else:  # configure
+        otr.configure(exporters=[OtlpJsonFileExporter(out), SlowShutdown()], exit_timeout=3,
+                      sampler=otr.TailSampler(100, "first"))
+        episodes(0, 48)
+        otr.configure(exporters=[Marked(out + ".new")], exit_timeout=3, sampler=otr.TailSampler(100, "first"))
+    print("AFTER", flush=True)
+    time.sleep(60)  # killed by the signal long before
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["end_step", "flush", "configure"])
+def test_sigterm_inside_a_library_call_delivers_everything_within_exit_timeout(tmp_path, where):
+    script = tmp_path / "child.py"
+    script.write_text(SIGNAL_INSIDE)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), where, str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    )
+    assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == -signal.SIGTERM, stderr
+    assert took < 3 + 1 + 2, f"exit took {took:.1f} s with exit_timeout=3"  # +1 s join, +2 s noise
+    ids = {
+        span.attributes[c.RL_EPISODE_ID]
+        for batch in spans_from_file(out)
+        for span in batch
+        if (span.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE
+    }
+    if where == "end_step":
+        assert ids == {f"0-{i}" for i in range(48)}, stderr
+    elif where == "flush":
+        assert ids == {f"{s}-{i}" for s in (0, 1) for i in range(24)}, stderr
+    else:
+        assert ids == {f"0-{i}" for i in range(48)}, stderr
+        # the interrupted configure() finished, and its new pipeline was shut down at the signal
+        assert (tmp_path / "out.jsonl.shutdown").exists(), stderr
