@@ -14,6 +14,7 @@ from opentelemetry.trace.status import Status, StatusCode
 from otel_rollouts import conventions as c
 from otel_rollouts._content import Deferred, cut, jsonable, to_json
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
+from otel_rollouts._views import EpisodeViews, SpanView, error_type, settle
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)
@@ -29,6 +30,7 @@ class Materializer:
         max_attribute_chars: int = 16_384,
         redact: Callable[[str], str] | None = None,
         max_episode_chars: int | None = None,
+        agent_name: str | None = None,
     ) -> None:
         self.resource = resource
         self.scope = scope
@@ -37,11 +39,20 @@ class Materializer:
         # text budget of one whole episode (all its attributes); None: unlimited
         self.max_episode_chars = max_episode_chars
         self._budget: int | None = None
+        # gen_ai.agent.name on each root: configured, else the service name
+        self.views = EpisodeViews(agent_name or _service_name(resource))
 
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
         self._budget = self.max_episode_chars
         try:
-            spans = [self.span(record.trace_id, s) for s in _expanded(record.spans)]
+            records = [(s, _resolved(s.attributes)) for s in _expanded(record.spans)]
+            views = self.views.views([(s.span_id, s.parent_id, s.kind, attrs) for s, attrs in records])
+            # every span's own content first, then the views, with what is left of the budget
+            rendered = [self._main(s, attrs, views.get(s.span_id)) for s, attrs in records]
+            spans = [
+                self._build(record.trace_id, s, attributes, truncated, views.get(s.span_id))
+                for (s, _), (attributes, truncated) in zip(records, rendered, strict=True)
+            ]
         finally:
             self._budget = None
         spans.extend(self.foreign(s) for s in record.foreign)
@@ -76,14 +87,37 @@ class Materializer:
         )
 
     def span(self, trace_id: int, s: SpanRecord) -> ReadableSpan:
-        attributes, truncated = self._attributes(s.attributes)
+        """One span on its own (a late span of a kept episode): no conversation to read."""
+        attrs = _resolved(s.attributes)
+        view = self.views.views([(s.span_id, s.parent_id, s.kind, attrs)]).get(s.span_id)
+        attributes, truncated = self._main(s, attrs, view)
+        return self._build(trace_id, s, attributes, truncated, view)
+
+    def _main(self, s: SpanRecord, recorded: dict[str, Any], view: SpanView | None) -> tuple[dict[str, Any], list[str]]:
+        """The span's own content, in the conventions' shape, under the episode's budget."""
+        merged = {**recorded, **settle(view.main)} if view is not None else dict(recorded)
+        if s.kind == c.KIND_EPISODE:
+            merged.update(self.views.root(merged))
+        if s.status_code is StatusCode.ERROR:
+            merged[c.ERROR_TYPE] = error_type(s.events)
+        return self._attributes(merged)
+
+    def _build(self, trace_id: int, s: SpanRecord, attributes: dict[str, Any], truncated: list[str],
+               view: SpanView | None) -> ReadableSpan:
+        if view is not None and view.derived:
+            # views repeat content recorded elsewhere: written while the budget lasts, and not
+            # named in rl.content.truncated (what was recorded is there, whole or flagged)
+            derived, _ = self._attributes(settle(view.derived), optional=True)
+            for key, value in derived.items():
+                attributes.setdefault(key, value)
         if truncated:
             attributes[c.RL_TRUNCATED_FIELDS] = truncated
-        events = ()
-        if s.events:
-            events = tuple(
-                Event(name, self._attributes(attrs)[0], timestamp=ts) for name, attrs, ts in s.events
-            )
+        recorded_events = [
+            Event(name, self._attributes(attrs)[0], timestamp=ts) for name, attrs, ts in s.events or ()
+        ]
+        at = s.end_ns if s.end_ns is not None else s.start_ns
+        scores = view.events if view is not None else ()
+        events = tuple(recorded_events + [Event(name, attrs, timestamp=at) for name, attrs in scores])
         message = s.status_message if s.status_code is StatusCode.ERROR else None
         if message and self.redact is not None:
             message = self.redact(message)
@@ -108,13 +142,16 @@ class Materializer:
             instrumentation_scope=self.scope,
         )
 
-    def _attributes(self, raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    def _attributes(self, raw: dict[str, Any], *, optional: bool = False) -> tuple[dict[str, Any], list[str]]:
+        """Attribute values as OpenTelemetry takes them: text cut and redacted, JSON for the rest.
+
+        ``optional`` (views of content recorded elsewhere): a text that finds the episode's
+        budget spent is left out instead of kept as a stub.
+        """
         out: dict[str, Any] = {}
         truncated: list[str] = []
         limit = self.max_attribute_chars
         for key, value in raw.items():
-            if isinstance(value, Deferred):  # resolved here: text stays text, None is left out
-                value = jsonable(value)
             if value is None:
                 continue
             if isinstance(value, (bool, int, float)):
@@ -124,6 +161,8 @@ class Materializer:
                 out[key] = list(value) if not isinstance(value[0], str) else [
                     self._text(v, limit)[0] for v in value
                 ]
+                continue
+            if optional and self._budget is not None and self._budget <= 0:
                 continue
             text = value if isinstance(value, str) else to_json(value)
             text, was_cut = self._text(text, limit)
@@ -146,6 +185,14 @@ class Materializer:
         return cut(text, limit)
 
 
+def _resolved(attributes: dict[str, Any]) -> dict[str, Any]:
+    """The recorded attributes with every deferred value computed, once (decoding runs here,
+    for kept episodes only); containers become their JSON-safe copies."""
+    return {
+        k: jsonable(v) if isinstance(v, (Deferred, list, tuple, dict)) else v for k, v in attributes.items()
+    }
+
+
 def _expanded(spans):
     """The records, each one that has ``expand()`` replaced by the spans it stands for.
 
@@ -158,6 +205,11 @@ def _expanded(spans):
             yield s
         else:
             yield from expand()
+
+
+def _service_name(resource: Resource) -> str | None:
+    name = (resource.attributes or {}).get(c.SERVICE_NAME)
+    return name if isinstance(name, str) and name else None
 
 
 def _homogeneous(values) -> bool:

@@ -107,6 +107,7 @@ def configure(
     handle_signals: bool = True,
     exit_timeout: float = 10.0,
     metric_readers: Sequence[Any] | None = None,
+    agent_name: str | None = None,
 ) -> None:
     """Set up tracing of episodes for this process. Safe to call again: it reconfigures.
 
@@ -131,6 +132,7 @@ def configure(
       back (default: a private temporary directory, removed when empty), and its cap;
       ``max_request_bytes``: OTLP requests are split under the collector's message-size limit.
     * ``handle_signals`` / ``exit_timeout``: flush at exit, SIGTERM included, within this time.
+    * ``agent_name``: ``gen_ai.agent.name`` on every episode root (default: the service name).
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
       ``otel_rollouts.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
@@ -163,6 +165,7 @@ def configure(
             max_attribute_chars=max_attribute_chars,
             redact=make_redactor(redact, redact_patterns),
             max_episode_chars=max_episode_chars,
+            agent_name=agent_name,
         )
         queue_size = max_queue or max(1024, 16 * sampler.max_traces_per_step)
         delivery = Delivery(

@@ -61,6 +61,37 @@ GEN_AI_TOOL_CALL_RESULT = "gen_ai.tool.call.result"
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
+GEN_AI_SYSTEM_INSTRUCTIONS = "gen_ai.system_instructions"
+GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+ERROR_TYPE = "error.type"  # on failed spans: the exception's type, or ERROR_TYPE_OTHER
+ERROR_TYPE_OTHER = "_OTHER"
+# the gen_ai.evaluation.result event: one per score (reward, each component, advantage)
+EVENT_GEN_AI_EVALUATION_RESULT = "gen_ai.evaluation.result"
+GEN_AI_EVALUATION_NAME = "gen_ai.evaluation.name"
+GEN_AI_EVALUATION_SCORE_VALUE = "gen_ai.evaluation.score.value"
+EVALUATION_REWARD = "reward"
+EVALUATION_ADVANTAGE = "advantage"
+
+# message JSON in the parts shape (gen_ai.input.messages / output.messages / system_instructions)
+PART_TEXT = "text"
+PART_TOOL_CALL = "tool_call"
+PART_TOOL_CALL_RESPONSE = "tool_call_response"
+# gen_ai.response.finish_reasons / an output message's finish_reason: the spec's values
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CONTENT_FILTER = "content_filter"
+FINISH_TOOL_CALL = "tool_call"
+FINISH_ERROR = "error"
+FINISH_REASON_OF = {  # what frameworks write -> the spec's value (others are kept as they are)
+    "stop": FINISH_STOP, "eos": FINISH_STOP, "end_turn": FINISH_STOP, "stop_sequence": FINISH_STOP,
+    "length": FINISH_LENGTH, "max_tokens": FINISH_LENGTH, "max_length": FINISH_LENGTH,
+    "truncated": FINISH_LENGTH, "context_overflow": FINISH_LENGTH,
+    "tool_calls": FINISH_TOOL_CALL, "tool_call": FINISH_TOOL_CALL, "function_call": FINISH_TOOL_CALL,
+    "tool_use": FINISH_TOOL_CALL,
+    "content_filter": FINISH_CONTENT_FILTER,
+    "error": FINISH_ERROR, "abort": FINISH_ERROR,
+}
 
 OP_INVOKE_AGENT = "invoke_agent"
 OP_CHAT = "chat"
@@ -78,6 +109,42 @@ OPENINFERENCE_PROJECT_NAME = "openinference.project.name"  # resource attribute 
 # --- generic input/output of @traced spans --------------------------------------------------
 INPUT_VALUE = "input.value"  # OpenInference's name; JSON text
 OUTPUT_VALUE = "output.value"
+INPUT_MIME_TYPE = "input.mime_type"
+OUTPUT_MIME_TYPE = "output.mime_type"
+MIME_TEXT = "text/plain"
+MIME_JSON = "application/json"
+
+# --- OpenInference views (written at materialisation, so Phoenix and Arize render everything) -
+OI_LLM_MODEL_NAME = "llm.model_name"
+OI_LLM_PROVIDER = "llm.provider"
+OI_LLM_INPUT_MESSAGES = "llm.input_messages"  # flattened: llm.input_messages.<i>.message.role
+OI_LLM_OUTPUT_MESSAGES = "llm.output_messages"
+OI_LLM_TOKEN_COUNT_PROMPT = "llm.token_count.prompt"
+OI_LLM_TOKEN_COUNT_COMPLETION = "llm.token_count.completion"
+OI_LLM_TOKEN_COUNT_TOTAL = "llm.token_count.total"
+OI_MESSAGE = "message"
+OI_MESSAGE_ROLE = "message.role"
+OI_MESSAGE_CONTENT = "message.content"
+OI_MESSAGE_NAME = "message.name"
+OI_MESSAGE_TOOL_CALL_ID = "message.tool_call_id"
+OI_MESSAGE_TOOL_CALLS = "message.tool_calls"
+OI_TOOL_CALL_ID = "tool_call.id"
+OI_TOOL_CALL_FUNCTION_NAME = "tool_call.function.name"
+OI_TOOL_CALL_FUNCTION_ARGUMENTS = "tool_call.function.arguments"
+OI_TOOL_NAME = "tool.name"
+OI_SESSION_ID = "session.id"
+OI_METADATA = "metadata"
+OI_TAG_TAGS = "tag.tags"
+
+
+def oi_message_key(prefix: str, index: int, field: str) -> str:
+    """``llm.input_messages.<index>.message.role`` and friends (OpenInference's flattening)."""
+    return f"{prefix}.{index}.{field}"
+
+
+def oi_tool_call_key(prefix: str, index: int, call: int, field: str) -> str:
+    """``llm.output_messages.<i>.message.tool_calls.<j>.tool_call.function.name`` and friends."""
+    return f"{prefix}.{index}.{OI_MESSAGE_TOOL_CALLS}.{call}.{field}"
 
 # --- exception events (OpenTelemetry semantic conventions) ----------------------------------
 EXCEPTION_TYPE = "exception.type"

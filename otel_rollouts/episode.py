@@ -262,13 +262,22 @@ class Turn(_SpanHandle):
         self.index = index
 
     @guarded_or(lambda: Generation(None))
-    def generation(self, model: str | None = None, *, messages: Any = None) -> Generation:
-        """Start a generation span (use as ``with``; call ``.output(...)`` inside)."""
+    def generation(self, model: str | None = None, *, messages: Any = None,
+                   provider: str | None = None) -> Generation:
+        """Start a generation span (use as ``with``; call ``.output(...)`` inside).
+
+        ``messages``: what the policy was given; when left out, viewers are shown the
+        conversation up to this generation (the prompt, earlier turns, tool results), rebuilt
+        from the episode's spans only if it is kept. ``provider``: ``gen_ai.provider.name``
+        (e.g. ``"vllm"``, ``"openai"``) when known.
+        """
         if self._record is None:
             return Generation(None)
         attrs: dict[str, Any] = {}
         if model:
             attrs[c.GEN_AI_REQUEST_MODEL] = text(model)
+        if provider:
+            attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
         if messages is not None and _runtime.current().capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
         span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
@@ -276,9 +285,9 @@ class Turn(_SpanHandle):
 
     @guarded_or(lambda: Generation(None))
     def record_generation(self, content: Any = None, *, model: str | None = None,
-                          messages: Any = None, **output: Any) -> Generation:
+                          messages: Any = None, provider: str | None = None, **output: Any) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
-        gen = self.generation(model, messages=messages)
+        gen = self.generation(model, messages=messages, provider=provider)
         gen.output(content, **output)
         return gen
 
@@ -478,14 +487,21 @@ class Episode:
         return self._record is not None
 
     @guarded
-    def prompt(self, messages: Any) -> None:
-        """Record the initial messages (a list of OpenAI-style messages or plain text)."""
+    def prompt(self, messages: Any, *, system_instructions: Any = None) -> None:
+        """Record the initial messages (a list of OpenAI-style messages or plain text).
+
+        ``system_instructions``: instructions given to the model apart from the chat history
+        (``gen_ai.system_instructions``); a system message inside ``messages`` stays there, as
+        the GenAI conventions ask.
+        """
         record = self._record
         if record is None:
             return
         attrs = {}
         if _runtime.current().capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+            if system_instructions is not None:
+                attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)
         span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
         span.end(span.start_ns)
 

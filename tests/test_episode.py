@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -67,7 +68,7 @@ def test_span_tree_names_parents_and_attributes(memory):
     assert chat.attributes[c.OPENINFERENCE_SPAN_KIND] == "LLM"
     assert chat.attributes[c.GEN_AI_REQUEST_MODEL] == "pol-1"
     assert chat.attributes[c.GEN_AI_USAGE_INPUT_TOKENS] == 11
-    assert tuple(chat.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS]) == ("tool_calls",)
+    assert tuple(chat.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS]) == (c.FINISH_TOOL_CALL,)  # the spec's value
     assert '"calling calc"' in chat.attributes[c.GEN_AI_OUTPUT_MESSAGES]
     tool = by_name["execute_tool calculator"]
     assert tool.attributes[c.GEN_AI_TOOL_NAME] == "calculator"
@@ -163,8 +164,11 @@ def test_generation_and_tool_call_context_managers(memory):
     names = [n for _, n in tree(spans)]
     assert names == ["episode", "turn", "chat m", "execute_tool f", "reward"]
     gen_span = [s for s in spans if s.name == "chat m"][0]
-    assert '"tool_calls"' in gen_span.attributes[c.GEN_AI_OUTPUT_MESSAGES]
-    assert '"q"' in gen_span.attributes[c.GEN_AI_INPUT_MESSAGES]
+    (output,) = json.loads(gen_span.attributes[c.GEN_AI_OUTPUT_MESSAGES])  # the GenAI parts shape
+    assert output["parts"] == [{"type": c.PART_TEXT, "content": "a"},
+                               {"type": c.PART_TOOL_CALL, "id": "x", "name": "f", "arguments": {}}]
+    (asked,) = json.loads(gen_span.attributes[c.GEN_AI_INPUT_MESSAGES])
+    assert asked == {"role": "user", "parts": [{"type": c.PART_TEXT, "content": "q"}]}
 
 
 def test_numbers_are_numbers_from_numpy_torch_and_strings(memory):

@@ -73,7 +73,7 @@ def test_first_streams_the_first_cap_and_releases_the_rest_at_once():
 def test_top_bottom_keeps_best_and_worst_with_ties_to_the_earlier():
     records = [Rec(i, reward=r) for i, r in enumerate([5, 1, 9, 9, 3, 0, 0, 7, 9, 2])]
     kept, released, peak = run(otr.TopBottom(top=2, bottom=2), records, 4)
-    assert [r.i for r in kept] == [2, 3, 5, 6]  # 9,9 (first two nines), 0,0
+    assert sorted(r.i for r in kept) == [2, 3, 5, 6]  # 9,9 (first two nines), 0,0
     assert peak <= 4
     # the default split: half each side, the extra one to the top
     kept, _, _ = run("top_bottom", records, 5)

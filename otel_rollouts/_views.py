@@ -1,0 +1,466 @@
+"""What viewers read: an episode's records seen through the GenAI and OpenInference conventions.
+
+Computed at materialisation, for kept episodes only, on the export thread: the training thread
+records OpenAI-style messages, tool arguments and results, numbers; this module derives, per span,
+
+* the GenAI semantic conventions' message JSON in the *parts* shape (``gen_ai.input.messages``,
+  ``gen_ai.output.messages`` with ``finish_reason``, ``gen_ai.system_instructions``), tool-call
+  request and response parts, the spec's finish-reason values, ``error.type``,
+  ``gen_ai.agent.name`` on the root and ``gen_ai.evaluation.result`` events for every score;
+* OpenInference's ``input.value`` / ``output.value`` (+ mime types) on every span kind, flattened
+  ``llm.input_messages.N.message.*`` / ``llm.output_messages.N.message.*`` with tool calls,
+  ``llm.model_name``, token counts, ``session.id`` (the GRPO group), ``metadata`` and ``tag.tags``,
+  so that Phoenix and Arize show each episode's question and answer and render LLM spans as chat.
+
+A generation recorded without its input messages gets the conversation up to it (the prompt,
+earlier turns, tool results and feedback), rebuilt here from the episode's own spans: nothing is
+copied on the training thread. Everything here is derived from captured content, so with
+``capture_content=False`` no content attribute appears (only numbers, statuses, names).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from otel_rollouts import conventions as c
+from otel_rollouts._content import jsonable, text
+
+Message = dict[str, Any]
+
+
+# --- OpenAI-style messages <-> the GenAI parts shape ------------------------------------------
+def _arguments(value: Any) -> Any:
+    """Tool-call arguments as an object when they are JSON text (the parts shape holds objects)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def arguments_text(value: Any) -> str:
+    """Tool-call arguments as OpenAI's JSON text (``json.dumps``' default spacing, as the
+    Python frameworks write them)."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(jsonable(value if value is not None else {}), ensure_ascii=False)
+
+
+def _content_text(content: Any) -> str | None:
+    """The text of a message's content (a string, or the text items of a list of parts)."""
+    if content is None:
+        return None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for item in content:
+            if isinstance(item, str):
+                texts.append(item)
+            elif isinstance(item, Mapping):
+                value = item.get("text", item.get("content"))
+                if isinstance(value, str):
+                    texts.append(value)
+        return "\n".join(texts)
+    return as_text(content)
+
+
+def as_text(value: Any) -> str:
+    """One way to print a value everywhere: text stays text, anything else is compact JSON.
+
+    (So a tool result of 604800.0 reads ``604800.0`` in every viewer, not ``604800`` here and
+    ``604800.0`` there.)
+    """
+    if isinstance(value, str):
+        return value
+    return json.dumps(jsonable(value), ensure_ascii=False, separators=(",", ":"))
+
+
+def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A message's tool calls as ``{"id", "name", "arguments"}`` (OpenAI's nesting undone)."""
+    out = []
+    for call in message.get("tool_calls") or ():
+        if not isinstance(call, Mapping):
+            continue
+        function = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+        name = function.get("name", call.get("name"))
+        arguments = function.get("arguments", call.get("arguments"))
+        out.append({"id": call.get("id"), "name": None if name is None else text(name), "arguments": arguments})
+    return out
+
+
+def to_parts(message: Any) -> Message:
+    """One OpenAI-style message in the GenAI parts shape (a message already in it stays)."""
+    if not isinstance(message, Mapping):
+        return {"role": "user", "parts": [{"type": c.PART_TEXT, "content": as_text(message)}]}
+    if isinstance(message.get("parts"), list):
+        return dict(message)
+    role = text(message.get("role") or "user")
+    content = message.get("content")
+    parts: list[dict[str, Any]] = []
+    if role == "tool":
+        parts.append({"type": c.PART_TOOL_CALL_RESPONSE, "id": message.get("tool_call_id"),
+                      "response": content})
+    else:
+        if isinstance(content, list):
+            for item in content:
+                if isinstance(item, Mapping) and item.get("type") not in (None, "text"):
+                    parts.append(dict(item))  # an image, audio...: the spec's generic part
+                else:
+                    part_text = _content_text([item])
+                    if part_text:
+                        parts.append({"type": c.PART_TEXT, "content": part_text})
+        elif content is not None and content != "":
+            parts.append({"type": c.PART_TEXT, "content": as_text(content)})
+        for call in tool_calls_of(message):
+            parts.append({"type": c.PART_TOOL_CALL, "id": call["id"], "name": call["name"],
+                          "arguments": _arguments(call["arguments"])})
+    out: Message = {"role": role, "parts": parts}
+    if message.get("name"):
+        out["name"] = text(message["name"])
+    return out
+
+
+def to_openai(message: Any) -> Message:
+    """One message in the parts shape back in OpenAI's shape (what Trackio shows)."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("parts"), list):
+        return dict(message) if isinstance(message, Mapping) else {"role": "user", "content": as_text(message)}
+    role = message.get("role") or "user"
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    out: Message = {"role": role}
+    for part in message["parts"]:
+        if not isinstance(part, Mapping):
+            continue
+        kind = part.get("type")
+        if kind == c.PART_TEXT:
+            texts.append(as_text(part.get("content", "")))
+        elif kind == c.PART_TOOL_CALL:
+            arguments = part.get("arguments")
+            calls.append({"id": part.get("id"), "type": "function",
+                          "function": {"name": part.get("name"), "arguments": arguments_text(arguments)}})
+        elif kind == c.PART_TOOL_CALL_RESPONSE:
+            out["tool_call_id"] = part.get("id")
+            response = part.get("response")
+            texts.append("" if response is None else as_text(response))
+    out["content"] = "\n".join(texts)
+    if calls:
+        out["tool_calls"] = calls
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+def finish_reason(value: Any) -> str | None:
+    """The GenAI spec's finish reason for what a framework wrote (unknown values stay)."""
+    if value is None:
+        return None
+    reason = text(value)
+    return c.FINISH_REASON_OF.get(reason.lower(), reason)
+
+
+def _messages(value: Any) -> list[Message]:
+    """A recorded message list (a list, one message, or text) as a list of dicts."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value[:1] in "[{" else value
+        except ValueError:
+            pass
+        if isinstance(value, str):
+            return [{"role": "user", "content": value}]
+    if isinstance(value, Mapping):
+        return [dict(value)]
+    if isinstance(value, (list, tuple)):
+        return [dict(m) if isinstance(m, Mapping) else {"role": "user", "content": as_text(m)} for m in value]
+    return [{"role": "user", "content": as_text(value)}]
+
+
+def _text_of(message: Mapping[str, Any] | None) -> str | None:
+    """What a person reads of a message: its text, else its tool calls."""
+    if message is None:
+        return None
+    if isinstance(message.get("parts"), list):
+        message = to_openai(message)
+    body = _content_text(message.get("content"))
+    if body:
+        return body
+    calls = tool_calls_of(message)
+    if calls:
+        return "\n".join(f"{call['name']}({as_text(_arguments(call['arguments']) or {})})" for call in calls)
+    return body
+
+
+def _last(messages: Sequence[Message], role: str) -> Message | None:
+    for message in reversed(messages):
+        if message.get("role") == role:
+            return message
+    return None
+
+
+def _flatten(prefix: str, messages: Iterable[Message]) -> dict[str, Any]:
+    """OpenInference's flattened ``<prefix>.N.message.*`` attributes of OpenAI-style messages."""
+    out: dict[str, Any] = {}
+    for i, message in enumerate(messages):
+        if isinstance(message.get("parts"), list):
+            message = to_openai(message)
+        out[c.oi_message_key(prefix, i, c.OI_MESSAGE_ROLE)] = text(message.get("role") or "user")
+        body = _content_text(message.get("content"))
+        if body:
+            out[c.oi_message_key(prefix, i, c.OI_MESSAGE_CONTENT)] = body
+        if message.get("name"):
+            out[c.oi_message_key(prefix, i, c.OI_MESSAGE_NAME)] = text(message["name"])
+        if message.get("tool_call_id"):
+            out[c.oi_message_key(prefix, i, c.OI_MESSAGE_TOOL_CALL_ID)] = text(message["tool_call_id"])
+        for j, call in enumerate(tool_calls_of(message)):
+            if call["id"] is not None:
+                out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_ID)] = text(call["id"])
+            if call["name"] is not None:
+                out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_FUNCTION_NAME)] = call["name"]
+            out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_FUNCTION_ARGUMENTS)] = arguments_text(call["arguments"])
+    return out
+
+
+def _io(out: dict[str, Any], key: str, mime_key: str, value: Any) -> None:
+    if value is None or value == "":
+        return
+    if isinstance(value, str):
+        out[key], out[mime_key] = value, c.MIME_TEXT
+    else:
+        out[key], out[mime_key] = as_text(value), c.MIME_JSON
+
+
+# --- per-span views of one episode ------------------------------------------------------------
+class SpanView:
+    """What one span gets at materialisation, in two priorities.
+
+    ``main``: the recorded content in the conventions' shape (messages in the parts shape,
+    finish reasons, small labels): rendered first, under the episode's text budget like any
+    recorded content. ``derived``: views of content recorded elsewhere (``input.value`` /
+    ``output.value``, OpenInference's flattened messages, a generation's conversation so far):
+    rendered after every span's own content, only with what is left of the budget, so that
+    views never crowd out what was recorded. ``events``: ``(name, attributes)`` to add.
+    """
+
+    __slots__ = ("main", "derived", "events")
+
+    def __init__(self) -> None:
+        self.main: dict[str, Any] = {}
+        self.derived: dict[str, Any] = {}
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+
+class EpisodeViews:
+    """Walks an episode's spans in recording order, keeping the conversation so far."""
+
+    def __init__(self, agent_name: str | None) -> None:
+        self.agent_name = agent_name
+
+    def views(self, spans: Sequence[tuple[int, int | None, str, Mapping[str, Any]]]) -> dict[int, SpanView]:
+        """``spans``: (span id, parent id, kind, recorded attributes) in recording order."""
+        out: dict[int, SpanView] = {}
+        conversation: list[Message] = []
+        turn_io: dict[int, tuple[Message | None, Message | None]] = {}
+        last_assistant: Message | None = None
+        prompt: list[Message] = []
+        root_id: int | None = None
+        reward_ids: list[int] = []
+        for span_id, parent_id, kind, attrs in spans:
+            view = out[span_id] = SpanView()
+            main, derived = view.main, view.derived
+            if kind == c.KIND_EPISODE:
+                root_id = span_id
+            elif kind == c.KIND_PROMPT:
+                messages = _messages(attrs.get(c.GEN_AI_INPUT_MESSAGES))
+                if messages:
+                    prompt = messages
+                    conversation.extend(dict(m) for m in messages)
+                    main[c.GEN_AI_INPUT_MESSAGES] = [to_parts(m) for m in messages]
+                    _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, [to_openai(m) for m in messages])
+                    _io(derived, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, _text_of(_last(messages, "user")))
+                instructions = attrs.get(c.GEN_AI_SYSTEM_INSTRUCTIONS)
+                if instructions is not None:
+                    main[c.GEN_AI_SYSTEM_INSTRUCTIONS] = self._instructions(instructions)
+            elif kind == c.KIND_GENERATION:
+                recorded = attrs.get(c.GEN_AI_INPUT_MESSAGES)
+                inputs = _messages(recorded) if recorded is not None else [dict(m) for m in conversation]
+                outputs = _messages(attrs.get(c.GEN_AI_OUTPUT_MESSAGES))
+                reasons = attrs.get(c.GEN_AI_RESPONSE_FINISH_REASONS)
+                reason = finish_reason(reasons[0]) if isinstance(reasons, (list, tuple)) and reasons else None
+                if reason is not None:
+                    main[c.GEN_AI_RESPONSE_FINISH_REASONS] = [reason]
+                if inputs:
+                    parts = [to_parts(m) for m in inputs]
+                    (main if recorded is not None else derived)[c.GEN_AI_INPUT_MESSAGES] = parts
+                    derived.update(_flatten(c.OI_LLM_INPUT_MESSAGES, inputs))
+                    _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _text_of(inputs[-1]))
+                if outputs:
+                    for message in outputs:
+                        message.setdefault("role", "assistant")
+                    conversation.extend(outputs)  # the same dicts: tool calls found later join them
+                    last_assistant = outputs[-1]
+                    main[c.GEN_AI_OUTPUT_MESSAGES] = _Later(lambda o=outputs, r=reason: [
+                        {**to_parts(m), "finish_reason": r or c.FINISH_STOP} for m in o
+                    ])
+                    derived[_LATER_FLAT] = _Later(lambda o=outputs: _flatten(c.OI_LLM_OUTPUT_MESSAGES, o))
+                    derived[c.OUTPUT_VALUE] = _Later(lambda m=last_assistant: _text_of(m) or None)
+                    derived[c.OUTPUT_MIME_TYPE] = c.MIME_TEXT
+                model = attrs.get(c.GEN_AI_REQUEST_MODEL)
+                if model:
+                    main[c.OI_LLM_MODEL_NAME] = model
+                if attrs.get(c.GEN_AI_PROVIDER_NAME):
+                    main[c.OI_LLM_PROVIDER] = attrs[c.GEN_AI_PROVIDER_NAME]
+                prompt_tokens = _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+                completion_tokens = _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+                if prompt_tokens is not None:
+                    main[c.OI_LLM_TOKEN_COUNT_PROMPT] = prompt_tokens
+                if completion_tokens is not None:
+                    main[c.OI_LLM_TOKEN_COUNT_COMPLETION] = completion_tokens
+                if prompt_tokens is not None or completion_tokens is not None:
+                    main[c.OI_LLM_TOKEN_COUNT_TOTAL] = (prompt_tokens or 0) + (completion_tokens or 0)
+                if parent_id is not None and parent_id not in turn_io:
+                    turn_io[parent_id] = (inputs[-1] if inputs else None, last_assistant if outputs else None)
+            elif kind == c.KIND_TOOL:
+                name = attrs.get(c.GEN_AI_TOOL_NAME)
+                call_id = attrs.get(c.GEN_AI_TOOL_CALL_ID) or f"{span_id:016x}"
+                arguments = attrs.get(c.GEN_AI_TOOL_CALL_ARGUMENTS)
+                result = attrs.get(c.GEN_AI_TOOL_CALL_RESULT)
+                if name:
+                    main[c.OI_TOOL_NAME] = name
+                _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _arguments(arguments))
+                _io(derived, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, result)
+                if last_assistant is not None and (arguments is not None or result is not None or name):
+                    calls = last_assistant.setdefault("tool_calls", [])
+                    if isinstance(calls, list) and not any(
+                        isinstance(tc, Mapping) and tc.get("id") == call_id for tc in calls
+                    ):
+                        calls.append({"id": call_id, "type": "function",
+                                      "function": {"name": name, "arguments": arguments if arguments is not None else {}}})
+                if result is not None:
+                    conversation.append({"role": "tool", "tool_call_id": call_id, "name": name,
+                                         "content": as_text(result)})
+            elif kind == c.KIND_REWARD:
+                scores = {k: v for k, v in attrs.items()
+                          if (k == c.RL_REWARD or k.startswith(c.RL_REWARD_PREFIX) or k == c.RL_ADVANTAGE)
+                          and isinstance(v, (int, float)) and not isinstance(v, bool)}
+                for key, value in scores.items():
+                    view.events.append((c.EVENT_GEN_AI_EVALUATION_RESULT, {
+                        c.GEN_AI_EVALUATION_NAME: _score_name(key),
+                        c.GEN_AI_EVALUATION_SCORE_VALUE: float(value),
+                    }))
+                if scores:
+                    _io(main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, {_score_name(k): v for k, v in scores.items()})
+                reward_ids.append(span_id)
+            elif attrs.get(c.RL_FEEDBACK_ROLE) is not None:
+                messages = _messages(attrs.get(c.GEN_AI_INPUT_MESSAGES))
+                if messages:
+                    conversation.extend(dict(m) for m in messages)
+                    main[c.GEN_AI_INPUT_MESSAGES] = [to_parts(m) for m in messages]
+                    _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _text_of(messages[-1]))
+            else:
+                for key in (c.GEN_AI_INPUT_MESSAGES, c.GEN_AI_OUTPUT_MESSAGES):
+                    if attrs.get(key) is not None:
+                        main[key] = [to_parts(m) for m in _messages(attrs[key])]
+        question = _text_of(_last(prompt, "user")) if prompt else None
+        answer = _text_of(_last(conversation, "assistant"))
+        for turn_id, (asked, said) in turn_io.items():
+            derived = out.setdefault(turn_id, SpanView()).derived
+            _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _text_of(asked))
+            derived[c.OUTPUT_VALUE] = _Later(lambda m=said: _text_of(m) or None)
+            derived[c.OUTPUT_MIME_TYPE] = c.MIME_TEXT
+        for reward_id in reward_ids:
+            _io(out[reward_id].derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, answer)
+        if root_id is not None:
+            # the root's question and answer are what a trace list shows: rendered first
+            main = out[root_id].main
+            _io(main, c.INPUT_VALUE, c.INPUT_MIME_TYPE, question)
+            _io(main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, answer)
+        return out
+
+    def root(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        """The episode root's labels: agent name, session (group), metadata and tags."""
+        extra: dict[str, Any] = {}
+        if self.agent_name and not attrs.get(c.GEN_AI_AGENT_NAME):
+            extra[c.GEN_AI_AGENT_NAME] = self.agent_name
+        group = attrs.get(c.RL_GROUP_ID)
+        if group is not None:
+            extra[c.OI_SESSION_ID] = text(group)
+        metadata = {key.removeprefix("rl."): attrs[key] for key in _METADATA_KEYS if attrs.get(key) is not None}
+        if metadata:
+            extra[c.OI_METADATA] = as_text(metadata)
+        tags = [f"{key.removeprefix('rl.')}:{attrs[key]}" for key in _TAG_KEYS if attrs.get(key) is not None]
+        if tags:
+            extra[c.OI_TAG_TAGS] = tags
+        return extra
+
+    @staticmethod
+    def _input_messages(messages: Sequence[Message]) -> dict[str, Any]:
+        return {c.GEN_AI_INPUT_MESSAGES: [to_parts(m) for m in messages]}
+
+    @staticmethod
+    def _instructions(value: Any) -> list[dict[str, Any]]:
+        if isinstance(value, str):
+            return [{"type": c.PART_TEXT, "content": value}]
+        if isinstance(value, (list, tuple)):
+            return [part if isinstance(part, Mapping) and "type" in part
+                    else {"type": c.PART_TEXT, "content": as_text(part)} for part in value]
+        return [{"type": c.PART_TEXT, "content": as_text(value)}]
+
+
+class _Later:
+    """A view that can only be computed once the whole episode was walked (tool calls found
+    after a generation join its output message)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+
+_LATER_FLAT = "\x00flat"  # a _Later that yields several attributes (never written as a key)
+
+
+def settle(extra: dict[str, Any]) -> dict[str, Any]:
+    """Compute the deferred views of one span's extra attributes (after the walk)."""
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        if isinstance(value, _Later):
+            value = value.fn()
+            if key == _LATER_FLAT:
+                out.update(value or {})
+                continue
+        if value is not None:
+            out[key] = value
+    for value_key, mime_key in ((c.INPUT_VALUE, c.INPUT_MIME_TYPE), (c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE)):
+        if value_key not in out and value_key in extra:
+            out.pop(mime_key, None)
+    return out
+
+
+def error_type(events: Iterable[tuple[str, Mapping[str, Any], int]]) -> str:
+    """``error.type`` of a failed span: its exception's type, else the spec's ``_OTHER``."""
+    for name, attributes, _ in events or ():
+        if name == c.EVENT_EXCEPTION and attributes.get(c.EXCEPTION_TYPE):
+            return text(attributes[c.EXCEPTION_TYPE])
+    return c.ERROR_TYPE_OTHER
+
+
+def _score_name(key: str) -> str:
+    if key == c.RL_REWARD:
+        return c.EVALUATION_REWARD
+    if key == c.RL_ADVANTAGE:
+        return c.EVALUATION_ADVANTAGE
+    return key.removeprefix(c.RL_REWARD_PREFIX)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+_METADATA_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_EPISODE_ID, c.RL_GROUP_ID, c.RL_SAMPLE_INDEX, c.RL_STATUS,
+                  c.RL_REWARD, c.RL_ADVANTAGE, c.RL_FINISH_REASON, c.RL_POLICY_VERSION)
+_TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS)
