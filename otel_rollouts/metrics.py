@@ -134,10 +134,10 @@ class _ScalarSender:
             for sink in self.sinks:
                 try:
                     sink.log_metrics(step, values)
-                except Exception as exc:  # noqa: BLE001 - an exporter bug never reaches training
+                except BaseException as exc:  # noqa: BLE001 - an exporter bug (even SystemExit) never stops this thread
                     if self.stats is not None:
                         self.stats.add(f"errors.log_metrics.{type(sink).__name__}")
-                    logger.debug("otel_rollouts: log_metrics failed: %s", exc)
+                    logger.debug("otel_rollouts: log_metrics failed: %s", type(exc).__name__)
             with self._lock:
                 self._pending -= 1
                 self._idle.notify_all()

@@ -332,3 +332,28 @@ def test_stats_keep_the_final_totals_after_shutdown(otr_shutdown):
     assert after["delivery"]["InMemorySpanExporter"]["delivered"] == 2
     otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(2, "first"))
     assert otr.stats()["totals"] == {}  # a new run counts from zero
+
+
+class _MetricsExitOnce(InMemorySpanExporter):
+    """An exporter with Trackio's ``log_metrics`` hook whose first call raises ``SystemExit``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[int] = []
+
+    def log_metrics(self, step, values) -> None:
+        self.logged.append(step)
+        if len(self.logged) == 1:
+            raise SystemExit("metrics sink quits")
+
+
+def test_a_metrics_sink_raising_system_exit_does_not_stop_step_summaries(otr_shutdown):
+    exporter = _MetricsExitOnce()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"))
+    for step in range(3):
+        with otr.episode(step=step) as ep:
+            ep.reward(1.0)
+        otr.end_step(step)
+    assert otr.flush(timeout=10)
+    assert exporter.logged == [0, 1, 2]  # the thread went on after the first call raised
+    assert otr.stats()["totals"]["errors.log_metrics._MetricsExitOnce"] == 1
