@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ class Materializer:
         redact: Callable[[str], str] | None = None,
         max_episode_chars: int | None = None,
         agent_name: str | None = None,
+        capture_content: bool = True,
     ) -> None:
         self.resource = resource
         self.scope = scope
@@ -39,22 +41,29 @@ class Materializer:
         # text budget of one whole episode (all its attributes); None: unlimited
         self.max_episode_chars = max_episode_chars
         self._budget: int | None = None
+        self._redacted: dict[str, str] | None = None  # per episode: text -> redacted text
         # gen_ai.agent.name on each root: configured, else the service name
-        self.views = EpisodeViews(agent_name or _service_name(resource))
+        self.views = EpisodeViews(agent_name or _service_name(resource), capture_content)
 
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
         self._budget = self.max_episode_chars
+        self._redacted = {}
         try:
-            records = [(s, _resolved(s.attributes)) for s in _expanded(record.spans)]
-            views = self.views.views([(s.span_id, s.parent_id, s.kind, attrs) for s, attrs in records])
+            # redacted once, here: the views are built from clean values, so their texts (which
+            # repeat the episode's content several times over) need no second scan
+            records = [(s, self._clean(_resolved(s.attributes))) for s in _expanded(record.spans)]
+            views = self.views.views([
+                (s.span_id, s.parent_id, s.kind, attrs, self._clean_text(_failure(s))) for s, attrs in records
+            ])
             # every span's own content first, then the views, with what is left of the budget
-            rendered = [self._main(s, attrs, views.get(s.span_id)) for s, attrs in records]
+            rendered = [self._main(s, attrs, views.get(s.span_id), redact=False) for s, attrs in records]
             spans = [
-                self._build(record.trace_id, s, attributes, truncated, views.get(s.span_id))
+                self._build(record.trace_id, s, attributes, truncated, views.get(s.span_id), redact=False)
                 for (s, _), (attributes, truncated) in zip(records, rendered, strict=True)
             ]
         finally:
             self._budget = None
+            self._redacted = None
         spans.extend(self.foreign(s) for s in record.foreign)
         return spans
 
@@ -89,25 +98,65 @@ class Materializer:
     def span(self, trace_id: int, s: SpanRecord) -> ReadableSpan:
         """One span on its own (a late span of a kept episode): no conversation to read."""
         attrs = _resolved(s.attributes)
-        view = self.views.views([(s.span_id, s.parent_id, s.kind, attrs)]).get(s.span_id)
+        view = self.views.views([(s.span_id, s.parent_id, s.kind, attrs, _failure(s))]).get(s.span_id)
         attributes, truncated = self._main(s, attrs, view)
         return self._build(trace_id, s, attributes, truncated, view)
 
-    def _main(self, s: SpanRecord, recorded: dict[str, Any], view: SpanView | None) -> tuple[dict[str, Any], list[str]]:
+    def _clean(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        """The recorded values with secrets redacted (when redacting), as values, not text.
+
+        A container is redacted as the JSON text it renders to (patterns such as
+        ``"password": "…"`` need the key beside the value) and read back only if that changed
+        anything; a redacted text that is no JSON any more stays text.
+        """
+        if self.redact is None:
+            return attributes
+        out: dict[str, Any] = {}
+        for key, value in attributes.items():
+            if value is None or isinstance(value, (bool, int, float)):
+                out[key] = value
+            elif isinstance(value, str):
+                out[key] = self._clean_text(value)
+            else:
+                text = to_json(value)
+                clean = self._clean_text(text)
+                if clean == text:
+                    out[key] = value
+                else:
+                    try:
+                        out[key] = json.loads(clean)
+                    except ValueError:
+                        out[key] = clean
+        return out
+
+    def _clean_text(self, text: str | None) -> str | None:
+        """``text`` redacted (once per distinct text in an episode)."""
+        if text is None or self.redact is None:
+            return text
+        cache = self._redacted
+        if cache is None:
+            return self.redact(text)
+        clean = cache.get(text)
+        if clean is None:
+            clean = cache[text] = self.redact(text)
+        return clean
+
+    def _main(self, s: SpanRecord, recorded: dict[str, Any], view: SpanView | None, *,
+              redact: bool = True) -> tuple[dict[str, Any], list[str]]:
         """The span's own content, in the conventions' shape, under the episode's budget."""
         merged = {**recorded, **settle(view.main)} if view is not None else dict(recorded)
         if s.kind == c.KIND_EPISODE:
             merged.update(self.views.root(merged))
         if s.status_code is StatusCode.ERROR:
             merged[c.ERROR_TYPE] = error_type(s.events)
-        return self._attributes(merged)
+        return self._attributes(merged, redact=redact)
 
     def _build(self, trace_id: int, s: SpanRecord, attributes: dict[str, Any], truncated: list[str],
-               view: SpanView | None) -> ReadableSpan:
+               view: SpanView | None, *, redact: bool = True) -> ReadableSpan:
         if view is not None and view.derived:
             # views repeat content recorded elsewhere: written while the budget lasts, and not
             # named in rl.content.truncated (what was recorded is there, whole or flagged)
-            derived, _ = self._attributes(settle(view.derived), optional=True)
+            derived, _ = self._attributes(settle(view.derived), optional=True, redact=redact)
             for key, value in derived.items():
                 attributes.setdefault(key, value)
         if truncated:
@@ -142,7 +191,8 @@ class Materializer:
             instrumentation_scope=self.scope,
         )
 
-    def _attributes(self, raw: dict[str, Any], *, optional: bool = False) -> tuple[dict[str, Any], list[str]]:
+    def _attributes(self, raw: dict[str, Any], *, optional: bool = False,
+                    redact: bool = True) -> tuple[dict[str, Any], list[str]]:
         """Attribute values as OpenTelemetry takes them: text cut and redacted, JSON for the rest.
 
         ``optional`` (views of content recorded elsewhere): a text that finds the episode's
@@ -159,21 +209,21 @@ class Materializer:
                 continue
             if isinstance(value, (list, tuple)) and value and _homogeneous(value):
                 out[key] = list(value) if not isinstance(value[0], str) else [
-                    self._text(v, limit)[0] for v in value
+                    self._text(v, limit, redact)[0] for v in value
                 ]
                 continue
             if optional and self._budget is not None and self._budget <= 0:
                 continue
-            text = value if isinstance(value, str) else to_json(value)
-            text, was_cut = self._text(text, limit)
+            text = value if isinstance(value, str) else _json(value)
+            text, was_cut = self._text(text, limit, redact)
             out[key] = text
             if was_cut:
                 truncated.append(key)
         return out, truncated
 
-    def _text(self, text: str, limit: int) -> tuple[str, bool]:
-        if self.redact is not None:
-            text = self.redact(text)
+    def _text(self, text: str, limit: int, redact: bool = True) -> tuple[str, bool]:
+        if redact:
+            text = self._clean_text(text)
         budget = self._budget
         if budget is not None:
             # the episode's budget is shared by its texts, in span order; each keeps at least a
@@ -183,6 +233,22 @@ class Materializer:
             self._budget = max(budget - len(text), 0)
             return text, was_cut
         return cut(text, limit)
+
+
+def _json(value: Any) -> str:
+    """JSON text of a value that is JSON-safe already (``_resolved`` made it so; the views are
+    built from such values), with the guarded conversion as the fallback for anything else."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return to_json(value)
+
+
+def _failure(s: SpanRecord) -> str | None:
+    """A failed span's message (what the policy was told), None for a span that did not fail."""
+    if s.status_code is not StatusCode.ERROR:
+        return None
+    return s.status_message or c.ERROR_TYPE_OTHER
 
 
 def _resolved(attributes: dict[str, Any]) -> dict[str, Any]:

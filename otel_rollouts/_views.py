@@ -257,11 +257,15 @@ class SpanView:
 class EpisodeViews:
     """Walks an episode's spans in recording order, keeping the conversation so far."""
 
-    def __init__(self, agent_name: str | None) -> None:
+    def __init__(self, agent_name: str | None, capture_content: bool = True) -> None:
         self.agent_name = agent_name
+        self.capture_content = capture_content  # off: no view is built from a failure's message
 
-    def views(self, spans: Sequence[tuple[int, int | None, str, Mapping[str, Any]]]) -> dict[int, SpanView]:
-        """``spans``: (span id, parent id, kind, recorded attributes) in recording order."""
+    def views(
+        self, spans: Sequence[tuple[int, int | None, str, Mapping[str, Any], str | None]]
+    ) -> dict[int, SpanView]:
+        """``spans``: (span id, parent id, kind, recorded attributes, error message or None for
+        a span that did not fail) in recording order."""
         out: dict[int, SpanView] = {}
         conversation: list[Message] = []
         turn_io: dict[int, tuple[Message | None, Message | None]] = {}
@@ -269,7 +273,7 @@ class EpisodeViews:
         prompt: list[Message] = []
         root_id: int | None = None
         reward_ids: list[int] = []
-        for span_id, parent_id, kind, attrs in spans:
+        for span_id, parent_id, kind, attrs, error in spans:
             view = out[span_id] = SpanView()
             main, derived = view.main, view.derived
             if kind == c.KIND_EPISODE:
@@ -340,9 +344,13 @@ class EpisodeViews:
                     ):
                         calls.append({"id": call_id, "type": "function",
                                       "function": {"name": name, "arguments": arguments if arguments is not None else {}}})
-                if result is not None:
+                if not self.capture_content:
+                    error = None
+                if result is not None or error is not None:
+                    # what the policy saw next: the result, or that the call failed
+                    content = as_text(result) if result is not None else f"error: {error}"
                     conversation.append({"role": "tool", "tool_call_id": call_id, "name": name,
-                                         "content": as_text(result)})
+                                         "content": content})
             elif kind == c.KIND_REWARD:
                 scores = {k: v for k, v in attrs.items()
                           if (k == c.RL_REWARD or k.startswith(c.RL_REWARD_PREFIX) or k == c.RL_ADVANTAGE)

@@ -166,6 +166,7 @@ def configure(
             redact=make_redactor(redact, redact_patterns),
             max_episode_chars=max_episode_chars,
             agent_name=agent_name,
+            capture_content=bool(capture_content),
         )
         queue_size = max_queue or max(1024, 16 * sampler.max_traces_per_step)
         delivery = Delivery(

@@ -36,7 +36,8 @@ def test_demo_command_fills_trackio(tmp_path, monkeypatch):
     for row in rows:
         spans = row["spans"]
         names |= {s["name"] for s in spans}
-        tool_errors += sum(1 for s in spans if s["kind"] == "tool" and s["status"] == "error")
+        # a failed tool call inside an episode that did not fail reads "error (episode ok)"
+        tool_errors += sum(1 for s in spans if s["kind"] == "tool" and s["status"].startswith("error"))
         statuses.add(row["metadata"]["rl.status"])
         assert row["messages"][0]["role"] == "system" and row["messages"][1]["role"] == "user"
         assert isinstance(row["metadata"]["rl.reward"], float)

@@ -95,8 +95,11 @@ def test_a_generation_without_recorded_input_gets_the_conversation_so_far(otr_sh
     first, second = _named(spans, "chat pol")
     assert [m["role"] for m in check_messages(first.attributes[c.GEN_AI_INPUT_MESSAGES])] == ["system", "user"]
     history = check_messages(second.attributes[c.GEN_AI_INPUT_MESSAGES])
-    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "environment"]
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "tool", "environment"]
     assert history[3]["parts"] == [{"type": c.PART_TOOL_CALL_RESPONSE, "id": "c1", "response": "42.0"}]
+    # a failed call is part of what the policy saw next
+    assert history[4]["parts"] == [{"type": c.PART_TOOL_CALL_RESPONSE, "id": "c2",
+                                    "response": "error: TimeoutError: lookup timed out"}]
     # OpenInference's flattened view of the same, for Phoenix's chat rendering
     attrs = second.attributes
     key = c.oi_message_key
