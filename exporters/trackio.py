@@ -3,6 +3,27 @@
 Trackio's dashboard shows each trace's conversation (OpenAI-style messages, tool calls and tool
 results) and its execution tree (the spans). The embedded default writes to a local SQLite file
 under ``TRACKIO_DIR``: nothing to start.
+
+What Trackio 0.43's Traces page derives from a trace (``frontend/src/lib/traceUtils.js``,
+``pages/Traces.svelte``), and what this exporter writes so that it reads true:
+
+* STATUS of a row is ``error`` as soon as *any* span has status ``error``/``failed`` or a
+  non-empty ``error``; otherwise the trace metadata's ``status``. An episode's ``rl.status`` is the
+  truth, so ``metadata.status`` is ``rl.status``, and a span that failed inside an episode that did
+  not fail (a tool error the policy recovered from, a truncated episode) gets the status
+  ``"error (episode ok)"`` (``… truncated)``...) with its message as its output: it shows on its
+  span, but is not aggregated into the episode. In an ``error`` episode failed spans keep
+  ``error`` + ``error``. The trace metadata's ``span_errors`` lists every failed span.
+* TRACE ID shows the first 7 characters of Trackio's own *log id* (then ``:index``), a random id
+  that Trackio's public API does not let us choose: Trackio's trace id is
+  ``<run id>:<log id>:<key>:<index>``. The metadata's ``trace_id`` (the OpenTelemetry trace id)
+  is what the search box (and ``trackio list traces --search``) finds an episode by.
+* REQUEST is the first user message, its preview the first assistant message: for a multi-turn
+  episode that is the first turn's reply (Trackio has no other field for it). The ``episode``
+  span, selected when a row is expanded, shows the question and the final answer.
+* a ``trackio.Table`` per step and split (``rollouts/table``, ``eval/rollouts/table``) lists the
+  step's kept episodes, lowest reward first: Trackio 0.43 renders tables on its Media & Tables
+  page without sorting, so the rows come sorted.
 """
 
 from __future__ import annotations
@@ -10,13 +31,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts import conventions as c
+from otel_rollouts._views import as_text, to_openai
 from otel_rollouts.exporters._tree import (
     by_trace,
     duration_ms,
@@ -42,6 +64,44 @@ _CONTENT_KEYS = {
 # Trackio's warning keys for data it could not persist (trackio.run.Run._warn_once)
 _PERSIST_FAILURES = ("write-", "persist-", "local-sender", "remote-sender", "flush-local-buffer", "finish-pending")
 _TRACKIO_KIND = {c.KIND_GENERATION: "generation", c.KIND_TOOL: "tool"}
+# Trackio's own vocabulary (keys of its trace metadata and span dicts, its span statuses)
+TRACKIO_SUCCESS = "success"
+TRACKIO_ERROR = "error"  # any span with it (or "failed", or an `error`) makes the whole trace "error"
+META_TRACE_ID = "trace_id"
+META_TRACE_URL = "trace_url"
+META_STATUS = "status"  # the list's status when no span is an error
+META_SPAN_ERRORS = "span_errors"
+TABLE_SUFFIX = "table"
+TABLE_COLUMNS = ("reward", "advantage", "status", "turns", "input tokens", "output tokens", "trace id",
+                 "group", "sample", "episode")
+TABLE_LINK = "link"
+
+
+def episode_status(spans: Sequence[ReadableSpan]) -> str | None:
+    """The episode's ``rl.status`` (None for a trace that has no episode root with one)."""
+    root = root_of(spans)
+    status = (root.attributes or {}).get(c.RL_STATUS) if root is not None else None
+    return status if isinstance(status, str) and status else None
+
+
+def span_status(span: ReadableSpan, status: str | None) -> str:
+    """A span's status for Trackio, given its episode's ``rl.status``.
+
+    Trackio turns a whole trace red when any span says ``error``: only a failure in an episode
+    that failed (or one without an ``rl.status``) may say so; elsewhere it says which it is.
+    """
+    if not is_error(span):
+        if kind_of(span) == c.KIND_EPISODE and status not in (None, c.STATUS_OK, c.STATUS_ERROR):
+            return status  # the episode span reads what the list reads: "truncated", "filtered"
+        return TRACKIO_SUCCESS
+    if status is None or status == c.STATUS_ERROR:
+        return TRACKIO_ERROR
+    return f"{TRACKIO_ERROR} (episode {status})"
+
+
+def error_text(span: ReadableSpan) -> str:
+    """What a failed span says: its status description (``Type: message``), else ``error``."""
+    return span.status.description or TRACKIO_ERROR
 
 
 def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
@@ -77,7 +137,7 @@ def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
                 content = f"error: {span.status.description or 'tool failed'}"
             else:
                 result = attrs.get(c.GEN_AI_TOOL_CALL_RESULT)
-                content = "" if result is None else str(result)
+                content = "" if result is None else _result_text(result)
             messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": content})
         elif attrs.get(c.RL_FEEDBACK_ROLE) is not None:
             for message in _as_list(parse(attrs.get(c.GEN_AI_INPUT_MESSAGES))):
@@ -90,32 +150,47 @@ def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     return messages
 
 
+def _result_text(result: Any) -> str:
+    """A tool result as text, the same in the conversation and on the tool's span (``as_text``:
+    ``604800.0`` stays ``604800.0``; a sequence attribute reads as JSON)."""
+    return as_text(list(result) if isinstance(result, tuple) else result)
+
+
 def _as_list(value: Any) -> list[dict[str, Any]]:
+    """Messages as Trackio shows them (OpenAI's shape), from the GenAI parts shape we export."""
     if isinstance(value, list):
-        return [m if isinstance(m, dict) else {"role": "user", "content": str(m)} for m in value]
+        return [to_openai(m) if isinstance(m, dict) else {"role": "user", "content": as_text(m)} for m in value]
     if isinstance(value, dict):
-        return [value]
+        return [to_openai(value)]
     if isinstance(value, str) and value:
         return [{"role": "user", "content": value}]
     return []
 
 
-def episode_metadata(root: ReadableSpan, trace_url: str | None) -> dict[str, Any]:
+def episode_metadata(
+    root: ReadableSpan, trace_url: str | None, spans: Sequence[ReadableSpan] = ()
+) -> dict[str, Any]:
+    """The trace metadata: the OpenTelemetry trace id, the root's ``rl.*`` values, ``status``
+    (= ``rl.status``, what the list shows), the trace link, and the failed spans."""
     attrs = root.attributes or {}
-    metadata: dict[str, Any] = {"trace_id": hex_id(root.context.trace_id, 32)}
+    metadata: dict[str, Any] = {META_TRACE_ID: hex_id(root.context.trace_id, 32)}
     for key, value in attrs.items():
         if key.startswith("rl.") and key != c.RL_SPAN_KIND:
             metadata[key] = parse(value)
     status = attrs.get(c.RL_STATUS)
     if status:
-        metadata["status"] = status
+        metadata[META_STATUS] = status
     if trace_url:
-        metadata["trace_url"] = trace_url
+        metadata[META_TRACE_URL] = trace_url
+    failed = [f"{span.name}: {error_text(span)}" for _, span in ordered(spans) if is_error(span)]
+    if failed:
+        metadata[META_SPAN_ERRORS] = failed
     return metadata
 
 
 def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     out = []
+    status = episode_status(spans)
     for _, span in ordered(spans):
         attrs = span.attributes or {}
         kind = kind_of(span)
@@ -129,12 +204,12 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
         item["start_time"] = iso(span.start_time)
         item["end_time"] = iso(span.end_time)
         item["duration_ms"] = duration_ms(span)
-        item["status"] = "error" if is_error(span) else "success"
-        if is_error(span):
-            item["error"] = span.status.description or "error"
+        item["status"] = span_status(span, status)
+        if item["status"] == TRACKIO_ERROR:
+            item["error"] = error_text(span)
         if kind == c.KIND_GENERATION:
-            _put(item, "input", attrs.get(c.GEN_AI_INPUT_MESSAGES) or attrs.get(c.INPUT_VALUE))
-            _put(item, "output", attrs.get(c.GEN_AI_OUTPUT_MESSAGES) or attrs.get(c.OUTPUT_VALUE))
+            _put_messages(item, "input", attrs.get(c.GEN_AI_INPUT_MESSAGES), attrs.get(c.INPUT_VALUE))
+            _put_messages(item, "output", attrs.get(c.GEN_AI_OUTPUT_MESSAGES), attrs.get(c.OUTPUT_VALUE))
             if attrs.get(c.GEN_AI_REQUEST_MODEL):
                 item["model"] = attrs[c.GEN_AI_REQUEST_MODEL]
             usage = {}
@@ -146,12 +221,18 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
                 item["usage"] = usage
         elif kind == c.KIND_TOOL:
             _put(item, "input", attrs.get(c.GEN_AI_TOOL_CALL_ARGUMENTS))
-            _put(item, "output", attrs.get(c.GEN_AI_TOOL_CALL_RESULT))
+            result = attrs.get(c.GEN_AI_TOOL_CALL_RESULT)
+            if result is not None:
+                item["output"] = _result_text(result)
         elif kind == c.KIND_REWARD:
+            _put(item, "input", attrs.get(c.INPUT_VALUE))
             item["output"] = {k: v for k, v in attrs.items() if k.startswith(c.RL_REWARD) or k == c.RL_ADVANTAGE}
         else:
-            _put(item, "input", attrs.get(c.GEN_AI_INPUT_MESSAGES) or attrs.get(c.INPUT_VALUE))
-            _put(item, "output", attrs.get(c.GEN_AI_OUTPUT_MESSAGES) or attrs.get(c.OUTPUT_VALUE))
+            _put_messages(item, "input", attrs.get(c.GEN_AI_INPUT_MESSAGES), attrs.get(c.INPUT_VALUE))
+            _put_messages(item, "output", attrs.get(c.GEN_AI_OUTPUT_MESSAGES), attrs.get(c.OUTPUT_VALUE))
+        if is_error(span) and item["status"] != TRACKIO_ERROR and "output" not in item:
+            # Trackio shows `error` only as the trace's failure: the message is the span's output
+            item["output"] = f"{TRACKIO_ERROR}: {error_text(span)}"
         metadata = {k: parse(v) for k, v in attrs.items() if k not in _CONTENT_KEYS}
         if metadata:
             item["metadata"] = metadata
@@ -159,19 +240,75 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     return out
 
 
+def _put_messages(item: dict[str, Any], key: str, messages: Any, fallback: Any) -> None:
+    """A span's messages in OpenAI's shape (what Trackio renders), else its plain value."""
+    if messages is not None:
+        item[key] = _as_list(parse(messages))
+    else:
+        _put(item, key, fallback)
+
+
 def _put(item: dict[str, Any], key: str, value: Any) -> None:
     if value is not None:
         item[key] = parse(value)
 
 
+def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str, Any]:
+    """One kept episode as a row of its step's table (every column present, in order)."""
+    root = root_of(spans)
+    attrs = (root.attributes or {}) if root is not None else {}
+    turns = input_tokens = output_tokens = 0
+    for span in spans:
+        kind = kind_of(span)
+        span_attrs = span.attributes or {}
+        if kind == c.KIND_TURN:
+            turns += 1
+        elif kind == c.KIND_GENERATION:
+            input_tokens += _count(span_attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+            output_tokens += _count(span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+    values = (
+        _number(attrs.get(c.RL_REWARD)), _number(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
+        turns, input_tokens, output_tokens,
+        hex_id(root.context.trace_id, 32) if root is not None else None,
+        None if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID)),
+        attrs.get(c.RL_SAMPLE_INDEX), attrs.get(c.RL_EPISODE_ID),
+    )
+    row = dict(zip(TABLE_COLUMNS, values, strict=True))
+    if trace_url is not None:
+        row[TABLE_LINK] = trace_url
+    return row
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _number(value: Any) -> float | int | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
+    """Lowest reward first (then lowest advantage); episodes without a reward last."""
+    reward, advantage = row.get(TABLE_COLUMNS[0]), row.get(TABLE_COLUMNS[1])
+    return (reward is None, reward if reward is not None else 0.0, advantage if advantage is not None else 0.0)
+
+
 class TrackioExporter(SpanExporter):
-    """Writes each kept episode as a ``trackio.Trace`` at ``step=rl.step``.
+    """Writes each kept episode as a ``trackio.Trace`` at ``step=rl.step``, and per step a table.
 
     ``project``/``run``/``space_id`` are Trackio's (a ``space_id`` syncs to a Hugging Face
     Space). Train episodes go under ``trace_key``; other splits under ``"{split}/{trace_key}"``.
     ``trace_ui_url`` (or env ``OTEL_ROLLOUTS_TRACE_UI_URL``), e.g. a Jaeger base URL, adds a
     ``trace_url`` link to each trace's metadata; a value with ``{trace_id}`` is a URL template
     (Phoenix: ``http://localhost:6006/redirects/traces/{trace_id}``).
+
+    The step table (``"{trace_key}/table"``, ``"{split}/{trace_key}/table"``; ``table=False``
+    turns it off) has one row per kept episode: reward, advantage, status, turns, input and output
+    tokens, group, sample, episode id, trace id (and ``link`` with a trace UI), lowest reward
+    first. A step's episodes reach the exporter one export at a time, so its rows are collected
+    and the table is logged once the step is over: when an episode of a later step arrives, or at
+    ``force_flush``/``shutdown`` (``otr.flush()``, ``otr.shutdown()``). An episode that arrives
+    after its step's table was logged goes into another table at that step.
     """
 
     def __init__(
@@ -183,6 +320,7 @@ class TrackioExporter(SpanExporter):
         *,
         trace_ui_url: str | None = None,
         config: dict[str, Any] | None = None,
+        table: bool = True,
     ) -> None:
         import os
 
@@ -192,10 +330,16 @@ class TrackioExporter(SpanExporter):
         self.trace_key = trace_key
         self.trace_ui_url = (trace_ui_url or os.environ.get(c.ENV_TRACE_UI_URL) or "").rstrip("/") or None
         self.config = config
+        self.table = table
         self._run = None
         self._lock = threading.Lock()
+        # (step, table key) -> trace id -> row: an episode exported again before its step's table is
+        # logged (a retried export) is one row
+        self._rows: dict[tuple[int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
         self.exported = 0
         self.skipped_fragments = 0
+        self.tables_logged = 0
+        self.table_failures = 0
 
     def _trackio_run(self):
         if self._run is None:
@@ -233,10 +377,15 @@ class TrackioExporter(SpanExporter):
             return self.trace_ui_url.replace("{trace_id}", hex_id(trace_id, 32))
         return f"{self.trace_ui_url}/trace/{hex_id(trace_id, 32)}"
 
+    def table_key(self, split: str) -> str:
+        """The key a split's step tables are logged under (``rollouts/table``, ``eval/rollouts/table``)."""
+        key = self.trace_key if split == "train" else f"{split}/{self.trace_key}"
+        return f"{key}/{TABLE_SUFFIX}"
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         import trackio
 
-        by_step: dict[tuple[int, str], list[Any]] = defaultdict(list)
+        episodes: list[tuple[int, str, str, Any, dict[str, Any]]] = []  # step, key, trace id, trace, row
         for trace_id, group in by_trace(spans).items():
             root = root_of(group)
             if root is None:
@@ -244,24 +393,57 @@ class TrackioExporter(SpanExporter):
                 continue
             attrs = root.attributes or {}
             step = attrs.get(c.RL_STEP)
-            step = step if isinstance(step, int) else 0
+            step = step if isinstance(step, int) and not isinstance(step, bool) else 0
             split = str(attrs.get(c.RL_SPLIT) or "train")
             key = self.trace_key if split == "train" else f"{split}/{self.trace_key}"
-            by_step[(step, key)].append(
-                trackio.Trace(
-                    messages=episode_messages(group),
-                    metadata=episode_metadata(root, self.trace_url(trace_id)),
-                    spans=episode_spans(group),
-                )
+            url = self.trace_url(trace_id)
+            trace = trackio.Trace(
+                messages=episode_messages(group),
+                metadata=episode_metadata(root, url, group),
+                spans=episode_spans(group),
             )
-        if not by_step:
+            episodes.append((step, key, hex_id(trace_id, 32), trace, table_row(group, url)))
+        if not episodes:
             return SpanExportResult.SUCCESS
+        by_step: dict[tuple[int, str], list[Any]] = defaultdict(list)
+        for step, key, _, trace, _ in episodes:
+            by_step[(step, key)].append(trace)
         with self._lock:
             run = self._trackio_run()
+            # one log per (step, key): Trackio's trace ids are "<run id>:<log id>:<key>:<index>"
             for (step, key), traces in sorted(by_step.items()):
                 run.log({key: traces}, step=step)
                 self.exported += len(traces)
+            if self.table:
+                for step, key, trace_id, _, row in episodes:
+                    self._rows[(step, f"{key}/{TABLE_SUFFIX}")][trace_id] = row
+            # the steps before the latest one here are over: their tables can be logged
+            self._log_tables(before=max(e[0] for e in episodes))
         return SpanExportResult.SUCCESS
+
+    def _log_tables(self, before: int | None = None) -> None:
+        """Log the collected step tables (those of steps before ``before``; all when None).
+
+        A table is a view of traces already logged: failing to log one never fails an export
+        (which would be retried); it is logged once and its rows are dropped.
+        """
+        import trackio
+
+        for step, key in sorted(self._rows):
+            if before is not None and step >= before:
+                continue
+            rows = sorted(self._rows.pop((step, key)).values(), key=_worst_first)
+            columns = list(rows[0])
+            try:
+                table = trackio.Table(columns=columns, data=[[row.get(col) for col in columns] for row in rows])
+                self._trackio_run().log({key: table}, step=step)
+            except Exception as exc:  # noqa: BLE001 - a view: never fail the export for it
+                self.table_failures += 1
+                if self.table_failures == 1:
+                    logger.warning("otel_rollouts: TrackioExporter could not log the step %d table: %r",
+                                   step, exc)
+                continue
+            self.tables_logged += 1
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
@@ -272,7 +454,8 @@ class TrackioExporter(SpanExporter):
             self._trackio_run().log(dict(values), step=int(step))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Make everything logged so far durable (Trackio writes on ``finish``).
+        """Make everything logged so far durable (Trackio writes on ``finish``), step tables
+        still collecting included.
 
         The run is finished and transparently resumed by name on the next export.
         """
@@ -284,6 +467,8 @@ class TrackioExporter(SpanExporter):
 
     def _finish(self) -> None:
         with self._lock:
+            if self._rows:
+                self._log_tables()
             if self._run is not None:
                 run, self._run = self._run, None
                 self.run_name = run.name

@@ -1,17 +1,22 @@
 """What a user sees: Debian's chromium, driven by selenium, on the Trackio dashboard and Phoenix's UI.
 
 The Trackio dashboard is served on loopback (``trackio.show`` in a subprocess) for a project
-filled by otel_rollouts; the test opens the Traces page, expands a trace and reads the execution
-tree. A second test follows a Trackio trace's ``trace_url`` into Phoenix's UI. Only the system
-browser is used (``/usr/bin/chromium`` + ``/usr/bin/chromedriver``): nothing downloads a
-browser. Without them the tests skip, except under ``CI`` where they fail.
+filled by otel_rollouts; the tests open the Traces page, expand traces, read the execution tree,
+the span inspector, the search box, and the per-step table on the Media & Tables page: what a
+person sees. Another test follows a Trackio trace's ``trace_url`` into Phoenix's UI. The browser
+comes from ``browser_support`` (the system chromium; without it the tests skip, except under
+``CI`` where they fail). A failing check saves a screenshot into the test's tmp dir and names it
+in the assertion message.
+
+An episode's row is found the way a person finds it: its OpenTelemetry trace id (from the step
+table, Phoenix or Jaeger) typed into the search box, which matches the metadata's ``trace_id``.
+The TRACE ID column shows Trackio's own random log id.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,17 +25,19 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from browser_support import TIMEOUT, chromium, save_screenshot, wait_for
 from otr_scenario import MODEL, TOOL_ERROR, TOOL_FAILS, TOOL_OK, run_python, trackio_traces
-from receivers import PhoenixReceiver, free_ports, in_ci
+from receivers import PhoenixReceiver, free_ports
+from test_trackio_exporter import BAD_EXPRESSION, FINAL_ANSWER, QUESTION, SINGLE_ANSWER, TRACE_UI
+from test_trackio_exporter import MODEL as MODEL_OUTCOMES
+from test_trackio_exporter import TOOL_ERROR as CALCULATOR_ERROR
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-TIMEOUT = 60  # seconds for a page to show what we wait for (the machine is shared and slow)
 
 EXPECTED_TREE = [  # (depth, name) in the order the dashboard lists them
     (0, "episode"),
@@ -45,44 +52,34 @@ EXPECTED_TREE = [  # (depth, name) in the order the dashboard lists them
 ]
 
 
-def _unavailable(reason: str) -> None:
-    if in_ci():
-        pytest.fail(f"{reason} (CI must install chromium and chromium-driver: see .ci/run)")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def browser(tmp_path: Path):
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        _unavailable(f"{CHROMIUM} / {CHROMEDRIVER} not installed (apt-get install chromium chromium-driver)")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        _unavailable("selenium not installed")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--no-first-run", "--window-size=1400,1000",
-                f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
-    driver.set_page_load_timeout(TIMEOUT)
-    try:
+    with chromium(tmp_path / "chromium-profile") as driver:
+        driver.otr_failure_dir = tmp_path  # _fail() and _wait() save a screenshot there
         yield driver
-    finally:
-        driver.quit()
+
+
+def _failure_png(driver) -> Path:
+    directory = Path(getattr(driver, "otr_failure_dir", "."))
+    return directory / f"failure-{len(list(directory.glob('failure-*.png')))}.png"
+
+
+def _fail(driver, message: str):
+    """Fail with a screenshot of what the browser shows (saved in the test's tmp dir)."""
+    path = _failure_png(driver)
+    saved = driver.save_screenshot(str(path))
+    raise AssertionError(f"{message}\nat {driver.current_url}; screenshot: "
+                         f"{path if saved else '(could not be saved)'}")
+
+
+def _expect(driver, ok: Any, message: str) -> None:
+    if not ok:
+        _fail(driver, message)
 
 
 def _wait(driver, condition, what: str):
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(driver, TIMEOUT, poll_frequency=0.2).until(condition)
-    except TimeoutException:
-        raise AssertionError(f"timed out after {TIMEOUT} s waiting for {what}; at {driver.current_url}:\n"
-                             f"{driver.find_element('tag name', 'body').text[:2000]}") from None
+    """``wait_for`` with a screenshot on timeout."""
+    return wait_for(driver, condition, what, screenshot=_failure_png(driver))
 
 
 _FILL = """
@@ -105,24 +102,23 @@ def _fill(trackio_dir: Path, project: str, ui: str | None, extra: str = "") -> l
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """Trackio's dashboard on a free loopback port, in its own process (stopped by pid)."""
-    trackio_dir = tmp_path / "trackio"
-    trackio_dir.mkdir()
+@contextmanager
+def _serve(trackio_dir: Path, log_path: Path) -> Iterator[str]:
+    """Trackio's dashboard for ``trackio_dir`` on a free loopback port, in its own process
+    (stopped by its pid); yields its base URL."""
     (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
     env.update(TRACKIO_DIR=str(trackio_dir), BROWSER="true")
     code = ("import trackio; trackio.show(open_browser=False, block_thread=True, "
             f"host='127.0.0.1', server_port={port})")
-    log = open(tmp_path / "dashboard.log", "wb")  # noqa: SIM115 - closed in finally
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, (tmp_path / "dashboard.log").read_text()[-2000:]
+        while True:  # a server starting up, not a page: polled by HTTP
+            assert proc.poll() is None, log_path.read_text()[-2000:]
             try:
                 with urllib.request.urlopen(base + "/", timeout=2) as response:
                     if response.status == 200:
@@ -131,7 +127,7 @@ def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path]]:
                 pass
             assert time.monotonic() < deadline, "Trackio dashboard did not answer"
             time.sleep(0.2)
-        yield base, trackio_dir
+        yield base
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -142,6 +138,15 @@ def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         log.close()
 
 
+@pytest.fixture
+def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """Trackio's dashboard on a free loopback port over an empty TRACKIO_DIR."""
+    trackio_dir = tmp_path / "trackio"
+    trackio_dir.mkdir()
+    with _serve(trackio_dir, tmp_path / "dashboard.log") as base:
+        yield base, trackio_dir
+
+
 def _depth(row) -> int:
     style = row.get_attribute("style") or ""
     for part in style.split(";"):
@@ -149,16 +154,6 @@ def _depth(row) -> int:
         if key.strip() == "--span-depth":
             return int(value.strip())
     raise AssertionError(f"span row without --span-depth: {style!r}")
-
-
-def _screenshot(driver, path: Path) -> Path:
-    assert driver.save_screenshot(str(path))
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    keep = os.environ.get("OTEL_ROLLOUTS_SCREENSHOT_DIR")  # optional: collect them for a look
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(keep) / path.name)
-    return path
 
 
 def test_dashboard_shows_the_episode_tree_with_the_tool_error(browser, dashboard, tmp_path: Path) -> None:
@@ -173,37 +168,266 @@ def test_dashboard_shows_the_episode_tree_with_the_tool_error(browser, dashboard
     browser.get(f"{base}/traces?project={project}")
     rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
                  and len(r) == 2 and r, "two trace rows")
+    # the episodes are ok (the failed search did not fail them): the list says so
+    statuses = [_cell(r, STATUS_COLUMN).lower() for r in rows]
+    _expect(browser, statuses == ["ok", "ok"], f"list statuses {statuses}, expected rl.status ok")
     best = max(recorded, key=lambda r: r["reward"])
     # rows show the first user message; the best episode is sample 1
     row = next(r for r in rows if f"(sample {best['sample_index']})" in r.text)
-    row.click()
-    expanded = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "tr.expanded-row"),
-                     "the expanded trace")[0]
+    expanded = _expand(browser, row)
     _wait(browser, lambda d: len(expanded.find_elements(
         By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(EXPECTED_TREE),
         "the execution tree")
 
     span_rows = expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
     tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
-    assert tree == EXPECTED_TREE
-    errors = [name for (_, name), r in zip(tree, span_rows, strict=True)
-              if r.find_elements(By.CSS_SELECTOR, ".span-error-dot")]
-    assert errors == [f"execute_tool {TOOL_FAILS}"]  # only the failed tool call is marked
+    _expect(browser, tree == EXPECTED_TREE, f"tree {tree}")
+    # Trackio's red dot would also turn the episode "Error": the failed call is marked in its panel
+    dots = expanded.find_elements(By.CSS_SELECTOR, ".span-error-dot")
+    _expect(browser, not dots, f"{len(dots)} error dot(s) in an ok episode")
 
-    # the metadata names this trace and links it to Jaeger
+    # the metadata names this trace, links it to Jaeger and lists the failed span
     meta = expanded.find_element(By.CSS_SELECTOR, ".detail-meta").text
-    assert f"trace_id: {best['trace_id']}" in meta
-    assert f"trace_url: http://localhost:16686/trace/{best['trace_id']}" in meta
+    _expect(browser, f"trace_id: {best['trace_id']}" in meta, f"no trace_id in {meta!r}")
+    _expect(browser, f"trace_url: http://localhost:16686/trace/{best['trace_id']}" in meta, meta)
+    _expect(browser, f"execute_tool {TOOL_FAILS}: ConnectionError: {TOOL_ERROR}" in meta, meta)
 
     # the failed tool call's panel shows the error
-    failed = span_rows[[n for _, n in tree].index(f"execute_tool {TOOL_FAILS}")]
-    failed.find_element(By.CSS_SELECTOR, ".span-select").click()
-    panel = _wait(browser, lambda d: [p for p in d.find_elements(By.CSS_SELECTOR, ".operation-panel")
-                                      if TOOL_FAILS in p.text], "the tool's panel")[0]
-    _wait(browser, lambda d: TOOL_ERROR in panel.text, "the tool error in its panel")
-    assert "TOOL" in panel.text and "Error" in panel.text
+    panel = _select_span(browser, expanded, f"execute_tool {TOOL_FAILS}")
+    _wait(browser, lambda d: TOOL_ERROR in _io(panel)["output"], "the tool error in its panel")
+    badges = panel.find_element(By.CSS_SELECTOR, ".operation-badges").text.lower()
+    _expect(browser, "TOOL" in panel.text and "error (episode ok)" in badges, f"badges {badges!r}")
 
-    _screenshot(browser, tmp_path / "trackio-trace.png")
+    save_screenshot(browser, tmp_path / "trackio-trace.png")
+
+
+# --- one step whose episodes' statuses disagree the way real ones do (see test_trackio_exporter) ---
+PROJECT = "browser-rl"
+STATUS_COLUMN = 4  # TRACE ID | REQUEST | RUN | STEP | STATUS | ...
+
+_FILL_OUTCOMES = """
+import json
+import otel_rollouts as otr
+from otel_rollouts.exporters import TrackioExporter
+from test_trackio_exporter import TRACE_UI, record_outcomes
+otr.configure(exporters=[TrackioExporter({project!r}, run="browser", trace_ui_url=TRACE_UI)],
+              sampler=otr.TailSampler(10, "first"))
+recorded = record_outcomes()
+assert otr.shutdown(60)
+print(json.dumps(recorded))
+"""
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> Iterator[tuple[str, dict[str, dict]]]:
+    """One dashboard over a project with ``record_outcomes()``: (base URL, recorded episodes,
+    each with ``trackio_id``: the id Trackio shows for it, ``<log id>:<index>``, read from its
+    storage by the metadata's ``trace_id``)."""
+    tmp = tmp_path_factory.mktemp("outcomes")
+    trackio_dir = tmp / "trackio"
+    out = run_python(_FILL_OUTCOMES.format(project=PROJECT), trackio_dir)
+    recorded = json.loads(out.strip().splitlines()[-1])
+    stored = {t["metadata"]["trace_id"]: t["id"] for t in trackio_traces(trackio_dir, PROJECT)}
+    for episode in recorded.values():
+        _, log_id, *_, index = stored[episode["trace_id"]].split(":")  # <run id>:<log id>:<key>:<index>
+        episode["trackio_id"] = f"{log_id}:{index}"
+    with _serve(trackio_dir, tmp / "dashboard.log") as base:
+        yield base, recorded
+
+
+def _cell(row, index: int) -> str:
+    from selenium.webdriver.common.by import By
+
+    return row.find_elements(By.CSS_SELECTOR, "td")[index].text.strip()
+
+
+def _open_traces(driver, base: str, count: int):
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{base}/traces?project={PROJECT}")
+    return _wait(driver, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
+                 and len(r) == count and r, f"{count} trace rows")
+
+
+def _row(driver, base: str, recorded: dict[str, dict], name: str):
+    """The list row of an episode, found as a person finds it: its OpenTelemetry trace id typed
+    into the search box of a freshly opened Traces page, until exactly one row is listed.
+
+    That row must be the episode's (the id Trackio shows for it, in the TRACE ID chip's title):
+    a row still listed for an earlier query is never taken for it."""
+    from selenium.webdriver.common.by import By
+
+    episode = recorded[name]
+    _open_traces(driver, base, len(recorded))
+    driver.find_element(By.CSS_SELECTOR, ".search-wrap input").send_keys(episode["trace_id"])
+
+    def found(d):
+        rows = d.find_elements(By.CSS_SELECTOR, "tr.trace-row")
+        return (len(rows) == 1 and rows[0].find_element(By.CSS_SELECTOR, ".trace-id-chip")
+                .get_attribute("title") == episode["trackio_id"] and rows)
+
+    rows = _wait(driver, found, f"exactly one row, {name}'s (Trackio id {episode['trackio_id']}), "
+                                f"for its trace id {episode['trace_id']}")
+    return rows[0]
+
+
+def _expand(driver, row):
+    """Click a list row; the expanded trace below it, once its execution tree is there."""
+    from selenium.webdriver.common.by import By
+
+    row.click()
+    below = "following-sibling::tr[1][contains(concat(' ', @class, ' '), ' expanded-row ')]"
+    return _wait(driver, lambda d: [e for e in row.find_elements(By.XPATH, below)
+                                    if e.find_elements(By.CSS_SELECTOR, ".span-row")],
+                 "the expanded trace")[0]
+
+
+def _select_span(driver, expanded, name: str, index: int = 0):
+    """Click the ``index``-th span called ``name`` in the tree; its panel in the inspector."""
+    from selenium.webdriver.common.by import By
+
+    rows = [r for r in expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
+            if r.find_element(By.CSS_SELECTOR, ".span-name").text == name]
+    _expect(driver, len(rows) > index, f"no span #{index} named {name!r}")
+    rows[index].find_element(By.CSS_SELECTOR, ".span-select").click()
+    _wait(driver, lambda d: "span-selected" in rows[index].get_attribute("class"), f"{name} selected")
+    return _wait(driver, lambda d: [p for p in expanded.find_elements(By.CSS_SELECTOR, ".operation-panel")
+                                    if p.find_element(By.CSS_SELECTOR, "h3").text == name],
+                 f"the panel of {name}")[0]
+
+
+def _io(panel) -> dict[str, str]:
+    """The INPUT / OUTPUT (or ERROR) boxes of a span's panel, as shown."""
+    from selenium.webdriver.common.by import By
+
+    out = {}
+    for section in panel.find_elements(By.CSS_SELECTOR, ".io-grid section"):
+        title = section.find_element(By.CSS_SELECTOR, "h4").text.strip().lower()
+        out["input" if title == "input" else "output"] = section.find_element(By.CSS_SELECTOR, "pre").text
+    return out
+
+
+def test_list_status_is_the_episodes_rl_status(browser, outcomes, tmp_path: Path) -> None:
+    """ok with a failed-then-retried tool, error, truncated: the list says what rl.status says."""
+    from selenium.webdriver.common.by import By
+
+    base, recorded = outcomes
+    for name, episode in recorded.items():
+        shown = _cell(_row(browser, base, recorded, name), STATUS_COLUMN).lower()
+        _expect(browser, shown == episode["status"],
+                f"{name}: the list says {shown!r}, rl.status is {episode['status']!r}")
+
+    # the tool error inside the ok episode stays visible, on its span
+    expanded = _expand(browser, _row(browser, base, recorded, "retried"))
+    summary = expanded.find_element(By.CSS_SELECTOR, ".trace-summary .status-pill").text.lower()
+    _expect(browser, summary == "ok", f"the expanded summary says {summary!r}")
+    panel = _select_span(browser, expanded, "execute_tool calculator", 0)
+    badges = panel.find_element(By.CSS_SELECTOR, ".operation-badges").text.lower()
+    _expect(browser, "error (episode ok)" in badges, f"the failed call's badges say {badges!r}")
+    output = _io(panel)["output"]
+    _expect(browser, output == f"error: ValueError: {CALCULATOR_ERROR}", f"its output says {output!r}")
+    save_screenshot(browser, tmp_path / "trackio-status-ok.png")
+
+    # the error episode: red, and the failed span is marked in the tree
+    expanded = _expand(browser, _row(browser, base, recorded, "crashed"))
+    marked = [r.find_element(By.CSS_SELECTOR, ".span-name").text
+              for r in expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
+              if r.find_elements(By.CSS_SELECTOR, ".span-error-dot")]
+    _expect(browser, marked == ["episode"], f"spans marked failed in the error episode: {marked}")
+
+
+def test_chat_span_shows_the_conversation_it_was_given(browser, outcomes) -> None:
+    base, recorded = outcomes
+    expanded = _expand(browser, _row(browser, base, recorded, "retried"))
+    panel = _select_span(browser, expanded, f"chat {MODEL_OUTCOMES}", 2)  # the final answer's
+    shown = _io(panel)
+    _expect(browser, shown["input"] not in ("", "—"), f"a chat span's Input is {shown['input']!r}")
+    for text in (QUESTION, f"I'll compute {BAD_EXPRESSION}.", '"content": "604800.0"'):
+        _expect(browser, text in shown["input"], f"{text!r} not in the chat's Input:\n{shown['input']}")
+    _expect(browser, FINAL_ANSWER in shown["output"], f"the chat's Output is {shown['output']!r}")
+
+
+def test_question_answer_and_numbers_read_the_same(browser, outcomes, tmp_path: Path) -> None:
+    """REQUEST is the question; the single-turn episode's preview is its answer; a multi-turn
+    episode's question and final answer are on its episode span, shown when the row opens; a
+    tool result reads the same on its span and in the conversation."""
+    from selenium.webdriver.common.by import By
+
+    base, recorded = outcomes
+    for name, episode in recorded.items():
+        row = _row(browser, base, recorded, name)
+        request = row.find_element(By.CSS_SELECTOR, ".request").text
+        _expect(browser, request == episode["question"], f"{name}: REQUEST shows {request!r}")
+    preview = _row(browser, base, recorded, "single").find_element(By.CSS_SELECTOR, ".preview").text
+    _expect(browser, preview == SINGLE_ANSWER, f"the single-turn preview is {preview!r}")
+
+    expanded = _expand(browser, _row(browser, base, recorded, "retried"))
+    root = _wait(browser, lambda d: [p for p in expanded.find_elements(By.CSS_SELECTOR, ".operation-panel")
+                                     if p.find_element(By.CSS_SELECTOR, "h3").text == "episode"],
+                 "the episode span, selected when the row opens")[0]
+    shown = _io(root)
+    _expect(browser, (shown["input"], shown["output"]) == (QUESTION, FINAL_ANSWER),
+            f"the episode span shows {shown}")
+    save_screenshot(browser, tmp_path / "trackio-episode.png")
+
+    tool = _io(_select_span(browser, expanded, "execute_tool calculator", 1))["output"]
+    expanded.find_element(By.CSS_SELECTOR, ".conversation-section summary").click()
+    messages = _wait(browser, lambda d: [m.text for m in expanded.find_elements(
+        By.CSS_SELECTOR, '.conversation .message[data-role="tool"]') if m.is_displayed()],
+        "the tool messages of the conversation")
+    _expect(browser, tool == "604800.0", f"the tool span's output reads {tool!r}")
+    _expect(browser, any(m.splitlines()[-1] == tool for m in messages),
+            f"no tool message reads {tool!r}: {messages}")
+
+
+def test_search_by_the_opentelemetry_trace_id_finds_the_episode(browser, outcomes) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    base, recorded = outcomes
+    _open_traces(browser, base, len(recorded))
+    # the Step select narrows the list to one step
+    Select(browser.find_element(By.CSS_SELECTOR, ".filter-wrap select")).select_by_value("1")
+    _wait(browser, lambda d: [_cell(r, 3) for r in d.find_elements(By.CSS_SELECTOR, "tr.trace-row")] == ["1"],
+          "only step 1's row")
+
+    # the OpenTelemetry trace id (from the step table, Phoenix or Jaeger) finds the episode; the
+    # TRACE ID chip shows Trackio's own log id, the metadata our trace id
+    episode = recorded["truncated"]
+    row = _row(browser, base, recorded, "truncated")
+    log_id, index = episode["trackio_id"].split(":")
+    chip = row.find_element(By.CSS_SELECTOR, ".trace-id-chip").text
+    _expect(browser, chip == f"{log_id[:7]}:{index}", f"the TRACE ID chip shows {chip!r}")
+    meta = _expand(browser, row).find_element(By.CSS_SELECTOR, ".detail-meta").text
+    _expect(browser, f"Trace ID: {episode['trackio_id']}" in meta
+            and f"trace_id: {episode['trace_id']}" in meta, meta)
+
+
+def test_step_table_lists_the_kept_episodes_worst_first(browser, outcomes, tmp_path: Path) -> None:
+    """Media & Tables: one ``rollouts/table`` per step. Trackio 0.43 cannot sort a table in the
+    browser (its headers are plain text), so the rows come sorted: lowest reward first."""
+    from selenium.webdriver.common.by import By
+
+    base, recorded = outcomes
+    browser.get(f"{base}/media?project={PROJECT}")
+    sections = _wait(browser, lambda d: (t := d.find_elements(By.CSS_SELECTOR, ".table-section"))
+                     and len(t) == 2 and t, "a table per step")
+    for section in sections:
+        header = section.find_element(By.CSS_SELECTOR, ".table-header").text
+        _expect(browser, "rollouts/table" in header, f"table header {header!r}")
+        step = int(header.rsplit("Step:", 1)[1].split()[0])
+        columns = [th.text.strip().lower() for th in section.find_elements(By.CSS_SELECTOR, "thead th")]
+        rows = [dict(zip(columns, (td.text.strip() for td in tr.find_elements(By.CSS_SELECTOR, "td")),
+                         strict=True))
+                for tr in section.find_elements(By.CSS_SELECTOR, "tbody tr")]
+        kept = sorted((e for e in recorded.values() if e["step"] == step), key=lambda e: e["reward"])
+        shown = [(r["trace id"], float(r["reward"]), r["status"]) for r in rows]
+        _expect(browser, shown == [(e["trace_id"], e["reward"], e["status"]) for e in kept],
+                f"step {step}'s table shows {shown}")
+        _expect(browser, all(r["link"] == f"{TRACE_UI}/trace/{r['trace id']}" for r in rows), rows)
+        _expect(browser, columns[:6] == ["reward", "advantage", "status", "turns", "input tokens",
+                                         "output tokens"], f"columns {columns}")
+    save_screenshot(browser, tmp_path / "trackio-table.png")
 
 
 _OTLP = """
@@ -236,4 +460,4 @@ def test_trackio_trace_url_opens_the_trace_in_phoenix(
     expected = {name for _, name in EXPECTED_TREE} | {project, "agent"}
     _wait(browser, lambda d: all(x in d.find_element(By.TAG_NAME, "body").text for x in expected),
           f"{sorted(expected)} in Phoenix's trace page")
-    _screenshot(browser, tmp_path / "phoenix-trace.png")
+    save_screenshot(browser, tmp_path / "phoenix-trace.png")

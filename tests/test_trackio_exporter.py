@@ -1,13 +1,140 @@
-"""Kept episodes land in Trackio's own SQLite storage as traces with messages, metadata, spans."""
+"""Kept episodes land in Trackio's own SQLite storage as traces with messages, metadata, spans,
+and a table per step; read back the way Trackio's dashboard reads them."""
 
 from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import uuid
+from typing import Any
 
 from otr_helpers import trackio_rows
 
 import otel_rollouts as otr
+from otel_rollouts import conventions as c
 from otel_rollouts.exporters import TrackioExporter
 
+# --- a step whose episodes' rl.status and span statuses disagree the way real ones do ---------
+# (also recorded by test_trackio_browser.py, in a child process: keep it importable)
+SYSTEM = "Use the calculator."
+QUESTION = "How many seconds are in a week?"
+BAD_EXPRESSION = "7x24x60x60"
+TOOL_ERROR = f"malformed expression: '{BAD_EXPRESSION}'"
+TOOL_RESULT = 604800.0  # a float: reads 604800.0 everywhere
+FINAL_ANSWER = "The answer is 604800."
+CRASH = "environment crashed"
+DIVISION = "Split 144 marbles between 0 friends evenly."
+SINGLE_QUESTION = "Say hi in French."
+SINGLE_ANSWER = "Bonjour !"
+MODEL = "pol"
+TRACE_UI = "http://localhost:16686"
 
+
+def _call(call_id: str, expression: str) -> list[dict[str, Any]]:
+    return [{"id": call_id, "type": "function",
+             "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}]
+
+
+def record_outcomes() -> dict[str, dict[str, Any]]:
+    """Step 0: ``retried`` (ok: the calculator fails, the retry works, then the final answer),
+    ``crashed`` (error: the environment raised), ``truncated`` (out of turns, every tool call
+    failed), ``single`` (ok, one turn); step 1: ``next`` (ok). Each: trace id, step, reward,
+    advantage, status, question, answer."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def keep(name, ep, step, reward, advantage, status, question, answer):
+        out[name] = {"trace_id": ep.trace_id, "step": step, "reward": reward, "advantage": advantage,
+                     "status": status, "question": question, "answer": answer}
+
+    with otr.episode(step=0, group_id="g0", sample_index=0) as ep:
+        ep.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+        with ep.turn() as turn:
+            turn.record_generation(f"I'll compute {BAD_EXPRESSION}.", model=MODEL, input_tokens=20,
+                                   output_tokens=8, tool_calls=_call("c1", BAD_EXPRESSION))
+            with turn.tool_call("calculator", arguments={"expression": BAD_EXPRESSION}, call_id="c1") as call:
+                call.error(ValueError(TOOL_ERROR))
+        with ep.turn() as turn:
+            turn.record_generation("Retrying with 7*24*60*60.", model=MODEL, input_tokens=40,
+                                   output_tokens=9, tool_calls=_call("c2", "7*24*60*60"))
+            with turn.tool_call("calculator", arguments={"expression": "7*24*60*60"}, call_id="c2") as call:
+                call.result(TOOL_RESULT)
+        with ep.turn() as turn:
+            turn.record_generation(FINAL_ANSWER, model=MODEL, input_tokens=60, output_tokens=6,
+                                   finish_reason="stop")
+        ep.reward(1.0, advantage=0.75)
+        ep.finish(reason="stop", status="ok")
+    keep("retried", ep, 0, 1.0, 0.75, "ok", QUESTION, FINAL_ANSWER)
+
+    try:
+        with otr.episode(step=0, group_id="g0", sample_index=1) as ep:
+            ep.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+            with ep.turn() as turn:
+                turn.record_generation("Let me think.", model=MODEL, input_tokens=20, output_tokens=4)
+            ep.reward(0.0, advantage=-0.75)
+            raise RuntimeError(CRASH)
+    except RuntimeError:
+        pass
+    keep("crashed", ep, 0, 0.0, -0.75, "error", QUESTION, "Let me think.")
+
+    with otr.episode(step=0, group_id="g1", sample_index=0) as ep:
+        ep.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": DIVISION}])
+        for i in range(2):
+            with ep.turn() as turn:
+                turn.record_generation("I'll compute 144/0.", model=MODEL, input_tokens=20 + 10 * i,
+                                       output_tokens=5, tool_calls=_call(f"d{i}", "144/0"))
+                with turn.tool_call("calculator", arguments={"expression": "144/0"}, call_id=f"d{i}") as call:
+                    call.error(ZeroDivisionError("division by zero"))
+        ep.reward(0.1, advantage=-0.25)
+        ep.finish(reason="max_turns", status="truncated")
+    keep("truncated", ep, 0, 0.1, -0.25, "truncated", DIVISION, "I'll compute 144/0.")
+
+    for name, step, group, reward, advantage in (("single", 0, "g2", 0.5, 0.25), ("next", 1, "g3", 0.7, 0.0)):
+        with otr.episode(step=step, group_id=group, sample_index=0) as ep:
+            ep.prompt([{"role": "user", "content": SINGLE_QUESTION}])
+            with ep.turn() as turn:
+                turn.record_generation(SINGLE_ANSWER, model=MODEL, input_tokens=7, output_tokens=3)
+            ep.reward(reward, advantage=advantage)
+        keep(name, ep, step, reward, advantage, "ok", SINGLE_QUESTION, SINGLE_ANSWER)
+        otr.end_step(step)
+    return out
+
+
+def trackio_list_status(trace: dict[str, Any]) -> str | None:
+    """The STATUS Trackio 0.43's trace list shows (``traceSummary`` in its traceUtils.js): error
+    when any span says error/failed or has an ``error``, else ``metadata.status``."""
+    spans = trace["spans"]
+    if any(str(s.get("status") or "").lower() in ("error", "failed") or s.get("error") for s in spans):
+        return "error"
+    status = trace["metadata"].get("status")
+    if isinstance(status, str) and status:
+        return status
+    return "success" if spans and all(s.get("status") == "success" for s in spans) else None
+
+
+def trackio_tables(project: str, key: str = "rollouts/table") -> list[tuple[int, list[dict[str, Any]]]]:
+    """(step, rows) of every table logged under ``key``, in logging order."""
+    db = sqlite3.connect(os.path.join(os.environ["TRACKIO_DIR"], f"{project}.db"))
+    try:
+        rows = db.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+    finally:
+        db.close()
+    out = []
+    for step, metrics in rows:
+        value = json.loads(metrics.decode() if isinstance(metrics, bytes) else metrics).get(key)
+        if value is not None:
+            assert value["_type"] == "trackio.table"
+            out.append((step, value["_value"]))
+    return out
+
+
+def _configure(project: str, **kwargs) -> TrackioExporter:
+    exporter = TrackioExporter(project, run="r", **kwargs)
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"))
+    return exporter
+
+
+# --- tests ---------------------------------------------------------------------------------------
 def test_trackio_traces_read_back_from_sqlite(otr_shutdown):
     project = "otr-test-trackio"
     otr.configure(exporters=[TrackioExporter(project, run="r1")],
@@ -66,10 +193,14 @@ def test_trackio_traces_read_back_from_sqlite(otr_shutdown):
         assert gen["parent_id"] == by_name["turn"][0]["id"]
         tool = by_name["execute_tool calc"][0]
         assert tool["kind"] == "tool" and tool["input"] == {"i": i}
-        if i == 0:
-            assert tool["status"] == "error" and tool["error"] == "division by zero"
-        else:
-            assert tool["status"] == "success" and tool["output"] == i * 10
+        if i == 0:  # a failed tool in an ok episode: on its span, not the episode's status
+            assert tool["status"] == "error (episode ok)" and "error" not in tool
+            assert tool["output"] == "error: division by zero"
+            assert md["span_errors"] == ["execute_tool calc: division by zero"]
+        else:  # the same text as the conversation's tool message
+            assert tool["status"] == "success" and tool["output"] == str(i * 10)
+            assert "span_errors" not in md
+        assert trackio_list_status(row) == md["rl.status"] == "ok"
         assert by_name["reward"][0]["output"]["rl.reward"] == i / 4
 
 
@@ -83,3 +214,131 @@ def test_eval_split_gets_its_own_key(otr_shutdown):
     (row,) = trackio_rows(project)
     assert row["key"] == "eval/rollouts" and row["step"] == 3
     assert row["metadata"]["rl.split"] == "eval"
+    ((step, rows),) = trackio_tables(project, "eval/rollouts/table")
+    assert step == 3 and [r["reward"] for r in rows] == [1.0]
+    assert trackio_tables(project) == []  # no train table
+
+
+def test_list_status_is_the_episodes_rl_status(otr_shutdown):
+    """Trackio's list marks a trace "error" when any span errs: only an error episode may."""
+    project = f"otr-test-status-{uuid.uuid4().hex[:6]}"
+    _configure(project)
+    recorded = record_outcomes()
+    assert otr.flush()
+    rows = {r["metadata"]["trace_id"]: r for r in trackio_rows(project)}
+    assert set(rows) == {e["trace_id"] for e in recorded.values()}
+    for name, episode in recorded.items():
+        row = rows[episode["trace_id"]]
+        assert row["metadata"]["rl.status"] == row["metadata"]["status"] == episode["status"], name
+        assert trackio_list_status(row) == episode["status"], name
+
+    def spans(name):
+        return {(s["name"], i): s for i, s in enumerate(rows[recorded[name]["trace_id"]]["spans"])}
+
+    failed = [s for s in spans("retried").values() if s["name"] == "execute_tool calculator"]
+    assert [s["status"] for s in failed] == ["error (episode ok)", "success"]
+    assert failed[0]["output"] == f"error: ValueError: {TOOL_ERROR}" and "error" not in failed[0]
+    assert failed[0]["metadata"][c.ERROR_TYPE] == "ValueError"
+    truncated = [s for s in spans("truncated").values() if s["kind"] == "tool"]
+    assert [s["status"] for s in truncated] == ["error (episode truncated)"] * 2
+    # the episode span says what the list says, not "success"
+    assert next(s for s in spans("truncated").values() if s["name"] == "episode")["status"] == "truncated"
+    assert next(s for s in spans("retried").values() if s["name"] == "episode")["status"] == "success"
+    assert rows[recorded["truncated"]["trace_id"]]["metadata"]["span_errors"] == [
+        "execute_tool calculator: ZeroDivisionError: division by zero"] * 2
+    # the crashed episode's root carries the failure, the way Trackio shows a failed trace
+    root = next(s for s in spans("crashed").values() if s["name"] == "episode")
+    assert root["status"] == "error" and root["error"] == f"RuntimeError: {CRASH}"
+
+
+def test_search_by_the_opentelemetry_trace_id_finds_the_episode(otr_shutdown):
+    """Trackio's TRACE ID is its own random log id: the OpenTelemetry trace id (the metadata's
+    ``trace_id``) is what its search finds an episode by, in storage and in the CLI, whose id
+    then opens it with ``trackio get trace``."""
+    import subprocess
+    import sys
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"otr-test-ids-{uuid.uuid4().hex[:6]}"
+    exporter = _configure(project)
+    recorded = record_outcomes()
+    assert otr.flush()
+    ids = set()
+    for name, episode in recorded.items():
+        trace_id = episode["trace_id"]
+        (found,) = SQLiteStorage.get_traces(project, run=exporter.run, search=trace_id)
+        assert found["metadata"]["trace_id"] == trace_id, name
+        _, log_id, key, index = found["id"].split(":")
+        assert (key, len(log_id)) == ("rollouts", 32) and index.isdigit(), found["id"]
+        ids.add(found["id"])
+    assert len(ids) == len(recorded)
+
+    def cli(*args: str) -> Any:
+        out = subprocess.run([sys.executable, "-m", "trackio.cli", *args, "--project", project, "--json"],
+                             check=True, capture_output=True, text=True, timeout=120).stdout
+        return json.loads(out)
+
+    trace_id = recorded["truncated"]["trace_id"]
+    (listed,) = cli("list", "traces", "--search", trace_id)["traces"]
+    assert listed["metadata"]["trace_id"] == trace_id
+    shown = cli("get", "trace", "--trace-id", listed["id"])
+    assert (shown["id"], shown["metadata"]["trace_id"]) == (listed["id"], trace_id)
+
+
+def test_chat_input_and_tool_results_read_the_same_everywhere(otr_shutdown):
+    project = f"otr-test-views-{uuid.uuid4().hex[:6]}"
+    _configure(project)
+    recorded = record_outcomes()
+    assert otr.flush()
+    (row,) = [r for r in trackio_rows(project) if r["metadata"]["trace_id"] == recorded["retried"]["trace_id"]]
+    chats = [s for s in row["spans"] if s["kind"] == "generation"]
+    assert len(chats) == 3 and all(s["input"] for s in chats)
+    # each generation's input is the conversation up to it, as OpenAI-style messages
+    assert chats[0]["input"] == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    last = chats[-1]["input"]
+    assert last[:2] == chats[0]["input"] and last[2]["content"] == f"I'll compute {BAD_EXPRESSION}."
+    assert last[-1] == {"role": "tool", "tool_call_id": "c2", "content": "604800.0", "name": "calculator"}
+    assert chats[-1]["output"] == [{"role": "assistant", "content": FINAL_ANSWER}]
+    # the tool's result: the same text on its span and in the conversation
+    tool = [s for s in row["spans"] if s["kind"] == "tool"][1]
+    message = [m for m in row["messages"] if m["role"] == "tool"][1]
+    assert tool["output"] == message["content"] == "604800.0"
+    # the episode span (selected when a row is expanded) holds the question and the final answer
+    root = row["spans"][0]
+    assert root["name"] == "episode" and (root["input"], root["output"]) == (QUESTION, FINAL_ANSWER)
+    # what the list's REQUEST column takes: the first user message
+    assert next(m for m in row["messages"] if m["role"] == "user")["content"] == QUESTION
+
+
+def test_one_table_per_step_lists_its_kept_episodes_worst_first(otr_shutdown):
+    project = f"otr-test-table-{uuid.uuid4().hex[:6]}"
+    _configure(project, trace_ui_url=TRACE_UI)
+    recorded = record_outcomes()
+    # step 0's table is logged once step 1's episode arrives; step 1's at the flush
+    assert otr.flush()
+    tables = trackio_tables(project)
+    assert [step for step, _ in tables] == [0, 1]
+    for step, rows in tables:
+        kept = sorted((e for e in recorded.values() if e["step"] == step), key=lambda e: e["reward"])
+        assert [r["trace id"] for r in rows] == [e["trace_id"] for e in kept]
+        assert [r["reward"] for r in rows] == [e["reward"] for e in kept]
+        assert [r["advantage"] for r in rows] == [e["advantage"] for e in kept]
+        assert [r["status"] for r in rows] == [e["status"] for e in kept]
+        assert [r["link"] for r in rows] == [f"{TRACE_UI}/trace/{e['trace_id']}" for e in kept]
+        assert list(rows[0]) == ["reward", "advantage", "status", "turns", "input tokens", "output tokens",
+                                 "trace id", "group", "sample", "episode", "link"]
+    by_trace = {r["trace id"]: r for r in tables[0][1]}
+    retried = by_trace[recorded["retried"]["trace_id"]]
+    assert (retried["turns"], retried["input tokens"], retried["output tokens"]) == (3, 120, 23)
+    assert retried["group"] == "g0" and retried["sample"] == 0 and retried["episode"]
+    traces = {r["metadata"]["trace_id"]: r for r in trackio_rows(project)}
+    assert retried["episode"] == traces[retried["trace id"]]["metadata"]["rl.episode.id"]
+
+
+def test_no_table_when_turned_off(otr_shutdown):
+    project = f"otr-test-notable-{uuid.uuid4().hex[:6]}"
+    _configure(project, table=False)
+    record_outcomes()
+    assert otr.flush()
+    assert len(trackio_rows(project)) == 5 and trackio_tables(project) == []

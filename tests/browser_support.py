@@ -1,0 +1,79 @@
+"""Debian's chromium driven by selenium, for the tests that look at a viewer as a person does.
+
+Only the system browser is used (``/usr/bin/chromium`` + ``/usr/bin/chromedriver``): nothing
+downloads a browser. Without them a test skips, except under ``CI`` where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from receivers import in_ci
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+TIMEOUT = 60  # seconds for a page to show what we wait for (the machine is shared and slow)
+
+
+def unavailable(reason: str) -> None:
+    if in_ci():
+        pytest.fail(f"{reason} (CI must install chromium and chromium-driver: see .ci/run)")
+    pytest.skip(reason)
+
+
+@contextmanager
+def chromium(profile: Path) -> Iterator:
+    """A headless chromium session (quit on exit)."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        unavailable(f"{CHROMIUM} / {CHROMEDRIVER} not installed (apt-get install chromium chromium-driver)")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        unavailable("selenium not installed")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--no-first-run", "--window-size=1600,1100",
+                f"--user-data-dir={profile}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    driver.set_page_load_timeout(TIMEOUT)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver, condition, what: str, screenshot: Path | None = None):
+    """Wait until ``condition(driver)`` is truthy; on timeout fail with the page's text (and a
+    screenshot at ``screenshot``, named in the message). An element the page re-rendered
+    meanwhile (stale) counts as not there yet."""
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, TIMEOUT, poll_frequency=0.2,
+                             ignored_exceptions=[StaleElementReferenceException]).until(condition)
+    except TimeoutException:
+        saved = ""
+        if screenshot is not None and driver.save_screenshot(str(screenshot)):
+            saved = f" (screenshot: {screenshot})"
+        raise AssertionError(f"timed out after {TIMEOUT} s waiting for {what}{saved}; at {driver.current_url}:\n"
+                             f"{driver.find_element('tag name', 'body').text[:2000]}") from None
+
+
+def save_screenshot(driver, path: Path) -> Path:
+    """A PNG of the page (checked to be one), also copied to $OTEL_ROLLOUTS_SCREENSHOT_DIR if set."""
+    assert driver.save_screenshot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    keep = os.environ.get("OTEL_ROLLOUTS_SCREENSHOT_DIR")  # optional: collect them for a look
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(keep) / path.name)
+    return path
