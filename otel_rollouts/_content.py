@@ -126,7 +126,44 @@ def snapshot(value: Any, max_nodes: int = DEFAULT_MAX_NODES) -> Any:
     """
     if value is None or type(value) in _ATOMS:
         return value
+    copied = _shallow(value, max_nodes)  # the common case: a message, a list of messages
+    if copied is not None:
+        return copied
     return _Snapshot(max_nodes).copy(value, 0)
+
+
+def _flat_dict(value: dict) -> dict | None:
+    """A copy of a plain dict whose values are all atoms (None when it has containers)."""
+    atoms = _ATOMS
+    for item in value.values():
+        if item is not None and type(item) not in atoms:
+            return None
+    return value.copy()
+
+
+def _shallow(value: Any, max_nodes: int) -> Any:
+    """A fast copy of a plain dict of atoms, or a plain list of atoms and such dicts; None for
+    anything else (which the full walk handles: nested, shared, cyclic, subclasses, huge)."""
+    kind = type(value)
+    if kind is dict:
+        return _flat_dict(value) if len(value) <= max_nodes else None
+    if kind is not list or len(value) > max_nodes:
+        return None
+    out = []
+    nodes = len(value)
+    atoms = _ATOMS
+    for item in value:
+        if item is None or type(item) in atoms:
+            out.append(item)
+            continue
+        if type(item) is not dict:
+            return None
+        nodes += len(item)
+        copied = _flat_dict(item) if nodes <= max_nodes else None
+        if copied is None:
+            return None
+        out.append(copied)
+    return out
 
 
 class _Snapshot:
