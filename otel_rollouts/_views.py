@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._content import jsonable, text
+from otel_rollouts._content import jsonable, text, to_json
 
 Message = dict[str, Any]
 
@@ -68,15 +68,9 @@ def _content_text(content: Any) -> str | None:
     return as_text(content)
 
 
-def as_text(value: Any) -> str:
-    """One way to print a value everywhere: text stays text, anything else is compact JSON.
-
-    (So a tool result of 604800.0 reads ``604800.0`` in every viewer, not ``604800`` here and
-    ``604800.0`` there.)
-    """
-    if isinstance(value, str):
-        return value
-    return json.dumps(jsonable(value), ensure_ascii=False, separators=(",", ":"))
+# One way to print a value everywhere: text stays text, anything else is compact JSON (so a tool
+# result of 604800.0 reads ``604800.0`` in every viewer, not ``604800`` here and ``604800.0`` there).
+as_text = to_json
 
 
 def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
