@@ -141,6 +141,7 @@ class Outlet:
         self._attempts = 0  # export attempts finished
         self._inflight = 0  # episodes in the export call under way
         self._last_ok = True
+        self._head_strikes: dict[Any, int] = {}  # spool head -> times a later batch went through instead
         self._logged: set[str] = set()
         if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
             self._open_spool()  # batches a previous process left behind go first
@@ -329,13 +330,19 @@ class Outlet:
                 self._to_spool(part)
             return False
         if failures + 1 >= _POISON_AFTER and len(spool) > 1:
-            # this batch, or the exporter? try the next one: if it goes through, the head is one
-            # the exporter will never accept: drop it (counted) rather than stall behind it
+            # this batch, or the exporter? try the next one: if it goes through, the exporter
+            # works. The head is dropped (counted) only after it failed that way _POISON_AFTER
+            # times: once may be a receiver that was still starting up when the head was sent
             second = spool.peek(1)
             if second is not None and not self._send(decode(second[1])):
                 spool.remove(second[0])
-                spool.remove(path)
-                self._dropped("rejected", count_episodes(spans))
+                strikes = self._head_strikes.get(path, 0) + 1
+                if strikes >= _POISON_AFTER:
+                    self._head_strikes.pop(path, None)
+                    spool.remove(path)
+                    self._dropped("rejected", count_episodes(spans))
+                else:
+                    self._head_strikes = {path: strikes}
                 return True
         return False
 

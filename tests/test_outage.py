@@ -289,3 +289,59 @@ def test_spool_directory_that_cannot_be_created_drops_counted_not_raised(sink, t
     otr.flush(timeout=3)
     _wait(lambda: _delivery()["dropped"] == 2, what="drops counted")
     assert otr.stats()["totals"]["dropped.spool_unavailable"] == 2
+
+
+class _Receiver(InMemorySpanExporter):
+    """An exporter standing for a receiver that can be down, still warming up once it is back
+    (its first request fails), or refusing one episode forever (``poison``: a trace id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.warming_up = False
+        self.poison: int | None = None
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        if self.down or any(s.context.trace_id == self.poison for s in spans):
+            return SpanExportResult.FAILURE
+        if self.warming_up:
+            self.warming_up = False
+            return SpanExportResult.FAILURE
+        return super().export(spans)
+
+
+def _failures(name: str = "_Receiver") -> int:
+    return otr.stats()["totals"].get(f"export.failures.{name}", 0)
+
+
+def test_a_receiver_failing_its_first_request_after_an_outage_loses_nothing(tmp_path, otr_shutdown):
+    receiver = _Receiver()
+    receiver.down = True
+    otr.configure(exporters=[receiver], sampler=otr.TailSampler(3, "first"), spool_dir=tmp_path / "spool")
+    for step in range(3):
+        _episodes(step, 3)  # a batch per step, all spooled
+    _wait(lambda: _failures() >= 3, what="three failed attempts during the outage")
+    receiver.down, receiver.warming_up = False, True  # back, but its first request fails
+    assert otr.shutdown(timeout=30)
+    roots = {s.context.trace_id for s in receiver.get_finished_spans() if s.name == c.SPAN_EPISODE}
+    assert len(roots) == 9  # the batch that met the warming-up receiver was retried, not dropped
+    assert otr.stats()["delivery"]["_Receiver"]["dropped"] == 0
+
+
+def test_a_batch_the_receiver_always_refuses_is_dropped_counted_and_does_not_stall_the_rest(
+    tmp_path, otr_shutdown
+):
+    receiver = _Receiver()
+    otr.configure(exporters=[receiver], sampler=otr.TailSampler(3, "first"), spool_dir=tmp_path / "spool")
+    with otr.episode(step=0) as ep:
+        receiver.poison = int(ep.trace_id, 16)
+        ep.reward(1.0)
+    otr.end_step(0)
+    for step in range(1, 4):
+        _episodes(step, 3)
+    assert otr.shutdown(timeout=30)
+    roots = {s.context.trace_id for s in receiver.get_finished_spans() if s.name == c.SPAN_EPISODE}
+    assert len(roots) == 9 and receiver.poison not in roots
+    assert otr.stats()["totals"]["dropped.rejected"] == 1
