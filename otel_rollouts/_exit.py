@@ -20,6 +20,16 @@ holds a lock the flush needs. The flush therefore never runs under the interrupt
   leave the library (at most half the deadline), then flushes what is decided by then, taking
   every lock with a deadline, and ends the process with the signal.
 
+A Python-level handler only runs when the main thread executes bytecode. A main thread blocked
+in a long C call that releases the GIL (a collective, a device sync, ``os.system``), or a signal
+landing between the interpreter's last check and a blocking call, would leave the handler
+unrun for as long as the call lasts: installing our handler must not turn "SIGTERM kills the
+job" into "SIGTERM is ignored while the job hangs". The C-level handler writes every signal to
+a wakeup fd (when nobody else, e.g. asyncio, owns it); a watcher thread reads it, and when the
+Python handler has not claimed the signal within a short grace, the watcher flushes and ends
+the process itself (restoring the default action in C, since ``signal.signal`` is main-thread
+only).
+
 Either way the process ends within ``exit_timeout`` (plus a second), and a second signal ends
 it at once (the default action is restored as soon as the first arrives). Only the process that
 configured a runtime flushes it: a forked child that inherited its parent's (with the parent's
@@ -49,6 +59,9 @@ _flush: Callable[[float], object] | None = None
 _timeout = 10.0
 _calls_out: set[types.CodeType] = set()  # library frames that run user code, holding no lock
 _pending: tuple[int, threading.Thread] | None = None  # a signal whose flush is under way
+_claim = threading.Lock()  # the Python handler or the watcher: whichever takes it handles the signal
+_WATCH_GRACE_S = 0.25  # how long the watcher leaves the signal to the Python handler
+_watcher_pid: int | None = None
 
 
 def install(flush: Callable[[float], object], timeout: float, handle_signals: bool = True) -> None:
@@ -104,6 +117,73 @@ def _install_signal(signum: int) -> None:
         signal.signal(signum, _on_signal)
         _signals_installed.add(signum)
     except (ValueError, OSError):  # not the main interpreter, or an unsupported signal
+        return
+    _start_watcher()
+
+
+def _start_watcher() -> None:
+    """Have the C-level handler report signals on a pipe a watcher thread reads (once per process)."""
+    global _watcher_pid
+    if _watcher_pid == os.getpid():
+        return
+    try:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C handler must never block on a full pipe
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        return
+    if previous != -1:
+        # someone else (an event loop) owns the wakeup fd: leave it to them; the Python handler
+        # still works, only a main thread blocked in C goes unnoticed
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    _watcher_pid = os.getpid()
+    threading.Thread(target=_watch, args=(read_fd,), name="otel-rollouts-signal-watch", daemon=True).start()
+
+
+def _watch(read_fd: int) -> None:
+    try:
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:
+                return
+            for signum in data:
+                if signum in _signals_installed and _pending is None:
+                    _handle_if_unclaimed(signum)
+    except BaseException:  # noqa: BLE001 - a watcher thread never raises into anything
+        return
+
+
+def _handle_if_unclaimed(signum: int) -> None:
+    """Handle ``signum`` here if the main thread's Python handler has not within the grace."""
+    global _pending
+    grace_end = time.monotonic() + _WATCH_GRACE_S
+    while time.monotonic() < grace_end:
+        if _pending is not None:
+            return  # the Python handler ran
+        time.sleep(_POLL_S)  # the handler runs on another thread; there is nothing to wait on
+    if not _claim.acquire(blocking=False):
+        return
+    if _installed_pid != os.getpid():
+        return
+    # the main thread is stuck in C: restore the default action at the C level (a second signal
+    # kills at once, and the final os.kill does), then flush with every lock taken on a deadline
+    _default_action_in_c(signum)
+    _pending = (signum, threading.current_thread())
+    _flush_then_kill(signum, time.monotonic() + _timeout)
+
+
+def _default_action_in_c(signum: int) -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(signum, None)  # SIG_DFL is the null handler
+    except BaseException:  # noqa: BLE001 - _flush_then_kill falls back to SIGKILL
         pass
 
 
@@ -135,8 +215,8 @@ def _on_signal(signum: int, frame: types.FrameType | None) -> None:
         signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
     except (ValueError, OSError):
         pass
-    if _pending is not None:
-        return  # already flushing for an earlier signal
+    if _pending is not None or not _claim.acquire(blocking=False):
+        return  # already flushing for an earlier signal, or the watcher took this one
     deadline = time.monotonic() + _timeout
     if not inside_library(frame):
         # the training thread stays where it is (in user code, holding none of our locks)
@@ -177,3 +257,6 @@ def _flush_then_kill(signum: int, deadline: float) -> None:
         flusher.join(max(deadline - time.monotonic(), 0.0) + 1.0)
     finally:
         os.kill(os.getpid(), signum)
+        # still alive: the default action could not be restored (the watcher's ctypes failed)
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)

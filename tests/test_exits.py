@@ -266,6 +266,47 @@ def test_trackio_receives_the_episodes_of_a_process_killed_by_sigterm(tmp_path):
     assert steps == [0, 1, 2], stderr
 
 
+def test_sigterm_ends_a_process_whose_main_thread_is_blocked_in_c(tmp_path):
+    # os.system waits in C with the GIL released and retries on EINTR: a Python-level handler
+    # never runs until the command returns. Without the library SIGTERM kills such a process at
+    # once; with it the process must still die (of SIGTERM, within exit_timeout) and flush.
+    script = tmp_path / "child.py"
+    script.write_text(
+        DISPOSITIONS + textwrap.dedent(
+            """
+            import os, sys
+            import otel_rollouts as otr
+            from otel_rollouts.exporters import OtlpJsonFileExporter
+            otr.configure(exporters=[OtlpJsonFileExporter(sys.argv[1])], sampler=otr.TailSampler(10, "first"),
+                          exit_timeout=5)
+            with otr.episode(step=0, episode_id="before-the-hang") as ep:
+                ep.reward(1.0)
+            print("READY", flush=True)
+            os.system("exec sleep 120")  # a collective that never returns, for this test
+            print("returned", flush=True)
+            """
+        )
+    )
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(out)], stdout=subprocess.PIPE, text=True, env=_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)  # not communicate(): the orphaned `sleep` holds stdout open
+        took = time.monotonic() - started
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the orphaned `sleep` of the shell
+    stdout = proc.stdout.read()
+    assert proc.returncode == -signal.SIGTERM and "returned" not in stdout
+    assert took < 30  # within exit_timeout (5 s) plus scheduling noise, not the 120 s of the call
+    ids = [(span.attributes or {}).get(c.RL_EPISODE_ID) for batch in spans_from_file(out) for span in batch]
+    assert "before-the-hang" in ids
+
+
 # --- a signal landing inside one of the library's own calls -------------------------------------
 # The child prints READY from inside the call (a user policy's decision under end_step, an
 # exporter's export under flush, an old exporter's shutdown under configure) and keeps that call
