@@ -29,8 +29,15 @@ class RoleMarkers:
 
     def __post_init__(self) -> None:
         if self.prefixes:
-            alternatives = sorted(self.prefixes.values(), key=len, reverse=True)
-            self._pattern = re.compile("|".join(re.escape(p) for p in alternatives))
+            alternatives = [re.escape(p) for p in sorted(self.prefixes.values(), key=len, reverse=True)]
+            # any other role the template renders the same way (tool, ipython, environment...):
+            # the user prefix with the role name in place of "user"
+            user = self.prefixes.get("user", "")
+            if user.count("user") == 1:
+                head, tail = user.split("user")
+                if head.strip():  # a real marker around the name, not a bare word
+                    alternatives.append(re.escape(head) + r"(?P<role>[A-Za-z_][A-Za-z0-9_-]{0,31})" + re.escape(tail))
+            self._pattern = re.compile("|".join(alternatives))
         self._role_of = {p: r for r, p in self.prefixes.items()}
 
     def clean(self, text: str) -> str:
@@ -54,7 +61,8 @@ class RoleMarkers:
         role: str | None = None
         for match in self._pattern.finditer(text):
             out.append((role, self.clean(text[pos : match.start()])))
-            role, pos = self._role_of[match.group(0)], match.end()
+            role = self._role_of.get(match.group(0)) or match.group("role")
+            pos = match.end()
         out.append((role, self.clean(text[pos:])))
         return [(r, t) for r, t in out if r is not None or t.strip()]
 

@@ -160,6 +160,14 @@ def _info(tokenizer: Any) -> _TokenizerInfo:
         return info
 
 
+def tokenizer_knowledge(tokenizer: Any) -> tuple[RoleMarkers, tuple[str, ...], str | None]:
+    """(chat-template role markers, special-token strings, EOS string) of ``tokenizer``, learned
+    once per tokenizer; what turns decoded text back into readable messages."""
+    info = _info(tokenizer)
+    eos = getattr(tokenizer, "eos_token", None)
+    return info.markers, info.special, eos if isinstance(eos, str) and eos else None
+
+
 # --- the lazy episode body ----------------------------------------------------------------------
 class _Field(Deferred):
     """A Deferred reading one value of a sample's decoded body (decoded at most once)."""

@@ -42,6 +42,8 @@ __all__ = [
     "items",
     "lazy_text",
     "mark_invalid",
+    "set_policy",
+    "warn_unknown",
     "mask_runs",
     "mark_partial",
     "replay_messages",
@@ -62,6 +64,10 @@ COUNT_DUPLICATE = "adapters.duplicates"
 COUNT_FILTERED = "adapters.filtered"
 COUNT_UNGROUPED = "adapters.ungrouped"
 COUNT_INVALID = "adapters.invalid_values"
+COUNT_UNKNOWN = "adapters.unknown_structure"
+
+_warned: set[tuple[str, str]] = set()
+_MAX_WARNED = 200
 
 
 # --- reading duck-typed inputs -----------------------------------------------------------------
@@ -284,6 +290,40 @@ def count(name: str, n: int = 1, *, step: int | None = None, split: str | None =
         rt.stats.step((int(step), split or "train"), name, n)
     else:
         rt.stats.add(name, n)
+
+
+def warn_unknown(adapter: str, field_name: str, detail: str) -> None:
+    """Warn once per (adapter, field) about a structure the adapter does not understand (and
+    count every time): it is recorded as far as it is understood, never guessed silently."""
+    count(COUNT_UNKNOWN)
+    key = (adapter, field_name)
+    if key in _warned or len(_warned) >= _MAX_WARNED:
+        return
+    _warned.add(key)
+    import logging
+
+    logging.getLogger("otel_rollouts").warning(
+        "otel_rollouts.adapters.%s: %s: %s (recorded as far as understood; warned once)", adapter, field_name, detail
+    )
+
+
+def set_policy(ep: Any, version: Any, trained_version: Any = None) -> None:
+    """``rl.policy.version`` and ``rl.staleness`` by the one definition in ``conventions``:
+    ``version`` = optimizer updates the generating weights had received, ``trained_version`` =
+    updates the weights that train on the sample have received; staleness = their difference."""
+    try:
+        v = None if version is None else int(version)
+    except (TypeError, ValueError):
+        v = None
+    if v is None:
+        return
+    ep.set_attribute(c.RL_POLICY_VERSION, v)
+    try:
+        t = None if trained_version is None else int(trained_version)
+    except (TypeError, ValueError):
+        t = None
+    if t is not None:
+        ep.set_attribute(c.RL_STALENESS, t - v)
 
 
 # --- groups and duplicates -------------------------------------------------------------------------
