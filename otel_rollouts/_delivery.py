@@ -40,7 +40,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._content import exception_text, type_name
 from otel_rollouts._materialize import Materializer
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
-from otel_rollouts._spool import Spool, decode, encode
+from otel_rollouts._spool import Spool, encode
 from otel_rollouts._stats import Stats
 
 logger = logging.getLogger("otel_rollouts")
@@ -166,11 +166,27 @@ class Outlet:
     def _open_spool(self) -> Spool | None:
         if self._spool is None and self._spool_dir is not None and self._spool_max_bytes > 0:
             try:
-                self._spool = Spool(self._spool_dir, self._spool_max_bytes)
+                self._spool = Spool(self._spool_dir, self._spool_max_bytes, self._quarantined)
             except OSError as exc:
                 self._log_once("spool", f"cannot create spool at {self._spool_dir}: {exc}")
                 self._spool_max_bytes = 0
+                return None
+            if self._spool.shared:
+                self._log_once(
+                    "spool.shared",
+                    f"spool directory {self._spool_dir} is in use by another process; this process "
+                    f"spools to {self._spool.directory} (adopted by the next process once this one ends)",
+                )
+            if self._spool.dropped_at_open:
+                self._dropped("spool_full", self._spool.dropped_at_open)
         return self._spool
+
+    def _quarantined(self, name: str, episodes: int, reason: str) -> None:
+        """A spool file that is not a batch was moved aside: count what it claimed to hold."""
+        self.stats.add(f"spool.quarantined.{self.name}")
+        self._log_once("spool.quarantine", f"spool file {name} moved to quarantine/: {reason}")
+        if episodes:
+            self._dropped("spool_damaged", episodes)
 
     def _to_spool(self, spans: list[ReadableSpan]) -> None:
         episodes = count_episodes(spans)
@@ -307,7 +323,7 @@ class Outlet:
         if failures == 0 and len(spool) > 1:
             # the exporter is taking batches: drain several spooled ones per request
             many = spool.peek_many(_DRAIN_BATCHES, _DRAIN_BYTES)
-            spans = [span for _, data, _ in many for span in decode(data)]
+            spans = [span for _, batch, _ in many for span in batch]
             failed = self._send(spans)
             if not failed or sum(len(p) for p in failed) < len(spans):
                 for path, _, _ in many:
@@ -318,8 +334,7 @@ class Outlet:
         head = spool.peek()
         if head is None:
             return True
-        path, data, _ = head
-        spans = decode(data)
+        path, spans, _ = head
         failed = self._send(spans)
         if not failed:
             spool.remove(path)
@@ -334,7 +349,7 @@ class Outlet:
             # works. The head is dropped (counted) only after it failed that way _POISON_AFTER
             # times: once may be a receiver that was still starting up when the head was sent
             second = spool.peek(1)
-            if second is not None and not self._send(decode(second[1])):
+            if second is not None and not self._send(second[1]):
                 spool.remove(second[0])
                 strikes = self._head_strikes.get(path, 0) + 1
                 if strikes >= _POISON_AFTER:
@@ -407,6 +422,7 @@ class Outlet:
         spool = self._spool
         if spool is None:
             return 0, None
+        spool.close()  # the lock goes; the files stay for the next process
         return spool.episodes, spool.directory
 
     def _log_once(self, what: str, message: str) -> None:

@@ -8,19 +8,39 @@ never leaves a half batch behind. The spool has a byte cap: when a new batch doe
 
 A spool directory that already holds batches (a previous process died with the collector down)
 is picked up: those batches are delivered first.
+
+The directory is untrusted input: a file that is not a regular file (a symlink, a FIFO), is
+larger than the cap, does not decode, or is named like no batch of ours is moved to
+``quarantine/`` (at most ``_QUARANTINE_KEEP`` files are kept there), reported through
+``on_quarantine`` and never blocks the batches behind it. Files are read outside the lock,
+opened without following links and without blocking, so a FIFO cannot hang ``stats()`` or
+``shutdown()``.
+
+One process per directory: an advisory lock (``.lock``, ``flock``) is held while the spool is
+open. A second process given the same directory spools into a sub-directory of its own
+(``pid-<pid>``), which the next process that holds the main lock adopts once its owner is gone.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from opentelemetry.sdk.trace import ReadableSpan
 
 _SUFFIX = ".otlp"
+_NAME = re.compile(r"^(\d{12})-(\d{1,9})\.otlp$")
+_LOCK = ".lock"
+_QUARANTINE = "quarantine"
+_QUARANTINE_KEEP = 64
+_OWN_PREFIX = "pid-"
+
+Quarantine = Callable[[str, int, str], None]  # (file name, episodes it held, reason)
 
 
 def encode(spans: Sequence[ReadableSpan]) -> bytes:
@@ -41,34 +61,204 @@ def decode(data: bytes) -> list[ReadableSpan]:
     return spans_from_request(request)
 
 
+class SpoolFileError(Exception):
+    """A spool file that cannot be a batch of ours (the message is the reason)."""
+
+
+def _lock(directory: Path) -> int | None:
+    """An exclusive advisory lock on ``directory`` (its fd), or None when another process holds it."""
+    import fcntl
+
+    fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def _private_dir(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if directory.is_symlink() or not directory.is_dir():
+        raise OSError(f"spool directory {directory} is not a directory of its own")
+    os.chmod(directory, 0o700)
+
+
+def read_batch(path: Path, max_bytes: int) -> list[ReadableSpan]:
+    """The spans of one spool file; ``SpoolFileError`` when it is not a batch we could have written."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == getattr(os, "ELOOP", -1) or path.is_symlink():
+            raise SpoolFileError("a symbolic link") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SpoolFileError("not a regular file")
+        if info.st_size > max_bytes:
+            raise SpoolFileError(f"{info.st_size} bytes, more than the spool's cap of {max_bytes}")
+        chunks = []
+        left = info.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise SpoolFileError("grew past the spool's cap while being read")
+    try:
+        spans = decode(data)
+    except Exception as exc:  # noqa: BLE001 - any decode failure means "not a batch"
+        raise SpoolFileError(f"does not decode as an OTLP request ({type(exc).__name__})") from None
+    if not spans:
+        raise SpoolFileError("holds no span")
+    return spans
+
+
 class Spool:
     """Oldest-first files of encoded batches under ``directory``, at most ``max_bytes`` in all.
 
     Thread-safe. ``push`` returns how many episodes were dropped to make room (oldest first);
     a single batch larger than the whole cap is refused (its episodes are returned as dropped).
+    ``peek``/``peek_many`` return decoded spans; files that are not batches are quarantined.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.directory, 0o700)
+    def __init__(
+        self, directory: str | os.PathLike[str], max_bytes: int, on_quarantine: Quarantine | None = None
+    ) -> None:
+        self.requested = Path(directory)
         self.max_bytes = int(max_bytes)
+        self.on_quarantine = on_quarantine
         self._lock = threading.Lock()
         self._files: deque[tuple[Path, int, int]] = deque()  # (path, bytes, episodes)
         self._bytes = 0
         self._seq = 0
-        for path in sorted(self.directory.glob(f"*{_SUFFIX}")):
-            try:
-                size = path.stat().st_size
-                seq, episodes = (int(x) for x in path.stem.split("-", 1))
-            except (OSError, ValueError):
+        self.dropped_at_open = 0  # episodes of adopted batches that did not fit under the cap
+        _private_dir(self.requested)
+        self.directory = self.requested
+        lock_fd = _lock(self.requested)
+        self.shared = lock_fd is None  # another process holds the directory
+        if lock_fd is None:
+            self.directory = self.requested / f"{_OWN_PREFIX}{os.getpid()}"
+            _private_dir(self.directory)
+            lock_fd = _lock(self.directory)
+            if lock_fd is None:
+                raise OSError(f"spool directory {self.directory} is locked by another process")
+        self._lock_fd = lock_fd
+        self._scan(self.directory)
+        if not self.shared:
+            self._adopt_orphans()
+
+    # --- opening ---------------------------------------------------------------------------
+    def _scan(self, directory: Path) -> None:
+        found: list[tuple[int, Path, int, int]] = []
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            name = entry.name
+            if name in (_LOCK, _QUARANTINE) or name.startswith(_OWN_PREFIX):
                 continue
+            path = directory / name
+            if name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # a write a crash interrupted (we hold the lock)
+                continue
+            match = _NAME.match(name)
+            if match is None:
+                if name.endswith(_SUFFIX):
+                    self._quarantine(path, 0, "not named like a batch of this library")
+                continue
+            episodes = int(match.group(2))
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                self._quarantine(path, episodes, "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file")
+                continue
+            found.append((int(match.group(1)), path, info.st_size, episodes))
+        for seq, path, size, episodes in found:
             self._files.append((path, size, episodes))
             self._bytes += size
             self._seq = max(self._seq, seq)
-        for stale in self.directory.glob("*.tmp"):
-            stale.unlink(missing_ok=True)
 
+    def _adopt_orphans(self) -> None:
+        """Take over the batches of ``pid-*`` sub-directories whose process is gone."""
+        for sub in sorted(self.directory.glob(f"{_OWN_PREFIX}*")):
+            if sub.is_symlink() or not sub.is_dir():
+                continue
+            try:
+                fd = _lock(sub)
+            except OSError:
+                continue
+            if fd is None:
+                continue  # its process still runs
+            try:
+                orphan = Spool.__new__(Spool)
+                orphan.max_bytes, orphan.on_quarantine = self.max_bytes, self.on_quarantine
+                orphan._files, orphan._bytes, orphan._seq = deque(), 0, 0
+                orphan._lock = threading.Lock()
+                orphan.directory = sub
+                orphan._scan(sub)
+                for path, size, episodes in orphan._files:
+                    self._seq += 1
+                    target = self.directory / f"{self._seq:012d}-{episodes}{_SUFFIX}"
+                    os.replace(path, target)
+                    self._files.append((target, size, episodes))
+                    self._bytes += size
+                (sub / _LOCK).unlink(missing_ok=True)
+                try:
+                    sub.rmdir()
+                except OSError:
+                    pass
+            finally:
+                os.close(fd)
+        self.dropped_at_open += self._trim()
+
+    def _trim(self) -> int:
+        dropped = 0
+        while self._files and self._bytes > self.max_bytes:
+            path, size, episodes = self._files.popleft()
+            path.unlink(missing_ok=True)
+            self._bytes -= size
+            dropped += episodes
+        return dropped
+
+    def _quarantine(self, path: Path, episodes: int, reason: str) -> None:
+        """Move a file that is not a batch aside (or delete it) and report it."""
+        place = self.directory / _QUARANTINE
+        try:
+            _private_dir(place)
+            os.replace(path, place / f"{path.name}")
+            kept = sorted(place.iterdir(), key=lambda p: p.lstat().st_mtime)
+            for old in kept[: max(len(kept) - _QUARANTINE_KEEP, 0)]:
+                old.unlink(missing_ok=True)
+        except OSError:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if self.on_quarantine is not None:
+            self.on_quarantine(path.name, episodes, reason)
+
+    def close(self) -> None:
+        """Release the directory lock (the files stay for the next process)."""
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # --- state -----------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._files)
 
@@ -82,22 +272,20 @@ class Spool:
         with self._lock:
             return sum(e for _, _, e in self._files)
 
+    # --- writing ---------------------------------------------------------------------------
     def push(self, data: bytes, episodes: int) -> int:
         """Store one encoded batch; return the number of episodes dropped to make room."""
         size = len(data)
         if size > self.max_bytes:
             return episodes
-        dropped = 0
         with self._lock:
-            while self._files and self._bytes + size > self.max_bytes:
-                path, old_size, old_episodes = self._files.popleft()
-                path.unlink(missing_ok=True)
-                self._bytes -= old_size
-                dropped += old_episodes
+            self._bytes += size
+            dropped = self._trim()
+            self._bytes -= size
             self._seq += 1
             path = self.directory / f"{self._seq:012d}-{episodes}{_SUFFIX}"
             tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(data)
@@ -109,39 +297,58 @@ class Spool:
             self._bytes += size
         return dropped
 
-    def peek(self, index: int = 0) -> tuple[Path, bytes, int] | None:
-        """The ``index``-th oldest batch (path, data, episodes), left in place; None if none."""
+    # --- reading (outside the lock) ----------------------------------------------------------
+    def _entry(self, index: int) -> tuple[Path, int, int] | None:
         with self._lock:
-            while len(self._files) > index:
-                path, size, episodes = self._files[index]
-                try:
-                    return path, path.read_bytes(), episodes
-                except OSError:  # removed behind our back: forget it
-                    del self._files[index]
-                    self._bytes -= size
-            return None
+            return self._files[index] if len(self._files) > index else None
 
-    def peek_many(self, count: int, max_bytes: int) -> list[tuple[Path, bytes, int]]:
-        """Up to ``count`` oldest batches (at least one, if any) totalling about ``max_bytes``."""
-        out: list[tuple[Path, bytes, int]] = []
-        total = 0
-        with self._lock:
-            for path, size, episodes in list(self._files)[:count]:
-                if out and total + size > max_bytes:
-                    break
-                try:
-                    out.append((path, path.read_bytes(), episodes))
-                except OSError:
-                    continue
-                total += size
-        return out
-
-    def remove(self, path: Path) -> None:
-        """Forget a delivered batch (a no-op if it was already dropped to make room)."""
+    def _forget(self, path: Path) -> bool:
         with self._lock:
             for i, (p, size, _) in enumerate(self._files):
                 if p == path:
                     del self._files[i]
                     self._bytes -= size
-                    break
+                    return True
+        return False
+
+    def _load(self, entry: tuple[Path, int, int]) -> list[ReadableSpan] | None:
+        """Spans of one entry; None (and the entry forgotten, quarantined when bad) otherwise."""
+        path, _, episodes = entry
+        try:
+            return read_batch(path, self.max_bytes)
+        except SpoolFileError as exc:
+            if self._forget(path):
+                self._quarantine(path, episodes, str(exc))
+        except OSError:  # removed behind our back (dropped to make room): forget it
+            self._forget(path)
+        return None
+
+    def peek(self, index: int = 0) -> tuple[Path, list[ReadableSpan], int] | None:
+        """The ``index``-th oldest batch (path, spans, episodes), left in place; None if none."""
+        while True:
+            entry = self._entry(index)
+            if entry is None:
+                return None
+            spans = self._load(entry)
+            if spans is not None:
+                return entry[0], spans, entry[2]
+
+    def peek_many(self, count: int, max_bytes: int) -> list[tuple[Path, list[ReadableSpan], int]]:
+        """Up to ``count`` oldest batches (at least one, if any) totalling about ``max_bytes``."""
+        with self._lock:
+            entries = list(self._files)[:count]
+        out: list[tuple[Path, list[ReadableSpan], int]] = []
+        total = 0
+        for entry in entries:
+            if out and total + entry[1] > max_bytes:
+                break
+            spans = self._load(entry)
+            if spans is not None:
+                out.append((entry[0], spans, entry[2]))
+                total += entry[1]
+        return out
+
+    def remove(self, path: Path) -> None:
+        """Forget a delivered batch (a no-op if it was already dropped to make room)."""
+        self._forget(path)
         path.unlink(missing_ok=True)

@@ -1,0 +1,193 @@
+"""The spool treats its own directory as untrusted input, and one process owns it.
+
+A first configuration records episodes while the receiver is down, so they are left on disk as
+batch files; the files are then damaged (truncated, random bytes, a symlink, a FIFO, a foreign
+name) at the head or in the middle, and a second configuration with a working receiver must
+deliver every other batch and the new episodes, quarantine the damaged file and count what it
+held. Two processes given one spool directory must not overwrite each other's batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otlp_sink import OtlpSink
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class _Receiver(InMemorySpanExporter):
+    """A receiver that is down (refuses everything) until told otherwise."""
+
+    def __init__(self, down: bool) -> None:
+        super().__init__()
+        self.down = down
+
+    def export(self, spans):
+        if self.down:
+            return SpanExportResult.FAILURE
+        return super().export(spans)
+
+
+def _ids(spans) -> list[str]:
+    return [
+        s.attributes[c.RL_EPISODE_ID]
+        for s in spans
+        if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE
+    ]
+
+
+def _spool_files(spool: Path) -> list[Path]:
+    return sorted(p for p in spool.rglob("*.otlp") if "quarantine" not in p.parts)
+
+
+def _leave_batches(spool: Path, n: int) -> list[Path]:
+    """Episodes old0..old{n-1}, one batch file each, left on disk by a receiver that is down."""
+    otr.configure(exporters=[_Receiver(down=True)], sampler=otr.TailSampler(1, "first"), spool_dir=spool)
+    for i in range(n):
+        with otr.episode(step=i, episode_id=f"old{i}") as ep:
+            ep.prompt("question")
+            ep.reward(1.0)
+        otr.end_step(i)
+        otr.flush(timeout=5)  # one batch per step
+    otr.shutdown(timeout=2)
+    files = _spool_files(spool)
+    assert sum(int(p.stem.split("-")[1]) for p in files) == n
+    return files
+
+
+def _damage(path: Path, how: str, tmp_path: Path) -> None:
+    data = path.read_bytes()
+    path.unlink()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "random":
+        path.write_bytes(os.urandom(len(data)))
+    elif how == "symlink":
+        secret = tmp_path / "not-a-batch"
+        secret.write_text("a file the spool must never read or send")
+        path.symlink_to(secret)
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "empty":
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("where", ["head", "middle"])
+@pytest.mark.parametrize("how", ["truncated", "random", "symlink", "fifo", "empty"])
+def test_a_damaged_spool_file_is_quarantined_counted_and_blocks_nothing(tmp_path, otr_shutdown, how, where):
+    spool = tmp_path / "spool"
+    files = _leave_batches(spool, 8)
+    victim = files[0] if where == "head" else files[len(files) // 2]
+    victim_episodes = int(victim.stem.split("-")[1])
+    _damage(victim, how, tmp_path)
+
+    receiver = _Receiver(down=False)
+    otr.configure(exporters=[receiver], sampler=otr.TailSampler(10, "first"), spool_dir=spool)
+    for i in range(4):
+        with otr.episode(step=100, episode_id=f"new{i}") as ep:
+            ep.reward(1.0)
+    otr.end_step(100)
+    started = time.monotonic()
+    stats = otr.stats()  # never hangs on a FIFO
+    assert otr.shutdown(timeout=30)
+    assert time.monotonic() - started < 30
+    delivered = _ids(receiver.get_finished_spans())
+    lost = {f"old{i}" for i in range(8)} - set(delivered)
+    assert len(lost) == victim_episodes  # only what the damaged file held
+    assert {f"new{i}" for i in range(4)} <= set(delivered)
+    assert len(delivered) == len(set(delivered))
+    totals = otr.stats()["totals"]
+    assert totals.get("spool.quarantined._Receiver") == 1
+    assert totals.get("dropped.spool_damaged._Receiver", 0) == victim_episodes
+    assert otr.stats()["delivery"]["_Receiver"]["dropped"] == victim_episodes
+    assert os.path.lexists(victim.parent / "quarantine" / victim.name)
+    assert not victim.exists() and not victim.is_symlink()
+    assert isinstance(stats, dict)
+    if how == "symlink":  # the target of a link is never read, sent or moved
+        assert (tmp_path / "not-a-batch").read_text().startswith("a file")
+
+
+def test_a_file_named_like_no_batch_is_moved_aside_and_the_rest_delivered(tmp_path, otr_shutdown):
+    spool = tmp_path / "spool"
+    files = _leave_batches(spool, 3)
+    foreign = files[0].parent / "notes.otlp"
+    foreign.write_bytes(b"someone else's file")
+    receiver = _Receiver(down=False)
+    otr.configure(exporters=[receiver], sampler=otr.TailSampler(10, "first"), spool_dir=spool)
+    assert otr.shutdown(timeout=30)
+    assert sorted(_ids(receiver.get_finished_spans())) == ["old0", "old1", "old2"]
+    assert (files[0].parent / "quarantine" / "notes.otlp").read_bytes() == b"someone else's file"
+    assert otr.stats()["totals"].get("spool.quarantined._Receiver") == 1
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    import otel_rollouts as otr
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    endpoint, spool = sys.argv[1], sys.argv[2]
+    otr.configure(exporters=[OTLPSpanExporter(endpoint=endpoint, timeout=0.5)],
+                  sampler=otr.TailSampler(1, "first"), spool_dir=spool)
+    for i in range(6):
+        with otr.episode(step=i, episode_id=f"child{i}") as ep:
+            ep.reward(1.0)
+        otr.end_step(i)
+        otr.flush(timeout=5)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    otr.shutdown(timeout=2)
+    """
+)
+
+
+def test_two_processes_given_one_spool_dir_never_overwrite_each_other(tmp_path):
+    sink = OtlpSink(tmp_path / "sink")  # not started: both processes spool
+    spool = tmp_path / "spool"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, sink.endpoint, str(spool)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert child.stdout.readline().strip() == "READY"  # the child holds the directory
+        otr.configure(
+            exporters=[OTLPSpanExporter(endpoint=sink.endpoint, timeout=0.5)],
+            sampler=otr.TailSampler(1, "first"), spool_dir=spool,
+        )
+        for i in range(6):
+            with otr.episode(step=i, episode_id=f"parent{i}") as ep:
+                ep.reward(1.0)
+            otr.end_step(i)
+            otr.flush(timeout=5)
+        otr.shutdown(timeout=2)
+        child.stdin.write("exit\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+        assert sum(int(p.stem.split("-")[1]) for p in _spool_files(spool)) == 12  # nothing overwritten
+
+        sink.start()
+        otr.configure(
+            exporters=[OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)],
+            sampler=otr.TailSampler(1, "first"), spool_dir=spool,
+        )
+        assert otr.shutdown(timeout=60)
+        got = [r["attributes"].get(c.RL_EPISODE_ID) for r in sink.roots()]
+        assert sorted(got) == sorted([f"child{i}" for i in range(6)] + [f"parent{i}" for i in range(6)])
+        assert _spool_files(spool) == []  # the other process's sub-directory was adopted and drained
+    finally:
+        child.kill()
+        sink.kill()
+        otr.shutdown(timeout=5)
