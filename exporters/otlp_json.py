@@ -43,6 +43,7 @@ __all__ = [
     "OtlpJsonFileExporter",
     "decode_line",
     "encode_request",
+    "read_lines",
     "read_requests",
     "rotated_paths",
 ]
@@ -125,30 +126,60 @@ def rotated_paths(path: str | os.PathLike[str]) -> list[Path]:
     return ordered
 
 
-def read_requests(
-    path: str | os.PathLike[str], errors: list[str] | None = None
-) -> Iterator[ExportTraceServiceRequest]:
-    """Every request in one OTLP/JSON-lines file, in order.
+MAX_LINE_BYTES = 256 * 1024 * 1024  # a longer line is skipped (and reported), never held whole
 
-    A line that does not parse is skipped and described in ``errors`` (``"file:line: why"``),
-    or raises ``ValueError`` when ``errors`` is None. A last line without its newline is a
-    write in progress and is not read.
+
+def read_lines(
+    path: str | os.PathLike[str], errors: list[str] | None = None, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[tuple[int, ExportTraceServiceRequest]]:
+    """``(line number, request)`` for every line of one OTLP/JSON-lines file, streamed.
+
+    Each line is isolated: one that does not parse (bad JSON, nesting too deep, not a trace
+    request) or is longer than ``max_line_bytes`` (skipped without being held in memory) is
+    described in ``errors`` (``"file:line: why"``), or raises ``ValueError`` when ``errors`` is
+    None. A last line without its newline is a write in progress and is not read.
     """
+
+    def problem(number: int, why: str) -> None:
+        message = f"{path}:{number}: {why}"
+        if errors is None:
+            raise ValueError(message)
+        errors.append(message)
+
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while True:
+            raw = handle.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            number += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                skipped = len(raw)
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line in chunks
+                    raw = handle.readline(1 << 20)
+                    skipped += len(raw)
+                problem(number, f"line of {skipped} bytes is longer than the limit ({max_line_bytes}); skipped")
+                continue
             if not raw.endswith(b"\n"):
-                if errors is not None and raw.strip():
-                    errors.append(f"{path}:{number}: incomplete last line (still being written?)")
+                if raw.strip():
+                    problem(number, "incomplete last line (still being written?)")
                 return
             if not raw.strip():
                 continue
             try:
-                yield decode_line(raw)
-            except ValueError as exc:
-                message = f"{path}:{number}: not an OTLP/JSON trace request: {exc}"
-                if errors is None:
-                    raise ValueError(message) from exc
-                errors.append(message)
+                request = decode_line(raw)
+            except (ValueError, RecursionError, MemoryError) as exc:
+                problem(number, f"not an OTLP/JSON trace request: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            yield number, request
+
+
+def read_requests(
+    path: str | os.PathLike[str], errors: list[str] | None = None
+) -> Iterator[ExportTraceServiceRequest]:
+    """Every request in one OTLP/JSON-lines file, in order (see ``read_lines``)."""
+    for _, request in read_lines(path, errors):
+        yield request
 
 
 # --- the exporter ----------------------------------------------------------------------------
@@ -189,6 +220,10 @@ class OtlpJsonFileExporter(SpanExporter):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
             self._fd = os.open(self.path, flags, _FILE_MODE)
+            try:
+                os.fchmod(self._fd, _FILE_MODE)  # a file that existed keeps no wider mode
+            except OSError:
+                pass
             self._size = os.fstat(self._fd).st_size
         return self._fd
 

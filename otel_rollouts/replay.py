@@ -36,6 +36,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
 from opentelemetry.trace.status import Status, StatusCode
 
+from otel_rollouts._content import exception_text
+
 __all__ = ["ReplayResult", "main", "replay", "spans_from_request", "spans_from_file"]
 
 logger = logging.getLogger("otel_rollouts")
@@ -67,8 +69,16 @@ def _attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in pairs}
 
 
-def _int_id(raw: bytes) -> int:
-    return int.from_bytes(raw, "big") if raw else 0
+def _int_id(raw: bytes, what: str = "span_id", size: int = 8, required: bool = True) -> int:
+    """An id of exactly ``size`` bytes, not all zero (``ValueError`` naming the field otherwise)."""
+    if not raw and not required:
+        return 0
+    if len(raw) != size:
+        raise ValueError(f"{what} must be {size} bytes, got {len(raw)}")
+    value = int.from_bytes(raw, "big")
+    if value == 0:
+        raise ValueError(f"{what} is all zero (invalid)")
+    return value
 
 
 def _is_remote(flags: int) -> bool:
@@ -83,7 +93,7 @@ def _trace_flags(flags: int) -> TraceFlags:
 
 
 def _span(pb: PbSpan, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-    trace_id = _int_id(pb.trace_id)
+    trace_id = _int_id(pb.trace_id, "trace_id", 16)
     trace_state = TraceState.from_header([pb.trace_state]) if pb.trace_state else TraceState()
     context = SpanContext(
         trace_id, _int_id(pb.span_id), is_remote=False, trace_flags=_trace_flags(pb.flags),
@@ -92,7 +102,7 @@ def _span(pb: PbSpan, resource: Resource, scope: InstrumentationScope) -> Readab
     parent = None
     if pb.parent_span_id:
         parent = SpanContext(
-            trace_id, _int_id(pb.parent_span_id), is_remote=_is_remote(pb.flags), trace_flags=_SAMPLED
+            trace_id, _int_id(pb.parent_span_id, "parent_span_id"), is_remote=_is_remote(pb.flags), trace_flags=_SAMPLED
         )
     code = StatusCode(pb.status.code) if pb.status.code in (0, 1, 2) else StatusCode.UNSET
     status = Status(code, pb.status.message or None) if code is StatusCode.ERROR else Status(code)
@@ -102,7 +112,7 @@ def _span(pb: PbSpan, resource: Resource, scope: InstrumentationScope) -> Readab
     links = tuple(
         Link(
             SpanContext(
-                _int_id(link.trace_id), _int_id(link.span_id), is_remote=_is_remote(link.flags),
+                _int_id(link.trace_id, "link trace_id", 16), _int_id(link.span_id, "link span_id"), is_remote=_is_remote(link.flags),
                 trace_flags=_trace_flags(link.flags),
             ),
             _attributes(link.attributes),
@@ -147,15 +157,40 @@ def spans_from_request(request: ExportTraceServiceRequest) -> list[ReadableSpan]
 def spans_from_file(
     path: str | os.PathLike[str], errors: list[str] | None = None, *, with_backups: bool = True
 ) -> Iterator[list[ReadableSpan]]:
-    """The spans of each line of ``path`` (rotated backups first when ``with_backups``)."""
-    from otel_rollouts.exporters.otlp_json import read_requests, rotated_paths
+    """The spans of each line of ``path`` (rotated backups first when ``with_backups``).
+
+    With ``errors`` a bad line is described there (``file:line: why``) and skipped; without,
+    it raises ``ValueError``.
+    """
+    for _, _, spans in lines_from_file(path, errors, with_backups=with_backups):
+        yield spans
+
+
+def lines_from_file(
+    path: str | os.PathLike[str],
+    errors: list[str] | None = None,
+    *,
+    with_backups: bool = True,
+    max_line_bytes: int | None = None,
+) -> Iterator[tuple[str, int, list[ReadableSpan]]]:
+    """``(file, line number, spans)`` of each line, streamed, each line isolated (see
+    ``spans_from_file``)."""
+    from otel_rollouts.exporters.otlp_json import MAX_LINE_BYTES, read_lines, rotated_paths
 
     paths = rotated_paths(path) if with_backups else [path]
     if not paths:
         raise FileNotFoundError(f"no such file: {path}")
     for one in paths:
-        for request in read_requests(one, errors):
-            yield spans_from_request(request)
+        for number, request in read_lines(one, errors, max_line_bytes or MAX_LINE_BYTES):
+            try:
+                spans = spans_from_request(request)
+            except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+                message = f"{one}:{number}: not a valid trace: {exc}"
+                if errors is None:
+                    raise ValueError(message) from exc
+                errors.append(message)
+                continue
+            yield str(one), number, spans
 
 
 # --- sending -----------------------------------------------------------------------------------
@@ -181,44 +216,80 @@ def replay(
     batch_lines: int = 64,
     with_backups: bool = True,
     shutdown: bool = True,
+    max_line_bytes: int | None = None,
 ) -> ReplayResult:
     """Send every trace of an OTLP/JSON-lines file (and its backups) to ``exporter``.
 
     Lines are sent in batches of ``batch_lines``; rotated backups (``path.N``) go first unless
-    ``with_backups=False``; unreadable lines are skipped and listed in the
-    result's ``errors``. The exporter is flushed, and shut down unless ``shutdown=False``.
+    ``with_backups=False``. The file is streamed line by line and each line is isolated: a line
+    that does not parse, holds an invalid id, is longer than ``max_line_bytes`` (default 256 MiB)
+    or makes the exporter raise is skipped and listed in the result's ``errors`` as
+    ``file:line: why``; the others go through. Nothing raises past that report except an
+    unreadable file (``OSError``) and ``KeyboardInterrupt``. The exporter is flushed, and shut down unless ``shutdown=False``.
     """
     result = ReplayResult()
     trace_ids: set[int] = set()
-    batch: list[ReadableSpan] = []
-    pending = 0
+    batch: list[tuple[str, int, list[ReadableSpan]]] = []
+
+    def export(spans: list[ReadableSpan]) -> tuple[bool, BaseException | None]:
+        try:
+            return exporter.export(spans) is SpanExportResult.SUCCESS, None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a hostile exporter: report, keep going
+            return False, exc
 
     def send() -> None:
-        nonlocal batch, pending
-        if batch:
-            try:
-                outcome = exporter.export(batch)
-            except Exception as exc:  # noqa: BLE001 - report, keep going
-                logger.warning("otel_rollouts: replay: %s failed: %s", type(exporter).__name__, exc)
-                outcome = SpanExportResult.FAILURE
-            if outcome is not SpanExportResult.SUCCESS:
+        nonlocal batch
+        lines, batch = batch, []
+        if not lines:
+            return
+        ok, exc = export([span for _, _, spans in lines for span in spans])
+        if ok:
+            return
+        if exc is None or len(lines) == 1:
+            result.failed_batches += 1
+            if exc is not None:
+                where = f"{lines[0][0]}:{lines[0][1]}"
+                result.errors.append(f"{where}: {type(exporter).__name__} raised {exception_text(exc)}")
+            return
+        # the exporter raised on the batch: one line may be to blame; send them one by one so
+        # the others go through and the bad ones are named
+        for one in lines:
+            ok, exc = export(one[2])
+            if not ok:
                 result.failed_batches += 1
-        batch, pending = [], 0
+                if exc is not None:
+                    result.errors.append(f"{one[0]}:{one[1]}: {type(exporter).__name__} raised {exception_text(exc)}")
 
     try:
-        for spans in spans_from_file(path, result.errors, with_backups=with_backups):
-            result.lines += 1
-            result.spans += len(spans)
-            trace_ids.update(s.context.trace_id for s in spans)
-            batch.extend(spans)
-            pending += 1
-            if pending >= batch_lines:
-                send()
-        send()
+        try:
+            for line in lines_from_file(
+                path, result.errors, with_backups=with_backups, max_line_bytes=max_line_bytes
+            ):
+                result.lines += 1
+                result.spans += len(line[2])
+                trace_ids.update(s.context.trace_id for s in line[2])
+                batch.append(line)
+                if len(batch) >= batch_lines:
+                    send()
+            send()
+        except OSError:
+            raise  # the file itself: the caller reports it
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never past our own error report
+            result.errors.append(f"{path}: replay stopped: {exception_text(exc)}")
     finally:
-        exporter.force_flush()
-        if shutdown:
-            exporter.shutdown()
+        for call in (exporter.force_flush, exporter.shutdown if shutdown else None):
+            if call is None:
+                continue
+            try:
+                call()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001
+                result.errors.append(f"{type(exporter).__name__}.{call.__name__} raised {exception_text(exc)}")
     result.traces = len(trace_ids)
     return result
 

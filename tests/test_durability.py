@@ -191,3 +191,76 @@ def test_two_processes_given_one_spool_dir_never_overwrite_each_other(tmp_path):
         child.kill()
         sink.kill()
         otr.shutdown(timeout=5)
+
+
+# --- replay: each line isolated, streamed with a size bound --------------------------------------
+def _write_episodes(path: Path, n: int) -> None:
+    from otel_rollouts.exporters import OtlpJsonFileExporter
+
+    otr.configure(exporters=[OtlpJsonFileExporter(path)], sampler=otr.TailSampler(n, "first"))
+    for i in range(n):
+        with otr.episode(step=0, episode_id=f"good{i}") as ep:
+            ep.prompt("question")
+            ep.reward(float(i))
+    assert otr.shutdown(timeout=30)
+
+
+def _replayed(path: Path, **kwargs) -> tuple[list[str], list[str]]:
+    from otel_rollouts.replay import replay
+
+    memory = InMemorySpanExporter()
+    result = replay(path, memory, **kwargs)
+    return _ids(memory.get_finished_spans()), result.errors
+
+
+def test_replay_isolates_a_bad_trace_id_a_deep_line_and_a_huge_line(tmp_path, otr_shutdown):
+    import json
+
+    path = tmp_path / "traces.jsonl"
+    _write_episodes(path, 6)
+    good = path.read_text().splitlines()
+    assert len(good) == 6
+    bad_id = json.loads(good[0])
+    for rs in bad_id["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                span["traceId"] = "abcd"  # 2 bytes, not 16
+    deep = '{"resourceSpans": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    huge = '{"resourceSpans": [], "x": "' + "y" * 100_000 + '"}'
+    lines = [good[0], json.dumps(bad_id), good[1], deep, good[2], huge, *good[3:]]
+    path.write_text("\n".join(lines) + "\n")
+
+    ids, errors = _replayed(path, max_line_bytes=50_000)
+    assert sorted(ids) == [f"good{i}" for i in range(6)]  # every good line, in one 64-line batch
+    assert any(e.startswith(f"{path}:2:") and "trace_id" in e for e in errors), errors
+    assert any(e.startswith(f"{path}:4:") for e in errors), errors
+    assert any(e.startswith(f"{path}:6:") and "longer than the limit" in e for e in errors), errors
+    assert len(errors) == 3
+
+
+def test_replay_survives_an_exporter_that_raises_on_one_line(tmp_path, otr_shutdown):
+    path = tmp_path / "traces.jsonl"
+    _write_episodes(path, 5)
+
+    class Picky(InMemorySpanExporter):
+        def export(self, spans):
+            if any((s.attributes or {}).get(c.RL_EPISODE_ID) == "good3" for s in spans):
+                raise SystemExit("an exporter that ends the process")
+            return super().export(spans)
+
+    from otel_rollouts.replay import replay
+
+    picky = Picky()
+    result = replay(path, picky, shutdown=False)
+    assert sorted(_ids(picky.get_finished_spans())) == ["good0", "good1", "good2", "good4"]
+    assert len(result.errors) == 1 and "SystemExit" in result.errors[0] and f"{path}:" in result.errors[0]
+
+
+def test_an_existing_otlp_json_file_is_made_private(tmp_path, otr_shutdown):
+    import stat
+
+    path = tmp_path / "traces.jsonl"
+    path.write_text("")
+    os.chmod(path, 0o644)
+    _write_episodes(path, 1)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
