@@ -28,6 +28,7 @@ What Trackio 0.43's Traces page derives from a trace (``frontend/src/lib/traceUt
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import defaultdict
@@ -287,6 +288,15 @@ def _number(value: Any) -> float | int | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _unstorable(messages: Any, metadata: Any, spans: Any) -> str | None:
+    """Why Trackio could not store a trace with these parts (its storage is UTF-8 JSON), or None."""
+    try:
+        json.dumps([messages, metadata, spans], ensure_ascii=False, default=str).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as exc:
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
 def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
     """Lowest reward first (then lowest advantage); episodes without a reward last."""
     reward, advantage = row.get(TABLE_COLUMNS[0]), row.get(TABLE_COLUMNS[1])
@@ -340,6 +350,8 @@ class TrackioExporter(SpanExporter):
         self.skipped_fragments = 0
         self.tables_logged = 0
         self.table_failures = 0
+        self._not_stored: dict[str, int] = {}
+        self._warned_unstorable = False
 
     def _trackio_run(self):
         if self._run is None:
@@ -397,11 +409,18 @@ class TrackioExporter(SpanExporter):
             split = str(attrs.get(c.RL_SPLIT) or "train")
             key = self.trace_key if split == "train" else f"{split}/{self.trace_key}"
             url = self.trace_url(trace_id)
-            trace = trackio.Trace(
-                messages=episode_messages(group),
-                metadata=episode_metadata(root, url, group),
-                spans=episode_spans(group),
-            )
+            messages, metadata, tree = episode_messages(group), episode_metadata(root, url, group), episode_spans(group)
+            problem = _unstorable(messages, metadata, tree)
+            if problem is not None:
+                # Trackio would skip the whole step's traces with a warning of its own: leave this
+                # one out, and say so (counted lost, never delivered)
+                self._not_stored["unstorable"] = self._not_stored.get("unstorable", 0) + 1
+                if not self._warned_unstorable:
+                    self._warned_unstorable = True
+                    logger.warning("otel_rollouts: TrackioExporter: trace %s cannot be stored by Trackio (%s); "
+                                   "counted lost in otr.stats()", hex_id(trace_id, 32), problem)
+                continue
+            trace = trackio.Trace(messages=messages, metadata=metadata, spans=tree)
             episodes.append((step, key, hex_id(trace_id, 32), trace, table_row(group, url)))
         if not episodes:
             return SpanExportResult.SUCCESS
@@ -420,6 +439,11 @@ class TrackioExporter(SpanExporter):
             # the steps before the latest one here are over: their tables can be logged
             self._log_tables(before=max(e[0] for e in episodes))
         return SpanExportResult.SUCCESS
+
+    def take_not_stored(self) -> dict[str, int]:
+        """Episodes of the last exports that were not stored, by reason (then forgotten)."""
+        out, self._not_stored = self._not_stored, {}
+        return out
 
     def _log_tables(self, before: int | None = None) -> None:
         """Log the collected step tables (those of steps before ``before``; all when None).

@@ -379,8 +379,28 @@ class Outlet:
                 self._log_once("export.FAILURE", "export returned FAILURE (will retry from the spool)")
                 failed.append(part)
             else:
-                self.stats.add(f"delivered.{self.name}", count_episodes(part))
+                lost = self._not_stored()
+                stored = count_episodes(part) - sum(lost.values())
+                self.stats.add(f"delivered.{self.name}", max(stored, 0))
+                for reason, episodes in lost.items():
+                    self._dropped(reason, episodes)
         return failed
+
+    def _not_stored(self) -> dict[str, int]:
+        """Episodes the exporter took but says it did not store, by reason.
+
+        An exporter may implement ``take_not_stored() -> {reason: episodes}`` (the Trackio
+        exporter does: a trace Trackio would skip is never counted delivered).
+        """
+        take = getattr(self.exporter, "take_not_stored", None)
+        if not callable(take):
+            return {}
+        try:
+            lost = take()
+            return {str(k): int(v) for k, v in dict(lost or {}).items() if int(v) > 0}
+        except BaseException as exc:  # noqa: BLE001 - an exporter bug never kills the sender
+            self._log_once("take_not_stored", f"take_not_stored raised {exception_text(exc)}")
+            return {}
 
     def _split(self, spans: list[ReadableSpan]) -> list[list[ReadableSpan]]:
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans

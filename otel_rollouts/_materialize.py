@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,17 @@ from otel_rollouts._views import EpisodeViews, SpanView, error_type, settle
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)
+_NUMBER_CHARS = 24  # the most characters one number takes in OTLP/JSON (a double's repr)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_utf8(text: str) -> tuple[str, bool]:
+    """``text`` encodable as UTF-8 (a lone surrogate becomes U+FFFD), and whether it changed:
+    one such character would make an exporter fail or skip the whole batch."""
+    if text.isascii():
+        return text, False
+    fixed, n = _SURROGATE.subn("\ufffd", text)
+    return fixed, n > 0
 
 
 class Materializer:
@@ -162,7 +174,7 @@ class Materializer:
         if truncated:
             attributes[c.RL_TRUNCATED_FIELDS] = truncated
         recorded_events = [
-            Event(name, self._attributes(attrs)[0], timestamp=ts) for name, attrs, ts in s.events or ()
+            Event(valid_utf8(name)[0], self._attributes(attrs)[0], timestamp=ts) for name, attrs, ts in s.events or ()
         ]
         at = s.end_ns if s.end_ns is not None else s.start_ns
         scores = view.events if view is not None else ()
@@ -170,14 +182,19 @@ class Materializer:
         message = s.status_message if s.status_code is StatusCode.ERROR else None
         if message and self.redact is not None:
             message = self.redact(message)
-        status = Status(s.status_code, message)
         parent = (
             SpanContext(trace_id, s.parent_id, is_remote=False, trace_flags=_SAMPLED)
             if s.parent_id is not None
             else None
         )
+        name, bad_name = valid_utf8(s.name)
+        if bad_name:
+            attributes.setdefault(c.RL_REPLACED_FIELDS, []).append("span.name")
+        if message:
+            message = valid_utf8(message)[0]
+        status = Status(s.status_code, message)
         return ReadableSpan(
-            name=s.name,
+            name=name,
             context=SpanContext(trace_id, s.span_id, is_remote=False, trace_flags=_SAMPLED),
             parent=parent,
             resource=self.resource,
@@ -200,26 +217,88 @@ class Materializer:
         """
         out: dict[str, Any] = {}
         truncated: list[str] = []
+        replaced: list[str] = []
         limit = self.max_attribute_chars
         for key, value in raw.items():
             if value is None:
                 continue
+            key, bad_key = valid_utf8(key)
+            if bad_key:
+                replaced.append(key)
             if isinstance(value, (bool, int, float)):
                 out[key] = value
                 continue
             if isinstance(value, (list, tuple)) and value and _homogeneous(value):
-                out[key] = list(value) if not isinstance(value[0], str) else [
-                    self._text(v, limit, redact)[0] for v in value
-                ]
+                items, was_cut, bad = self._list(value, limit, redact)
+                out[key] = items
+                if was_cut:
+                    truncated.append(key)
+                if bad:
+                    replaced.append(key)
                 continue
             if optional and self._budget is not None and self._budget <= 0:
                 continue
             text = value if isinstance(value, str) else _json(value)
             text, was_cut = self._text(text, limit, redact)
+            text, bad = valid_utf8(text)
             out[key] = text
             if was_cut:
                 truncated.append(key)
+            if bad:
+                replaced.append(key)
+        if replaced:
+            out[c.RL_REPLACED_FIELDS] = replaced
         return out, truncated
+
+    def _list(self, values: Any, limit: int, redact: bool) -> tuple[list[Any], bool, bool]:
+        """A homogeneous list within ``limit`` characters (and the episode's budget) in all:
+        head and tail kept, each text cut and made valid UTF-8."""
+        if limit <= 0:
+            limit = self._budget if self._budget is not None else 0
+        elif self._budget is not None:
+            limit = max(min(limit, self._budget), 256)
+        if not isinstance(values[0], str):
+            # a number renders in at most _NUMBER_CHARS characters of OTLP/JSON
+            most = max(limit // _NUMBER_CHARS, 2) if limit > 0 else len(values)
+            if len(values) <= most:
+                items, was_cut = list(values), False
+            else:
+                items, was_cut = list(values[: most // 2]) + list(values[len(values) - (most - most // 2) :]), True
+            if self._budget is not None:
+                self._budget = max(self._budget - len(items) * _NUMBER_CHARS, 0)
+            return items, was_cut, False
+        head: list[str] = []
+        tail: list[str] = []
+        bad = was_cut = False
+        total, n = 0, len(values)
+        half = limit // 2 if limit > 0 else None
+        i, j = 0, n - 1
+        while i <= j:  # from both ends, alternately, while the halves have room
+            for side in (0, 1):
+                if i > j:
+                    break
+                index = i if side == 0 else j
+                text, shortened = cut(values[index], limit) if limit > 0 else (values[index], False)
+                if half is not None and total + len(text) > 2 * half and (head or tail):
+                    i = j + 1  # no room left: the middle is cut
+                    break
+                if redact:
+                    text = self._clean_text(text)
+                text, replaced = valid_utf8(text)
+                bad = bad or replaced
+                was_cut = was_cut or shortened
+                total += len(text)
+                if side == 0:
+                    head.append(text)
+                    i += 1
+                else:
+                    tail.append(text)
+                    j -= 1
+        items = head + tail[::-1]
+        was_cut = was_cut or len(items) < n
+        if self._budget is not None:
+            self._budget = max(self._budget - total, 0)
+        return items, was_cut, bad
 
     def _text(self, text: str, limit: int, redact: bool = True) -> tuple[str, bool]:
         if redact:

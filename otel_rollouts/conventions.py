@@ -40,6 +40,7 @@ RL_ALIGNMENT_MISSING = "rl.alignment.missing"  # ragged columns that did not cov
 RL_STALENESS = "rl.staleness"
 RL_TURN_COUNT = "rl.turn.count"  # turns (generations) in the episode, as the framework counts them
 RL_TRUNCATED_FIELDS = "rl.content.truncated"  # names of attributes whose text was cut
+RL_REPLACED_FIELDS = "rl.content.replaced"  # names of attributes (or "span.name") whose invalid UTF-8 became U+FFFD
 RL_INVALID_FIELDS = "rl.invalid"  # "field: reason" for values that were refused
 RL_FEEDBACK_ROLE = "rl.feedback.role"  # env | tool | user for mask-0 spans after the prompt
 RL_TOOL_PARSE_ERROR = "rl.tool.parse_error"

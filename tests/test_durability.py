@@ -24,6 +24,7 @@ from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.replay import spans_from_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -264,3 +265,108 @@ def test_an_existing_otlp_json_file_is_made_private(tmp_path, otr_shutdown):
     os.chmod(path, 0o644)
     _write_episodes(path, 1)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+# --- counts are true: text every exporter can store, values within their limits ---------------
+def test_a_lone_surrogate_anywhere_is_replaced_flagged_and_delivered_by_every_exporter(
+    tmp_path, otr_shutdown, monkeypatch
+):
+    import json
+    import sqlite3
+
+    from otel_rollouts.exporters import OtlpJsonFileExporter, TrackioExporter
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    out = tmp_path / "traces.jsonl"
+    otr.configure(
+        exporters=[OtlpJsonFileExporter(out), TrackioExporter("surrogates", run="r")],
+        sampler=otr.TailSampler(10, "first"),
+    )
+    with otr.episode(step=0, episode_id="s") as ep:
+        ep.prompt("a prompt with \ud800 in it")
+        ep.set_attribute(c.RL_METADATA_PREFIX + "k\udc00", 1)
+        with ep.turn() as turn:
+            with turn.tool_call("calc\ud800", arguments={"x": "\udfff"}) as call:
+                call.result("ok")
+        ep.reward(1.0)
+    assert otr.shutdown(timeout=60)
+    delivery = otr.stats()["delivery"]
+    assert delivery["OtlpJsonFileExporter"]["delivered"] == 1 and delivery["OtlpJsonFileExporter"]["dropped"] == 0
+    assert delivery["TrackioExporter"]["delivered"] == 1 and delivery["TrackioExporter"]["dropped"] == 0
+    spans = [s for batch in spans_from_file(out) for s in batch]
+    tool = next(s for s in spans if s.name.startswith("execute_tool"))
+    assert tool.name == "execute_tool calc\ufffd"
+    assert "span.name" in tool.attributes[c.RL_REPLACED_FIELDS]
+    root = next(s for s in spans if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE)
+    assert c.RL_METADATA_PREFIX + "k\ufffd" in root.attributes[c.RL_REPLACED_FIELDS]
+    db = sqlite3.connect(tmp_path / "trackio" / "surrogates.db")
+    try:
+        rows = db.execute("SELECT messages FROM traces").fetchall()
+    finally:
+        db.close()
+    assert len(rows) == 1 and "\ufffd" in json.dumps(json.loads(rows[0][0]), ensure_ascii=False)
+
+
+def test_a_long_list_of_numbers_stays_within_the_attribute_limit(tmp_path, otr_shutdown):
+    from otel_rollouts.exporters import OtlpJsonFileExporter
+
+    out = tmp_path / "traces.jsonl"
+    otr.configure(exporters=[OtlpJsonFileExporter(out)], sampler=otr.TailSampler(10, "first"),
+                  max_attribute_chars=4096)
+    with otr.episode(step=0, episode_id="long") as ep:
+        ep.set_attribute(c.RL_METADATA_PREFIX + "logprobs", [float(i) / 7 for i in range(10_000)])
+        ep.set_attribute(c.RL_METADATA_PREFIX + "names", [f"name-{i}" for i in range(10_000)])
+        ep.reward(1.0)
+    assert otr.shutdown(timeout=30)
+    line = out.read_text()
+    assert len(line) < 40_000  # was the whole 10,000 values (over 200 KB)
+    root = next(s for batch in spans_from_file(out) for s in batch if s.name == "episode")
+    values = root.attributes[c.RL_METADATA_PREFIX + "logprobs"]
+    assert 2 < len(values) <= 4096 // 24 and values[0] == 0.0 and values[-1] == 9999 / 7  # head and tail
+    names = root.attributes[c.RL_METADATA_PREFIX + "names"]
+    assert sum(len(n) for n in names) <= 4096 and names[0] == "name-0" and names[-1] == "name-9999"
+    assert {c.RL_METADATA_PREFIX + "logprobs", c.RL_METADATA_PREFIX + "names"} <= set(
+        root.attributes[c.RL_TRUNCATED_FIELDS]
+    )
+
+
+def test_a_trace_trackio_cannot_store_is_counted_lost_not_delivered(tmp_path, otr_shutdown, monkeypatch):
+    import sqlite3
+
+    from otel_rollouts.exporters import TrackioExporter
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+
+    class Unfiltered(TrackioExporter):
+        """Spans from elsewhere (a replayed file, another SDK) reach it without our clean-up."""
+
+        def export(self, spans):
+            from opentelemetry.sdk.trace import ReadableSpan
+
+            poisoned = []
+            for s in spans:
+                attrs = dict(s.attributes or {})
+                if attrs.get(c.RL_EPISODE_ID) == "bad":
+                    attrs[c.RL_METADATA_PREFIX + "note"] = "raw \ud800"
+                poisoned.append(ReadableSpan(
+                    name=s.name, context=s.context, parent=s.parent, resource=s.resource, attributes=attrs,
+                    events=s.events, links=s.links, kind=s.kind, status=s.status, start_time=s.start_time,
+                    end_time=s.end_time, instrumentation_scope=s.instrumentation_scope,
+                ))
+            return super().export(poisoned)
+
+    otr.configure(exporters=[Unfiltered("unstorable", run="r")], sampler=otr.TailSampler(10, "first"))
+    for name in ("good", "bad", "also-good"):
+        with otr.episode(step=0, episode_id=name) as ep:
+            ep.prompt("question")
+            ep.reward(1.0)
+    otr.end_step(0)
+    assert otr.shutdown(timeout=60)
+    delivery = otr.stats()["delivery"]["Unfiltered"]
+    assert delivery["delivered"] == 2 and delivery["dropped"] == 1
+    assert otr.stats()["totals"]["dropped.unstorable.Unfiltered"] == 1
+    db = sqlite3.connect(tmp_path / "trackio" / "unstorable.db")
+    try:
+        assert db.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 2  # the step's others are stored
+    finally:
+        db.close()
