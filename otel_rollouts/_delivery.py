@@ -106,6 +106,25 @@ class _Warner:
         _warn("otel_rollouts: " + message, *args)
 
 
+def approx_bytes(spans: Sequence[ReadableSpan]) -> int:
+    """About how many bytes a batch holds: its texts plus a fixed cost per value (the bound on
+    memory waiting for an exporter is kept in these units)."""
+    total = 0
+    for span in spans:
+        total += 200 + len(span.name)
+        for key, value in (span.attributes or {}).items():
+            total += len(key) + 16
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, (tuple, list)):
+                total += sum(len(v) if isinstance(v, str) else 8 for v in value)
+        for event in span.events or ():
+            total += 64 + len(event.name)
+            for key, value in (event.attributes or {}).items():
+                total += len(key) + 16 + (len(value) if isinstance(value, str) else 8)
+    return total
+
+
 class Outlet:
     """One exporter's buffer, spool and sender thread."""
 
@@ -120,8 +139,12 @@ class Outlet:
         spool_dir: Path | None,
         spool_max_bytes: int,
         max_request_bytes: int | None,
+        max_pending_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.exporter = exporter
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._sizes: dict[int, int] = {}  # id(batch in _pending) -> its approximate bytes
         self.name = name
         self.stats = stats
         self.warner = warner
@@ -150,18 +173,43 @@ class Outlet:
 
     # --- render side ---------------------------------------------------------------------
     def offer(self, spans: list[ReadableSpan]) -> None:
+        size = approx_bytes(spans)
+        spill: list[list[ReadableSpan]] = []
         with self._cond:
             outage = self._spool is not None and len(self._spool) > 0
             # during an outage batches go to disk, behind those already there; while the memory
             # buffer is being spilled (it is not empty), they queue behind it, so order is kept
-            if (not outage or self._pending) and len(self._pending) < self.max_pending:
-                self._pending.append(spans)
+            if not outage or self._pending:
+                # the memory buffer is bounded in batches and in bytes: the oldest make room (to
+                # the spool, which the sender drains first, so the order is kept)
+                while self._pending and (
+                    len(self._pending) >= self.max_pending or self._pending_bytes + size > self.max_pending_bytes
+                ):
+                    spill.append(self._take_head())
+                if size <= self.max_pending_bytes:
+                    self._pending.append(spans)
+                    self._sizes[id(spans)] = size
+                    self._pending_bytes += size
+                    spans = None
                 self._cond.notify()
-                return
-        # an outage is going on, or the exporter is slower than training: keep it on disk
-        self._to_spool(spans)
+        for batch in spill:
+            self._to_spool(batch)
+        if spans is not None:
+            # an outage is going on, or the batch alone is over the memory bound: keep it on disk
+            self._to_spool(spans)
         with self._cond:
             self._cond.notify()
+
+    def _take_head(self) -> list[ReadableSpan]:
+        """Pop the oldest pending batch (caller holds ``_cond``)."""
+        batch = self._pending.popleft()
+        self._pending_bytes -= self._sizes.pop(id(batch), 0)
+        return batch
+
+    @property
+    def pending_bytes(self) -> int:
+        """Approximate bytes of the batches waiting in memory."""
+        return self._pending_bytes
 
     def _open_spool(self) -> Spool | None:
         if self._spool is None and self._spool_dir is not None and self._spool_max_bytes > 0:
@@ -275,7 +323,7 @@ class Outlet:
                     ok = self._send_spooled(spool, failures)
                 else:
                     with self._cond:
-                        batch = self._pending.popleft() if self._pending else None
+                        batch = self._take_head() if self._pending else None
                         self._inflight = count_episodes(batch) if batch is not None else 0
                     ok = True
                     if batch is not None:
@@ -317,7 +365,7 @@ class Outlet:
             self._to_spool(item)
             with self._cond:
                 if self._pending and self._pending[0] is item:
-                    self._pending.popleft()
+                    self._take_head()
 
     def _send_spooled(self, spool: Spool, failures: int) -> bool:
         if failures == 0 and len(spool) > 1:
@@ -430,6 +478,8 @@ class Outlet:
         self._wake.set()
         with self._cond:
             rest, self._pending = list(self._pending), deque()
+            self._sizes.clear()
+            self._pending_bytes = 0
             self._cond.notify_all()
         if rest and self._spool_max_bytes > 0:
             for batch in rest:
@@ -465,6 +515,7 @@ class Delivery:
         spool_dir: str | Path | None = None,
         spool_max_bytes: int = 256 * 1024 * 1024,
         max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+        max_pending_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.exporters = list(exporters)
         self.materializer = materializer
@@ -491,6 +542,7 @@ class Delivery:
                     spool_dir=self._spool_dir_for(i, base),
                     spool_max_bytes=spool_max_bytes,
                     max_request_bytes=max_request_bytes,
+                    max_pending_bytes=max_pending_bytes,
                 )
             )
         self._thread = threading.Thread(target=self._run, name="otel-rollouts-export", daemon=True)

@@ -25,6 +25,7 @@ from otel_rollouts.sampling import Bucket, TailSampler
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
+_MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule), least recent forgotten
 
 
 class _Step:
@@ -39,7 +40,12 @@ class _Step:
 class Pipeline(SpanProcessor):
     """Thread-safe holder of the episodes in flight and the per-step sampler buckets."""
 
-    def __init__(self, sampler: TailSampler, delivery: Delivery, stats: Stats) -> None:
+    def __init__(
+        self, sampler: TailSampler, delivery: Delivery, stats: Stats, episode_timeout_s: float | None = None
+    ) -> None:
+        if episode_timeout_s is not None and not episode_timeout_s > 0:
+            raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s!r}")
+        self.episode_timeout_s = episode_timeout_s
         self.sampler = sampler
         self.delivery = delivery
         self.stats = stats
@@ -47,7 +53,7 @@ class Pipeline(SpanProcessor):
         self._live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
         self._steps: dict[tuple[int, str], _Step] = {}
         self._closed: OrderedDict[tuple[int, str], int] = OrderedDict()  # key → kept count
-        self._max_step: dict[str, int] = {}
+        self._max_step: OrderedDict[str, int] = OrderedDict()
         self._foreign: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
         self._seq = 0
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
@@ -76,6 +82,9 @@ class Pipeline(SpanProcessor):
             previous = self._max_step.get(record.split)
             if previous is None or record.step > previous:
                 self._max_step[record.split] = record.step
+                self._max_step.move_to_end(record.split)
+                if len(self._max_step) > _MAX_SPLITS:
+                    self._max_step.popitem(last=False)
                 lag = self.sampler.step_lag
                 if lag is not None and previous is not None:
                     self._close_old(record.split, record.step - lag)
@@ -291,10 +300,34 @@ class Pipeline(SpanProcessor):
         self._trim_closed()
 
     def tick(self) -> None:
-        """Called every second by the configuration's ticker thread: closes timed-out steps."""
+        """Called every second by the configuration's ticker thread: ends episodes open past
+        ``episode_timeout_s``, closes timed-out steps."""
+        if self.episode_timeout_s is not None and self._live:
+            self.end_stale(self.episode_timeout_s)
         if self.sampler.step_timeout_s is not None and self._steps:
             with self._lock:
                 self._expire()
+
+    def end_stale(self, timeout_s: float) -> int:
+        """End, as truncated, every episode whose root has been open longer than ``timeout_s``:
+        a hung rollout becomes a decided, counted, visible episode instead of memory nobody
+        sees. Its later spans are late spans (delivered if it was kept)."""
+        cutoff = time.time_ns() - int(timeout_s * 1e9)
+        ended = 0
+        with self._lock:
+            for record in list(self._live.values()):
+                root = record.root
+                if record.state != OPEN or root is None or root.end_ns is not None:
+                    continue
+                if root.start_ns > cutoff:
+                    break  # in start order: the rest are younger
+                root.attributes[c.RL_STATUS] = c.STATUS_TRUNCATED
+                root.attributes[c.RL_TIMED_OUT] = True
+                root.end()
+                ended += 1
+        if ended:
+            self.stats.add("episodes.timed_out", ended)
+        return ended
 
     def open_episodes(self) -> list[EpisodeRecord]:
         with self._lock:

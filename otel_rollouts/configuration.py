@@ -108,6 +108,8 @@ def configure(
     exit_timeout: float = 10.0,
     metric_readers: Sequence[Any] | None = None,
     agent_name: str | None = None,
+    episode_timeout_s: float | None = None,
+    max_pending_bytes: int = 64 * 1024 * 1024,
 ) -> None:
     """Set up tracing of episodes for this process. Safe to call again: it reconfigures.
 
@@ -133,12 +135,20 @@ def configure(
       ``max_request_bytes``: OTLP requests are split under the collector's message-size limit.
     * ``handle_signals`` / ``exit_timeout``: flush at exit, SIGTERM included, within this time.
     * ``agent_name``: ``gen_ai.agent.name`` on every episode root (default: the service name).
+    * ``episode_timeout_s``: an episode still open after this long is ended as truncated
+      (``rl.timed_out``), decided and counted (``episodes.timed_out``); default None: never.
+    * ``max_pending_bytes``: per exporter, the bytes of batches waiting in memory for it; past
+      that the oldest go to the spool (or are dropped, counted, without one).
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
       ``otel_rollouts.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
     """
     global _last
     arguments = dict(locals())  # a forked child rebuilds its own runtime from these (workers.py)
+    if episode_timeout_s is not None and not episode_timeout_s > 0:
+        raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s!r}")
+    if not max_pending_bytes > 0:
+        raise ValueError(f"max_pending_bytes must be > 0, got {max_pending_bytes!r}")
     with _lock:
         old = _runtime.installed()
         if old is not None and old.extra.get("pid", os.getpid()) != os.getpid():
@@ -177,8 +187,9 @@ def configure(
             spool_dir=spool_dir,
             spool_max_bytes=spool_max_bytes,
             max_request_bytes=max_request_bytes,
+            max_pending_bytes=max_pending_bytes,
         )
-        pipeline = Pipeline(sampler, delivery, stats)
+        pipeline = Pipeline(sampler, delivery, stats, episode_timeout_s=episode_timeout_s)
         provider = TracerProvider(
             resource=resource,
             shutdown_on_exit=False,

@@ -4,7 +4,7 @@ The pipeline tells ``RolloutMetrics`` about each sampler decision and each close
 observes; it never reaches back). From that it records, on the run's resource:
 
 * ``rl.episodes.seen`` / ``rl.episodes.kept`` / ``rl.episodes.dropped`` — counters with
-  ``rl.step``, ``rl.split`` (and ``rl.drop.reason``) attributes;
+  ``rl.split`` (and ``rl.drop.reason``) attributes;
 * ``rl.reward`` and ``rl.episode.duration`` (s) — histograms by ``rl.split``; exemplars of
   kept episodes carry their trace id (the SDK's trace-based exemplar filter), so a bucket in
   Grafana links to a trace that exists;
@@ -16,8 +16,10 @@ Metrics go to the readers given to ``configure(metric_readers=[...])``, or over 
 mean/min/max, mean duration, tokens, tool errors) is handed to it on a background thread, so
 Trackio plots them at the same step as the traces.
 
-The ``rl.step`` attribute makes one counter series per step: fine for Trackio and short runs;
-for Prometheus over long runs, drop it with a ``View`` (attribute_keys) if cardinality matters.
+No instrument has a per-step or per-episode attribute: a series per step would grow the SDK's
+memory (and a backend's cardinality) for as long as the run lasts. The step is the time axis;
+per-step numbers are in ``otr.stats()["steps"]`` and in the Trackio scalars. A step's summary
+is a few running aggregates (count, sum, min, max), never a list of its values.
 """
 
 from __future__ import annotations
@@ -76,14 +78,26 @@ def step_summary_names(split: str) -> str:
 
 
 class _Step:
-    __slots__ = ("seen", "kept", "dropped", "rewards", "durations", "tokens_in", "tokens_out",
-                 "tool_errors")
+    __slots__ = ("seen", "kept", "dropped", "rewards", "reward_sum", "reward_min", "reward_max",
+                 "durations", "duration_sum", "tokens_in", "tokens_out", "tool_errors")
 
     def __init__(self) -> None:
         self.seen = self.kept = self.dropped = 0
-        self.rewards: list[float] = []
-        self.durations: list[float] = []
+        self.rewards = self.durations = 0  # how many of each were seen
+        self.reward_sum = self.duration_sum = 0.0
+        self.reward_min = float("inf")
+        self.reward_max = float("-inf")
         self.tokens_in = self.tokens_out = self.tool_errors = 0
+
+    def add_reward(self, reward: float) -> None:
+        self.rewards += 1
+        self.reward_sum += reward
+        self.reward_min = min(self.reward_min, reward)
+        self.reward_max = max(self.reward_max, reward)
+
+    def add_duration(self, duration: float) -> None:
+        self.durations += 1
+        self.duration_sum += duration
 
     def summary(self, prefix: str) -> dict[str, float]:
         out: dict[str, float] = {
@@ -95,11 +109,11 @@ class _Step:
             prefix + "tool_errors": self.tool_errors,
         }
         if self.rewards:
-            out[prefix + "reward_mean"] = sum(self.rewards) / len(self.rewards)
-            out[prefix + "reward_min"] = min(self.rewards)
-            out[prefix + "reward_max"] = max(self.rewards)
+            out[prefix + "reward_mean"] = self.reward_sum / self.rewards
+            out[prefix + "reward_min"] = self.reward_min
+            out[prefix + "reward_max"] = self.reward_max
         if self.durations:
-            out[prefix + "episode_duration_s_mean"] = sum(self.durations) / len(self.durations)
+            out[prefix + "episode_duration_s_mean"] = self.duration_sum / self.durations
         return out
 
 
@@ -204,25 +218,24 @@ class RolloutMetrics:
             else:
                 step.dropped += 1
             if reward is not None:
-                step.rewards.append(reward)
+                step.add_reward(reward)
             if duration is not None:
-                step.durations.append(duration)
+                step.add_duration(duration)
             step.tokens_in += tokens_in
             step.tokens_out += tokens_out
             step.tool_errors += errors
         if not self._instruments:
             return
-        by_step = {c.RL_STEP: record.step, c.RL_SPLIT: record.split}
         by_split = {c.RL_SPLIT: record.split}
         # exemplars point at a trace only when it will exist (kept)
         ctx = None
         if reason is None and root is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(root.get_span_context()))
-        self.seen.add(1, by_step, context=ctx)
+        self.seen.add(1, by_split, context=ctx)
         if reason is None:
-            self.kept.add(1, by_step, context=ctx)
+            self.kept.add(1, by_split, context=ctx)
         else:
-            self.dropped.add(1, {**by_step, c.RL_DROP_REASON: reason})
+            self.dropped.add(1, {**by_split, c.RL_DROP_REASON: reason})
         if reward is not None:
             self.reward.record(reward, by_split, context=ctx)
         if duration is not None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -268,18 +269,16 @@ def test_an_existing_otlp_json_file_is_made_private(tmp_path, otr_shutdown):
 
 
 # --- counts are true: text every exporter can store, values within their limits ---------------
-def test_a_lone_surrogate_anywhere_is_replaced_flagged_and_delivered_by_every_exporter(
-    tmp_path, otr_shutdown, monkeypatch
-):
+def test_a_lone_surrogate_anywhere_is_replaced_flagged_and_delivered_by_every_exporter(tmp_path, otr_shutdown):
     import json
     import sqlite3
 
     from otel_rollouts.exporters import OtlpJsonFileExporter, TrackioExporter
 
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    project = f"surrogates-{uuid.uuid4().hex[:8]}"  # Trackio's directory is the session's (read at import)
     out = tmp_path / "traces.jsonl"
     otr.configure(
-        exporters=[OtlpJsonFileExporter(out), TrackioExporter("surrogates", run="r")],
+        exporters=[OtlpJsonFileExporter(out), TrackioExporter(project, run="r")],
         sampler=otr.TailSampler(10, "first"),
     )
     with otr.episode(step=0, episode_id="s") as ep:
@@ -299,7 +298,7 @@ def test_a_lone_surrogate_anywhere_is_replaced_flagged_and_delivered_by_every_ex
     assert "span.name" in tool.attributes[c.RL_REPLACED_FIELDS]
     root = next(s for s in spans if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE)
     assert c.RL_METADATA_PREFIX + "k\ufffd" in root.attributes[c.RL_REPLACED_FIELDS]
-    db = sqlite3.connect(tmp_path / "trackio" / "surrogates.db")
+    db = sqlite3.connect(Path(os.environ["TRACKIO_DIR"]) / f"{project}.db")
     try:
         rows = db.execute("SELECT messages FROM traces").fetchall()
     finally:
@@ -330,12 +329,12 @@ def test_a_long_list_of_numbers_stays_within_the_attribute_limit(tmp_path, otr_s
     )
 
 
-def test_a_trace_trackio_cannot_store_is_counted_lost_not_delivered(tmp_path, otr_shutdown, monkeypatch):
+def test_a_trace_trackio_cannot_store_is_counted_lost_not_delivered(otr_shutdown):
     import sqlite3
 
     from otel_rollouts.exporters import TrackioExporter
 
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    project = f"unstorable-{uuid.uuid4().hex[:8]}"
 
     class Unfiltered(TrackioExporter):
         """Spans from elsewhere (a replayed file, another SDK) reach it without our clean-up."""
@@ -355,7 +354,7 @@ def test_a_trace_trackio_cannot_store_is_counted_lost_not_delivered(tmp_path, ot
                 ))
             return super().export(poisoned)
 
-    otr.configure(exporters=[Unfiltered("unstorable", run="r")], sampler=otr.TailSampler(10, "first"))
+    otr.configure(exporters=[Unfiltered(project, run="r")], sampler=otr.TailSampler(10, "first"))
     for name in ("good", "bad", "also-good"):
         with otr.episode(step=0, episode_id=name) as ep:
             ep.prompt("question")
@@ -365,8 +364,121 @@ def test_a_trace_trackio_cannot_store_is_counted_lost_not_delivered(tmp_path, ot
     delivery = otr.stats()["delivery"]["Unfiltered"]
     assert delivery["delivered"] == 2 and delivery["dropped"] == 1
     assert otr.stats()["totals"]["dropped.unstorable.Unfiltered"] == 1
-    db = sqlite3.connect(tmp_path / "trackio" / "unstorable.db")
+    db = sqlite3.connect(Path(os.environ["TRACKIO_DIR"]) / f"{project}.db")
     try:
         assert db.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 2  # the step's others are stored
     finally:
         db.close()
+
+
+# --- bounds in bytes ---------------------------------------------------------------------------
+class _Hung(InMemorySpanExporter):
+    """An exporter whose first export hangs until released (a dead collector without timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def export(self, spans):
+        self.entered.set()
+        self.release.wait(60)
+        return super().export(spans)
+
+
+def test_a_hung_exporter_holds_bounded_bytes_and_nothing_kept_is_lost(tmp_path, otr_shutdown):
+    hung = _Hung()
+    otr.configure(exporters=[hung], sampler=otr.TailSampler(1, "first"), spool_dir=tmp_path / "spool",
+                  max_pending_bytes=2 * 1024 * 1024, max_episode_chars=None, max_attribute_chars=0)
+    big = "x" * (1024 * 1024)  # ~1 MiB per episode
+    for step in range(40):
+        with otr.episode(step=step, episode_id=f"big{step}") as ep:
+            ep.prompt(big)
+            ep.reward(1.0)
+        otr.end_step(step)
+        if step == 0:
+            assert hung.entered.wait(30)
+    otr.flush(timeout=2)  # the render thread has handed every batch over
+    from otel_rollouts import _runtime
+
+    (outlet,) = _runtime.installed().delivery.outlets
+    assert outlet.pending_bytes <= 2 * 1024 * 1024 + 64 * 1024  # was 40 MiB held in memory
+    assert otr.stats()["delivery"]["_Hung"]["spooled"] > 0  # the oldest went to disk
+    hung.release.set()
+    assert otr.shutdown(timeout=60)
+    assert sorted(_ids(hung.get_finished_spans())) == sorted(f"big{i}" for i in range(40))
+
+
+def test_an_episode_open_past_its_timeout_is_ended_truncated_decided_and_counted(otr_shutdown):
+    memory = InMemorySpanExporter()
+    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first"), episode_timeout_s=0.2)
+    hung = otr.episode(step=0, episode_id="hung").start()
+    hung.prompt("a rollout whose environment never answers")
+    with otr.episode(step=0, episode_id="fine") as ep:
+        ep.reward(1.0)
+    from otel_rollouts import _runtime
+
+    pipeline = _runtime.installed().pipeline
+    deadline = time.monotonic() + 30
+    while not otr.stats()["totals"].get("episodes.timed_out") and time.monotonic() < deadline:
+        time.sleep(0.05)  # the ticker checks every second
+    assert otr.stats()["totals"]["episodes.timed_out"] == 1
+    assert all(r.root.end_ns is not None for r in pipeline.open_episodes())  # ended, waits for its step
+    otr.end_step(0)
+    otr.flush(timeout=10)
+    roots = {
+        s.attributes[c.RL_EPISODE_ID]: s.attributes
+        for s in memory.get_finished_spans()
+        if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE
+    }
+    assert roots["hung"][c.RL_STATUS] == c.STATUS_TRUNCATED and roots["hung"][c.RL_TIMED_OUT] is True
+    assert roots["fine"][c.RL_STATUS] == c.STATUS_OK
+    hung.end()  # the rollout's own end later is harmless
+
+
+def test_metrics_memory_stays_flat_over_ten_thousand_steps_and_many_splits(otr_shutdown):
+    import gc
+    import tracemalloc
+
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    class Discard(SpanExporter):  # a receiver: takes everything, keeps nothing here
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    reader = InMemoryMetricReader()
+    otr.configure(exporters=[Discard()], sampler=otr.TailSampler(1, "first"),
+                  metric_readers=[reader], handle_signals=False)
+
+    def steps(first: int, n: int, splits: int = 1) -> None:
+        for step in range(first, first + n):
+            split = "train" if splits == 1 else f"split{step % splits}"
+            with otr.episode(step=step, split=split) as ep:
+                ep.reward(float(step % 7))
+            otr.end_step(step)
+            if step % 500 == 0:
+                otr.flush(timeout=30)  # keep the export queue from overflowing in this tight loop
+        otr.flush(timeout=30)
+        reader.collect()
+
+    steps(0, 5_000)  # warm-up: the per-step windows (4,096 steps) fill and stay full
+    tracemalloc.start()
+    try:
+        # objects allocated before tracing are not counted when freed: let the windows turn
+        # over once under tracing, so that what is measured next is growth, not replacement
+        steps(5_000, 5_000)
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        steps(10_000, 10_000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 300_000, grown  # was 5.9 KB per step: ~59 MB over 10,000 steps
+    steps(20_000, 5_000, splits=5_000)  # 5,000 splits leave a bounded number of entries behind
+    from otel_rollouts import _runtime
+
+    assert len(_runtime.installed().pipeline._max_step) <= 1024
