@@ -16,10 +16,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ParsedMessage", "parse_tool_calls", "tool_responses"]
+__all__ = ["HERMES_OPEN", "ParsedMessage", "parse_tool_calls", "strip_tool_responses", "tool_responses"]
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _HERMES_OPEN = "<tool_call>"
+HERMES_OPEN = _HERMES_OPEN  # the tag that opens a Hermes/Qwen tool call
 _RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 
@@ -124,3 +125,8 @@ def parse_tool_calls(text: str, call_id_prefix: str = "call_") -> ParsedMessage:
 def tool_responses(text: str) -> list[str]:
     """The ``<tool_response>`` blocks of a feedback text (Hermes/Qwen templates), stripped."""
     return [m.group(1).strip() for m in _RESPONSE.finditer(text)]
+
+
+def strip_tool_responses(text: str) -> str:
+    """``text`` without its ``<tool_response>`` blocks (what else the environment said)."""
+    return _RESPONSE.sub("", text).strip()

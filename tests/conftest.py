@@ -58,3 +58,12 @@ def memory(otr_shutdown):
     exporter = InMemorySpanExporter()
     otr.configure(exporters=[exporter], sampler=otr.TailSampler(1000, "first"))
     return exporter
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """If the interpreter has not exited two minutes after the last test (a thread or a child
+    process that never lets go), print every thread's stack and exit non-zero: CI fails with a
+    diagnosis instead of hanging until its time limit."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)

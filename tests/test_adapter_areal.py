@@ -138,8 +138,11 @@ def test_ragged_rewards_mark_the_uncovered_sample_partial(memory):
     eps = episodes(memory)
     assert len(eps) == 3
     last = eps["train-3-0-2"]["root"]
-    assert last["rl.metadata.alignment"] == "partial" and c.RL_REWARD not in last
-    assert "rl.metadata.alignment" not in eps["train-3-0-1"]["root"]
+    # on rl.alignment itself now (was only rl.metadata.alignment: record_token_batch then took
+    # no per-sample attributes)
+    assert last[c.RL_ALIGNMENT] == "partial" and c.RL_REWARD not in last
+    assert any("rewards" in m for m in last[c.RL_ALIGNMENT_MISSING])
+    assert c.RL_ALIGNMENT not in eps["train-3-0-1"]["root"]
     assert otr.stats()["steps"]["3/train"]["adapters.alignment_partial"] == 1
 
 

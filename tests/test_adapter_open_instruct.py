@@ -267,3 +267,71 @@ def test_placeholder_model_steps_are_not_policy_versions(memory):
     eps = episodes(memory)
     assert c.RL_POLICY_VERSION not in eps["train-4-0"]["root"]
     assert eps["train-4-1"]["root"][c.RL_POLICY_VERSION] == 3
+
+
+# --- issue #13: one policy-version definition, reward terms only, unknown structures reported ---
+def test_policy_version_and_staleness_by_the_one_definition(memory):
+    """``model_steps[i]`` counts the learner updates of the generating weights and ``step`` (the
+    consuming ``training_step``) those of the trained ones: on-policy is 0, k steps behind is k;
+    an explicit ``trained_version`` wins; evaluation samples get no staleness (they are never
+    trained on; the old adapter gave them ``step − model_step``)."""
+    batch, result, adv = make(1, tools=False)
+    batch.model_steps = [7, 5]
+    open_instruct.record_batch(batch, result, step=7, advantages=adv, num_samples_per_prompt=G)
+    open_instruct.record_batch(batch, result, step=8, num_samples_per_prompt=G, trained_version=7)
+    open_instruct.record_batch(batch, result, step=9, split="eval")
+    assert otr.flush()
+    eps = episodes(memory)
+    on, off = eps["train-7-0"]["root"], eps["train-7-1"]["root"]
+    assert on[c.RL_POLICY_VERSION] == 7 and on[c.RL_STALENESS] == 0
+    assert off[c.RL_POLICY_VERSION] == 5 and off[c.RL_STALENESS] == 2
+    assert [eps[f"train-8-{i}"]["root"][c.RL_STALENESS] for i in range(2)] == [0, 2]
+    ev = eps["eval-9-1"]["root"]
+    assert ev[c.RL_POLICY_VERSION] == 5 and c.RL_STALENESS not in ev
+
+
+def test_only_reward_terms_are_rl_reward(memory):
+    """Scores and the environment's per-step rewards are rewards; tool-call counters, runtimes,
+    ground truths and advantages are not."""
+    batch, result, adv = make()
+    open_instruct.record_batch(batch, result, step=1, advantages=adv, num_samples_per_prompt=G,
+                               tokenizer=tokenizer())
+    assert otr.flush()
+    root = episodes(memory)["train-1-1"]["root"]
+    assert {k for k in root if k.startswith(c.RL_REWARD_PREFIX)} == {
+        c.RL_REWARD_PREFIX + "env_step_0", c.RL_REWARD_PREFIX + "env_step_1"}
+    assert root[c.RL_REWARD] == 0.0 and root[c.RL_ADVANTAGE] == pytest.approx(-0.7)
+    for name in ("num_calls", "tool_runtimes", "ground_truth"):
+        assert c.RL_METADATA_PREFIX + name in root
+
+
+def test_unknown_structures_warn_once_and_are_recorded_as_far_as_understood(caplog, memory):
+    import logging
+
+    from otel_rollouts.adapters import _common
+
+    for name in ("model_steps", "tool_call_stats", "masks", "raw_queries", "rollout_states.rewards"):
+        _common._warned.discard(("open-instruct", name))
+    batch, result, _ = make()
+    batch.model_steps = ["latest", 6, 6, 6]
+    batch.raw_queries[2] = "what is 3 + 3 ?"  # not "role: content" lines
+    result.request_info.tool_call_stats[1] = [("python", True, 0.25)]  # not a ToolCallStats
+    result.masks[3] = result.masks[3][:-1]  # one mask value short
+    result.request_info.rollout_states[1] = {"rewards": "1.0", "step_count": 1}
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        for step in (2, 3):
+            open_instruct.record_batch(batch, result, step=step, num_samples_per_prompt=G,
+                                       tokenizer=tokenizer())
+    assert otr.flush()
+    warnings = [r.getMessage() for r in caplog.records if "adapters.open-instruct" in r.getMessage()]
+    for name in ("model_steps:", "tool_call_stats:", "masks:", "raw_queries:", "rollout_states.rewards:"):
+        assert sum(name in w for w in warnings) == 1, (name, warnings)
+    assert otr.stats()["totals"]["adapters.unknown_structure"] >= 10
+    eps = episodes(memory)
+    assert len(eps) == 8
+    first = eps["train-2-0"]["root"]
+    assert c.RL_POLICY_VERSION not in first and c.RL_STALENESS not in first
+    assert eps["train-2-2"]["root"][c.RL_POLICY_VERSION] == 6
+    tool_sample = eps["train-2-1"]
+    assert not [k for k in tool_sample["root"] if k.startswith(c.RL_REWARD_PREFIX)]
+    assert len(tool_sample["by_kind"][c.KIND_TOOL]) == 1

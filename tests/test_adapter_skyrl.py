@@ -103,22 +103,27 @@ def test_generation_round_trips_through_trackio(otr_shutdown):
     assert sorted(eps) == ["e0_0", "e0_1", "q0_0", "q0_1", "q1_0", "q1_1"]
     root = eps["q1_0"]["root"]
     assert root[c.RL_GROUP_ID] == "q1" and root[c.RL_FRAMEWORK] == "skyrl"
-    assert root[c.RL_REWARD] == 1.0 and root["rl.reward.format"] == 1.0
-    assert root[c.RL_POLICY_VERSION] == 3 and root[c.RL_STALENESS] == 0
+    # env_metrics are not rewards (the old adapter wrote rl.reward.format / rl.reward.turns)
+    assert root[c.RL_REWARD] == 1.0 and "rl.reward.format" not in root and "rl.reward.turns" not in root
+    assert root["rl.metadata.env_metrics.format"] == 1.0 and root[c.RL_TURN_COUNT] == 2
+    assert root["rl.reward.turn_0"] == 0.0 and root["rl.reward.turn_1"] == 1.0  # token-level, per turn
+    # global_step 3 = the step being worked on: 2 updates done (the old adapter said version 3)
+    assert root[c.RL_POLICY_VERSION] == 2 and root[c.RL_STALENESS] == 0
     assert eps["e0_0"]["root"][c.RL_SPLIT] == "eval"
 
     rows = {r["metadata"]["rl.episode.id"]: r for r in trackio_rows(project)}
     row = rows["q1_0"]
     assert row["step"] == 3 and row["key"] == "rollouts"
     md = row["metadata"]
-    assert md["rl.split"] == "train" and md["rl.group.id"] == "q1" and md["rl.policy.version"] == 3
-    assert isinstance(md["rl.reward"], float) and isinstance(md["rl.reward.turns"], float)
+    assert md["rl.split"] == "train" and md["rl.group.id"] == "q1" and md["rl.policy.version"] == 2
+    assert isinstance(md["rl.reward"], float) and "rl.reward.turns" not in md
     assert row["messages"] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "what is 3 + 3 ?"},
         {"role": "assistant", "content": "let me compute"},
-        {"role": "user", "name": "environment", "content": "<tool_response> 5 </tool_response>"},
-        {"role": "assistant", "content": "6 <eos>"},
+        # the tokenizer's special tokens (here the tool tags and <eos>) are not text a person reads
+        {"role": "user", "name": "environment", "content": " 5 "},
+        {"role": "assistant", "content": "6 "},
     ]
     assert rows["e0_1"]["key"] == "eval/rollouts"
 
@@ -138,8 +143,10 @@ def test_fully_async_groups_of_different_scheduling_steps_share_one_cap_per_trai
     for ep in eps.values():
         root = ep["root"]
         assert root[c.RL_STEP] == 7
-        assert root[c.RL_STALENESS] == 7 - root[c.RL_POLICY_VERSION]
-        assert root["rl.metadata.scheduled_step"] == root[c.RL_POLICY_VERSION]
+        # scheduled at global_step g: g - 1 updates done; trained at step 7 (6 updates done)
+        assert root[c.RL_STALENESS] == 7 - root["rl.metadata.scheduled_step"]
+        assert root[c.RL_POLICY_VERSION] == root["rl.metadata.scheduled_step"] - 1
+        assert root[c.RL_STALENESS] == 6 - root[c.RL_POLICY_VERSION]
 
 
 def test_rows_map_to_prompts_by_trajectory_id_not_position(memory):
@@ -187,7 +194,7 @@ def test_step_wise_rows_of_one_trajectory_become_one_episode(memory):
     assert len(first["by_kind"][c.KIND_TURN]) == 2
     assert first["root"][c.RL_REWARD] == 1.0 and first["root"]["rl.reward.turn_1"] == 1.0
     assert eps["s0_1"]["root"][c.RL_STATUS] == c.STATUS_TRUNCATED
-    assert [m["content"] for m in messages_of(memory)["s0_0"][2:]] == ["let me compute", "5 <eos>"]
+    assert [m["content"] for m in messages_of(memory)["s0_0"][2:]] == ["let me compute", "5 "]  # EOS removed
 
 
 def test_duplicate_trajectories_are_recorded_once(memory):
@@ -211,3 +218,69 @@ def test_prompts_are_snapshotted_and_string_rewards_are_numbers(memory):
     assert eps["m0_0"]["root"][c.RL_REWARD] == pytest.approx(0.25)
     assert type(eps["m0_1"]["root"][c.RL_REWARD]) is float
     assert "MUTATED" not in str(messages_of(memory)["m0_0"])
+
+
+def test_structures_not_understood_are_warned_once_and_counted(memory, caplog):
+    import logging
+
+    @dataclass
+    class OddId:  # neither to_string nor instance_id
+        name: str
+
+    gi, go = make(("w0",))
+    go["env_metrics"] = [{"rlm_metadata_w0": {"depth": 2}, "steps": 1}, ["not", "a", "dict"]]
+    gi["trajectory_ids"] = go["trajectory_ids"] = [OddId("a"), OddId("b")]
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        skyrl.record_generator_output(gi, go, step=8, tokenizer=tokenizer())
+        skyrl.record_generator_output(gi, go, step=9, tokenizer=tokenizer())
+    assert otr.flush()
+    warned = [r.getMessage() for r in caplog.records if "adapters.skyrl" in r.getMessage()]
+    assert sum("env_metrics.rlm_metadata_w0" in m for m in warned) == 1  # once, not per call
+    assert any("env_metrics: expected a dict" in m for m in warned)
+    assert any("trajectory_ids" in m for m in warned)
+    assert otr.stats()["totals"]["adapters.unknown_structure"] >= 4
+    roots = [ep["root"] for ep in episodes(memory).values()]
+    rewards = {k for r in roots for k in r if k.startswith(c.RL_REWARD_PREFIX)}
+    assert rewards <= {"rl.reward.turn_0", "rl.reward.turn_1"}  # no env metric taken for a reward
+    assert any(r.get(c.RL_TURN_COUNT) == 1 for r in roots)
+
+
+def test_unparseable_tool_call_is_a_parse_error_not_a_lost_turn(memory):
+    from tokenizer_fixture import build_tokenizer
+
+    tok = build_tokenizer()
+    text = 'Use the calculator tool <tool_call>\n{"name": "calculator", "arguments": {"expression": '
+    resp = tok.encode(text, add_special_tokens=False)
+    gi, _ = make(("t0",))
+    go = GeneratorOutput(response_ids=[resp], rewards=[0.0], loss_masks=[[1] * len(resp)], stop_reasons=["length"],
+                         trajectory_ids=[TrajectoryID("t0", 0)], env_metrics=[{}])
+    skyrl.record_generator_output(gi, go, step=10, tokenizer=tok)
+    assert otr.flush()
+    ep = episodes(memory)["t0_0"]
+    (turn,) = ep["by_kind"][c.KIND_TURN]
+    assert "unclosed <tool_call>" in str(turn.attributes[c.RL_TOOL_PARSE_ERROR])
+    assert ep["root"][c.RL_STATUS] == c.STATUS_TRUNCATED and ep["root"][c.RL_TURN_COUNT] == 1
+
+
+@dataclass
+class GeneratedOutputGroup:  # skyrl/train/fully_async_trainer.py (its module needs jaxtyping to import)
+    generator_output: GeneratorOutput
+    uid: str
+    global_step_when_scheduled: int
+    group_completion_time_s: float | None = None
+    prompts: list[Any] | None = None
+
+
+def test_fully_async_output_groups_carry_their_own_scheduling_step(memory):
+    for k, scheduled in enumerate((3, 5)):
+        gi, go = make((f"a{k}",), global_step=scheduled)
+        go["trajectory_ids"] = None  # as SkyRLGymGenerator returns it outside step-wise mode
+        group = GeneratedOutputGroup(go, f"a{k}", scheduled, 1.5, gi["prompts"])
+        assert skyrl.record_output_group(group, step=5, tokenizer=tokenizer()) == 2
+    assert otr.flush()
+    eps = episodes(memory)
+    assert sorted(eps) == ["a0_0", "a0_1", "a1_0", "a1_1"]
+    old, fresh = eps["a0_1"]["root"], eps["a1_0"]["root"]
+    assert old[c.RL_GROUP_ID] == "a0" and old[c.RL_POLICY_VERSION] == 2 and old[c.RL_STALENESS] == 2
+    assert fresh[c.RL_POLICY_VERSION] == 4 and fresh[c.RL_STALENESS] == 0  # on-policy: 0
+    assert messages_of(memory)["a1_1"][1]["content"] == "what is 2 + 3 ?"

@@ -146,10 +146,12 @@ def test_problem_env_groups_read_back_from_trackio(otr_shutdown):
     assert a[c.RL_STEP] == 5 and a[c.RL_SPLIT] == "train" and a[c.RL_GROUP_ID] == "train:5:0"
     assert a[c.RL_POLICY_VERSION] == 4 and a[c.RL_STALENESS] == 1 and a[c.RL_SAMPLE_INDEX] == 0
     assert a[c.RL_FRAMEWORK] == "tinker-cookbook" and a[c.RL_STATUS] == "ok"
-    # the f-string reward_data became numbers; the reference answer is not a reward term
-    assert a[c.RL_REWARD] == 1.1 and a[c.RL_REWARD_PREFIX + "reward"] == 1.1
-    assert a[c.RL_REWARD_PREFIX + "correct"] == 1.0 and a[c.RL_REWARD_PREFIX + "format_valid"] == 1.0
-    assert c.RL_REWARD_PREFIX + "reference_answer" not in a
+    # the reward terms are ProblemEnv's metrics (format, correct); reward_data mixes them with
+    # the total, a coefficient and the reference answer: none of those is an rl.reward.* term
+    assert a[c.RL_REWARD] == 1.1
+    assert a[c.RL_REWARD_PREFIX + "correct"] == 1.0 and a[c.RL_REWARD_PREFIX + "format"] == 1.0
+    for key in ("reward", "format_coef", "format_valid", "reference_answer"):
+        assert c.RL_REWARD_PREFIX + key not in a
     assert a[c.RL_ADVANTAGE] == 0.5 and eps["1"]["root"][c.RL_ADVANTAGE] == -0.5
     assert eps["1"]["root"][c.RL_REWARD_PREFIX + "correct"] == 0.0
     assert tree(eps["0"]["spans"]) == [(0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"),
@@ -165,7 +167,7 @@ def test_problem_env_groups_read_back_from_trackio(otr_shutdown):
     assert row["messages"][1]["content"] == "what is 2 + 2 ?"
     assert row["messages"][2]["content"] == "the answer is 4"
     md = row["metadata"]
-    assert md[c.RL_REWARD_PREFIX + "reward"] == 1.1 and isinstance(md[c.RL_REWARD_PREFIX + "reward"], float)
+    assert md[c.RL_REWARD] == 1.1 and isinstance(md[c.RL_REWARD_PREFIX + "correct"], float)
     assert md[c.RL_POLICY_VERSION] == 4 and md[c.RL_GROUP_ID] == "train:5:0" and md[c.RL_SPLIT] == "train"
     assert md[c.RL_METADATA_PREFIX + "reward_data"][0]["reward"] == "1.100"  # raw text kept
     assert md[c.RL_METADATA_PREFIX + "tags"] == ["gsm8k"]

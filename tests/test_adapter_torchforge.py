@@ -85,7 +85,8 @@ def test_episodes_read_back_from_trackio(otr_shutdown):
     group = [make_episode(0, "the answer is 4", 1.0, 0.5),
              make_episode(1, "the answer is", 0.0, 0.0, stop="length", response_tokens=512)]
     group[0].advantage, group[1].advantage = torch.tensor(0.7), torch.tensor(-0.7)
-    assert record_episodes(group, step=5) == ["uuid-0", "uuid-1"]
+    # staleness needs the trained version explicitly (the old adapter used `step` for it)
+    assert record_episodes(group, step=5, trained_version=5) == ["uuid-0", "uuid-1"]
     otr.flush()
 
     eps = episodes(mem)
@@ -161,3 +162,86 @@ def test_cap_per_step_across_calls(otr_shutdown):
     otr.end_step(9)
     otr.flush()
     assert len(episodes(mem)) == 2 and otr.stats()["steps"]["9/train"]["seen"] == 6
+
+
+# --- issue #13: one policy-version definition, reward terms only, readable text, unknowns ---
+def test_staleness_only_against_the_trained_version(memory):
+    """``generator_version`` counts the optimizer steps of the generating weights; the consuming
+    training step is not known where forge logs samples, so staleness needs ``trained_version``
+    (the old adapter took ``step - version``, i.e. 0 when called with the policy version)."""
+    on, off = make_episode(0, "the answer is 4", 1.0, 0.5, version=4), make_episode(1, "no", 0.0, 0.0, version=2)
+    record_episodes([on, off], step=4, trained_version=4)
+    record_episodes([make_episode(2, "the answer is 4", 1.0, 0.5, version=4)], step=9)
+    otr.flush()
+    eps = episodes(memory)
+    assert eps["uuid-0"]["root"][c.RL_POLICY_VERSION] == 4 and eps["uuid-0"]["root"][c.RL_STALENESS] == 0
+    assert eps["uuid-1"]["root"][c.RL_POLICY_VERSION] == 2 and eps["uuid-1"]["root"][c.RL_STALENESS] == 2
+    unknown = eps["uuid-2"]["root"]
+    assert unknown[c.RL_POLICY_VERSION] == 4 and c.RL_STALENESS not in unknown
+
+
+def test_only_reward_function_columns_are_reward_terms(caplog, memory):
+    """forge's main copies ``reward`` into a ``score`` column for the sample table; other numeric
+    columns that are not terms of the reward are metadata (with a warning), not rewards."""
+    import logging
+
+    from otel_rollouts.adapters import _common
+
+    _common._warned.discard(("torchforge", "sample columns"))
+    sample = make_episode(0, "the answer is 4", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
+    sample["score"] = sample["reward"]
+    extra = make_episode(1, "the answer is 4", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
+    extra["num_turns"] = 3
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        record_episodes([sample, extra], step=1)
+    otr.flush()
+    eps = episodes(memory)
+    for eid in ("uuid-0", "uuid-1"):
+        root = eps[eid]["root"]
+        assert {k for k in root if k.startswith(c.RL_REWARD_PREFIX)} == {
+            c.RL_REWARD_PREFIX + "MathReward", c.RL_REWARD_PREFIX + "ThinkingReward"}
+        assert root[c.RL_REWARD] == 0.75
+    assert eps["uuid-1"]["root"][c.RL_METADATA_PREFIX + "num_turns"] == 3.0
+    assert sum("num_turns" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_chat_templated_request_is_split_and_text_is_clean_with_a_tokenizer(memory):
+    from tokenizer_fixture import build_tokenizer
+
+    tok = build_tokenizer()
+    request = tok.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."},
+                                       {"role": "user", "content": "What is 17 * 23?"}],
+                                      tokenize=False, add_generation_prompt=True)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call><|im_end|>'
+    ep = make_episode(0, call, 1.0, 0.5)
+    ep.request = request
+    record_episodes([ep, make_episode(1, "The answer is 391.<|im_end|>", 1.0, 0.5)], step=1, tokenizer=tok)
+    otr.flush()
+    msgs = messages_of(memory)
+    assert msgs["uuid-0"][:2] == [{"role": "system", "content": "You are a helpful assistant."},
+                                  {"role": "user", "content": "What is 17 * 23?"}]
+    assert msgs["uuid-0"][2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert msgs["uuid-1"][-1] == {"role": "assistant", "content": "The answer is 391."}
+    for conv in msgs.values():
+        assert not any(t in (m.get("content") or "") for m in conv for t in ("<|im_start|>", "<|im_end|>"))
+    assert episodes(memory)["uuid-0"]["by_kind"][c.KIND_TOOL][0].attributes[c.GEN_AI_TOOL_NAME] == "calculator"
+
+
+def test_unknown_samples_and_versions_warn_once(caplog, memory):
+    import logging
+
+    from otel_rollouts.adapters import _common
+
+    _common._warned.discard(("torchforge", "episode"))
+    _common._warned.discard(("torchforge", "policy_version"))
+    odd = make_episode(0, "the answer is 4", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
+    odd["policy_version"] = "latest"
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        record_episodes([odd, 42], step=1)
+        record_episodes([42.5], step=1)
+    otr.flush()
+    messages = [r.getMessage() for r in caplog.records if "adapters.torchforge" in r.getMessage()]
+    assert sum("episode:" in m for m in messages) == 1 and sum("policy_version:" in m for m in messages) == 1
+    assert c.RL_POLICY_VERSION not in episodes(memory)["uuid-0"]["root"]
+    assert len(episodes(memory)) == 3
+    assert otr.stats()["totals"]["adapters.unknown_structure"] >= 3

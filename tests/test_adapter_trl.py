@@ -138,6 +138,7 @@ def test_grpo_trainer_two_steps_traced(tmp_path, otr_shutdown):
         for ep in step_eps:
             a = ep["root"]
             assert a[c.RL_POLICY_VERSION] == step - 1 and a[c.RL_SPLIT] == "train"
+            assert a[c.RL_STALENESS] == 0  # on-policy (was 1: step end minus step begin)
             assert a[c.RL_FRAMEWORK] == "trl"
             conv = msgs[a[c.RL_EPISODE_ID]]
             assert conv[0]["role"] == "user" and conv[0]["content"] in PROMPTS  # prompt included

@@ -36,10 +36,12 @@ CHILD = textwrap.dedent(
     steps = int(os.environ.get("OTR_SOAK_STEPS", "120")); per_step = 64; cap = 8
 
     class Ledger(SpanExporter):
-        \"\"\"Records the trace id of every episode root it receives; can be told to raise.\"\"\"
+        \"\"\"Records the trace id of every episode root it receives; can be told to raise or hang.\"\"\"
         def __init__(self):
             self.ids, self.raising, self.lock = set(), False, threading.Lock()
+            self.go = threading.Event(); self.go.set()
         def export(self, spans):
+            self.go.wait(120)  # hung while cleared
             if self.raising:
                 raise RuntimeError("injected exporter failure")
             with self.lock:
@@ -64,11 +66,15 @@ CHILD = textwrap.dedent(
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) / 1024
 
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     sink = OtlpSink(work / "sink").start()
-    ledger, flaky = Ledger(), Ledger()
+    ledger, flaky, hung = Ledger(), Ledger(), Ledger()
+    reader = InMemoryMetricReader()
     otr.configure(
-        exporters=[OTLPSpanExporter(endpoint=sink.endpoint, timeout=1), flaky, TrackioExporter("soak", run="r"), ledger],
-        sampler=otr.TailSampler(cap, "top_bottom"), spool_dir=work / "spool",
+        exporters=[OTLPSpanExporter(endpoint=sink.endpoint, timeout=1), flaky, TrackioExporter("soak", run="r"),
+                   ledger, hung],
+        sampler=otr.TailSampler(cap, "top_bottom"), spool_dir=work / "spool", metric_readers=[reader],
+        max_pending_bytes=4 * 1024 * 1024,
     )
     def total(name):
         return otr.stats()["totals"].get(name, 0)
@@ -87,15 +93,34 @@ CHILD = textwrap.dedent(
         flaky.raising = True
         until(lambda: total("errors.export.Ledger") >= 1)
 
+    damaged = {"episodes": 0}
+
+    def damage_spool():
+        # a spooled batch of the OTLP exporter turns to garbage while the collector is down
+        folder = next((work / "spool").glob("*-OTLPSpanExporter"))
+        until(lambda: len(list(folder.glob("*.otlp"))) >= 2)
+        victim = sorted(folder.glob("*.otlp"))[0]
+        damaged["episodes"] = int(victim.stem.split("-")[1])
+        victim.write_bytes(os.urandom(victim.stat().st_size))
+
+    big = {"on": False}
+
+    def hang():
+        hung.go.clear(); big["on"] = True
+
+    def unhang():
+        hung.go.set(); big["on"] = False
+
     def trackio_back():
         otr.flush(timeout=10)  # Trackio writes (and fails) at flush
         read_only(False)
 
     schedule = {
-        8: outage, 16: sink.start,                                            # collector outage
+        8: outage, 10: damage_spool, 16: sink.start,                          # collector outage, a damaged batch
         20: raising, 28: lambda: setattr(flaky, "raising", False),           # an exporter raising
         32: lambda: read_only(True), 40: trackio_back,                        # Trackio read-only
         44: sink.kill, 45: sink.start,                                        # a quick restart
+        22: hang, 26: unhang,                                                 # a hung exporter, large episodes
     }
     scaled = {max(1, k * steps // 60): v for k, v in schedule.items()}
     user_errors, rss, started = [], [], time.monotonic()
@@ -105,13 +130,16 @@ CHILD = textwrap.dedent(
         try:
             for i in range(per_step):
                 with otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i) as ep:
-                    ep.prompt([{"role": "user", "content": f"problem {step}-{i} " + "x" * 200}])
+                    text = "x" * (200_000 if big["on"] else 200) + ("\\ud800" if i % 7 == 0 else "")  # lone surrogates
+                    ep.prompt([{"role": "user", "content": f"problem {step}-{i} " + text}])
                     with ep.turn() as turn:
                         turn.record_generation(f"answer {i} " + "y" * 300, model="policy", output_tokens=60)
                         with turn.tool_call("calc", arguments={"i": i}) as call:
                             call.result(i * 2)
                     ep.reward((i * 7919 % 101) / 100.0, components={"format": 1.0})
             otr.end_step(step)
+            if step % 10 == 0:
+                reader.collect()
         except BaseException as exc:
             user_errors.append(repr(exc))
         gc.collect()
@@ -121,7 +149,7 @@ CHILD = textwrap.dedent(
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         d = otr.stats()["delivery"]
-        if d["OTLPSpanExporter"]["pending"] == 0 and d["Ledger"]["pending"] == 0:
+        if all(d[n]["pending"] == 0 for n in ("OTLPSpanExporter", "Ledger", "Ledger#2", "Ledger#3")):
             break
         time.sleep(0.2)
     otr.flush(timeout=30)
@@ -129,7 +157,8 @@ CHILD = textwrap.dedent(
     stats = otr.stats()
     result = {
         "user_errors": user_errors, "rss": rss, "loop_seconds": loop_seconds,
-        "kept": sorted(ledger.ids), "otlp": received, "flaky": sorted(flaky.ids),
+        "kept": sorted(ledger.ids), "otlp": received, "flaky": sorted(flaky.ids), "hung": sorted(hung.ids),
+        "damaged": damaged["episodes"],
         "totals": stats["totals"], "delivery": stats["delivery"], "episodes": steps * per_step,
     }
     otr.shutdown(timeout=10)
@@ -175,10 +204,19 @@ def test_soak_with_faults_on_a_schedule(tmp_path):
     # delivered == kept, for the exporters that were down or raising along the way. Delivery is
     # at least once: a request that timed out after the receiver had stored it is sent again,
     # with the same ids (a receiver or a collector de-duplicates by span id)
-    assert set(result["otlp"]) == set(kept)
-    assert len(result["otlp"]) - len(kept) <= 8 * 3  # a few retried requests at most
+    # delivered + counted lost = kept, for every exporter: the OTLP exporter lost exactly the
+    # episodes of the spool file that was damaged (quarantined and counted), nothing else
+    damaged = result["damaged"]
+    assert damaged > 0
+    assert set(result["otlp"]) <= set(kept)
+    assert len(set(kept) - set(result["otlp"])) == damaged
+    assert result["delivery"]["OTLPSpanExporter"]["dropped"] == damaged
+    assert totals["spool.quarantined.OTLPSpanExporter"] == 1
+    assert len(result["otlp"]) - len(set(result["otlp"])) <= 8 * 3  # a few retried requests at most
     assert result["flaky"] == kept
-    assert result["delivery"]["OTLPSpanExporter"]["dropped"] == 0
+    assert result["hung"] == kept  # the hung exporter's backlog went to disk and came through
+    for name in ("Ledger", "Ledger#2", "Ledger#3"):
+        assert result["delivery"][name]["dropped"] == 0, name
     # the faults did happen, and were counted
     assert totals["export.failures.OTLPSpanExporter"] >= 1
     assert totals["errors.export.Ledger"] >= 1

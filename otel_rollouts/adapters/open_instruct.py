@@ -19,6 +19,48 @@ never raise — the samples they do not cover get ``rl.alignment=partial``; ``re
 ignored, not mis-paired, once ``mask_truncated_completions`` filtered the batch but not it;
 groups come from dataset indices (blocked ``i // n`` only for complete layouts); a batch
 without scores is still recorded.
+
+Open-Instruct is not on PyPI (git-only, with vLLM, DeepSpeed and Ray): the structures are read
+as its source defines them (``open_instruct/model_utils.py:Batch``,
+``data_types.py:GenerationResult`` / ``RequestInfo`` / ``ToolCallStats``,
+``environments/base.py:RolloutState``; see shared/research/seed-frameworks.md §2) and the tests
+build dataclasses with exactly those fields.
+
+Field → attribute (one episode per sample ``i``):
+
+==============================================  ==============================================
+Open-Instruct                                   recorded as
+==============================================  ==============================================
+``batch.scores[i]``                             ``rl.reward`` (the verifiers' final reward)
+``request_info.rollout_states[i]["rewards"]``   ``rl.reward.env_step_<j>`` (per environment
+                                                step rewards: the only reward components)
+``advantages[i]``                               ``rl.advantage``
+``batch.model_steps[i]``                        ``rl.policy.version`` (−1 placeholders ignored)
+``step`` (the consuming ``training_step``)      ``rl.staleness`` = trained version − version
+``batch.raw_queries[i]`` (``"role: content"``   the prompt messages (else ``queries[i]`` decoded)
+lines) / ``queries[i]``
+``decoded_responses[i]`` / ``responses[i]``     the turns; with ``masks`` (0 = tool output) one
++ ``masks[i]``                                  turn per model run, tool outputs as results
+``request_info.tool_call_stats[i]``             ``execute_tool`` spans (name, ``success``,
+                                                ``rl.tool.runtime_s``)
+``result.finish_reasons[i]``                    ``rl.finish_reason``, ``rl.status``
+``batch.datasets[i]`` / ``indices[i]``          ``rl.dataset.name`` / ``rl.dataset.index``,
+                                                ``rl.group.id`` = the dataset index
+``num_calls``, ``timeouts``, ``tool_errors``,   ``rl.metadata.*`` (not reward terms)
+``tool_runtimes``, ``ground_truths``
+==============================================  ==============================================
+
+Not recorded: ``logprobs``, ``token_statistics`` (batch totals), ``active_tools``,
+``rollout_states[i]`` other than its rewards. A structure not shaped as above is reported once
+with ``warn_unknown`` and recorded as far as understood.
+
+Policy version and staleness (the one definition in ``conventions``): ``model_steps[i]`` is the
+learner step of the weights the vLLM engine held when it generated sample ``i`` (the number of
+learner updates those weights had received), ``training_step`` the learner step that consumes the
+batch (the data-preparation actor runs up to ``async_steps`` ahead); both count the same learner
+updates, so ``rl.staleness = training_step − model_steps[i]`` — 0 for on-policy data. Pass
+``trained_version`` when the weights that train on the batch are counted otherwise. Evaluation
+samples are not trained on: no staleness unless ``trained_version`` is given.
 """
 
 from __future__ import annotations
@@ -38,11 +80,13 @@ from otel_rollouts.adapters._common import (
     mark_invalid,
     mark_partial,
     reward_total,
+    set_policy,
     set_span_attribute,
     split_name,
     status_for,
     to_list,
     turns_from_mask,
+    warn_unknown,
 )
 
 __all__ = ["record_batch"]
@@ -72,6 +116,7 @@ def record_batch(
     tokenizer: Any = None,
     split: str = "train",
     model: str | None = None,
+    trained_version: int | None = None,
 ) -> int:
     """Record every sample of an Open-Instruct batch as one episode; returns how many.
 
@@ -84,12 +129,19 @@ def record_batch(
     * ``tokenizer``: decodes token ids when text is missing, and splits multi-turn tool
       responses by ``masks`` (decoded only for the episodes the sampler keeps).
     * ``split``: ``train`` or ``eval``.
+    * ``trained_version``: learner updates the weights that train on the batch have received;
+      defaults to ``step`` for training (see the module docstring), none for evaluation.
     """
     split = split_name(split)
+    if trained_version is None and split == "train":
+        trained_version = step
     responses = _get(result, "responses")
     decoded = _get(batch, "decoded_responses")
     queries = _get(batch, "queries")
     n = next((len(v) for v in (to_list(responses), to_list(decoded), to_list(queries)) if v is not None), 0)
+    if n == 0 and batch is not None:
+        warn_unknown(FRAMEWORK, "batch", f"{type(batch).__name__} / {type(result).__name__} without "
+                     "responses, decoded_responses or queries: nothing to record")
     request_info = _get(result, "request_info")
     info = {name: _get(request_info, name) for name in _REQUEST_INFO_FIELDS}
     cols = Columns(
@@ -116,7 +168,8 @@ def record_batch(
     )
     for i in range(n):
         _record_sample(cols, i, step=step, split=split, group=groups[i], tokenizer=tokenizer,
-                       model=model, n_per_group=num_samples_per_prompt if complete else 0)
+                       model=model, n_per_group=num_samples_per_prompt if complete else 0,
+                       trained_version=trained_version)
     return n
 
 
@@ -130,11 +183,10 @@ def _get(obj: Any, name: str) -> Any:
 
 @guarded
 def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str | None,
-                   tokenizer: Any, model: str | None, n_per_group: int) -> None:
+                   tokenizer: Any, model: str | None, n_per_group: int,
+                   trained_version: int | None) -> None:
     v = cols.value
-    model_step = v("model_steps", i)
-    if isinstance(model_step, (int, float)) and model_step < 0:
-        model_step = None  # a placeholder, not a policy version
+    model_step = _model_step(v("model_steps", i))
     metadata: dict[str, Any] = {}
     for name in ("num_calls", "timeouts", "tool_errors", "tool_runtimes"):
         value = v(name, i)
@@ -150,7 +202,6 @@ def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str |
         split=split,
         group_id=group,
         sample_index=i,
-        policy_version=model_step,
         episode_id=f"{split}-{step}-{i}",
         dataset_name=v("datasets", i),
         dataset_index=v("indices", i),
@@ -158,11 +209,7 @@ def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str |
         metadata=metadata or None,
     ) as ep:
         mark_partial(ep, cols.missing(i))
-        if model_step is not None:
-            try:
-                ep.set_attribute(c.RL_STALENESS, int(step) - int(model_step))
-            except (TypeError, ValueError):
-                pass
+        set_policy(ep, model_step, trained_version)
         ep.prompt(_prompt(cols, i, tokenizer))
         finish = v("finish_reasons", i)
         _turns(ep, cols, i, tokenizer, model, finish)
@@ -174,6 +221,21 @@ def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str |
         if total is not None or components or advantage is not None:
             ep.reward(total, components=components or None, advantage=advantage)
         ep.finish(reason=finish, status=status_for(finish))
+
+
+def _model_step(value: Any) -> int | None:
+    """``model_steps[i]`` as a policy version: −1 placeholders are none, non-numbers reported."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and not isinstance(value, (list, tuple)):
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        warn_unknown(FRAMEWORK, "model_steps", f"{type(value).__name__} {value!r}, not a learner step")
+        return None
+    return int(value) if value >= 0 else None  # -1: a placeholder, not a policy version
 
 
 def _prompt(cols: Columns, i: int, tokenizer: Any) -> list[dict[str, Any]]:
@@ -192,6 +254,8 @@ def _unflatten(text: str) -> list[dict[str, Any]]:
     """Open-Instruct's ``raw_queries`` join messages as ``"{role}: {content}"`` lines."""
     marks = list(_ROLE_LINE.finditer(text))
     if not marks or marks[0].start() != 0:
+        warn_unknown(FRAMEWORK, "raw_queries", "not the \"role: content\" lines Open-Instruct writes; "
+                     "recorded as one user message")
         return [{"role": "user", "content": text}]
     out = []
     for k, m in enumerate(marks):
@@ -202,9 +266,18 @@ def _unflatten(text: str) -> list[dict[str, Any]]:
 
 def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, finish: Any) -> None:
     v = cols.value
-    stats = [items(s) for s in (v("tool_call_stats", i) or [])]
+    stats = []
+    for s in to_list(v("tool_call_stats", i)) or []:
+        stat = items(s)
+        if not (stat.get("tool_name") or stat.get("name")):
+            warn_unknown(FRAMEWORK, "tool_call_stats", f"{type(s).__name__} without tool_name; "
+                         "recorded as a call of an unnamed tool")
+        stats.append(stat)
     response = to_list(v("responses", i))
     mask = to_list(v("masks", i))
+    if mask is not None and response is not None and len(mask) != len(response):
+        warn_unknown(FRAMEWORK, "masks", f"{len(mask)} mask values for {len(response)} response tokens; "
+                     "the response is recorded as one turn")
     if tokenizer is not None and response and mask and len(mask) == len(response) and 0 in mask:
         def tool(turn: Any, k: int, output: Any) -> None:
             # the k-th tool output inserted into the response answers the k-th recorded call
@@ -252,7 +325,14 @@ def _float_or_none(value: Any) -> float | None:
 
 def _env_rewards(state: Any) -> dict[str, Any]:
     """Per-environment-step rewards of a tool rollout (``RolloutState.rewards``) as components."""
-    rewards = to_list(_get(state, "rewards")) if state is not None else None
+    if state is None:
+        return {}
+    raw = _get(state, "rewards")
+    if raw is not None and (isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__len__")):
+        warn_unknown(FRAMEWORK, "rollout_states.rewards", f"{type(raw).__name__}, not a list of per-step "
+                     "rewards; not recorded")
+        return {}
+    rewards = to_list(raw)
     if not rewards:
         return {}
     return {f"env_step_{j}": r for j, r in enumerate(rewards)}

@@ -1,36 +1,84 @@
 """SkyRL (NovaSky-AI/SkyRL) generator batches as episode traces.
 
-Call it right after ``generator.generate(input_batch)`` — in the synchronous trainer, and in the
-fully asynchronous trainer once per mini-batch or once per group, as is convenient::
+Call it right after ``generator.generate(input_batch)`` in the synchronous trainer; in the fully
+asynchronous trainer, once per ``GeneratedOutputGroup`` where the mini-batch is trained (the cap
+holds per training step, so per-group calls cannot log groups × cap traces)::
 
     from otel_rollouts.adapters import skyrl
     skyrl.record_generator_output(generator_input, generator_output,
-                                  step=trainer.global_step, tokenizer=tokenizer)
+                                  step=self.global_step, tokenizer=self.tokenizer)
+    skyrl.record_output_group(group, step=self.global_step, tokenizer=self.tokenizer)  # fully async
 
 ``generator_input`` is SkyRL's ``GeneratorInput`` (``prompts`` as chat messages, already expanded
 per sample; ``env_classes``, ``env_extras``, ``trajectory_ids``, ``batch_metadata``),
-``generator_output`` its ``GeneratorOutput`` (``response_ids``, ``rewards`` — scalar or per
-token —, ``loss_masks``, ``stop_reasons``, step-wise rows with ``is_last_step``...). TypedDicts,
-dicts or objects all work; SkyRL is never imported.
+``generator_output`` its ``GeneratorOutput`` as ``SkyRLGymGenerator.generate`` returns it.
+TypedDicts, dicts or objects all work; SkyRL is never imported.
 
-Fixes compared with the hand-written logger (DESIGN.md §7):
+Field → attribute mapping (one episode per trajectory; step-wise rows of one trajectory merged):
 
-* ``step`` is the *training* step that consumes the rollouts. The tail sampler's cap holds per
-  (step, split), so calling this once per group in the fully-async trainer cannot log
-  groups × cap traces; each group's own scheduling step (``batch_metadata.global_step``) is its
-  policy version, and ``rl.staleness`` = step − it.
-* rows map to prompts and groups by ``trajectory_ids``; without ids, the blocked layout is
-  used only when it is complete; step-wise rows of one trajectory become one episode.
-* eval batches (``training_phase="eval"``) are recorded under the ``eval`` split.
+==========================================  ===================================================
+SkyRL                                       otel-rollouts
+==========================================  ===================================================
+``step=`` (the trainer's ``global_step``    ``rl.step``; the cap's unit
+that trains on the rollouts)
+``GeneratorInput.prompts[j]``               ``prompt`` span (the messages as given); without a
+                                            prompt, ``prompt_token_ids`` split into messages
+``response_ids`` + ``loss_masks``           one ``turn`` per run of 1s: ``chat`` span with the
+                                            assistant text (template markup / EOS removed,
+                                            Hermes ``<tool_call>`` blocks → ``tool_calls`` and
+                                            ``execute_tool`` spans); each run of 0s after it →
+                                            its messages with their own role (``user`` for
+                                            gsm8k's observations; ``environment`` only for text
+                                            without any role marker) or the tool calls' results
+``rewards`` (float or per-token list)       ``rl.reward`` = the sum; with several turns,
+                                            ``rl.reward.turn_<k>`` = the reward of turn k (the
+                                            per-token rewards placed in that turn's tokens; in
+                                            step-wise mode each row's reward)
+``env_metrics[i]`` ``steps`` /              ``rl.turn.count`` (else the number of generations
+``turns_used`` / ``turns`` / ``num_turns``  recorded)
+other ``env_metrics[i]`` scalars            ``rl.metadata.env_metrics.<name>`` (never rewards)
+``stop_reasons``                            finish reason; ``length`` → ``rl.status=truncated``
+``trajectory_ids`` (output, else input)     ``rl.episode.id`` (``uid_rep``); ``rl.group.id`` =
+                                            ``instance_id``
+``batch_metadata.global_step`` *g*,         train: ``rl.policy.version`` = g − 1 (SkyRL's
+``training_phase``                          ``global_step`` is the step being worked on, g − 1
+                                            steps finished), ``rl.staleness`` = ``step`` − g
+                                            (0 on-policy, as SkyRL's own ``async/staleness``);
+                                            eval: ``rl.policy.version`` = g (eval runs after g
+                                            finished steps), no staleness, ``rl.split=eval``
+``env_classes[j]``                          ``rl.dataset.name``
+``env_extras[j]`` scalars                   ``rl.metadata.env_extras.<key>``
+==========================================  ===================================================
+
+One SkyRL training step is counted as one update: the sampler's weights change once per step
+(``save_weights_for_sampler``), whatever number of mini-batch optimizer steps it ran.
+
+A loss mask of only 0s (``apply_overlong_filtering`` on a truncated trajectory) cannot split
+turns: the response is recorded as one generation, with ``rl.metadata.loss_masked=true``.
+
+Not recorded: ``rollout_logprobs``, ``rollout_metrics`` (batch-level), ``rollout_expert_indices``,
+``trajectory_generation_times``, ``pixel_values``/``image_grid_thw``, non-scalar env metrics
+(warned once).
+
+Decoding: observation tokens are decoded when recorded (their messages and roles are the
+episode's structure); assistant text only if the episode is kept, except a turn that may hold a
+tool call (a Hermes ``<tool_call>`` token in its ids, or text starting like JSON), decoded when
+recorded because its ``execute_tool`` spans are structure too.
+
+Also: rows map to prompts by ``trajectory_ids`` (blocked layout only when complete); a repeated
+id outside step-wise mode is a duplicate, recorded once; structures not understood are warned
+about once (``_common.warn_unknown``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts._content import Deferred
 from otel_rollouts._guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
@@ -39,18 +87,29 @@ from otel_rollouts.adapters._common import (
     field,
     first_occurrences,
     group_ids,
+    lazy_text,
     mark_invalid,
     mark_partial,
+    mask_runs,
     reward_total,
+    set_policy,
+    set_span_attribute,
     split_name,
     status_for,
     to_list,
-    turns_from_mask,
+    warn_unknown,
 )
+from otel_rollouts.adapters._messages import record_assistant
+from otel_rollouts.adapters._text import assistant_message, clean, messages_of
+from otel_rollouts.toolcalls import HERMES_OPEN, tool_responses
 
-__all__ = ["record_generator_output"]
+__all__ = ["record_generator_output", "record_output_group"]
 
 FRAMEWORK = "skyrl"
+ROLE_ENVIRONMENT = "environment"
+# env_metrics names that skyrl-gym's environments use for the number of turns taken
+# (gsm8k_multi_turn: ``steps``, rlm: ``turns_used``)
+TURN_COUNT_METRICS = ("steps", "turns_used", "turns", "num_turns")
 
 
 @guarded
@@ -66,17 +125,19 @@ def record_generator_output(
 ) -> int:
     """Record each trajectory of a SkyRL generation as one episode; returns how many.
 
-    * ``step``: the training step that consumes these rollouts (``rl.step``; the cap's unit).
-    * ``tokenizer``: decodes ``response_ids`` (only for kept episodes); turns are split by
-      ``loss_masks`` (1 = policy tokens, 0 = environment observations).
+    * ``step``: the trainer's ``global_step`` that trains on these rollouts (``rl.step``; the
+      cap's unit); with ``batch_metadata.global_step`` it gives ``rl.staleness``.
+    * ``tokenizer``: the policy's tokenizer (its chat template and special tokens are taken out
+      of the text); turns are split by ``loss_masks`` (1 = policy tokens, 0 = environment
+      observations). Without it only token counts are recorded.
     * ``split``: ``train`` or ``eval``; ``batch_metadata.training_phase == "eval"`` means eval.
     * ``n_samples_per_prompt``: group size, used only when ``trajectory_ids`` are missing and
       the blocked layout is complete.
     """
     meta = field(generator_input, "batch_metadata")
     phase = field(meta, "training_phase")
-    split = "eval" if split_name(phase, "") == "eval" else split_name(split)
-    scheduled = field(meta, "global_step")
+    split = "eval" if split_name(phase, "") == "eval" or split_name(split) == "eval" else split_name(split)
+    scheduled = _int_or_none(field(meta, "global_step"), "batch_metadata.global_step")
     prompts = to_list(field(generator_input, "prompts")) or []
     in_ids = to_list(field(generator_input, "trajectory_ids"))
     out = generator_output
@@ -93,7 +154,8 @@ def record_generator_output(
         env_metrics=field(out, "env_metrics"),
         prompt_token_ids=field(out, "prompt_token_ids"),
     )
-    # trajectory id of each row (input ids stand in when the output has none and rows == inputs)
+    # trajectory id of each row (input ids stand in when the output has none and rows == inputs:
+    # SkyRLGymGenerator returns ``trajectory_ids=None`` outside step-wise mode)
     row_tids = cols.columns.get("trajectory_ids")
     if row_tids is None and in_ids is not None and len(in_ids) == n:
         row_tids = in_ids
@@ -121,6 +183,18 @@ def record_generator_output(
         per_group=n_samples_per_prompt,
         complete=not cols.ragged and bool(n_samples_per_prompt),
     )
+    if split == "eval":
+        version, trained = scheduled, None  # eval runs after `global_step` finished steps
+    else:
+        version = None if scheduled is None else scheduled - 1
+        trained = _int_or_none(step, "step")
+        trained = None if trained is None else trained - 1
+    text = None
+    if tokenizer is not None:
+        try:
+            text = _Text(tokenizer)
+        except Exception as exc:  # noqa: BLE001 - recorded without text rather than not at all
+            warn_unknown(FRAMEWORK, "tokenizer", f"unusable ({type(exc).__name__}): token counts only")
     recorded = 0
     for number, rows in enumerate(episodes):
         first = rows[0]
@@ -129,15 +203,49 @@ def record_generator_output(
             j = first // per_prompt
         prompt = prompts[j] if j is not None and j < len(prompts) else None
         _record(
-            cols, rows, step=step, split=split, scheduled=scheduled, prompt=prompt,
-            prompt_found=j is not None and j < len(prompts), input_index=j,
+            cols, rows, step=step, split=split, scheduled=scheduled, version=version,
+            trained=trained, prompt=prompt, prompt_found=j is not None and j < len(prompts),
+            input_index=j,
             episode_id=keys[first] if keys[first] is not None else f"{split}-{step}-{first}",
             group=groups[first], env_class=_at(field(generator_input, "env_classes"), j),
-            env_extras=_at(field(generator_input, "env_extras"), j), tokenizer=tokenizer,
+            env_extras=_at(field(generator_input, "env_extras"), j), text=text,
             model=model, sample_index=number,
         )
         recorded += 1
     return recorded
+
+
+@guarded
+def record_output_group(group: Any, *, step: int, tokenizer: Any = None, model: str | None = None) -> int:
+    """Record one ``GeneratedOutputGroup`` of SkyRL's fully asynchronous trainer (its
+    ``generator_output``, ``uid``, ``global_step_when_scheduled``, ``prompts``), e.g. for each
+    group in ``convert_generation_group_mini_batch_to_training_input`` with
+    ``step=self.global_step``; returns how many episodes. The group's own scheduling step is its
+    policy version: ``rl.staleness`` = ``step`` − ``global_step_when_scheduled``, SkyRL's own
+    per-group staleness."""
+    out = field(group, "generator_output")
+    uid = field(group, "uid")
+    prompts = to_list(field(group, "prompts")) or []
+    rows = len(prompts) or len(to_list(field(out, "response_ids")) or [])
+    ids = None if uid is None else [{"instance_id": str(uid), "repetition_id": r} for r in range(rows)]
+    if uid is None:
+        warn_unknown(FRAMEWORK, "GeneratedOutputGroup.uid", "missing: episodes are not grouped")
+    generator_input = {
+        "prompts": prompts,
+        "trajectory_ids": ids,
+        "batch_metadata": {"global_step": field(group, "global_step_when_scheduled"), "training_phase": "train"},
+    }
+    return record_generator_output(generator_input, out, step=step, tokenizer=tokenizer, model=model)
+
+
+def _int_or_none(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        warn_unknown(FRAMEWORK, name, f"not an integer step: {type(value).__name__}")
+        return None
 
 
 def _tid_string(tid: Any) -> str | None:
@@ -149,7 +257,10 @@ def _tid_string(tid: Any) -> str | None:
     if callable(to_string):
         return str(to_string())
     instance, rep = field(tid, "instance_id"), field(tid, "repetition_id")
-    return None if instance is None else f"{instance}_{rep}"
+    if instance is None:
+        warn_unknown(FRAMEWORK, "trajectory_ids", f"no instance_id/to_string on {type(tid).__name__}")
+        return None
+    return f"{instance}_{rep}"
 
 
 def _at(values: Any, j: int | None) -> Any:
@@ -159,11 +270,72 @@ def _at(values: Any, j: int | None) -> Any:
     return values[j]
 
 
+def _with_tool_results(message: Mapping[str, Any], feedback: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The observation after a turn that made tool calls, as ``tool`` messages answering them:
+    Hermes/Qwen ``<tool_response>`` blocks in order, else the whole observation for the first
+    call (SkyRL's tool environments answer in a user message). Other feedback is kept."""
+    calls = message.get("tool_calls") or []
+    if not calls or not feedback:
+        return feedback
+    out: list[dict[str, Any]] = []
+    for m in feedback:
+        blocks = tool_responses(str(m.get("content") or ""))
+        if blocks:
+            out.extend({"role": "tool", "content": b} for b in blocks)
+        else:
+            out.append(m)
+    if not any(m["role"] == "tool" for m in out):
+        text = "\n".join(str(m.get("content") or "") for m in feedback)
+        return [{"role": "tool", "content": text}]
+    return out
+
+
+def _reward(value: Any, name: str) -> tuple[float | None, list[float] | None, str | None]:
+    """``reward_total`` with a fast path for SkyRL's per-token lists of numbers."""
+    if isinstance(value, list):
+        try:
+            total = sum(value)
+        except TypeError:  # e.g. legacy strings: the careful path says what is wrong
+            total = None
+        if isinstance(total, (int, float)) and not isinstance(total, bool) and math.isfinite(total):
+            return float(total), value, None
+    return reward_total(value, name)
+
+
+def _runs(mask: list[Any]) -> list[tuple[int, int, int]]:
+    """``mask_runs`` for 0/1 masks found with ``list.index`` (C speed), else ``mask_runs``."""
+    try:
+        if not set(mask) <= {0, 1}:
+            return mask_runs(mask)
+    except TypeError:  # unhashable entries
+        return mask_runs(mask)
+    out: list[tuple[int, int, int]] = []
+    n, pos = len(mask), 0
+    while pos < n:
+        value = 1 if mask[pos] else 0
+        try:
+            end = mask.index(1 - value, pos)
+        except ValueError:
+            end = n
+        out.append((pos, end, value))
+        pos = end
+    return out
+
+
+def _reward_by_turn(per_token: list[float], runs: list[tuple[int, int, int]]) -> list[float]:
+    """Per-token rewards summed per turn (a turn: a run of 1s and the 0s after it; 0s before
+    the first run count with turn 0)."""
+    starts = [s for s, _, value in runs if value] or [0]
+    starts[0] = 0
+    bounds = starts + [len(per_token)]
+    return [float(sum(per_token[bounds[k]:bounds[k + 1]])) for k in range(len(starts))]
+
+
 @guarded
-def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled: Any, prompt: Any,
-            prompt_found: bool, input_index: int | None, episode_id: str, group: str | None,
-            env_class: Any, env_extras: Any, tokenizer: Any, model: str | None,
-            sample_index: int) -> None:
+def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled: int | None,
+            version: int | None, trained: int | None, prompt: Any, prompt_found: bool,
+            input_index: int | None, episode_id: str, group: str | None, env_class: Any,
+            env_extras: Any, text: _Text | None, model: str | None, sample_index: int) -> None:
     v = cols.value
     last = rows[-1]
     metadata: dict[str, Any] = {"rows": len(rows)} if len(rows) > 1 else {}
@@ -174,12 +346,26 @@ def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled:
     if isinstance(env_extras, Mapping):
         metadata.update({f"env_extras.{k}": x for k, x in env_extras.items()
                          if isinstance(x, (str, int, float, bool))})
+    turn_count: int | None = None
+    metrics = v("env_metrics", last)
+    if isinstance(metrics, Mapping):
+        for name, value in metrics.items():
+            name = str(name)
+            if name in TURN_COUNT_METRICS and turn_count is None and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                turn_count = int(value)
+            elif isinstance(value, (str, int, float, bool)):
+                metadata[f"env_metrics.{name}"] = value
+            elif value is not None:
+                warn_unknown(FRAMEWORK, f"env_metrics.{name}",
+                             f"{type(value).__name__} value not recorded (scalars only)")
+    elif metrics is not None:
+        warn_unknown(FRAMEWORK, "env_metrics", f"expected a dict per row, got {type(metrics).__name__}")
     with otr.episode(
         step=step,
         split=split,
         group_id=group,
         sample_index=sample_index,
-        policy_version=scheduled,
         episode_id=episode_id,
         dataset_name=env_class,
         framework=FRAMEWORK,
@@ -189,35 +375,131 @@ def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled:
         if not prompt_found:
             missing.append("prompts")
         mark_partial(ep, sorted(set(missing)))
-        if scheduled is not None:
-            try:
-                ep.set_attribute(c.RL_STALENESS, int(step) - int(scheduled))
-            except (TypeError, ValueError):
-                pass
+        set_policy(ep, version, trained)
+        if not getattr(ep, "recording", True):
+            text = None  # nothing is kept: nothing to decode
+        if prompt is None and text is not None:
+            prompt_ids = to_list(v("prompt_token_ids", rows[0]))
+            if prompt_ids:
+                prompt = messages_of(text.decode([list(prompt_ids)])[0], text.tokenizer, "user")
         ep.prompt(prompt if prompt is not None else "")
         finish = v("stop_reasons", last)
         total: float | None = None
-        per_row: dict[str, float] = {}
-        for k, i in enumerate(rows):
+        per_turn: list[float] = []
+        generations = 0
+        for i in rows:
             ids = to_list(v("response_ids", i)) or []
             mask = to_list(v("loss_masks", i))
             if mask is None or len(mask) != len(ids):
+                if mask is not None:
+                    warn_unknown(FRAMEWORK, "loss_masks", "length differs from response_ids: all tokens "
+                                 "taken as generated")
                 mask = [1] * len(ids)
-            turns_from_mask(ep, ids, mask, tokenizer, model=model,
-                            finish_reason=v("stop_reasons", i))
-            reward, _, problem = reward_total(v("rewards", i), f"rewards[{i}]")
+            elif ids and not any(mask):
+                # SkyRL's apply_overlong_filtering zeroes the whole mask of a truncated
+                # trajectory: its turns cannot be told apart, the response is one generation
+                ep.set_attribute(c.RL_METADATA_PREFIX + "loss_masked", True)
+                mask = [1] * len(ids)
+            generations += _turns(ep, ids, mask, text, model=model,
+                                  finish_reason=v("stop_reasons", i))
+            reward, per_token, problem = _reward(v("rewards", i), f"rewards[{i}]")
             mark_invalid(ep, problem)
             if reward is not None:
                 total = reward if total is None else total + reward
                 if len(rows) > 1:
-                    per_row[f"turn_{k}"] = reward
-        components = dict(per_row)
-        metrics = v("env_metrics", last)
-        if isinstance(metrics, Mapping):
-            for name, value in metrics.items():
-                number, _, problem = reward_total(value)
-                if number is not None and problem is None:
-                    components[str(name)] = number
-        if total is not None or components:
-            ep.reward(total, components=components or None)
+                    per_turn.append(reward)
+                elif per_token is not None:
+                    per_turn = _reward_by_turn(per_token, _runs(mask))
+        ep.set_attribute(c.RL_TURN_COUNT, turn_count if turn_count is not None else generations)
+        components = {f"turn_{k}": r for k, r in enumerate(per_turn)} if len(per_turn) > 1 else None
+        if total is not None:
+            ep.reward(total, components=components)
         ep.finish(reason=finish, status=status_for(finish))
+
+
+def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, model: str | None,
+           finish_reason: Any) -> int:
+    """Record one row's turns (runs of 1s) with the observations after them; returns how many
+    generations. Without a tokenizer only token counts are recorded."""
+    runs = _runs(mask)
+    observations = [k for k, (_, _, value) in enumerate(runs) if not value]
+    decoded = dict(zip(observations, text.decode([ids[s:e] for s, e, _ in (runs[k] for k in observations)])
+                       if text is not None else [], strict=False))
+    generations = 0
+    k = 0
+    while k < len(runs):
+        start, end, value = runs[k]
+        with ep.turn() as turn:
+            if not value:  # observation tokens before any generation in this row
+                for m in _feedback(decoded.get(k), text):
+                    turn.feedback(m["content"], role=m["role"])
+                k += 1
+                continue
+            generations += 1
+            k += 1
+            feedback: list[dict[str, Any]] = []
+            if k < len(runs) and not runs[k][2]:
+                feedback = _feedback(decoded.get(k), text)
+                k += 1
+            finish = finish_reason if k >= len(runs) else None
+            segment = ids[start:end]
+            if text is not None and not text.may_call_tools(segment):
+                # no tool call possible: the text is decoded only if the episode is kept
+                turn.record_generation(text.lazy_message(segment), model=model, finish_reason=finish,
+                                       output_tokens=end - start)
+                for m in feedback:
+                    turn.feedback(m["content"], role=m["role"])
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": ""}
+            errors: list[str] = []
+            if text is not None:
+                (content,) = text.decode([segment])
+                message, errors = assistant_message(content, text.tokenizer, f"call_{generations - 1}_")
+            errors += record_assistant(turn, message, _with_tool_results(message, feedback), model=model,
+                                       finish_reason=finish, output_tokens=end - start)
+            if errors:
+                set_span_attribute(turn, c.RL_TOOL_PARSE_ERROR, errors)
+    return generations
+
+
+def _feedback(content: str | None, text: _Text | None) -> list[dict[str, Any]]:
+    if content is None or text is None:
+        return [{"role": ROLE_ENVIRONMENT, "content": ""}]
+    return messages_of(content, text.tokenizer, ROLE_ENVIRONMENT)
+
+
+class _Text:
+    """Decoding with one tokenizer for one call: observations now (their roles and messages are
+    the episode's structure), assistant text only if the episode is kept, unless it may hold a
+    tool call (whose ``execute_tool`` spans are structure too): a Hermes ``<tool_call>`` token in
+    the ids, or text that starts like a JSON tool call."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        clean("", tokenizer)  # learns the template's markers and special tokens on this thread
+        self.hermes_id: int | None = None
+        try:
+            tid = tokenizer.convert_tokens_to_ids(HERMES_OPEN)
+            if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None) \
+                    and tokenizer.decode([tid]) == HERMES_OPEN:
+                self.hermes_id = tid
+        except Exception:  # noqa: BLE001 - no such token: only the JSON form is looked for
+            self.hermes_id = None
+
+    def decode(self, segments: list[list[int]]) -> list[str]:
+        if not segments:
+            return []
+        batch_decode = getattr(self.tokenizer, "batch_decode", None)
+        if callable(batch_decode):
+            return [str(t) for t in batch_decode(segments, skip_special_tokens=False)]
+        return [str(self.tokenizer.decode(s, skip_special_tokens=False)) for s in segments]
+
+    def may_call_tools(self, segment: list[int]) -> bool:
+        if self.hermes_id is not None and self.hermes_id in segment:
+            return True
+        (head,) = self.decode([segment[:4]])
+        return head.lstrip().startswith(("{", "[", "`"))
+
+    def lazy_message(self, segment: list[int]) -> Deferred:
+        tokenizer, decoded = self.tokenizer, lazy_text(self.tokenizer, segment)  # private copy, export thread
+        return Deferred(lambda: assistant_message(decoded.resolve(), tokenizer)[0])

@@ -1,39 +1,80 @@
-"""Tinker cookbook: trajectory groups (transitions and their ``RolloutTrace``) as episodes.
+"""Tinker cookbook: trajectory groups (``do_group_rollout`` output) as episodes.
 
     from otel_rollouts.adapters.tinker import record_trajectory_groups
 
-    # in the RL loop, once a batch of groups is rolled out (and optionally its advantages)
-    record_trajectory_groups(wrapped_groups, step=i_batch, split="train", tokenizer=tokenizer)
+    # rl/train.py, once a batch of groups is trained (next to _maybe_export_rollout_summary_jsonl)
+    record_trajectory_groups(full_batch_wrapped_trajectory_groups, step=i_batch,
+                             tokenizer=tokenizer)
     otr.end_step(i_batch)
 
-One episode per trajectory, grouped by ``(step, group index)``. Input is duck-typed, the
-cookbook is never imported:
+One episode per trajectory, grouped by ``(split, step, group index)``. Input is duck-typed, the
+cookbook is never imported. Groups: ``WrappedTrajectoryGroup`` (``trajectory_group``,
+``env_group_builder``, ``sampling_client_step``), ``TrajectoryGroup`` (``trajectories_G``,
+``final_rewards_G``, ``metrics_G``, ``rollout_errors``), ``None`` for a group the loop dropped,
+or the per-trajectory records of the rollout-summary JSONL (``serialize_rollout_summaries``).
 
-* groups: ``WrappedTrajectoryGroup`` (``trajectory_group``, ``env_group_builder``,
-  ``sampling_client_step``), ``TrajectoryGroup`` (``trajectories_G``, ``final_rewards_G``,
-  ``metrics_G``, ``rollout_errors``), ``None`` for a skipped group, or the per-trajectory records
-  of the rollout-summary JSONL (``group_idx``, ``traj_idx``, ``steps``, ``total_reward``…);
-* transitions: ``ob`` (``ModelInput``), ``ac`` (``TokensWithLogprobs`` with ``stop_reason``),
-  ``reward``, ``episode_done``, ``metrics``, and the optional ``trace`` (``RolloutTrace``:
-  ``prompt``, ``policy_response``, ``reward_data``, ``env_state``, ``extra``).
+Field → attribute (cookbook 0.6.1, ``tinker_cookbook/rl/types.py``):
 
-What the cookbook's own trace logging got wrong in review, handled here:
+=========================================== ==================================================
+``transitions[0].ob`` (rendered prompt)     ``prompt`` span: the rendered chat template split
+                                            back into its messages (``_text.messages_of``),
+                                            decoded only if the episode is kept
+``transitions[k].ac.tokens``                turn k's ``chat`` span: the assistant message
+                                            parsed by the framework's ``renderer`` when given
+                                            (``renderer.parse_response``), else decoded with
+                                            the tokenizer, end-of-turn markup removed and
+                                            Hermes/Qwen ``<tool_call>`` blocks parsed
+tool calls of ``ac``                        ``execute_tool`` spans; the result is the ``tool``
+                                            message (``<tool_response>`` block) that the next
+                                            observation ``transitions[k+1].ob`` (or
+                                            ``final_ob``) adds after the action
+other messages the next observation adds    ``feedback`` spans with their real role
+``ac.stop_reason``                          the ``chat`` span's finish reason
+``ob.length`` / ``len(ac.tokens)``          ``gen_ai.usage.input_tokens`` / ``output_tokens``
+Σ ``transitions[k].reward`` + final reward  ``rl.reward`` (``TrajectoryGroup.get_total_rewards``)
+Σ ``transitions[k].reward``                 ``rl.reward.transitions``
+``final_rewards_G[i]``                      ``rl.reward.final`` (``compute_group_rewards``)
+``transitions[k].metrics[key]`` for the     ``rl.reward.<key>`` (``t<k>.<key>`` when several
+reward-term keys (``reward_metrics=``,      steps carry it). Default: ``format``/``correct``
+default ``REWARD_METRICS``)                 (``ProblemEnv``: reward = format_coef·(format−1) +
+                                            correct) and ``rubric_score`` (rubric env)
+every other ``metrics`` entry (``stop/*``,  ``rl.metadata.steps[k].metrics`` — diagnostics,
+``parse_error``, ``max_turns``, timings…)   never ``rl.reward.*``
+``transitions[k].logs``, ``episode_done``   ``rl.metadata.steps[k]``
+``metrics_G[i]``                            ``rl.metadata.trajectory_metrics``
+advantages (``advantages=``)                ``rl.advantage``
+``Trajectory.stop_reason``                  ``rl.finish_reason``; ``rl.status`` ``ok``
+                                            (completed, tool_stopped), ``truncated`` (max_*,
+                                            context_overflow, rollout_timeout), ``error``
+                                            (parse_error)
+``sampling_client_step`` × ``num_substeps`` ``rl.policy.version`` (optimizer updates of the
+                                            sampling weights; negative placeholders ignored)
+(``step`` − ``sampling_client_step``)       ``rl.staleness`` on the ``train`` split (the
+× ``num_substeps``                          cookbook's own ``async/staleness``); 0 on-policy.
+                                            Eval episodes are not trained on: no staleness.
+                                            With num_substeps > 1 this is the figure at the
+                                            iteration's start (substep j adds j)
+``len(transitions)``                        ``rl.turn.count``
+``env_group_builder.logging_tags()``        ``rl.metadata.tags``
+``rollout_errors[j]``                       an error episode (``rl.status=error``,
+                                            ``rl.finish_reason`` = the error type)
+``trace`` (``RolloutTrace``, PR #749, not   prompt/response/next messages taken from it;
+in 0.6.1)                                   ``reward_data`` kept raw as
+                                            ``rl.metadata.reward_data`` (it mixes terms with
+                                            the total and coefficients such as
+                                            ``format_coef``: never ``rl.reward.*``)
+=========================================== ==================================================
 
-* ``reward_data`` values formatted as text (``"0.500"``) become numbers
-  (``rl.reward.<key>``); the raw payload is kept as metadata;
-* an environment that logged its live message list (mutated after the step) cannot rewrite
-  the prompt: the prompt is the leading messages before the first assistant message, recorded
-  (copied) when this function runs;
-* steps that returned early (parse error, context overflow, ``length``) — often without a
-  trace — still give an episode, with ``rl.status`` ``error`` or ``truncated``, the action
-  decoded from its tokens when a ``tokenizer`` is given; failed rollouts (``rollout_errors``)
-  give error episodes; skipped groups are counted;
-* preference environments fill the trace after the rollout, per trajectory: each trajectory's
-  own response is read from its own transitions;
-* ragged per-group lists (``final_rewards_G``, ``metrics_G``, advantages) never raise: the
-  samples they miss carry ``rl.alignment=partial``;
-* the policy version is ``sampling_client_step`` (negative placeholders ignored); the cap of the
-  tail sampler holds per (step, split), not per group or per call.
+Decoding: the prompt is split only if the episode is kept; each action, and the text the next
+observation adds after it, are decoded when recorded (their tool calls shape the span tree).
+
+Not recorded: logprobs, ``sequence_id``/``prompt_cache_hit_tokens``, images in observations
+(warned once), and texts a rollout-summary record does not hold (it has lengths, not tokens).
+
+Other things handled: steps that returned early (parse error, ``length``) still give an
+episode with ``rl.status``; failed rollouts give error episodes; dropped groups (``None``) are
+counted; ragged ``final_rewards_G`` / ``metrics_G`` / advantages never raise (the samples they
+miss carry ``rl.alignment=partial``); the cap of the tail sampler holds per (step, split).
 """
 
 from __future__ import annotations
@@ -43,8 +84,9 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import to_int
+from otel_rollouts._content import Deferred, to_int
 from otel_rollouts._guard import guarded_or, report
+from otel_rollouts.adapters import _text
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
     Columns,
@@ -53,29 +95,48 @@ from otel_rollouts.adapters._common import (
     field,
     mark_invalid,
     mark_partial,
+    set_policy,
     to_list,
+    warn_unknown,
 )
 from otel_rollouts.adapters._messages import (
     conversation,
-    decoded,
     feedback_after,
     leading_prompt,
     record_assistant,
     token_count,
     token_ids,
 )
+from otel_rollouts.toolcalls import strip_tool_responses, tool_responses
 
-__all__ = ["record_trajectory_groups"]
+__all__ = ["REWARD_METRICS", "record_trajectory_groups"]
 
 FRAMEWORK = "tinker-cookbook"
+ADAPTER = "tinker"
 
-# reward_data entries that describe the task, not a reward term
-_NOT_REWARD = frozenset({"reference_answer", "answer", "ground_truth", "target", "expected",
-                         "solution", "criterion", "grader_response"})
+# Transition metrics that are reward terms in the cookbook's own environments: ProblemEnv.step
+# returns metrics {"format", "correct"} with reward = format_coef * (format - 1) + correct; the
+# rubric env {"format", "rubric_score"} with reward = format_coef * (format - 1) + rubric_score.
+# Every other metric (stop/<reason>, parse_error, max_turns, timings...) is a diagnostic.
+REWARD_METRICS = ("format", "correct", "rubric_score")
+
 # metrics the cookbook's early returns set
 _ERROR_METRICS = ("parse_error",)
 _TRUNCATION_METRICS = ("max_tokens_reached", "context_overflow", "context_length_exceeded",
                        "context_window_exceeded")
+# Trajectory.stop_reason (rl.types.StopReason values) -> rl.status
+_STOP_STATUS = {
+    "completed": c.STATUS_OK,
+    "tool_stopped": c.STATUS_OK,
+    "max_turns": c.STATUS_TRUNCATED,
+    "max_tokens": c.STATUS_TRUNCATED,
+    "max_sampled_tokens": c.STATUS_TRUNCATED,
+    "max_tool_calls": c.STATUS_TRUNCATED,
+    "context_overflow": c.STATUS_TRUNCATED,
+    "rollout_timeout": c.STATUS_TRUNCATED,
+    "parse_error": c.STATUS_ERROR,
+}
+_CONVERSATION_ROLES = ("system", "user", "assistant", "developer")
 
 
 @guarded_or(list)
@@ -90,22 +151,41 @@ def record_trajectory_groups(
     advantages: Sequence[Any] | None = None,
     model: str | None = None,
     group_start: int = 0,
+    renderer: Any = None,
+    reward_metrics: Sequence[str] = REWARD_METRICS,
+    num_substeps: int = 1,
 ) -> list[str]:
     """Record every trajectory of ``trajectory_groups`` as one episode of training step ``step``.
 
+    * ``step``: the training iteration (``i_batch``) that trains on these groups;
     * ``split``: ``"train"`` or the cookbook's ``"eval/<label>"``;
-    * ``tokenizer``: decodes observations/actions of steps that carry no trace (lazily, only
-      for kept episodes);
+    * ``tokenizer``: decodes observations and actions (prompts lazily, only for kept episodes);
+    * ``renderer``: the cookbook renderer the environments use (``renderers.get_renderer(...)``):
+      actions are parsed with its ``parse_response`` (thinking, tool calls in its own format);
+      its ``tokenizer`` is used when ``tokenizer`` is not given;
     * ``taglist`` / ``sampling_client_steps``: per-group tags and policy versions, as given to
       ``serialize_rollout_summaries`` (a ``WrappedTrajectoryGroup`` carries its own);
     * ``advantages``: per group, the per-trajectory advantages (``compute_advantages`` output);
+    * ``reward_metrics``: the transition-metric keys that are reward terms (add the keys your
+      ``reward_fn`` returns);
+    * ``num_substeps``: the cookbook's ``Config.num_substeps`` (optimizer updates per iteration);
     * ``group_start``: index of the first group, when one step's groups arrive in several calls.
 
     Returns the episode ids recorded. Never raises (unless otel_rollouts runs in strict mode).
     """
+    if tokenizer is None and renderer is not None:
+        tokenizer = getattr(renderer, "tokenizer", None)
+    try:
+        reader = _Reader(tokenizer, renderer)
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot be read: record numbers only
+        report(f"tinker adapter: tokenizer: {type(exc).__name__}: {exc}", exc=exc)
+        reader = _Reader(None, None)
+    if isinstance(reward_metrics, str):
+        reward_metrics = (reward_metrics,)
     groups = _as_groups(trajectory_groups)
     per_group = Columns(len(groups), tags=taglist, versions=sampling_client_steps,
                         advantages=advantages)
+    substeps = _substeps(num_substeps)
     ids: list[str] = []
     for gi, group in enumerate(groups):
         g = group_start + gi
@@ -114,12 +194,153 @@ def record_trajectory_groups(
             continue
         try:
             ids.extend(_record_group(group, gi, g, per_group, step=step, split=split,
-                                     tokenizer=tokenizer, model=model))
+                                     reader=reader, model=model, substeps=substeps,
+                                     reward_keys=tuple(str(k) for k in reward_metrics or ())))
         except otr.InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
             report(f"tinker adapter: group {g}: {type(exc).__name__}: {exc}", exc=exc)
     return ids
+
+
+def _substeps(value: Any) -> int:
+    number, _ = to_int(value, "num_substeps")
+    return number if number is not None and number >= 1 else 1
+
+
+# --- text: the framework's renderer, else the tokenizer's own template markers ---------------
+class _Reader:
+    """Turns token ids into readable messages (markup and end-of-turn tokens removed)."""
+
+    def __init__(self, tokenizer: Any, renderer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.renderer = renderer if callable(getattr(renderer, "parse_response", None)) else None
+        if tokenizer is not None:  # learn markers and special tokens on this thread, once
+            from otel_rollouts.decode import _info
+
+            self.info = _info(tokenizer)
+            _text.unspecial("", tokenizer)
+        else:
+            self.info = None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def prompt(self, ob: Any, ob_len: Any = None) -> Any:
+        """The messages of the rendered first observation, split only if the episode is kept."""
+        ids = _ob_ids(ob)
+        if ids is None:
+            return []  # no token ids (a summary record): nothing to show
+        if self.tokenizer is None:
+            return [{"role": "user", "content": f"<{len(ids)} prompt tokens; pass tokenizer= to decode>"}]
+        info, tokenizer = self.info, self.tokenizer
+
+        def split() -> list[dict[str, Any]]:
+            return _text.messages_of(info.decoder.decode(ids, skip_special_tokens=False), tokenizer)
+
+        return Deferred(split)
+
+    def action(self, ac: Any, k: int) -> tuple[dict[str, Any], list[str]]:
+        """The assistant message of action ``ac`` (tool calls parsed) and its parse problems."""
+        ids = token_ids(ac)
+        if ids is None or (self.tokenizer is None and self.renderer is None):
+            return {"role": "assistant", "content": ""}, []
+        if self.renderer is not None:
+            parsed = self._parsed(ids, k)
+            if parsed is not None:
+                return parsed
+        return _text.assistant_message(self.decode(ids), self.tokenizer, call_id_prefix=f"call_{k}_")
+
+    def _parsed(self, ids: list[int], k: int) -> tuple[dict[str, Any], list[str]] | None:
+        try:
+            message, _termination = self.renderer.parse_response(list(ids))
+        except Exception as exc:  # noqa: BLE001 - the renderer is the user's object
+            warn_unknown(ADAPTER, "renderer.parse_response", f"{type(exc).__name__}: {exc}")
+            return None
+        out: dict[str, Any] = {"role": "assistant", "content": _content_text(message.get("content"))}
+        calls = []
+        for n, call in enumerate(message.get("tool_calls") or []):
+            function = field(call, "function")
+            name = field(function, "name")
+            if not name:
+                continue
+            calls.append({"id": str(field(call, "id") or f"call_{k}_{n}"), "type": "function",
+                          "function": {"name": str(name),
+                                       "arguments": field(function, "arguments", default="{}")}})
+        if calls:
+            out["tool_calls"] = calls
+        unparsed = list(message.get("unparsed_tool_calls") or [])
+        errors = [str(field(u, "error") or u) for u in unparsed]
+        raw = [str(field(u, "raw_text")) for u in unparsed if field(u, "raw_text")]
+        if raw:  # what the model wrote stays readable, as with the tokenizer's parser
+            out["content"] = "\n".join([out["content"], *raw]).strip()
+        if self.tokenizer is not None and isinstance(out["content"], str):
+            out["content"] = _text.unspecial(out["content"], self.tokenizer)
+        return out, errors
+
+    def feedback(self, ob: Any, ac: Any, next_ob: Any, has_calls: bool) -> list[dict[str, Any]]:
+        """The messages the environment added after action ``ac``: what ``next_ob`` holds beyond
+        ``ob`` + the rendered action, after the last assistant message."""
+        if self.tokenizer is None:
+            return []
+        nxt = _ob_ids(next_ob)
+        if not nxt:
+            return []
+        prev = _ob_ids(ob) or []
+        if prev and nxt[: len(prev)] == prev:  # a message env re-renders the whole history
+            messages = _text.messages_of(self.decode(nxt[len(prev):]), self.tokenizer,
+                                         default_role="assistant")
+        else:
+            messages = _text.messages_of(self.decode(nxt), self.tokenizer)
+        added = feedback_after(messages, len([m for m in messages if m["role"] == "assistant"]) - 1)
+        return _tool_messages(added, has_calls)
+
+
+def _ob_ids(ob: Any) -> list[int] | None:
+    if ob is None:
+        return None
+    ids = token_ids(ob)
+    if ids is None and callable(getattr(ob, "to_ints", None)):
+        warn_unknown(ADAPTER, "ob", "an observation whose chunks are not all text tokens (images?): "
+                     "not decoded")
+    return ids
+
+
+def _content_text(content: Any) -> str:
+    """A renderer message's content as text: text parts, thinking kept as ``<think>`` blocks."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    out = []
+    for part in content if isinstance(content, (list, tuple)) else [content]:
+        kind = field(part, "type")
+        if kind == "text":
+            out.append(str(field(part, "text", default="")))
+        elif kind == "thinking":
+            out.append(f"<think>{field(part, 'thinking', default='')}</think>")
+        elif kind is not None:
+            warn_unknown(ADAPTER, "message.content", f"a {kind!r} part: left out of the text")
+    return "".join(out).strip()
+
+
+def _tool_messages(messages: list[dict[str, Any]], has_calls: bool) -> list[dict[str, Any]]:
+    """After a turn with tool calls, each ``<tool_response>`` block (and a message of a role the
+    template renders like ``user`` but is not one, e.g. ``tool``/``ipython``) is a tool result."""
+    if not has_calls:
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m.get("content")
+        blocks = tool_responses(content) if isinstance(content, str) else []
+        if blocks:
+            out.extend({"role": "tool", "content": b} for b in blocks)
+            rest = strip_tool_responses(content)
+            if rest:
+                out.append({"role": m.get("role") or "user", "content": rest})
+        elif m.get("role") not in _CONVERSATION_ROLES:
+            out.append({"role": "tool", "content": content})
+        else:
+            out.append(m)
+    return out
 
 
 # --- input shapes --------------------------------------------------------------------------
@@ -167,11 +388,19 @@ def _version(value: Any) -> int | None:
 
 # --- one group ------------------------------------------------------------------------------
 def _record_group(group: Any, gi: int, g: int, per_group: Columns, *, step: int, split: str,
-                  tokenizer: Any, model: str | None) -> list[str]:
+                  reader: _Reader, model: str | None, substeps: int,
+                  reward_keys: tuple[str, ...]) -> list[str]:
     inner = field(group, "trajectory_group", default=group)
-    trajectories = list(field(inner, "trajectories_G", "trajectories", default=[]) or [])
-    version = _version(field(group, "sampling_client_step",
-                             default=per_group.value("versions", gi)))
+    trajectories = field(inner, "trajectories_G", "trajectories")
+    if trajectories is None:
+        warn_unknown(ADAPTER, "trajectory_group",
+                     f"a {type(inner).__name__} without trajectories_G: not recorded")
+        trajectories = []
+    trajectories = list(trajectories)
+    sampled = _version(field(group, "sampling_client_step", default=per_group.value("versions", gi)))
+    version = None if sampled is None else sampled * substeps
+    # only training consumes the samples: the weights that train on them are step's
+    trained = step * substeps if split == "train" and sampled is not None else None
     tags = _tags(group, per_group, gi)
     cols = Columns(
         len(trajectories),
@@ -181,12 +410,14 @@ def _record_group(group: Any, gi: int, g: int, per_group: Columns, *, step: int,
     )
     group_id = f"{split}:{step}:{g}"
     ids = []
-    group_prompt: list[dict[str, Any]] | None = None
+    group_prompt: Any = None
+    policy = (version, trained)
     for t, trajectory in enumerate(trajectories):
         episode_id = f"{group_id}:{field(trajectory, 'traj_idx', default=t)}"
         prompt = _record_trajectory(
             trajectory, t, cols, episode_id=episode_id, group_id=group_id, step=step,
-            split=split, version=version, tags=tags, tokenizer=tokenizer, model=model,
+            split=split, policy=policy, tags=tags, reader=reader, model=model,
+            reward_keys=reward_keys,
         )
         group_prompt = group_prompt or prompt
         ids.append(episode_id)
@@ -199,7 +430,7 @@ def _record_group(group: Any, gi: int, g: int, per_group: Columns, *, step: int,
 
 
 def _record_rollout_error(error: Any, *, episode_id: str, group_id: str, step: int, split: str,
-                          version: int | None, tags: Any, prompt: list | None) -> None:
+                          version: int | None, tags: Any, prompt: Any) -> None:
     """A rollout that raised (``RolloutError``): an error episode, with the group's prompt."""
     kind = str(field(error, "error_type", default=type(error).__name__))
     message = field(error, "error_message", default=None)
@@ -208,8 +439,9 @@ def _record_rollout_error(error: Any, *, episode_id: str, group_id: str, step: i
     metadata = {"error_message": str(message or "")}
     if tags is not None:
         metadata["tags"] = tags
-    with otr.episode(step=step, split=split, group_id=group_id, policy_version=version,
-                     episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
+    with otr.episode(step=step, split=split, group_id=group_id, episode_id=episode_id,
+                     framework=FRAMEWORK, metadata=metadata) as ep:
+        set_policy(ep, version)
         if prompt:
             ep.prompt(prompt)
         ep.finish(reason=kind, status=c.STATUS_ERROR)
@@ -217,13 +449,14 @@ def _record_rollout_error(error: Any, *, episode_id: str, group_id: str, step: i
 
 # --- one trajectory --------------------------------------------------------------------------
 def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: str, group_id: str,
-                       step: int, split: str, version: int | None, tags: Any, tokenizer: Any,
-                       model: str | None) -> list[dict[str, Any]] | None:
+                       step: int, split: str, policy: tuple[int | None, int | None], tags: Any,
+                       reader: _Reader, model: str | None, reward_keys: tuple[str, ...]) -> Any:
     transitions = list(field(trajectory, "transitions", "steps", default=[]) or [])
     traces = [field(tr, "trace") for tr in transitions]
     prompts = [conversation(field(tc, "prompt")) for tc in traces]
     responses = [conversation(field(tc, "policy_response")) for tc in traces]
     nexts = [conversation(field(field(tc, "extra"), "next_messages")) for tc in traces]
+    obs = [field(tr, "ob") for tr in transitions] + [field(trajectory, "final_ob")]
 
     steps_meta: list[dict[str, Any]] = []
     metadata: dict[str, Any] = {}
@@ -232,20 +465,18 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
     trajectory_metrics = cols.value("metrics", t)
     if trajectory_metrics:
         metadata["trajectory_metrics"] = dict(trajectory_metrics)
-    staleness = step - version if version is not None else None
     with otr.episode(step=step, split=split, group_id=group_id, sample_index=t,
-                     policy_version=version, episode_id=episode_id, framework=FRAMEWORK,
-                     metadata=metadata) as ep:
-        if staleness is not None:
-            ep.set_attribute(c.RL_STALENESS, staleness)
+                     episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
+        set_policy(ep, *policy)
         mark_partial(ep, cols.missing(t))
 
-        prompt = _prompt(prompts, transitions, tokenizer)
+        prompt = _prompt(prompts, obs[0], reader)
         ep.prompt(prompt)
 
         status, reason, parse_errors = c.STATUS_OK, None, []
         step_rewards: list[float] = []
-        reward_data: list[tuple[int, Mapping[str, Any]]] = []
+        terms: list[tuple[int, str, float]] = []
+        reward_data: list[Mapping[str, Any]] = []
         extras: list[Any] = []
         for k, tr in enumerate(transitions):
             ac = field(tr, "ac")
@@ -255,6 +486,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
                 "episode_done": field(tr, "episode_done"),
                 "stop_reason": stop_reason,
                 "metrics": dict(metrics) if isinstance(metrics, Mapping) else metrics,
+                "logs": _plain(field(tr, "logs")),
                 "env_state": field(traces[k], "env_state"),
             }
             steps_meta.append({key: v for key, v in info.items() if v is not None})
@@ -264,34 +496,47 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
             if reward is not None:
                 step_rewards.append(reward)
                 steps_meta[-1]["reward"] = reward
+            terms.extend(_reward_terms(metrics, k, reward_keys))
             data = field(traces[k], "reward_data")
             if isinstance(data, Mapping) and data:
-                reward_data.append((k, data))
+                reward_data.append(dict(data))
             extra = field(traces[k], "extra")
             if isinstance(extra, Mapping) and extra.get("rubric_grades") is not None:
                 extras.append(extra.get("rubric_grades"))
 
+            if responses[k]:
+                message, errors = _response(responses[k]), []
+            else:
+                message, errors = reader.action(ac, k)
             following = nexts[k] or (prompts[k + 1] if k + 1 < len(prompts) else [])
+            if following:
+                feedback = feedback_after(following, k)
+            else:
+                feedback = reader.feedback(obs[k], ac, obs[k + 1], bool(message.get("tool_calls")))
             with ep.turn() as turn:
-                errors = record_assistant(
+                errors += record_assistant(
                     turn,
-                    _response(responses[k], ac, tokenizer),
-                    feedback_after(following, k) if following else [],
+                    message,
+                    feedback,
                     model=model,
                     finish_reason=stop_reason,
-                    input_tokens=token_count(field(tr, "ob")) or field(tr, "ob_len"),
+                    input_tokens=token_count(obs[k]) or field(tr, "ob_len"),
                     output_tokens=token_count(ac) or field(tr, "ac_len"),
                 )
             parse_errors.extend(errors)
             status, reason = _worse((status, reason), _step_status(stop_reason, metrics, errors))
 
+        ended = field(trajectory, "stop_reason")
+        if ended is not None:
+            status, reason = _worse((status, reason), _trajectory_status(ended))
         if not transitions:
             status, reason = c.STATUS_ERROR, "empty trajectory"
+        ep.set_attribute(c.RL_TURN_COUNT, len(transitions))
         ep.set_attribute(c.RL_METADATA_PREFIX + "steps", steps_meta)
         if parse_errors:
             ep.set_attribute(c.RL_TOOL_PARSE_ERROR, parse_errors)
         if reward_data:
-            ep.set_attribute(c.RL_METADATA_PREFIX + "reward_data", [dict(d) for _, d in reward_data])
+            ep.set_attribute(c.RL_METADATA_PREFIX + "reward_data", reward_data)
         if extras:
             ep.set_attribute(c.RL_METADATA_PREFIX + "rubric_grades", extras)
 
@@ -303,7 +548,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
         mark_invalid(ep, problem)
         if total is None and (step_rewards or final is not None):
             total = sum(step_rewards) + (final or 0.0)
-        components = _components(reward_data, ep, episode_id)
+        components = _components(terms)
         components["transitions"] = sum(step_rewards)
         if final is not None:
             components["final"] = final
@@ -312,33 +557,31 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
         mark_invalid(ep, problem)
         ep.reward(total, components=components, advantage=advantage)
         last_stop = steps_meta[-1].get("stop_reason") if steps_meta else None
-        ep.finish(reason=reason or last_stop, status=status)
+        ep.finish(reason=reason or (str(ended) if ended is not None else last_stop), status=status)
     return prompt
 
 
-def _prompt(prompts: list[list[dict[str, Any]]], transitions: list[Any], tokenizer: Any
-            ) -> list[dict[str, Any]]:
+def _plain(value: Any) -> Any:
+    """A copy of a mapping (None when empty); anything else as it is."""
+    if isinstance(value, Mapping):
+        return dict(value) or None
+    return value
+
+
+def _prompt(prompts: list[list[dict[str, Any]]], ob: Any, reader: _Reader) -> Any:
     """The initial prompt: the first trace's leading messages, else the first observation."""
     for messages in prompts[:1]:
         if messages:
             return leading_prompt(messages) or messages
-    ob = field(transitions[0], "ob") if transitions else None
-    text = decoded(tokenizer, token_ids(ob))
-    if text is None:
-        n = token_count(ob) or field(transitions[0], "ob_len") if transitions else None
-        text = f"<{n} prompt tokens; pass tokenizer= to decode>" if n else ""
-    return [{"role": "user", "content": text}]
+    return reader.prompt(ob)
 
 
-def _response(messages: list[dict[str, Any]], ac: Any, tokenizer: Any) -> dict[str, Any]:
-    """The assistant message of a step: from its trace, else its action tokens decoded."""
+def _response(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message of a step's trace."""
     for m in reversed(messages):
         if m.get("role") == "assistant":
             return m
-    if messages:
-        return dict(messages[-1], role="assistant")
-    text = decoded(tokenizer, token_ids(ac))
-    return {"role": "assistant", "content": "" if text is None else text}
+    return dict(messages[-1], role="assistant")
 
 
 def _positive(metrics: Any, key: str) -> bool:
@@ -362,6 +605,16 @@ def _step_status(stop_reason: Any, metrics: Any, parse_errors: list[str]) -> tup
     return c.STATUS_OK, None
 
 
+def _trajectory_status(stop_reason: Any) -> tuple[str, str | None]:
+    name = str(getattr(stop_reason, "value", stop_reason))
+    status = _STOP_STATUS.get(name)
+    if status is None:
+        warn_unknown(ADAPTER, "Trajectory.stop_reason", f"{name!r} is not a StopReason this adapter "
+                     "knows: recorded as the finish reason, status ok")
+        return c.STATUS_OK, None
+    return status, None if status == c.STATUS_OK else name
+
+
 _RANK = {c.STATUS_OK: 0, c.STATUS_TRUNCATED: 1, c.STATUS_ERROR: 2}
 
 
@@ -369,20 +622,21 @@ def _worse(a: tuple[str, str | None], b: tuple[str, str | None]) -> tuple[str, s
     return b if _RANK[b[0]] > _RANK[a[0]] else a
 
 
-def _components(reward_data: list[tuple[int, Mapping[str, Any]]], ep: Any, episode_id: str
-                ) -> dict[str, float]:
-    """Numbers of ``reward_data`` (text like ``"0.500"`` and booleans included) as components;
-    prefixed ``t<k>.`` when several steps carry reward data."""
-    out: dict[str, float] = {}
-    several = len(reward_data) > 1
-    for k, data in reward_data:
-        for key, value in data.items():
-            if key in _NOT_REWARD or value is None or isinstance(value, (Mapping, list, tuple)):
-                continue
-            number, problem = as_float(value, f"sample {episode_id}: reward_data[{key!r}]")
-            if number is None:
-                if not isinstance(value, str):
-                    mark_invalid(ep, problem)
-                continue  # a diagnostic string: kept raw in rl.metadata.reward_data
-            out[f"t{k}.{key}" if several else str(key)] = number
+def _reward_terms(metrics: Any, k: int, keys: tuple[str, ...]) -> list[tuple[int, str, float]]:
+    if not isinstance(metrics, Mapping):
+        return []
+    out = []
+    for key in keys:
+        if key in metrics:
+            number, _ = as_float(metrics[key])
+            if number is not None:
+                out.append((k, key, number))
     return out
+
+
+def _components(terms: list[tuple[int, str, float]]) -> dict[str, float]:
+    """Reward-term metrics by key; ``t<k>.<key>`` for a key that several steps carry."""
+    steps_of: dict[str, int] = {}
+    for _, key, _ in terms:
+        steps_of[key] = steps_of.get(key, 0) + 1
+    return {(f"t{k}.{key}" if steps_of[key] > 1 else key): value for k, key, value in terms}

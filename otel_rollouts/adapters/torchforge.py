@@ -3,17 +3,55 @@
     from otel_rollouts.adapters.torchforge import record_episodes
 
     # in continuous_rollouts(), after compute_advantages for a group
-    record_episodes(episodes, step=policy_version)
+    record_episodes(episodes, step=episodes[0].policy_version, tokenizer=tokenizer)
 
-One episode per ``Episode``. Input is duck-typed, ``forge`` is never imported:
+One episode per ``Episode``. Input is duck-typed, ``forge`` is never imported: its PyPI package
+(``torchforge`` 0.0.1) holds no code, and ``Episode`` lives in the app (``apps/grpo/main.py``),
+not in the package, so the structures are read as that source defines them (see
+shared/research/seed-frameworks.md §6) and the tests build dataclasses with exactly those fields:
 
-* ``Episode`` objects (``apps/grpo/main.py``): ``episode_id``, ``policy_version``, ``request``
-  (the chat-templated prompt string), ``response``, ``target``, ``reward``,
-  ``reward_breakdown``, ``advantage``, ``completion`` (``stop_reason``, ``generator_version``,
-  ``prompt_ids``, ``token_ids``, ``metadata``);
-* the sample dicts ``record_episode_sample`` logs (``episode.to_dict``: ``prompt``, the
-  breakdown flattened into columns, ``request_len``/``response_len``…), a list of them, the
-  ``{"reduction_type": "sample", "samples": [...]}`` state, or one dict (streaming mode).
+* ``Episode`` objects: ``episode_id``, ``policy_version``, ``request`` (the chat-templated
+  prompt string), ``response``, ``target``, ``reward``, ``reward_breakdown``, ``advantage``,
+  ``completion`` (``stop_reason``, ``generator_version``, ``prompt_ids``, ``token_ids``,
+  ``metadata``);
+* the sample dicts ``record_metric(..., Reduce.SAMPLE)`` logs (``episode.to_dict``: ``prompt``, the
+  breakdown flattened into columns, ``request_len``/``response_len``, ``score`` = a copy of
+  ``reward`` in forge's main), a list of them, the ``{"reduction_type": "sample", "samples":
+  [...]}`` state, or one dict (streaming mode).
+
+Field → attribute:
+
+=====================================  =========================================================
+torchforge                             recorded as
+=====================================  =========================================================
+``reward``                             ``rl.reward`` (forge: the mean of its reward functions)
+``reward_breakdown`` / the flattened   ``rl.reward.<reward function>`` — only when they are the
+breakdown columns                      reward's terms (the reward is their mean or sum); other
+                                       numeric columns go to ``rl.metadata.<name>`` with a warning
+``score``                              nothing (forge's copy of ``reward`` for the sample table)
+``advantage``                          ``rl.advantage``
+``policy_version`` /                   ``rl.policy.version`` (−1 / missing: none)
+``completion.generator_version``
+``trained_version`` (argument)         ``rl.staleness`` = ``trained_version − rl.policy.version``
+``request``                            the prompt, split into its messages by the tokenizer's
+                                       chat template (one user message without a tokenizer)
+``response`` / ``completion.text``     the assistant turn (template markup and EOS removed with a
+                                       tokenizer; Hermes ``<tool_call>`` blocks as tool calls)
+``completion.stop_reason``             ``rl.finish_reason``, ``rl.status``
+``completion.prompt_ids/token_ids``    ``gen_ai.usage.input_tokens/output_tokens``
+``target``, ``request_len``,           ``rl.metadata.target``, ``rl.metadata.padded_*`` (padded
+``response_len``, ``completion.meta``  maxima, not real lengths), ``rl.metadata.completion.*``
+=====================================  =========================================================
+
+Not recorded: ``ref_logprobs``, ``pad_id``, ``completion.logprobs``.
+
+Policy version and staleness (the one definition in ``conventions``): ``generator_version`` is
+the version of the weights the generator held; ``continuous_training`` pushes them as
+``training_step`` after each ``train_step`` (``policy.update_weights(training_step)``), so it
+counts the optimizer steps those weights had received. Which training step consumes an episode
+is decided later by the replay buffer (``sample(curr_policy_version=training_step)``), so no
+staleness is known where forge logs samples: pass ``trained_version`` (the trainer's
+``training_step`` when it trains on the episodes) to record it. ``step`` is only ``rl.step``.
 
 What forge's own sample logging loses or gets wrong, handled here:
 
@@ -32,6 +70,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from itertools import combinations
 from typing import Any
 
 import otel_rollouts as otr
@@ -45,9 +84,12 @@ from otel_rollouts.adapters._common import (
     field,
     first_occurrences,
     mark_invalid,
+    set_policy,
     status_for,
+    warn_unknown,
 )
-from otel_rollouts.adapters._messages import token_count
+from otel_rollouts.adapters._messages import record_assistant, token_count
+from otel_rollouts.adapters._text import assistant_message, messages_of
 
 __all__ = ["record_episodes"]
 
@@ -57,8 +99,10 @@ FRAMEWORK = "torchforge"
 _COLUMNS = frozenset({
     "episode_id", "policy_version", "prompt", "request", "response", "target", "reward",
     "advantage", "request_len", "response_len", "pad_id", "completion", "ref_logprobs",
-    "reward_breakdown", "step", "generator_version",
+    "reward_breakdown", "step", "generator_version", "score",
 })
+_MAX_SUBSET = 8  # flattened columns tried as reward terms (forge apps have a handful)
+_EPISODE_FIELDS = ("episode_id", "request", "prompt", "response", "completion", "reward")
 
 
 @guarded_or(list)
@@ -68,8 +112,16 @@ def record_episodes(
     step: int,
     split: str = "train",
     model: str | None = None,
+    trained_version: int | None = None,
+    tokenizer: Any = None,
 ) -> list[str]:
     """Record each of ``episodes`` (``Episode`` objects or sample dicts) in training step ``step``.
+
+    * ``trained_version``: optimizer steps the weights that train on these episodes have received
+      (forge's ``training_step`` when it consumes them); gives ``rl.staleness``. Without it no
+      staleness is recorded (it is not known where forge logs samples).
+    * ``tokenizer``: the generator's tokenizer: the chat-templated ``request`` is split into its
+      messages and template markup / EOS are taken out of the text.
 
     Returns the episode ids recorded (each once). Never raises (unless otel_rollouts runs in
     strict mode).
@@ -81,7 +133,8 @@ def record_episodes(
     ids = []
     for i in keep:
         try:
-            ids.append(_record(samples[i], i, step=step, split=split, model=model))
+            ids.append(_record(samples[i], i, step=step, split=split, model=model,
+                               trained_version=trained_version, tokenizer=tokenizer))
         except otr.InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
@@ -101,6 +154,13 @@ def _as_samples(episodes: Any) -> list[Any]:
     return [episodes]
 
 
+def _understood(sample: Any) -> bool:
+    """A sample dict, or an object with at least one of ``Episode``'s fields."""
+    if isinstance(sample, Mapping):
+        return any(k in sample for k in (*_EPISODE_FIELDS, "score"))
+    return any(field(sample, name) is not None for name in _EPISODE_FIELDS)
+
+
 def _episode_id(sample: Any) -> str | None:
     value = field(sample, "episode_id")
     return None if value is None else str(value)
@@ -111,7 +171,9 @@ def _version(sample: Any) -> int | None:
     value = field(sample, "policy_version", default=field(completion, "generator_version"))
     if value is None:
         return None
-    number, _ = to_int(value, "policy_version")
+    number, problem = to_int(value, "policy_version")
+    if problem is not None:
+        warn_unknown(FRAMEWORK, "policy_version", f"{type(value).__name__} {value!r}, not a version number")
     return number if number is not None and number >= 0 else None
 
 
@@ -122,19 +184,47 @@ def _group_id(request: Any, target: Any) -> str | None:
     return f"prompt-{digest}"
 
 
-def _breakdown(sample: Any) -> dict[str, Any]:
-    """Reward per reward function: ``reward_breakdown``, or the columns ``to_dict`` flattened."""
+def _breakdown(sample: Any, reward: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(reward terms, other numeric columns): ``reward_breakdown``, or the columns ``to_dict``
+    flattened — the largest set of them whose mean (forge's ``RewardActor``) or sum the reward
+    is; columns outside it are not understood: metadata, with a warning."""
     breakdown = field(sample, "reward_breakdown")
     if isinstance(breakdown, Mapping):
-        return dict(breakdown)
-    if isinstance(sample, Mapping):
-        return {k: v for k, v in sample.items()
-                if k not in _COLUMNS and (isinstance(v, (int, float, str)) or hasattr(v, "item"))
-                and not isinstance(v, bool) and as_float(v)[0] is not None}
-    return {}
+        return dict(breakdown), {}
+    if not isinstance(sample, Mapping):
+        return {}, {}
+    columns = {k: v for k, v in sample.items()
+               if k not in _COLUMNS and (isinstance(v, (int, float, str)) or hasattr(v, "item"))
+               and not isinstance(v, bool) and as_float(v)[0] is not None}
+    if not columns or reward is None:
+        return columns, {}
+    numbers = {k: as_float(v)[0] for k, v in columns.items()}
+    names = sorted(numbers)
+    if len(names) <= _MAX_SUBSET:
+        # the largest set of columns the reward is the mean or sum of: the reward functions
+        for size in range(len(names), 0, -1):
+            for subset in combinations(names, size):
+                total = sum(numbers[k] for k in subset)
+                if _close(total / size, reward) or _close(total, reward):
+                    others = {k: columns[k] for k in names if k not in subset}
+                    if others:
+                        warn_unknown(FRAMEWORK, "sample columns", f"{sorted(others)} are not terms of "
+                                     f"reward {reward} nor known columns; recorded as metadata")
+                    return {k: columns[k] for k in subset}, others
+    warn_unknown(FRAMEWORK, "sample columns", f"{names} are neither a breakdown of reward {reward} "
+                 "(mean or sum) nor known columns; recorded as metadata")
+    return {}, columns
 
 
-def _record(sample: Any, i: int, *, step: int, split: str, model: str | None) -> str:
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
+            trained_version: int | None, tokenizer: Any) -> str:
+    if not _understood(sample):
+        warn_unknown(FRAMEWORK, "episode", f"{type(sample).__name__} with none of Episode's fields; "
+                     "recorded as an empty episode")
     episode_id = _episode_id(sample) or f"{split}:{step}:{i}"
     completion = field(sample, "completion")
     request = field(sample, "request", "prompt")
@@ -143,6 +233,8 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None) ->
     version = _version(sample)
     stop_reason = field(completion, "stop_reason", "finish_reason",
                         default=field(sample, "stop_reason"))
+    reward, reward_problem = as_float(field(sample, "reward", "score"), f"sample {episode_id}: reward")
+    terms, others = _breakdown(sample, reward)
 
     metadata: dict[str, Any] = {}
     if target is not None:
@@ -154,27 +246,32 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None) ->
     generator_metadata = field(completion, "metadata")
     if isinstance(generator_metadata, Mapping):
         metadata.update({f"completion.{k}": v for k, v in generator_metadata.items()})
+    for name, value in others.items():
+        metadata[str(name)] = as_float(value)[0]
 
     with otr.episode(step=step, split=split, group_id=_group_id(request, target), sample_index=i,
-                     policy_version=version, episode_id=episode_id, framework=FRAMEWORK,
-                     metadata=metadata) as ep:
-        if version is not None:
-            ep.set_attribute(c.RL_STALENESS, step - version)
-        ep.prompt([{"role": "user", "content": "" if request is None else str(request)}])
+                     episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
+        set_policy(ep, version, trained_version)
+        if tokenizer is not None and request is not None:
+            ep.prompt(messages_of(str(request), tokenizer))
+        else:
+            ep.prompt([{"role": "user", "content": "" if request is None else str(request)}])
         with ep.turn() as turn:
-            turn.record_generation(
-                "" if response is None else str(response),
-                model=model,
-                finish_reason=stop_reason,
-                input_tokens=token_count(field(completion, "prompt_ids")),
-                output_tokens=token_count(field(completion, "token_ids")),
-            )
-        reward, problem = as_float(field(sample, "reward"), f"sample {episode_id}: reward")
-        mark_invalid(ep, problem)
+            usage = {"input_tokens": token_count(field(completion, "prompt_ids")),
+                     "output_tokens": token_count(field(completion, "token_ids"))}
+            if tokenizer is not None:
+                message, errors = assistant_message("" if response is None else str(response), tokenizer)
+                record_assistant(turn, message, model=model, finish_reason=stop_reason, **usage)
+                if errors:
+                    ep.set_attribute(c.RL_TOOL_PARSE_ERROR, errors)
+            else:
+                turn.record_generation("" if response is None else str(response), model=model,
+                                       finish_reason=stop_reason, **usage)
+        mark_invalid(ep, reward_problem)
         advantage, problem = as_float(field(sample, "advantage"), f"sample {episode_id}: advantage")
         mark_invalid(ep, problem)
         components: dict[str, float] = {}
-        for name, value in _breakdown(sample).items():
+        for name, value in terms.items():
             number, problem = as_float(value, f"sample {episode_id}: reward_breakdown[{name!r}]")
             mark_invalid(ep, problem)
             if number is not None:

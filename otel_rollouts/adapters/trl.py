@@ -6,28 +6,69 @@
     trainer.add_callback(RolloutTraceCallback(trainer))
     trainer.train()
 
-Where the data comes from: after generating and scoring a generation batch, ``GRPOTrainer``
-appends every prompt, completion, per-reward-function reward and advantage (gathered from all
-processes) to its ``_logs`` buffers (``prompt``, ``completion``, ``rewards[name]``,
-``advantages``, ``extra``), which its own completions table reads at logging time. Those
-buffers only hold the latest generation batch and that table only appears every
-``logging_steps``; this callback reads them at the end of every optimizer step (and after every
-evaluation batch), so no step's completions are skipped, then closes the step for the tail
-sampler (``otr.end_step``).
+Where the data comes from. After generating and scoring a generation batch,
+``GRPOTrainer._generate_and_score_completions`` appends every prompt, completion, per-reward-function
+reward and advantage (gathered from all processes) to its ``_logs`` buffers; the token ids it
+generated (``prompt_ids``, ``completion_ids``, ``tool_mask``) come out of ``GRPOTrainer._generate``
+and never reach ``_logs``. Given the trainer, the callback wraps those two methods and
+``_prepare_inputs`` on that trainer instance (results passed through untouched; nothing raised by
+the callback's own code reaches TRL) to snapshot each batch at the moment it is made, with the
+``global_step`` of the weights that generated it. Episodes are written at the end of the optimizer
+step (``on_step_end``; eval batches at ``on_prediction_step``), then the step is closed for the
+tail sampler (``otr.end_step``). Without those methods (another trainer) it reads ``_logs`` alone.
 
-Each completion becomes one episode: the prompt (text or messages), the completion as turns
-(a conversational completion with tool calls gives ``execute_tool`` spans with the tool
-results), ``rl.reward`` = the weighted sum of the reward functions TRL optimises,
-``rl.reward.<function name>`` per reward function, ``rl.advantage``, the GRPO group
-(``num_generations`` consecutive completions of one prompt), and ``rl.policy.version`` = the
-optimizer step whose weights generated it. The prompt is always recorded (a review of TRL's own
-trace logging found completions logged without it).
+Field → attribute (one episode per completion):
+
+====================================  ===================================================================
+TRL                                   recorded as
+====================================  ===================================================================
+``_logs["prompt"]``                   prompt span: messages as given; a string prompt rendered with the
+                                      chat template is split back into its messages (``_text``)
+``_logs["completion"]``               one turn per assistant message, markup/EOS removed; its
+                                      ``tool_calls`` (or Hermes ``<tool_call>`` text) → ``execute_tool``
+                                      spans, the ``tool`` messages after it → their results;
+                                      ``rl.turn.count``
+``_logs["rewards"][name]``            ``rl.reward.<name>`` (a reward term; NaN = function returned None:
+                                      left out); ``rl.reward`` = Σ ``reward_weights`` × terms
+``_logs["advantages"]``               ``rl.advantage``
+``_logs["extra"][col]`` (log_extra)   ``rl.metadata.<col>``
+``len(prompt_ids)``                   ``gen_ai.usage.input_tokens`` (first generation; later turns: the
+                                      prompt plus every token before that turn)
+``completion_ids`` / ``tool_mask``    ``gen_ai.usage.output_tokens``: TRL's ``completion_lengths``
+                                      (model tokens, ``tool_mask`` = 1), per turn when the mask's runs
+                                      match the turns
+last id ∉ ``eos_token_ids``+pad       ``rl.finish_reason`` = ``length`` and ``rl.status`` = truncated
+                                      (TRL's ``is_truncated`` / ``completions/clipped_ratio``), else
+                                      ``stop``; also ``gen_ai.response.finish_reasons`` on the last
+                                      generation
+``num_generations`` consecutive       ``rl.group.id`` / ``rl.sample.index`` (one GRPO group per prompt)
+``state.global_step`` at generation   ``rl.policy.version`` (updates the generating weights had)
+TRL's schedule (below)                ``rl.staleness``
+====================================  ===================================================================
+
+Staleness. A generation batch made at ``global_step`` g is shuffled and split into
+``steps_per_generation`` slices; slice k is first trained at micro-step m0 + k (m0 = ``_step`` at
+generation), with weights that have ``g + (m0 + k) // G − m0 // G`` updates (G = gradient
+accumulation steps). The default schedule (``steps_per_generation`` = G) trains the whole batch on
+the weights that generated it: staleness 0. With ``steps_per_generation`` > G the later slices are
+trained after further updates: their samples get staleness 1, 2…; each sample's slice is found
+by matching its token rows in ``_buffered_inputs`` (main process's own samples; another process's
+samples get no staleness when the slices differ). With ``num_iterations`` > 1 a batch is trained
+again in later passes: the episode is recorded once, with the staleness of its first training
+pass. Eval samples are never trained: version only.
+
+Not recorded: logprobs, images, token ids/text of tool results beyond TRL's tool messages, and
+token counts / finish reasons of other processes' samples (only their text reaches the main
+process). Only the main process records (TRL gathers every process's completions there). An
+eval batch larger than TRL's buffers (sized for a training generation batch) has lost its first
+samples inside TRL: they are counted (``adapters.unknown_structure``) and warned about once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
@@ -35,13 +76,26 @@ from transformers import TrainerCallback
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._guard import guarded, report
-from otel_rollouts.adapters._common import as_float, group_ids, mark_invalid, mark_partial
-from otel_rollouts.adapters._messages import conversation, record_completion
+from otel_rollouts.adapters._common import (
+    as_float,
+    group_ids,
+    mark_invalid,
+    mark_partial,
+    mask_runs,
+    set_policy,
+    set_span_attribute,
+    status_for,
+    to_list,
+    warn_unknown,
+)
+from otel_rollouts.adapters._messages import record_assistant
+from otel_rollouts.adapters._text import assistant_message, clean, messages_of
 
 __all__ = ["RolloutTraceCallback"]
 
 FRAMEWORK = "trl"
 _ABSENT = object()
+_WRAPPED = "__otr_trl_wrapped__"
 
 
 class RolloutTraceCallback(TrainerCallback):
@@ -59,13 +113,31 @@ class RolloutTraceCallback(TrainerCallback):
 
     def __init__(self, trainer: Any = None, *, model: str | None = None,
                  end_steps: bool = True) -> None:
-        self.trainer = trainer
+        self._trainer: Any = None
         self.model = model
         self.end_steps = end_steps
         self.recorded = 0  # episodes recorded so far
         self._last: Any = _ABSENT  # the newest buffer entry already recorded (identity marker)
         self._version: int | None = None
         self._batches = 0
+        self._pending: list[dict[str, Any]] = []  # batches snapshotted by the hooks, not recorded yet
+        self._generated: dict[str, Any] | None = None  # what the latest ``_generate`` returned
+        self._to_match: dict[str, Any] | None = None  # batch whose slices are read after shuffling
+        self.hooked = False
+        self.trainer = trainer
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, value: Any) -> None:
+        self._trainer = value
+        self.hooked = False
+        try:
+            self._install(value)
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+            report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc, may_raise=False)
 
     # --- Trainer events -------------------------------------------------------------------------
     @guarded
@@ -74,34 +146,159 @@ class RolloutTraceCallback(TrainerCallback):
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
-        self._collect(args, state, "train", policy_version=self._version)
+        self._flush_pending(args, state, "train")
+        self._collect(args, state, "train", policy_version=self._version,
+                      trained_version=self._version)
         if self.end_steps and state.is_world_process_zero:
             otr.end_step(int(state.global_step), split="train")
 
     @guarded
     def on_prediction_step(self, args, state, control, **kwargs):
-        self._collect(args, state, "eval", policy_version=int(state.global_step))
+        self._flush_pending(args, state, "eval")
+        self._collect(args, state, "eval", policy_version=int(state.global_step),
+                      trained_version=None)
 
     @guarded
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self._flush_pending(args, state, "eval")
         if self.end_steps and state.is_world_process_zero:
             otr.end_step(int(state.global_step), split="eval")
 
-    # --- reading the trainer's buffers -------------------------------------------------------------
-    def _collect(self, args: Any, state: Any, split: str, *, policy_version: int | None) -> None:
+    @guarded
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush_pending(args, state, None)
+
+    # --- hooks on the trainer's own methods ---------------------------------------------------------
+    def _install(self, trainer: Any) -> None:
+        """Wrap ``_generate``, ``_generate_and_score_completions`` and ``_prepare_inputs`` on
+        this trainer instance (not its class); results pass through unchanged."""
+        if trainer is None:
+            return
+        names = ("_generate", "_generate_and_score_completions", "_prepare_inputs")
+        methods = [getattr(trainer, name, None) for name in names]
+        if not all(callable(m) for m in methods) or not isinstance(getattr(trainer, "_logs", None), Mapping):
+            return
+        hooks = ((None, self._after_generate), (self._before_score, self._after_score),
+                 (None, self._after_prepare))
+        for name, method, (before, after) in zip(names, methods, hooks, strict=True):
+            if getattr(method, _WRAPPED, None) is not None:
+                method = getattr(method, _WRAPPED)  # wrapped by an earlier callback: replace it
+            setattr(trainer, name, _wrap(method, before, after))
+        self.hooked = True
+
+    def _main(self) -> bool:
+        state = getattr(self._trainer, "state", None)
+        return bool(getattr(state, "is_world_process_zero", True))
+
+    def _after_generate(self, result: Any, _: Any) -> None:
+        """Keep TRL's own token lists of the batch just generated (this process's samples)."""
+        trainer = self._trainer
+        if not self._main():
+            return
+        if not isinstance(result, tuple) or len(result) < 3:
+            warn_unknown(FRAMEWORK, "_generate", f"expected a tuple (prompt_ids, completion_ids, tool_mask, ...), "
+                                                 f"got {type(result).__name__}: no token counts")
+            self._generated = None
+            return
+        prompt_ids, completion_ids, tool_mask = (to_list(v) for v in result[:3])
+        state = getattr(trainer, "state", None)
+        self._generated = {
+            "prompt_ids": prompt_ids, "completion_ids": completion_ids, "tool_mask": tool_mask,
+            "version": _int(getattr(state, "global_step", None)),
+            "micro": _int(getattr(trainer, "_step", None)),
+        }
+
+    def _fresh(self, logs: Any) -> tuple[dict[str, list[Any]], int] | None:
+        """TRL's log columns and how many rows are new since the last batch (None: nothing new)."""
+        if not isinstance(logs, Mapping):
+            return None
+        columns = _columns(logs)
+        new = self._new_count(columns)
+        return (columns, new) if new > 0 else None
+
+    def _before_score(self) -> None:
+        self._generated = None
+
+    def _after_score(self, output: Any, _: Any) -> None:
+        """Snapshot the batch TRL just appended to ``_logs`` with its tokens and versions."""
+        trainer = self._trainer
+        if not self._main():
+            return
+        logs = getattr(trainer, "_logs", None)
+        fresh = self._fresh(logs)
+        if fresh is None:
+            return
+        columns, new = fresh
+        model = getattr(trainer, "model", None)
+        split = "train" if getattr(model, "training", True) else "eval"
+        generated = self._generated or {}
+        self._generated = None
+        version = generated.get("version")
+        if version is None:
+            version = _int(getattr(getattr(trainer, "state", None), "global_step", None))
+        batch = _slice_batch(columns, new)
+        batch.update(split=split, version=version, tokens=generated, slices=None,
+                     trained=_slice_versions(trainer, split, version, generated.get("micro")))
+        expected = _expected_size(trainer, generated)
+        batch["offset"] = 0
+        maxlen = getattr(logs.get("advantages"), "maxlen", None)
+        if expected is not None and expected > new and new == maxlen:
+            batch["offset"] = expected - new  # the buffer (sized for training) dropped the first ones
+            warn_unknown(FRAMEWORK, "_logs", f"buffer holds {new} of a batch of {expected}: the first "
+                                             f"{expected - new} samples are not recorded")
+        if split == "train" and len(set(batch["trained"] or [None])) > 1:
+            # the slices are trained after different numbers of updates: find each sample's slice
+            batch["rows"] = _row_keys(output)
+            self._to_match = batch
+        self._pending.append(batch)
+
+    def _after_prepare(self, result: Any, _: Any) -> None:
+        batch, self._to_match = self._to_match, None
+        if batch is None or batch.get("rows") is None:
+            return
+        buffered = getattr(self._trainer, "_buffered_inputs", None)
+        if not isinstance(buffered, Sequence):
+            return
+        where: dict[Any, list[int]] = {}
+        for k, part in enumerate(buffered):
+            for key in _row_keys(part) or []:
+                where.setdefault(key, []).append(k)
+        slices = []
+        for key in batch.pop("rows"):
+            ks = where.get(key)
+            slices.append(ks.pop(0) if ks else None)
+        batch["slices"] = slices
+
+    # --- recording ------------------------------------------------------------------------------------
+    def _flush_pending(self, args: Any, state: Any, split: str | None) -> None:
+        if not self._pending:
+            return
+        keep, todo = [], []
+        for batch in self._pending:
+            (todo if split is None or batch["split"] == split else keep).append(batch)
+        self._pending = keep
+        for batch in todo:
+            try:
+                self._record(batch, args, step=int(state.global_step))
+            except otr.InvalidValue:
+                raise
+            except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+                report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc)
+
+    def _collect(self, args: Any, state: Any, split: str, *, policy_version: int | None,
+                 trained_version: int | None) -> None:
+        """Whatever reached ``_logs`` without passing the hooks (another trainer class)."""
         try:
-            if not state.is_world_process_zero or self.trainer is None:
+            if not state.is_world_process_zero or self._trainer is None:
                 return
-            logs = getattr(self.trainer, "_logs", None) or getattr(self.trainer, "_textual_logs", None)
-            if not isinstance(logs, Mapping):
+            fresh = self._fresh(getattr(self._trainer, "_logs", None) or getattr(self._trainer, "_textual_logs", None))
+            if fresh is None:
                 return
-            columns = _columns(logs)
-            new = self._new_count(columns)
-            if new <= 0:
-                return
-            group_size = _group_size(args, split)
-            self._record(columns, new, step=int(state.global_step), split=split,
-                         policy_version=policy_version, group_size=group_size)
+            columns, new = fresh
+            batch = _slice_batch(columns, new)
+            batch.update(split=split, version=policy_version, tokens={}, slices=None, offset=0,
+                         trained=None if trained_version is None else [trained_version])
+            self._record(batch, args, step=int(state.global_step))
         except otr.InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
@@ -127,49 +324,65 @@ class RolloutTraceCallback(TrainerCallback):
         self._last = marker_column[-1]
         return len(marker_column) - start
 
-    def _record(self, columns: dict[str, list[Any]], n: int, *, step: int, split: str,
-                policy_version: int | None, group_size: int | None) -> None:
-        batch = self._batches
+    def _record(self, batch: dict[str, Any], args: Any, *, step: int) -> None:
+        split = batch["split"]
+        n, offset = batch["n"], batch["offset"]
+        index = self._batches
         self._batches += 1
-        names = _reward_names(self.trainer, columns)
-        weights = _reward_weights(self.trainer, len(names))
-        model = self.model or _model_name(self.trainer)
-        groups, _ = group_ids(n, per_group=group_size, complete=True,
-                              prefix=f"{split}:{step}:{batch}:")
-        # TRL extends every buffer in lockstep; one of another length cannot be paired with the
-        # samples safely, so it is left out of this batch and its samples are marked partial
-        length = len(_marker(columns))
-        ragged = {name: len(col) for name, col in columns.items() if len(col) != length}
-        missing = [f"{name}[{size}!={length}]" for name, size in ragged.items()]
+        trainer = self._trainer
+        names = _reward_names(trainer, batch["columns"])
+        weights = _reward_weights(trainer, len(names))
+        model = self.model or _model_name(trainer)
+        tokenizer = _tokenizer(trainer)
+        finish = _Finish(trainer)
+        group_size = _group_size(args, trainer, split)
+        groups, _ = group_ids(offset + n, per_group=group_size, complete=True,
+                              prefix=f"{split}:{step}:{index}:")
+        tokens = batch["tokens"] or {}
+        trained = batch["trained"]
+        slices = batch["slices"]
         for i in range(n):
-            values = {name: column[length - n + i] for name, column in columns.items()
-                      if name not in ragged}
-            self._record_one(values, missing, names, weights, model=model, step=step,
-                             split=split, policy_version=policy_version,
-                             episode_id=f"{split}:{step}:{batch}:{i}", group_id=groups[i],
-                             sample_index=i % group_size if groups[i] and group_size else i)
+            g = offset + i  # index in the gathered batch (the main process's samples come first)
+            values = {name: column[i] for name, column in batch["columns"].items()}
+            if trained is None:
+                trained_version = None
+            elif len(set(trained)) == 1:
+                trained_version = trained[0]
+            elif slices is not None and g < len(slices) and slices[g] is not None:
+                trained_version = trained[slices[g]]
+            else:
+                trained_version = None
+            self._record_one(
+                values, batch["missing"], names, weights, model=model, tokenizer=tokenizer,
+                step=step, split=split, version=batch["version"], trained_version=trained_version,
+                episode_id=f"{split}:{step}:{index}:{i}", group_id=groups[g],
+                sample_index=g % group_size if groups[g] and group_size else i,
+                usage=_usage(tokens, g, finish))
 
     def _record_one(self, values: dict[str, Any], missing: list[str], names: list[str],
-                    weights: list[float], *, model: str | None, step: int, split: str,
-                    policy_version: int | None, episode_id: str, group_id: str | None,
-                    sample_index: int) -> None:
+                    weights: list[float], *, model: str | None, tokenizer: Any, step: int,
+                    split: str, version: int | None, trained_version: int | None, episode_id: str,
+                    group_id: str | None, sample_index: int, usage: dict[str, Any] | None) -> None:
         metadata = {key[len("extra."):]: v for key, v in values.items()
                     if key.startswith("extra.") and v is not None}
         with otr.episode(step=step, split=split, group_id=group_id, sample_index=sample_index,
-                         policy_version=policy_version, episode_id=episode_id,
-                         framework=FRAMEWORK, metadata=metadata) as ep:
-            if policy_version is not None:
-                ep.set_attribute(c.RL_STALENESS, step - policy_version)
+                         episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
+            set_policy(ep, version, trained_version)
             mark_partial(ep, missing)
-            prompt = values.get("prompt")
-            ep.prompt(prompt if prompt is not None else "")
-            completion = values.get("completion")
-            if isinstance(completion, (list, tuple)):
-                record_completion(ep, conversation(completion), model=model)
-            else:
+            ep.prompt(_prompt_messages(values.get("prompt"), tokenizer))
+            turns = _turns(values.get("completion"), tokenizer)
+            reason = usage.get("finish_reason") if usage else None
+            per_turn = _turn_usage(usage, len(turns))
+            for k, (assistant, feedback) in enumerate(turns):
+                last = k == len(turns) - 1
                 with ep.turn() as turn:
-                    turn.record_generation("" if completion is None else str(completion),
-                                           model=model)
+                    errors = record_assistant(turn, assistant, feedback, model=model,
+                                              finish_reason=reason if last else None,
+                                              input_tokens=per_turn[k][0],
+                                              output_tokens=per_turn[k][1])
+                    if errors:
+                        set_span_attribute(turn, c.RL_TOOL_PARSE_ERROR, errors)
+            ep.set_attribute(c.RL_TURN_COUNT, len(turns))
             components: dict[str, float] = {}
             total, weighted = 0.0, False
             for k, name in enumerate(names):
@@ -186,8 +399,200 @@ class RolloutTraceCallback(TrainerCallback):
                                           f"sample {episode_id}: advantage")
             mark_invalid(ep, problem)
             ep.reward(total if weighted else None, components=components, advantage=advantage)
-            ep.finish(status=c.STATUS_OK)
+            ep.finish(reason, status=status_for(reason))
         self.recorded += 1
+
+
+# --- hooks ------------------------------------------------------------------------------------------
+def _wrap(method: Any, before: Any, after: Any) -> Any:
+    """``method`` with ``before()`` / ``after(result, token)`` around it: their failures are
+    reported, never raised; the method's own result and exceptions pass through untouched."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = None
+        if before is not None:
+            try:
+                token = before()
+            except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+                report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc, may_raise=False)
+        result = method(*args, **kwargs)
+        try:
+            after(result, token)
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+            report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc, may_raise=False)
+        return result
+
+    setattr(wrapper, _WRAPPED, method)
+    return wrapper
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _slice_versions(trainer: Any, split: str, version: int | None, micro: int | None) -> list[int] | None:
+    """Updates of the weights that first train each slice of a generation batch (train only)."""
+    if split != "train" or version is None:
+        return None
+    args = getattr(trainer, "args", None)
+    ga = _int(getattr(trainer, "current_gradient_accumulation_steps", None)) \
+        or _int(getattr(args, "gradient_accumulation_steps", None)) or 1
+    spg = _int(getattr(args, "steps_per_generation", None)) or ga
+    m0 = micro if micro is not None else 0
+    return [version + (m0 + k) // ga - m0 // ga for k in range(max(1, spg))]
+
+
+def _expected_size(trainer: Any, generated: Mapping[str, Any]) -> int | None:
+    """Size of the gathered batch: this process's samples × number of processes."""
+    ids = generated.get("completion_ids")
+    if not isinstance(ids, list):
+        return None
+    processes = _int(getattr(getattr(trainer, "accelerator", None), "num_processes", None)) or 1
+    return len(ids) * processes
+
+
+def _row_keys(part: Any) -> list[tuple] | None:
+    """One hashable key per row of a batch dict (its padded prompt and completion ids)."""
+    if not isinstance(part, Mapping):
+        return None
+    prompts, completions = to_list(part.get("prompt_ids")), to_list(part.get("completion_ids"))
+    if prompts is None or completions is None or len(prompts) != len(completions):
+        return None
+    return [(tuple(p), tuple(q)) for p, q in zip(prompts, completions, strict=True)]
+
+
+class _Finish:
+    """TRL's rule for a clipped completion (``is_truncated``): its last id is neither an EOS id
+    nor the pad id."""
+
+    def __init__(self, trainer: Any) -> None:
+        ids = getattr(trainer, "eos_token_ids", None)
+        tokenizer = getattr(trainer, "_tokenizer", None) or _tokenizer(trainer)
+        if ids is None:
+            ids = getattr(tokenizer, "eos_token_id", None)
+        ids = to_list(ids) if ids is not None else []
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.stop_ids = {int(i) for i in ids if isinstance(i, int)} | ({pad} if isinstance(pad, int) else set())
+
+    def reason(self, completion_ids: Sequence[int]) -> str | None:
+        if not self.stop_ids or not completion_ids:
+            return None
+        return c.FINISH_STOP if completion_ids[-1] in self.stop_ids else c.FINISH_LENGTH
+
+
+def _usage(tokens: Mapping[str, Any], g: int, finish: _Finish) -> dict[str, Any] | None:
+    """Token counts and finish reason of gathered sample ``g`` (this process's samples only)."""
+    completions = tokens.get("completion_ids")
+    if not isinstance(completions, list) or g >= len(completions):
+        return None
+    ids = completions[g]
+    prompts = tokens.get("prompt_ids")
+    masks = tokens.get("tool_mask")
+    mask = masks[g] if isinstance(masks, list) and g < len(masks) else None
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        mask = [1] * len(ids)
+    prompt = prompts[g] if isinstance(prompts, list) and g < len(prompts) else None
+    return {"input_tokens": len(prompt) if isinstance(prompt, list) else None,
+            "mask": mask, "finish_reason": finish.reason(ids)}
+
+
+def _turn_usage(usage: Mapping[str, Any] | None, turns: int) -> list[tuple[int | None, int | None]]:
+    """(input, output) tokens of each turn: the runs of model tokens (``tool_mask`` = 1), one per
+    turn; when they do not match the turns, the totals go on the last turn."""
+    out: list[tuple[int | None, int | None]] = [(None, None)] * turns
+    if not usage or turns == 0:
+        return out
+    prompt = usage.get("input_tokens")
+    mask = usage["mask"]
+    runs = [(start, end) for start, end, value in mask_runs(mask) if value == 1]
+    if len(runs) == turns:
+        return [(None if prompt is None else prompt + start, end - start) for start, end in runs]
+    if runs or turns > 1:
+        warn_unknown(FRAMEWORK, "tool_mask", f"{len(runs)} runs of model tokens for {turns} assistant turns: "
+                                             "token counts recorded as totals on the last turn")
+    out[-1] = (prompt, sum(1 for m in mask if m))
+    return out
+
+
+# --- text -------------------------------------------------------------------------------------------
+def _tokenizer(trainer: Any) -> Any:
+    tokenizer = getattr(trainer, "_tokenizer", None)
+    if tokenizer is None:
+        tokenizer = getattr(trainer, "processing_class", None)
+        tokenizer = getattr(tokenizer, "tokenizer", None) or tokenizer
+    return tokenizer if callable(getattr(tokenizer, "convert_ids_to_tokens", None)) else None
+
+
+def _prompt_messages(prompt: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """A conversational prompt as its messages; a text prompt (possibly rendered with the chat
+    template by the user) split into its messages."""
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return messages_of(prompt, tokenizer)
+    if isinstance(prompt, Mapping):
+        prompt = [prompt]
+    if isinstance(prompt, Sequence):
+        out = []
+        for m in prompt:
+            if isinstance(m, Mapping):
+                out.append(dict(m))
+            else:
+                out.append({"role": "user", "content": "" if m is None else str(m)})
+        return out
+    warn_unknown(FRAMEWORK, "prompt", f"expected text or messages, got {type(prompt).__name__}")
+    return [{"role": "user", "content": str(prompt)}]
+
+
+def _assistant(message: Mapping[str, Any], tokenizer: Any, turn: int) -> dict[str, Any]:
+    """An assistant message as a person reads it: markup removed; tool calls TRL parsed kept
+    (given ids, which TRL's tool calls lack: ``call_<turn>_<n>``), Hermes ``<tool_call>`` text
+    (no response schema) turned into ``tool_calls``."""
+    content = message.get("content")
+    if message.get("tool_calls") or not isinstance(content, str):
+        out = dict(message)
+        if isinstance(content, str):
+            out["content"] = clean(content, tokenizer)
+        calls = out.get("tool_calls")
+        if isinstance(calls, Sequence) and not isinstance(calls, str):
+            out["tool_calls"] = [
+                {**call, "id": f"call_{turn}_{n}"} if isinstance(call, Mapping) and not call.get("id") else call
+                for n, call in enumerate(calls)]
+        return out
+    parsed, errors = assistant_message(content, tokenizer, call_id_prefix=f"call_{turn}_")
+    out = {**{k: v for k, v in message.items() if k != "content"}, **parsed}
+    if errors:
+        out["unparsed_tool_calls"] = errors
+    return out
+
+
+def _turns(completion: Any, tokenizer: Any) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """(assistant message, what followed it) per turn of a completion (text or messages)."""
+    if completion is None:
+        completion = ""
+    if isinstance(completion, str):
+        return [(_assistant({"role": "assistant", "content": completion}, tokenizer, 0), [])]
+    if isinstance(completion, Mapping):
+        completion = [completion]
+    if not isinstance(completion, Sequence):
+        warn_unknown(FRAMEWORK, "completion", f"expected text or messages, got {type(completion).__name__}")
+        return [(_assistant({"role": "assistant", "content": str(completion)}, tokenizer, 0), [])]
+    turns: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    for m in completion:
+        if not isinstance(m, Mapping):
+            m = {"role": "assistant", "content": "" if m is None else str(m)}
+        role = str(m.get("role") or "")
+        if role == "assistant" or not turns:
+            if role != "assistant":
+                warn_unknown(FRAMEWORK, "completion", f"completion starts with a {role or 'role-less'} message")
+            turns.append((_assistant({**m, "role": "assistant"}, tokenizer, len(turns)), []))
+        else:
+            turns[-1][1].append(dict(m))
+    return turns or [({"role": "assistant", "content": ""}, [])]
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -206,15 +611,30 @@ def _columns(logs: Mapping[str, Any]) -> dict[str, list[Any]]:
     return out
 
 
+def _slice_batch(columns: dict[str, list[Any]], n: int) -> dict[str, Any]:
+    """The newest ``n`` entries of every column. TRL extends every buffer in lockstep; one of
+    another length cannot be paired with the samples safely, so it is left out of this batch and
+    its samples are marked partial."""
+    length = len(_marker(columns))
+    ragged = {name: len(col) for name, col in columns.items() if len(col) != length}
+    return {
+        "n": n,
+        "columns": {name: col[length - n:] for name, col in columns.items() if name not in ragged},
+        "missing": [f"{name}[{size}!={length}]" for name, size in ragged.items()],
+    }
+
+
 def _marker(columns: Mapping[str, list[Any]]) -> list[Any]:
     """The buffer whose entries identify a batch: the advantages (fresh float objects)."""
     return columns.get("advantages") or columns.get("completion") or []
 
 
-def _group_size(args: Any, split: str) -> int | None:
-    size = getattr(args, "num_generations_eval", None) if split == "eval" else None
+def _group_size(args: Any, trainer: Any, split: str) -> int | None:
+    size = None
+    if split == "eval":
+        size = getattr(args, "num_generations_eval", None) or getattr(trainer, "num_generations_eval", None)
     size = size or getattr(args, "num_generations", None)
-    return int(size) if size else None
+    return _int(size) or None
 
 
 def _reward_names(trainer: Any, columns: Mapping[str, Any]) -> list[str]:

@@ -1,22 +1,63 @@
 """verl (verl-project/verl) DataProto batches as episode traces.
 
-Call it in ``RayPPOTrainer.fit`` once the batch has rewards (and advantages, when computed), and
-on validation batches::
+Call it in ``RayPPOTrainer.fit``: mark the rollout order once the generated batch is assembled,
+before ``_balance_batch`` reorders it, and record the batch once it has rewards and advantages
+(validation batches in ``_validate`` need only ``record_batch``)::
 
     from otel_rollouts.adapters import verl as verl_adapter
+
+    batch = batch.union(gen_batch_output)
+    verl_adapter.mark_rollouts(batch, agent_loop_workers=self.config.actor_rollout_ref.rollout.agent.num_workers)
+    self._balance_batch(batch, metrics=metrics)
+    ...
+    batch = compute_advantage(batch, ...)
     verl_adapter.record_batch(batch, step=self.global_steps, tokenizer=self.tokenizer)
 
-``batch`` is verl's ``DataProto``: ``batch`` (a TensorDict: ``prompts`` left-padded,
-``responses`` right-padded, ``input_ids``, ``attention_mask``, ``response_mask`` with 0 on tool
-tokens in multi-turn rollouts, ``token_level_scores``/``token_level_rewards``, ``advantages``),
-``non_tensor_batch`` (numpy object arrays: ``uid``, ``index``, ``data_source``, ``extra_info``,
-reward extra info such as ``acc``) and ``meta_info`` (``global_steps``, ``validate``). A dict with
-those three keys works as well; verl is never imported.
+``batch`` is verl's ``DataProto`` (``batch`` a TensorDict, ``non_tensor_batch`` numpy columns,
+``meta_info``); a dict with those three keys works as well; verl is never imported.
 
-Each episode carries verl's own rollout-trace tags — ``step``, ``sample_index`` (the dataset
-index), ``rollout_n`` (repetition within the group) and ``validate`` — so a trace found here can
-be matched with verl's weave/mlflow traces. Tensors leave the device once per batch; text is
-decoded only for the episodes the tail sampler keeps.
+What lands where (verl field → attribute):
+
+* ``input_ids`` / ``attention_mask`` / ``response_mask`` (0 on tool tokens of verl's tool-agent
+  loop) → the ``prompt`` span (the rendered prompt split into its messages), one ``turn`` with a
+  ``chat`` span per generated run, ``execute_tool`` spans for Hermes ``<tool_call>`` blocks with
+  the following tool tokens as their result (the template's ``<|im_start|>tool`` markup removed),
+  other observations as feedback with their template role. Text is cleaned with the tokenizer's
+  own template markers and special tokens.
+* ``token_level_scores`` (else ``token_level_rewards``, ``rm_scores``) summed → ``rl.reward``;
+  ``advantages`` averaged over generated tokens → ``rl.advantage``.
+* reward terms → ``rl.reward.<key>``: the keys in ``reward_extra_keys=``, else verl's own list
+  ``meta_info["reward_extra_keys"]`` (written by the agent loop / reward loop with ``rm_scores``,
+  read back by ``verl.trainer.ppo.reward.extract_reward`` as ``reward_extra_infos_dict``), else
+  (older reward managers) the numeric columns that are not verl bookkeeping, with a warning.
+* ``uid`` → ``rl.group.id``; ``index`` (``extra_info["index"]``) → ``rl.dataset.index`` and
+  ``rl.metadata.sample_index``; ``data_source`` → ``rl.dataset.name`` (one per batch) and
+  ``rl.metadata.data_source``; verl's ``rollout_n`` (``get_trajectory_info``: the repetition of a
+  dataset index in the rollout order) → ``rl.sample.index``, ``rl.metadata.rollout_n`` and the
+  episode id ``{split}-{step}-{uid}-{rollout_n}``; ``meta_info["validate"]`` → ``rl.split=eval``
+  and ``rl.metadata.validate``: the keys of verl's rollout traces (step, sample_index, rollout_n,
+  validate). After ``_balance_batch`` the rollout order is known only from ``mark_rollouts``'s
+  column; without it, a batch whose groups are interleaved gets no ``rollout_n`` (warned).
+* ``max_global_steps`` (else ``global_steps``, ``param_version``, ``policy_version``; set by
+  verl's LLM server client: the ``global_steps`` of the weights the rollout replica held, i.e.
+  weight updates received, one per trainer step) → ``rl.policy.version``; with
+  ``min_global_steps`` differing (a partial rollout resumed on newer weights) →
+  ``rl.policy.version.min/max``. ``rl.staleness`` = trained version − ``max_global_steps``, the
+  trained version being ``trained_version=`` or, for training batches, ``step - 1`` (verl's
+  trainer at ``global_steps`` k trains the weights published as k − 1; verl's own
+  ``trajectory_staleness``). Fully async trainers pass ``trained_version=self.current_param_version``.
+  Validation samples get no staleness (nothing trains on them). Units are verl's weight
+  versions: one per trainer step (a step's PPO mini-batches make several optimizer steps).
+* ``__num_turns__`` → ``rl.turn.count`` (verl counts user, assistant and tool messages);
+  ``num_cached_tokens``, ``spec_num_*``, ``processing_times``, ``tool_calls_times``,
+  ``agent_name`` → ``rl.metadata.<name>``.
+* Not recorded: ``turn_scores``, ``tool_rewards`` (per-turn lists), ``extras``, ``extra_info``, ``priority``,
+  ``reward_model`` (ground truth), ``raw_prompt``, ``tools_kwargs``, ``multi_modal_*``,
+  ``old_log_probs``/``ref_log_prob``/``values``/``returns``, ``position_ids``, ``meta_info``
+  metrics.
+
+Tensors leave the device once per batch; text is decoded only for the episodes the tail
+sampler keeps.
 """
 
 from __future__ import annotations
@@ -24,24 +65,78 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from otel_rollouts import conventions as c
 from otel_rollouts._guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_PARTIAL,
     count,
     field,
+    set_policy,
     split_name,
     to_list,
+    warn_unknown,
 )
 from otel_rollouts.decode import record_token_batch
 
-__all__ = ["record_batch"]
+__all__ = ["ROLLOUT_N_COLUMN", "mark_rollouts", "record_batch"]
 
 FRAMEWORK = "verl"
+ROLLOUT_N_COLUMN = "__otr_rollout_n__"  # non_tensor_batch column written by mark_rollouts
 _REWARD_TENSORS = ("token_level_scores", "token_level_rewards", "rm_scores")
-_KNOWN_NON_TENSOR = {"uid", "index", "data_source", "extra_info", "reward_model", "raw_prompt",
-                     "raw_prompt_ids", "tools_kwargs", "interaction_kwargs", "request_id",
-                     "multi_modal_data", "multi_modal_inputs", "agent_name", "__num_turns__",
-                     "param_version", "policy_version"}
+_VERSION_COLUMNS = ("max_global_steps", "global_steps", "param_version", "policy_version")
+_METADATA_COLUMNS = ("num_cached_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                     "spec_num_verify_steps", "processing_times", "tool_calls_times", "agent_name")
+# columns verl's dataset, agent loop, LLM server client and trainers add that are not rewards
+_NOT_REWARDS = {"uid", "index", "data_source", "extra_info", "reward_model", "raw_prompt",
+                "raw_prompt_ids", "prompt", "full_prompts", "tools_kwargs", "interaction_kwargs",
+                "request_id", "multi_modal_data", "multi_modal_inputs", "agent_name",
+                "__num_turns__", "param_version", "policy_version", "global_steps",
+                "min_global_steps", "max_global_steps", "num_cached_tokens", "turn_scores",
+                "tool_rewards", "extras", "tool_extra_fields", "prompt_len", "response_len",
+                "processing_times", "tool_calls_times", "spec_num_draft_tokens",
+                "spec_num_accepted_tokens", "spec_num_verify_steps", "num_preempted",
+                "priority", "__do_sample__", ROLLOUT_N_COLUMN}
+
+
+class _Attributes(dict):
+    """Per-sample root attributes for ``record_token_batch``, filled through the episode API."""
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+@guarded
+def mark_rollouts(batch: Any, *, agent_loop_workers: int | None = None) -> int:
+    """Write verl's ``rollout_n`` of each sample into ``non_tensor_batch[ROLLOUT_N_COLUMN]``.
+
+    Call it on the generated batch before ``_balance_batch``: verl's rollout traces number a
+    prompt's rollouts by their order at generation (``get_trajectory_info``: consecutive samples
+    with the same dataset ``index``), which balancing destroys; the column moves with the samples
+    (``DataProto.reorder``) so ``record_batch`` gives verl's numbers. ``agent_loop_workers``
+    (``config.actor_rollout_ref.rollout.agent.num_workers``): verl numbers each worker's chunk
+    (``DataProto.chunk``) on its own, which matters when a prompt's rollouts straddle two chunks.
+    Returns how many samples.
+    """
+    non_tensor = field(batch, "non_tensor_batch")
+    if non_tensor is None:
+        return 0
+    index = to_list(_column(non_tensor, "index"))
+    if index is None:
+        uid = to_list(_column(non_tensor, "uid"))
+        if uid is None:
+            return 0
+        index = list(range(len(uid)))  # verl: np.arange(len(batch)) when there is no index
+    import numpy as np
+
+    size, parts = len(index), max(1, int(agent_loop_workers or 1))
+    numbers: list[int] = []
+    start = 0
+    for k in range(parts):  # np.array_split's chunk sizes, as DataProto.chunk
+        end = start + size // parts + (1 if k < size % parts else 0)
+        numbers += _trajectory_rollout_n(index[start:end])
+        start = end
+    non_tensor[ROLLOUT_N_COLUMN] = np.asarray(numbers, dtype=np.int64)
+    return size
 
 
 @guarded
@@ -55,16 +150,19 @@ def record_batch(
     rollout_n: int | None = None,
     reward_extra_keys: Sequence[str] | None = None,
     model: str | None = None,
+    trained_version: int | None = None,
 ) -> int:
     """Record every sample of a verl ``DataProto`` as one episode; returns how many.
 
     * ``step``: the trainer's ``global_steps`` (``rl.step``; the cap holds per step and split).
     * ``split``: ``train`` or ``eval``; ``meta_info["validate"]`` marks a validation batch eval.
     * ``policy_version``: the weights version that generated the batch (an int, or one per
-      sample); else ``param_version``/``policy_version`` from ``non_tensor_batch``/``meta_info``.
+      sample); else ``max_global_steps`` / ``global_steps`` from ``non_tensor_batch``.
+    * ``trained_version``: the version of the weights that train on the batch (default for
+      training batches: ``step - 1``); gives ``rl.staleness``.
     * ``rollout_n``: samples per prompt, used to form groups only when ``uid`` is missing.
-    * ``reward_extra_keys``: ``non_tensor_batch`` columns that are reward components (default:
-      every numeric column that is not one of verl's known bookkeeping columns).
+    * ``reward_extra_keys``: ``non_tensor_batch`` columns that are reward terms (default: verl's
+      ``meta_info["reward_extra_keys"]``).
     """
     tensors = field(batch, "batch")
     if tensors is None:
@@ -100,33 +198,57 @@ def record_batch(
     if index is None and columns.get("extra_info") is not None:
         index = [field(e, "index") if isinstance(e, Mapping) else None for e in columns["extra_info"]]
     groups = _groups(size, uid, rollout_n)
-    versions = _token_versions(_versions(size, policy_version, columns, meta), loss_mask)
+    rollouts = _rollout_numbers(size, groups, index, columns.get(ROLLOUT_N_COLUMN)
+                                if ROLLOUT_N_COLUMN not in ragged else None)
+    versions = _versions(size, policy_version, columns, meta)
+    lowest = _column_ints(columns.get("min_global_steps"), size) if policy_version is None else [None] * size
+    if trained_version is None and split != "eval":
+        if field(meta, "trajectory_param_versions") is not None:  # fully async: versions are syncs
+            warn_unknown(FRAMEWORK, "trained_version", "a fully async batch: pass "
+                         "trained_version=self.current_param_version for rl.staleness")
+        else:
+            trained_version = int(step) - 1
+    trained = trained_version if split != "eval" else None
+    turns = _column_ints(columns.get("__num_turns__"), size)
+    extra = {name: columns[name] for name in _METADATA_COLUMNS if columns.get(name) is not None}
 
-    metadata, episode_ids, seen = [], [], {}
+    metadata, episode_ids, attributes, seen = [], [], [], {}
     partial = 0
     for i in range(size):
         group = groups[i]
-        rep = seen.get(group, 0) if group is not None else None
-        if group is not None:
-            seen[group] = rep + 1
+        order = seen.get(group, 0)
+        seen[group] = order + 1
         sample_index = index[i] if index is not None and i < len(index) else None
-        entry: dict[str, Any] = {"sample_index": sample_index, "rollout_n": rep,
+        entry: dict[str, Any] = {"sample_index": sample_index, "rollout_n": rollouts[i],
                                  "validate": split == "eval"}
         source = _at(columns.get("data_source"), i)
         if source is not None:
             entry["data_source"] = str(source)
+        for name, values in extra.items():
+            value = _at(values, i)
+            if isinstance(value, (int, float, str)) or _numeric(value):
+                entry[name] = value.item() if hasattr(value, "item") else value
         missing = [f"{name}[{n}!={size}]" for name, n in ragged.items() if i >= n or n > size]
         if missing:
             entry["alignment"] = "partial"
             entry["alignment_missing"] = missing
             partial += 1
         metadata.append({k: v for k, v in entry.items() if v is not None})
+        rep = rollouts[i] if rollouts[i] is not None else order
         episode_ids.append(f"{split}-{step}-{group}-{rep}" if group is not None else f"{split}-{step}-{i}")
-    # record_token_batch takes no per-sample attributes: partial samples are marked in their
-    # metadata (rl.metadata.alignment) and counted here
+        attrs = _Attributes()
+        version = versions[i] if versions is not None else None
+        set_policy(attrs, version, trained)
+        if version is not None and lowest[i] is not None and 0 <= lowest[i] < version:
+            attrs[c.RL_POLICY_VERSION_MIN] = lowest[i]
+            attrs[c.RL_POLICY_VERSION_MAX] = version
+        if turns[i] is not None:
+            attrs[c.RL_TURN_COUNT] = turns[i]
+        attributes.append(attrs or None)
+    # partial samples are marked in their metadata (rl.metadata.alignment) and counted here
     count(COUNT_PARTIAL, partial, step=step, split=split)
 
-    components = _components(columns, reward_extra_keys, size)
+    components = _components(columns, _reward_keys(reward_extra_keys, meta, columns), size)
     sources = {m.get("data_source") for m in metadata}
     record_token_batch(
         input_ids,
@@ -138,14 +260,16 @@ def record_batch(
         rewards=rewards,
         advantages=advantages,
         group_ids=groups,
-        versions=versions,
+        versions=_token_versions(versions, loss_mask),
         episode_ids=episode_ids,
+        sample_indices=rollouts if all(r is not None for r in rollouts) else None,
         metadata=metadata,
         reward_components=components or None,
         dataset_name=sources.pop() if len(sources) == 1 else None,
         dataset_indices=[_at(index, i) for i in range(size)] if index is not None else None,
         framework=FRAMEWORK,
         model=model,
+        attributes=attributes,
     )
     return size
 
@@ -160,6 +284,13 @@ def _get(tensors: Any, key: str) -> Any:
     except (AttributeError, TypeError, KeyError):
         pass
     return field(tensors, key)
+
+
+def _column(non_tensor: Any, key: str) -> Any:
+    try:
+        return non_tensor[key] if key in non_tensor else None
+    except TypeError:
+        return None
 
 
 def _names(non_tensor: Any) -> list[str]:
@@ -195,19 +326,82 @@ def _groups(size: int, uid: list[Any] | None, rollout_n: int | None) -> list[str
     return [None] * size
 
 
+def _trajectory_rollout_n(index: Sequence[Any]) -> list[int]:
+    """verl's ``get_trajectory_info`` numbering: the count of equal dataset indices just before."""
+    out, n = [], 0
+    for i, value in enumerate(index):
+        n = n + 1 if i > 0 and index[i - 1] == value else 0
+        out.append(n)
+    return out
+
+
+def _rollout_numbers(size: int, groups: list[str | None], index: list[Any] | None,
+                     marked: list[Any] | None) -> list[int | None]:
+    """verl's ``rollout_n`` per sample: from ``mark_rollouts``'s column, else from the current
+    order when every group is still contiguous (not reordered); else unknown (warned)."""
+    if marked is not None:
+        values = _column_ints(marked, size)
+        if all(v is not None for v in values):
+            return _unique_in_groups(values, groups)
+        warn_unknown(FRAMEWORK, ROLLOUT_N_COLUMN, "not integers; rollout_n not recorded")
+        return [None] * size
+    if not _contiguous(groups):
+        warn_unknown(FRAMEWORK, "rollout_n", "the samples of a uid group are not adjacent (verl's "
+                     "_balance_batch reordered them): call mark_rollouts(batch) before balancing "
+                     "to record verl's rollout_n")
+        return [None] * size
+    keys = index if index is not None and len(index) == size else list(range(size))
+    return _unique_in_groups(_trajectory_rollout_n(keys), groups)
+
+
+def _unique_in_groups(values: list[int | None], groups: list[str | None]) -> list[int | None]:
+    """``values`` when (group, value) names each sample once (they become episode ids)."""
+    pairs = [(g, v) for g, v in zip(groups, values, strict=True) if g is not None]
+    if len(set(pairs)) != len(pairs):
+        warn_unknown(FRAMEWORK, "rollout_n", "repeats within a uid group; rollout_n not recorded")
+        return [None] * len(values)
+    return values
+
+
+def _contiguous(groups: list[str | None]) -> bool:
+    closed: set[str] = set()
+    previous = None
+    for g in groups:
+        if g != previous:
+            if g in closed:
+                return False
+            if previous is not None:
+                closed.add(previous)
+            previous = g
+    return True
+
+
+def _column_ints(values: list[Any] | None, size: int) -> list[int | None]:
+    out: list[int | None] = []
+    for i in range(size):
+        v = _at(values, i)
+        try:
+            out.append(None if v is None or isinstance(v, (str, bytes)) else int(v))
+        except (TypeError, ValueError):
+            out.append(None)
+    return out
+
+
 def _versions(size: int, explicit: Any, columns: dict[str, Any], meta: Any) -> list[Any] | None:
-    """One policy version per sample (verl keeps no per-token versions)."""
+    """One policy version per sample (verl keeps no per-token versions); −1 placeholders and
+    missing values are None."""
     value = explicit
     if value is None:
-        value = columns.get("param_version") or columns.get("policy_version")
+        value = next((columns[k] for k in _VERSION_COLUMNS if columns.get(k) is not None
+                      and any(v is not None for v in columns[k])), None)
     if value is None:
         value = field(meta, "param_version", "policy_version")
     if value is None:
         return None
     if isinstance(value, (int, float)) or getattr(value, "shape", None) == ():
-        return [int(value)] * size
-    values = to_list(value) or []
-    return [values[i] if i < len(values) else None for i in range(size)]
+        return [int(value) if int(value) >= 0 else None] * size
+    values = _column_ints(to_list(value), size)
+    return [v if v is not None and v >= 0 else None for v in values]
 
 
 def _token_versions(per_sample: list[Any] | None, loss_mask: Any) -> Any:
@@ -227,15 +421,29 @@ def _token_versions(per_sample: list[Any] | None, loss_mask: Any) -> Any:
     return np.where(mask != 0, np.asarray(values, dtype=np.int64)[:, None], -1)
 
 
-def _components(columns: dict[str, Any], keys: Sequence[str] | None, size: int) -> dict[str, list[Any]]:
-    """Reward extra info columns (``acc``, ``format``...) whose values are numbers."""
+def _reward_keys(explicit: Sequence[str] | None, meta: Any, columns: dict[str, Any]) -> list[str]:
+    """Which columns are reward terms: the caller's list, else verl's ``reward_extra_keys``, else
+    the numeric columns that are not verl bookkeeping (warned: a guess)."""
+    if explicit is not None:
+        return [str(k) for k in explicit]
+    listed = field(meta, "reward_extra_keys")
+    if listed is not None and not isinstance(listed, (str, bytes)):
+        return [str(k) for k in to_list(listed) or []]
+    guessed = [name for name, values in columns.items()
+               if values is not None and name not in _NOT_REWARDS and not name.startswith("__")
+               and values and all(_numeric(v) for v in values)]
+    if guessed:
+        warn_unknown(FRAMEWORK, "reward_extra_keys", f"meta_info has no reward_extra_keys; numeric columns "
+                     f"{sorted(guessed)} taken as reward terms (pass reward_extra_keys= to choose)")
+    return guessed
+
+
+def _components(columns: dict[str, Any], keys: Sequence[str], size: int) -> dict[str, list[Any]]:
+    """The reward-term columns (``acc``, ``score``, ``format``...) aligned to the batch."""
     out = {}
-    for name, values in columns.items():
-        if values is None or (keys is not None and name not in keys):
-            continue
-        if keys is None and (name in _KNOWN_NON_TENSOR or name.startswith("__")):
-            continue
-        if keys is None and not all(_numeric(v) for v in values):
+    for name in keys:
+        values = columns.get(name)
+        if values is None:
             continue
         out[name] = (values + [None] * size)[:size]
     return out
