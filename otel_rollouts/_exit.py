@@ -62,6 +62,8 @@ _pending: tuple[int, threading.Thread] | None = None  # a signal whose flush is 
 _claim = threading.Lock()  # the Python handler or the watcher: whichever takes it handles the signal
 _WATCH_GRACE_S = 0.25  # how long the watcher leaves the signal to the Python handler
 _watcher_pid: int | None = None
+_watch_fds: list[int] = []  # the wakeup pipe (read end, write end) of this process's watcher
+_at_fork_registered = False
 
 
 def install(flush: Callable[[float], object], timeout: float, handle_signals: bool = True) -> None:
@@ -140,7 +142,36 @@ def _start_watcher() -> None:
         os.close(write_fd)
         return
     _watcher_pid = os.getpid()
+    _watch_fds[:] = [read_fd, write_fd]
+    if not _at_fork_registered:
+        _register_at_fork()
     threading.Thread(target=_watch, args=(read_fd,), name="otel-rollouts-signal-watch", daemon=True).start()
+
+
+def _register_at_fork() -> None:
+    global _at_fork_registered
+    _at_fork_registered = True
+    os.register_at_fork(after_in_child=_forget_watcher)
+
+
+def _forget_watcher() -> None:
+    """In a forked child: stop writing signals into the parent's pipe. The child's C handler
+    would otherwise report the child's signals (``Pool.terminate`` sends workers SIGTERM) to the
+    parent's watcher, which would end the parent."""
+    global _watcher_pid
+    if _watcher_pid is None:
+        return
+    _watcher_pid = None
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+    for fd in _watch_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _watch_fds.clear()
 
 
 def _watch(read_fd: int) -> None:
@@ -150,7 +181,7 @@ def _watch(read_fd: int) -> None:
             if not data:
                 return
             for signum in data:
-                if signum in _signals_installed and _pending is None:
+                if signum in _signals_installed and _pending is None and _watcher_pid == os.getpid():
                     _handle_if_unclaimed(signum)
     except BaseException:  # noqa: BLE001 - a watcher thread never raises into anything
         return

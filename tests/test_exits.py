@@ -307,6 +307,40 @@ def test_sigterm_ends_a_process_whose_main_thread_is_blocked_in_c(tmp_path):
     assert "before-the-hang" in ids
 
 
+def test_signals_of_forked_children_never_end_the_parent(tmp_path):
+    # Pool.terminate() sends SIGTERM to forked workers; a child must not report its signals to
+    # the parent's signal watcher (they shared the wakeup pipe), which would end the parent
+    script = tmp_path / "child.py"
+    script.write_text(
+        DISPOSITIONS + textwrap.dedent(
+            """
+            import multiprocessing, sys, time
+            import otel_rollouts as otr
+            from otel_rollouts.exporters import OtlpJsonFileExporter
+            otr.configure(exporters=[OtlpJsonFileExporter(sys.argv[1])], sampler=otr.TailSampler(10, "first"))
+            import os, signal
+            pool = multiprocessing.get_context("fork").Pool(2)
+            assert pool.map(abs, [-1, -2]) == [1, 2]
+            pool.terminate()
+            pool.join()
+            pid = os.fork()
+            if pid == 0:  # a forked child that is sent SIGTERM (a scheduler stopping a worker)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            time.sleep(1.5)  # longer than the watcher's grace: the parent would be dead by now
+            print("alive", flush=True)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out.jsonl")], capture_output=True, text=True, env=_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "alive", (done.returncode, done.stderr[-2000:])
+
+
 # --- a signal landing inside one of the library's own calls -------------------------------------
 # The child prints READY from inside the call (a user policy's decision under end_step, an
 # exporter's export under flush, an old exporter's shutdown under configure) and keeps that call
