@@ -162,16 +162,22 @@ def _forget_watcher() -> None:
     if _watcher_pid is None:
         return
     _watcher_pid = None
+    read_fd, write_fd = _watch_fds
+    _watch_fds.clear()
     try:
-        signal.set_wakeup_fd(-1)
+        # the write end now leads nowhere, whether or not the wakeup fd can be unset here (it
+        # stays registered if this thread may not call set_wakeup_fd): never a reused fd number
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, write_fd)
+        os.close(devnull)
+        os.close(read_fd)
+    except OSError:
+        pass
+    try:
+        if signal.set_wakeup_fd(-1) == write_fd:
+            os.close(write_fd)
     except (ValueError, OSError):
         pass
-    for fd in _watch_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _watch_fds.clear()
 
 
 def _watch(read_fd: int) -> None:
