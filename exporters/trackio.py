@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts import conventions as c
-from otel_rollouts._views import as_text, to_openai
+from otel_rollouts._views import as_text, attach_tool_call, to_openai
 from otel_rollouts.exporters._tree import (
     by_trace,
     duration_ms,
@@ -125,15 +125,8 @@ def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
             name = attrs.get(c.GEN_AI_TOOL_NAME) or span.name
             if last_assistant is not None:
                 calls = last_assistant.setdefault("tool_calls", [])
-                if not any(isinstance(tc, dict) and tc.get("id") == call_id for tc in calls):
-                    arguments = attrs.get(c.GEN_AI_TOOL_CALL_ARGUMENTS)
-                    calls.append(
-                        {
-                            "id": call_id,
-                            "type": "function",
-                            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else "{}"},
-                        }
-                    )
+                arguments = attrs.get(c.GEN_AI_TOOL_CALL_ARGUMENTS)
+                attach_tool_call(calls, call_id, name, arguments if isinstance(arguments, str) else "{}")
             if is_error(span):
                 content = f"error: {span.status.description or 'tool failed'}"
             else:

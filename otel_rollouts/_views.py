@@ -73,6 +73,25 @@ def _content_text(content: Any) -> str | None:
 as_text = to_json
 
 
+def attach_tool_call(calls: list[Any], call_id: str, name: Any, arguments: Any) -> None:
+    """Make the tool span ``call_id`` one of an assistant message's OpenAI-style ``calls``.
+
+    A call already there with that id is left alone; a call without an id and with the same
+    function name (frameworks record calls without ids) is this one and gets the id; otherwise
+    the call is added. Appending in the second case would show the same call twice.
+    """
+    for tc in calls:
+        if isinstance(tc, dict) and tc.get("id") == call_id:
+            return
+    for tc in calls:
+        if isinstance(tc, dict) and not tc.get("id"):
+            function = tc.get("function")
+            if isinstance(function, dict) and function.get("name") == name:
+                tc["id"] = call_id
+                return
+    calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+
+
 def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A message's tool calls as ``{"id", "name", "arguments"}`` (OpenAI's nesting undone)."""
     out = []
@@ -333,11 +352,8 @@ class EpisodeViews:
                 _io(derived, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, result)
                 if last_assistant is not None and (arguments is not None or result is not None or name):
                     calls = last_assistant.setdefault("tool_calls", [])
-                    if isinstance(calls, list) and not any(
-                        isinstance(tc, Mapping) and tc.get("id") == call_id for tc in calls
-                    ):
-                        calls.append({"id": call_id, "type": "function",
-                                      "function": {"name": name, "arguments": arguments if arguments is not None else {}}})
+                    if isinstance(calls, list):
+                        attach_tool_call(calls, call_id, name, arguments if arguments is not None else {})
                 if not self.capture_content:
                     error = None
                 if result is not None or error is not None:

@@ -122,7 +122,8 @@ CHILD = textwrap.dedent(
         44: sink.kill, 45: sink.start,                                        # a quick restart
         22: hang, 26: unhang,                                                 # a hung exporter, large episodes
     }
-    scaled = {max(1, k * steps // 60): v for k, v in schedule.items()}
+    # the faults happen in the first ~40% of the run; the second half, fault-free, must stay flat
+    scaled = {max(1, k * steps // 120): v for k, v in schedule.items()}
     user_errors, rss, started = [], [], time.monotonic()
     for step in range(steps):
         if step in scaled:

@@ -342,3 +342,26 @@ def test_no_table_when_turned_off(otr_shutdown):
     record_outcomes()
     assert otr.flush()
     assert len(trackio_rows(project)) == 5 and trackio_tables(project) == []
+
+
+def test_a_tool_call_without_an_id_in_the_message_is_shown_once(otr_shutdown):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from otel_rollouts.exporters.trackio import episode_messages
+
+    memory = InMemorySpanExporter()
+    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first"), handle_signals=False)
+    with otr.episode(step=0) as ep:
+        ep.prompt("What is 17 * 23?")
+        with ep.turn() as turn:
+            call = {"type": "function", "function": {"name": "calc", "arguments": '{"e": "17 * 23"}'}}
+            turn.record_generation({"role": "assistant", "content": "", "tool_calls": [call]})  # no id (TRL)
+            with turn.tool_call("calc", arguments={"e": "17 * 23"}) as tool:
+                tool.result("391")
+        ep.reward(1.0)
+    otr.flush()
+    messages = episode_messages(memory.get_finished_spans())
+    (assistant,) = [m for m in messages if m["role"] == "assistant"]
+    (tool_message,) = [m for m in messages if m["role"] == "tool"]
+    assert [tc["function"]["name"] for tc in assistant["tool_calls"]] == ["calc"]  # was shown twice
+    assert assistant["tool_calls"][0]["id"] == tool_message["tool_call_id"] and tool_message["content"] == "391"
