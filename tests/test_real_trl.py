@@ -38,6 +38,19 @@ def tiny_model(tokenizer):
     return model
 
 
+def train(tokenizer, reward_funcs, args, dataset, **kwargs):
+    """A real tiny GRPOTrainer with the callback, trained; (trainer, callback)."""
+    from trl import GRPOTrainer
+
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=reward_funcs, args=args,
+                          train_dataset=dataset, processing_class=tokenizer, **kwargs)
+    callback = RolloutTraceCallback(trainer)
+    trainer.add_callback(callback)
+    trainer.train()
+    otr.flush()
+    return trainer, callback
+
+
 def grpo_args(tmp_path, **overrides):
     from trl import GRPOConfig
 
@@ -60,7 +73,6 @@ def test_real_grpo_finish_reason_usage_and_on_policy_staleness(tmp_path, otr_shu
     reward terms."""
     require("trl")
     from datasets import Dataset
-    from trl import GRPOTrainer
 
     mem = configure_memory()
     tokenizer = build_tokenizer()
@@ -79,12 +91,7 @@ def test_real_grpo_finish_reason_usage_and_on_policy_staleness(tmp_path, otr_shu
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
     # EOS made likely enough that both clipped and stopped completions occur in one run
     args = grpo_args(tmp_path, generation_kwargs={"sequence_bias": [[[eos], 6.0]]})
-    trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=[length_reward, eos_reward], args=args,
-                          train_dataset=dataset, processing_class=tokenizer)
-    callback = RolloutTraceCallback(trainer)
-    trainer.add_callback(callback)
-    trainer.train()
-    otr.flush()
+    trainer, callback = train(tokenizer, [length_reward, eos_reward], args, dataset)
 
     eps = episodes(mem)
     msgs = messages_of(mem)
@@ -133,7 +140,6 @@ def test_real_grpo_generation_spanning_two_updates_is_off_policy(tmp_path, otr_s
     update stale, the first slice is on-policy."""
     require("trl")
     from datasets import Dataset
-    from trl import GRPOTrainer
 
     mem = configure_memory()
     tokenizer = build_tokenizer()
@@ -143,12 +149,7 @@ def test_real_grpo_generation_spanning_two_updates_is_off_policy(tmp_path, otr_s
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
     args = grpo_args(tmp_path, steps_per_generation=2, max_completion_length=4)
-    trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=[length_reward], args=args,
-                          train_dataset=dataset, processing_class=tokenizer)
-    callback = RolloutTraceCallback(trainer)
-    trainer.add_callback(callback)
-    trainer.train()
-    otr.flush()
+    trainer, callback = train(tokenizer, [length_reward], args, dataset)
 
     eps = episodes(mem)
     assert len(eps) == 8 and trainer.state.global_step == 2
@@ -176,7 +177,6 @@ def test_real_grpo_text_prompts_and_hermes_tool_calls(tmp_path, otr_shutdown):
     the token counts / finish reasons are those of the ids the rollout returned."""
     require("trl")
     from datasets import Dataset
-    from trl import GRPOTrainer
 
     mem = configure_memory()
     tokenizer = build_tokenizer()
@@ -198,12 +198,7 @@ def test_real_grpo_text_prompts_and_hermes_tool_calls(tmp_path, otr_shutdown):
 
     dataset = Dataset.from_dict({"prompt": rendered * 2})
     args = grpo_args(tmp_path, max_steps=1, max_completion_length=64)
-    trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=[used_tool], args=args,
-                          train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout)
-    callback = RolloutTraceCallback(trainer)
-    trainer.add_callback(callback)
-    trainer.train()
-    otr.flush()
+    trainer, callback = train(tokenizer, [used_tool], args, dataset, rollout_func=rollout)
 
     eps = episodes(mem)
     msgs = messages_of(mem)
@@ -252,7 +247,6 @@ def test_real_grpo_tool_loop_turns_usage_and_results(tmp_path, otr_shutdown):
     one tool call per call in the conversation, no special tokens in any text."""
     require("trl")
     from datasets import Dataset
-    from trl import GRPOTrainer
     from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
     mem = configure_memory()
@@ -283,12 +277,7 @@ def test_real_grpo_tool_loop_turns_usage_and_results(tmp_path, otr_shutdown):
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS[:2]] * 2})
     args = grpo_args(tmp_path, max_steps=1, max_completion_length=48)
-    trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=[tool_used], args=args,
-                          train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout,
-                          tools=[calculator])
-    trainer.add_callback(RolloutTraceCallback(trainer))
-    trainer.train()
-    otr.flush()
+    trainer, callback = train(tokenizer, [tool_used], args, dataset, rollout_func=rollout, tools=[calculator])
 
     eps = episodes(mem)
     msgs = messages_of(mem)
