@@ -23,6 +23,7 @@ open. A second process given the same directory spools into a sub-directory of i
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -95,7 +96,7 @@ def read_batch(path: Path, max_bytes: int) -> list[ReadableSpan]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == getattr(os, "ELOOP", -1) or path.is_symlink():
+        if exc.errno == errno.ELOOP or path.is_symlink():
             raise SpoolFileError("a symbolic link") from None
         raise
     try:
@@ -156,12 +157,17 @@ class Spool:
             if lock_fd is None:
                 raise OSError(f"spool directory {self.directory} is locked by another process")
         self._lock_fd = lock_fd
-        self._scan(self.directory)
+        for seq, path, size, episodes in self._scan(self.directory):
+            self._files.append((path, size, episodes))
+            self._bytes += size
+            self._seq = max(self._seq, seq)
         if not self.shared:
             self._adopt_orphans()
 
     # --- opening ---------------------------------------------------------------------------
-    def _scan(self, directory: Path) -> None:
+    def _scan(self, directory: Path) -> list[tuple[int, Path, int, int]]:
+        """``(seq, path, bytes, episodes)`` of the batches in ``directory``, oldest first; what is
+        not a batch is quarantined (into this spool's own ``quarantine/``)."""
         found: list[tuple[int, Path, int, int]] = []
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
             name = entry.name
@@ -185,10 +191,7 @@ class Spool:
                 self._quarantine(path, episodes, "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file")
                 continue
             found.append((int(match.group(1)), path, info.st_size, episodes))
-        for seq, path, size, episodes in found:
-            self._files.append((path, size, episodes))
-            self._bytes += size
-            self._seq = max(self._seq, seq)
+        return found
 
     def _adopt_orphans(self) -> None:
         """Take over the batches of ``pid-*`` sub-directories whose process is gone."""
@@ -202,13 +205,7 @@ class Spool:
             if fd is None:
                 continue  # its process still runs
             try:
-                orphan = Spool.__new__(Spool)
-                orphan.max_bytes, orphan.on_quarantine = self.max_bytes, self.on_quarantine
-                orphan._files, orphan._bytes, orphan._seq = deque(), 0, 0
-                orphan._lock = threading.Lock()
-                orphan.directory = sub
-                orphan._scan(sub)
-                for path, size, episodes in orphan._files:
+                for _, path, size, episodes in self._scan(sub):
                     self._seq += 1
                     target = self.directory / f"{self._seq:012d}-{episodes}{_SUFFIX}"
                     os.replace(path, target)

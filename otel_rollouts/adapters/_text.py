@@ -61,9 +61,7 @@ def messages_of(text: Any, tokenizer: Any, default_role: str = "user") -> list[d
         out.append({"role": m["role"], "content": content})
     while out and out[-1]["role"] == "assistant" and not out[-1]["content"].strip():
         out.pop()
-    return [m for m in out if m["content"].strip() or m["role"] != default_role] or (
-        [] if not text.strip() else [{"role": default_role, "content": unspecial(text, tokenizer).strip()}]
-    )
+    return [m for m in out if m["content"].strip() or m["role"] != default_role]
 
 
 def assistant_message(text: Any, tokenizer: Any, call_id_prefix: str = "call_") -> tuple[dict[str, Any], list[str]]:
