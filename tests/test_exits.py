@@ -5,6 +5,7 @@ or Trackio's SQLite database)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -282,7 +283,7 @@ def test_sigterm_ends_a_process_whose_main_thread_is_blocked_in_c(tmp_path):
             with otr.episode(step=0, episode_id="before-the-hang") as ep:
                 ep.reward(1.0)
             print("READY", flush=True)
-            os.system("exec sleep 120")  # a collective that never returns, for this test
+            os.system("echo BLOCKED; exec sleep 120")  # a collective that never returns, for this test
             print("returned", flush=True)
             """
         )
@@ -294,12 +295,14 @@ def test_sigterm_ends_a_process_whose_main_thread_is_blocked_in_c(tmp_path):
     )
     try:
         assert proc.stdout.readline().strip() == "READY"
+        assert proc.stdout.readline().strip() == "BLOCKED"  # the main thread waits in os.system now
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)  # not communicate(): the orphaned `sleep` holds stdout open
         took = time.monotonic() - started
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the orphaned `sleep` of the shell
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the orphaned `sleep` of the shell
     stdout = proc.stdout.read()
     assert proc.returncode == -signal.SIGTERM and "returned" not in stdout
     assert took < 30  # within exit_timeout (5 s) plus scheduling noise, not the 120 s of the call
