@@ -23,7 +23,9 @@ OTLP requests are split so that none is larger than the collector's message-size
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import secrets
 import shutil
 import tempfile
 import threading
@@ -551,7 +553,8 @@ class Delivery:
     def _spool_dir_for(self, index: int, name: str) -> Path | None:
         if self.spool_root is None:
             # created lazily, private to this process, removed at shutdown when empty
-            self.spool_root = Path(tempfile.gettempdir()) / f"otel-rollouts-spool-{time.time_ns():x}-{id(self):x}"
+            # (a name no other local user can guess and create first: the spool holds content)
+            self.spool_root = Path(tempfile.gettempdir()) / f"otel-rollouts-spool-{os.getpid()}-{secrets.token_hex(8)}"
         return self.spool_root / f"{index}-{name}"
 
     # --- called from the training side -------------------------------------------------------

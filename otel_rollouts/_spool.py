@@ -85,9 +85,19 @@ def _lock(directory: Path) -> int | None:
 
 
 def _private_dir(directory: Path) -> None:
+    # every directory created here is private, the parents too (mkdir's parents=True would
+    # give them the umask's mode); one that existed keeps its own
+    missing, parent = [], directory.parent
+    while not parent.exists() and parent.parent != parent:
+        missing.append(parent)
+        parent = parent.parent
+    for parent in reversed(missing):
+        parent.mkdir(mode=0o700, exist_ok=True)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     if directory.is_symlink() or not directory.is_dir():
         raise OSError(f"spool directory {directory} is not a directory of its own")
+    if directory.stat().st_uid != os.getuid():
+        raise OSError(f"spool directory {directory} belongs to another user")
     os.chmod(directory, 0o700)
 
 
