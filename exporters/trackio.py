@@ -51,6 +51,7 @@ from otel_rollouts.exporters._tree import (
     parse,
     root_of,
 )
+from otel_rollouts.redaction import Redactor
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -324,6 +325,7 @@ class TrackioExporter(SpanExporter):
         trace_ui_url: str | None = None,
         config: dict[str, Any] | None = None,
         table: bool = True,
+        redact: Redactor | bool = True,
     ) -> None:
         import os
 
@@ -332,7 +334,10 @@ class TrackioExporter(SpanExporter):
         self.space_id = space_id
         self.trace_key = trace_key
         self.trace_ui_url = (trace_ui_url or os.environ.get(c.ENV_TRACE_UI_URL) or "").rstrip("/") or None
-        self.config = config
+        # the run's config is stored by Trackio as given: it is redacted like span content
+        # (``redact``: a Redactor, True for the default patterns, False for none)
+        redactor = Redactor() if redact is True else redact or None
+        self.config = redactor.mapping(config) if redactor is not None and config is not None else config
         self.table = table
         self._run = None
         self._lock = threading.Lock()

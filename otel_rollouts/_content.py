@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from otel_rollouts import _runtime
+
 _MAX_DEPTH = 64
 DEFAULT_MAX_NODES = 16_384  # containers and items copied or rendered per value (the attribute budget)
 CYCLE = "<cycle>"
@@ -94,6 +96,15 @@ def short_repr(value: Any, limit: int = 80) -> str:
     """A guarded ``repr`` cut to ``limit`` characters."""
     out = text(value, repr)
     return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def refused(value: Any) -> str:
+    """How a refused value is described in ``rl.invalid`` and the library's warning: its type and
+    a short ``repr``, or its type alone when content capture is off (the value may be content)."""
+    rt = _runtime.installed()
+    if rt is not None and not rt.capture_content:
+        return type_name(value)
+    return f"{type_name(value)} {short_repr(value)}"
 
 
 def exception_text(exc: BaseException) -> str:
@@ -273,12 +284,12 @@ def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
     elif isinstance(value, (str, bytes)):
         number, exc = call_user(float, value)
         if exc is not None:
-            return None, f"{field}: not a number: {short_repr(value)}"
+            return None, f"{field}: not a number: {refused(value)}"
     else:
         # a hostile __float__ is refused like any non-number, whatever it raises
         number, exc = call_user(float, value)
     if exc is not None or type(number) is not float:
-        return None, f"{field}: not a number: {type_name(value)} {short_repr(value)}"
+        return None, f"{field}: not a number: {refused(value)}"
     if math.isnan(number) or math.isinf(number):
         return None, f"{field}: not finite: {number!r}"
     return number, None
@@ -302,7 +313,7 @@ def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
             return int(value), None
         except ValueError:
             pass
-    return None, f"{field}: not an integer: {type_name(value)} {short_repr(value)}"
+    return None, f"{field}: not an integer: {refused(value)}"
 
 
 # --- materialisation: JSON ------------------------------------------------------------------------

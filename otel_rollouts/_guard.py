@@ -47,6 +47,11 @@ def report(message: str, *, exc: BaseException | None = None, may_raise: bool = 
         reraise_interrupt(err)
 
 
+def reset_reports() -> None:
+    """A new run (``configure()``) logs each kind of problem once again."""
+    _logged.clear()
+
+
 def contained(where: str, exc: BaseException) -> None:
     """Count and log (once per kind) a failure that must not raise, even in strict mode.
 

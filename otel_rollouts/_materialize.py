@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -14,6 +15,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
+from otel_rollouts import redaction
 from otel_rollouts._content import Deferred, cut, jsonable, to_json
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
 from otel_rollouts._views import EpisodeViews, SpanView, error_type, settle
@@ -50,6 +52,9 @@ class Materializer:
         self.scope = scope
         self.max_attribute_chars = max_attribute_chars
         self.redact = redact
+        # names and keys: a stable placeholder per secret (Redactor.name), so the tree still reads
+        self.redact_name: Callable[[str], str] | None = getattr(redact, "name", redact)
+        self.capture_content = capture_content
         # text budget of one whole episode (all its attributes); None: unlimited
         self.max_episode_chars = max_episode_chars
         self._budget: int | None = None
@@ -63,7 +68,7 @@ class Materializer:
         try:
             # redacted once, here: the views are built from clean values, so their texts (which
             # repeat the episode's content several times over) need no second scan
-            records = [(s, self._clean(_resolved(s.attributes))) for s in _expanded(record.spans)]
+            records = [(s, self._clean(self._content(_resolved(s.attributes)))) for s in _expanded(record.spans)]
             views = self.views.views([
                 (s.span_id, s.parent_id, s.kind, attrs, self._clean_text(_failure(s))) for s, attrs in records
             ])
@@ -80,28 +85,30 @@ class Materializer:
         return spans
 
     def foreign(self, span: ReadableSpan) -> ReadableSpan:
-        """A span of other instrumentation, with its text attributes redacted (if redacting)."""
-        if self.redact is None or not span.attributes:
+        """A span of other instrumentation, redacted as ours are: its name, attribute keys and
+        values, events, links and status. Its attributes keep the content its own
+        instrumentation chose to record; its exceptions follow our content rule."""
+        if self.redact is None and self.capture_content:
             return span
-        attrs = span.attributes
-        if not any(isinstance(v, str) or (isinstance(v, tuple) and v and isinstance(v[0], str)) for v in attrs.values()):
-            return span
-        clean = {
-            k: self.redact(v) if isinstance(v, str)
-            else tuple(self.redact(x) if isinstance(x, str) else x for x in v) if isinstance(v, tuple)
-            else v
-            for k, v in attrs.items()
-        }
+        events = tuple(
+            Event(self._name_out(e.name), self._plain(e.attributes, exception=e.name == c.EVENT_EXCEPTION),
+                  timestamp=e.timestamp)
+            for e in span.events
+        )
+        links = tuple(trace.Link(link.context, self._plain(link.attributes)) for link in span.links)
+        status = span.status
+        if status.description:
+            status = Status(status.status_code, self._status_text(status.description, span.events))
         return ReadableSpan(
-            name=span.name,
+            name=self._name_out(span.name),
             context=span.context,
             parent=span.parent,
             resource=span.resource,
-            attributes=clean,
-            events=span.events,
-            links=span.links,
+            attributes=self._plain(span.attributes),
+            events=events,
+            links=links,
             kind=span.kind,
-            status=span.status,
+            status=status,
             start_time=span.start_time,
             end_time=span.end_time,
             instrumentation_scope=span.instrumentation_scope,
@@ -109,10 +116,68 @@ class Materializer:
 
     def span(self, trace_id: int, s: SpanRecord) -> ReadableSpan:
         """One span on its own (a late span of a kept episode): no conversation to read."""
-        attrs = _resolved(s.attributes)
+        attrs = self._content(_resolved(s.attributes))
         view = self.views.views([(s.span_id, s.parent_id, s.kind, attrs, _failure(s))]).get(s.span_id)
         attributes, truncated = self._main(s, attrs, view)
         return self._build(trace_id, s, attributes, truncated, view)
+
+    def _name_out(self, name: str) -> str:
+        """A span, event or attribute name as it leaves: valid UTF-8, secrets as placeholders."""
+        name = valid_utf8(name)[0] if isinstance(name, str) else str(name)
+        return self.redact_name(name) if self.redact_name is not None else name
+
+    def _secret_key(self, key: str) -> bool:
+        secret_key = getattr(self.redact, "secret_key", None)
+        return secret_key is not None and secret_key(key)
+
+    def _text_out(self, text: str) -> str:
+        text = valid_utf8(text)[0]
+        return self.redact(text) if self.redact is not None else text
+
+    def _plain(self, attributes: Any, *, exception: bool = False) -> dict[str, Any]:
+        """Attributes already in OpenTelemetry's shape (other instrumentation's, events', links'),
+        redacted; an exception's keep only its type when content capture is off."""
+        out: dict[str, Any] = {}
+        for key, value in (attributes or {}).items():
+            if exception and not self.capture_content and key not in c.EXCEPTION_LABEL_KEYS:
+                continue
+            if isinstance(value, str):
+                value = redaction.REPLACEMENT if self._secret_key(key) else self._text_out(value)
+            elif isinstance(value, (tuple, list)):
+                value = tuple(self._text_out(v) if isinstance(v, str) else v for v in value)
+            out[self._name_out(key)] = value
+        return out
+
+    def _status_text(self, message: str, events: Any) -> str:
+        """A failure's description: with content capture off, an exception's type stands for
+        its message (which may quote content); otherwise the redacted message."""
+        if not self.capture_content:
+            for event in events or ():
+                name, attrs = (event.name, event.attributes) if isinstance(event, Event) else (event[0], event[1])
+                if name == c.EVENT_EXCEPTION and (attrs or {}).get(c.EXCEPTION_TYPE):
+                    return self._text_out(str(attrs[c.EXCEPTION_TYPE]))
+        return self._text_out(message)
+
+    def _content(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        """With content capture off, the text values that are not labels are left out (their
+        keys named in ``rl.content.omitted``): a value given to ``set_attribute`` is content
+        like a prompt is. Numbers and booleans stay."""
+        if self.capture_content:
+            return attributes
+        out: dict[str, Any] = {}
+        omitted: list[str] = []
+        for key, value in attributes.items():
+            if value is None or isinstance(value, (bool, int, float)) or c.is_label(key):
+                out[key] = value
+            elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, (bool, int, float)) and not isinstance(v, str) for v in value
+            ):
+                out[key] = value
+            else:
+                omitted.append(self._name_out(key))
+        if omitted:
+            out[c.RL_OMITTED_FIELDS] = omitted
+        return out
 
     def _clean(self, attributes: dict[str, Any]) -> dict[str, Any]:
         """The recorded values with secrets redacted (when redacting), as values, not text.
@@ -128,8 +193,17 @@ class Materializer:
             if value is None or isinstance(value, (bool, int, float)):
                 out[key] = value
             elif isinstance(value, str):
-                out[key] = self._clean_text(value)
+                if self._secret_key(key):
+                    out[key] = redaction.REPLACEMENT
+                elif c.is_label(key) and self.redact_name is not None:
+                    # a label (a tool's or model's name, an id) reads as the span name does
+                    out[key] = self.redact_name(value)
+                else:
+                    out[key] = self._clean_text(value)
             else:
+                # each text inside on its own first (a secret in JSON text is escaped, and a
+                # pattern might not see it there), then the whole as JSON text
+                value = self._walk(value)
                 text = to_json(value)
                 clean = self._clean_text(text)
                 if clean == text:
@@ -140,6 +214,23 @@ class Materializer:
                     except ValueError:
                         out[key] = clean
         return out
+
+    def _walk(self, value: Any, depth: int = 0) -> Any:
+        """A JSON-safe value with each text redacted, and the value of a key naming a secret."""
+        if isinstance(value, str):
+            return self._clean_text(value)
+        if depth > 64:
+            return value
+        if isinstance(value, dict):
+            return {
+                self._clean_text(k) if isinstance(k, str) else k:
+                redaction.REPLACEMENT if isinstance(k, str) and self._secret_key(k) and isinstance(v, (str, int, float))
+                and not isinstance(v, bool) else self._walk(v, depth + 1)
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [self._walk(v, depth + 1) for v in value]
+        return value
 
     def _clean_text(self, text: str | None) -> str | None:
         """``text`` redacted (once per distinct text in an episode)."""
@@ -174,14 +265,15 @@ class Materializer:
         if truncated:
             attributes[c.RL_TRUNCATED_FIELDS] = truncated
         recorded_events = [
-            Event(valid_utf8(name)[0], self._attributes(attrs)[0], timestamp=ts) for name, attrs, ts in s.events or ()
+            Event(self._name_out(name), self._event_attributes(name, attrs), timestamp=ts)
+            for name, attrs, ts in s.events or ()
         ]
         at = s.end_ns if s.end_ns is not None else s.start_ns
         scores = view.events if view is not None else ()
         events = tuple(recorded_events + [Event(name, attrs, timestamp=at) for name, attrs in scores])
         message = s.status_message if s.status_code is StatusCode.ERROR else None
-        if message and self.redact is not None:
-            message = self.redact(message)
+        if message:
+            message = self._status_text(message, s.events)
         parent = (
             SpanContext(trace_id, s.parent_id, is_remote=False, trace_flags=_SAMPLED)
             if s.parent_id is not None
@@ -190,8 +282,8 @@ class Materializer:
         name, bad_name = valid_utf8(s.name)
         if bad_name:
             attributes.setdefault(c.RL_REPLACED_FIELDS, []).append("span.name")
-        if message:
-            message = valid_utf8(message)[0]
+        if self.redact_name is not None:
+            name = self.redact_name(name)
         status = Status(s.status_code, message)
         return ReadableSpan(
             name=name,
@@ -208,6 +300,14 @@ class Materializer:
             instrumentation_scope=self.scope,
         )
 
+    def _event_attributes(self, name: str, attributes: dict[str, Any]) -> dict[str, Any]:
+        """A recorded event's attributes: as a span's, with the content rule: text kept only for
+        an exception's type when content capture is off."""
+        if not self.capture_content:
+            keep = c.EXCEPTION_LABEL_KEYS if name == c.EVENT_EXCEPTION else ()
+            attributes = {k: v for k, v in attributes.items() if k in keep or not isinstance(v, (str, list, tuple, dict))}
+        return self._attributes(attributes)[0]
+
     def _attributes(self, raw: dict[str, Any], *, optional: bool = False,
                     redact: bool = True) -> tuple[dict[str, Any], list[str]]:
         """Attribute values as OpenTelemetry takes them: text cut and redacted, JSON for the rest.
@@ -223,6 +323,8 @@ class Materializer:
             if value is None:
                 continue
             key, bad_key = valid_utf8(key)
+            if self.redact_name is not None:
+                key = self.redact_name(key)
             if bad_key:
                 replaced.append(key)
             if isinstance(value, (bool, int, float)):

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from otel_rollouts._delivery import Delivery
     from otel_rollouts._pipeline import Pipeline
     from otel_rollouts._stats import Stats
+    from otel_rollouts.redaction import Redactor
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -37,6 +38,7 @@ class Runtime:
     run_id: str = ""
     deterministic_ids: bool = False
     tracer: Any = None
+    redactor: Redactor | None = None  # what leaves the process is redacted with it (None: off)
     current_step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

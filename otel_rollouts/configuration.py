@@ -18,12 +18,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from otel_rollouts import _exit, _runtime
 from otel_rollouts import conventions as c
 from otel_rollouts._delivery import DEFAULT_MAX_REQUEST_BYTES, Delivery
-from otel_rollouts._guard import guarded
+from otel_rollouts._guard import guarded, reset_reports
 from otel_rollouts._materialize import Materializer
 from otel_rollouts._otlp_env import uses_http
 from otel_rollouts._pipeline import Pipeline
 from otel_rollouts._stats import Stats
-from otel_rollouts.redaction import make_redactor
+from otel_rollouts.redaction import RedactingLogFilter, Redactor, make_redactor
 from otel_rollouts.sampling import TailSampler
 
 logger = logging.getLogger("otel_rollouts")
@@ -52,12 +52,13 @@ def _version() -> str:
         return "0+unknown"
 
 
-def default_exporters(project: str | None = None) -> list[SpanExporter]:
+def default_exporters(project: str | None = None, redactor: Redactor | None = None) -> list[SpanExporter]:
     """Local Trackio (nothing to start), plus OTLP when an OTLP endpoint is set in the env."""
     from otel_rollouts.exporters import TrackioExporter
 
     exporters: list[SpanExporter] = [
-        TrackioExporter(project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts")
+        TrackioExporter(project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts",
+                        redact=redactor if redactor is not None else False)
     ]
     if os.environ.get(c.ENV_OTLP_TRACES_ENDPOINT) or os.environ.get(c.ENV_OTLP_ENDPOINT):
         exporters.append(otlp_exporter_from_env())
@@ -76,10 +77,25 @@ def otlp_exporter_from_env() -> SpanExporter:
     return OTLPSpanExporter(timeout=timeout)
 
 
-def _resource(service_name: str | None, attributes: Mapping[str, Any] | None, run_id: str) -> Resource:
+def _resource(service_name: str | None, attributes: Mapping[str, Any] | None, run_id: str,
+              redactor: Redactor | None) -> Resource:
+    """The run's resource, redacted once here: it goes out with every span, metric and log."""
     from otel_rollouts.resource import run_resource
 
-    return run_resource(service_name, attributes, run_id)
+    resource = run_resource(service_name, attributes, run_id)
+    if redactor is None:
+        return resource
+    return Resource(redactor.mapping(dict(resource.attributes)), resource.schema_url)
+
+
+def _redact_own_logs(redactor: Redactor | None) -> None:
+    """The library's own log lines quote refused values and error messages: they are redacted
+    with the run's redactor before any handler (a console, an OTLP log exporter) sees them."""
+    own = logging.getLogger(c.SCOPE_NAME)
+    for old in [f for f in own.filters if isinstance(f, RedactingLogFilter)]:
+        own.removeFilter(old)
+    if redactor is not None:
+        own.addFilter(RedactingLogFilter(redactor))
 
 
 def configure(
@@ -165,15 +181,18 @@ def configure(
             capture_content = True if env is None else env
         sampler = sampler or TailSampler()
         run_id = run_id or uuid.uuid4().hex[:12]
-        resource = _resource(service_name, resource_attributes, run_id)
+        redactor = make_redactor(redact, redact_patterns)
+        resource = _resource(service_name, resource_attributes, run_id, redactor)
+        _redact_own_logs(redactor)
+        reset_reports()
         stats = Stats()
         if exporters is None:
-            exporters = default_exporters(trackio_project)
+            exporters = default_exporters(trackio_project, redactor)
         materializer = Materializer(
             resource,
             InstrumentationScope(c.SCOPE_NAME, _version()),
             max_attribute_chars=max_attribute_chars,
-            redact=make_redactor(redact, redact_patterns),
+            redact=redactor,
             max_episode_chars=max_episode_chars,
             agent_name=agent_name,
             capture_content=bool(capture_content),
@@ -216,6 +235,7 @@ def configure(
             run_id=run_id,
             deterministic_ids=deterministic_ids,
             tracer=provider.get_tracer(c.SCOPE_NAME, _version()),
+            redactor=redactor,
         )
         rt.extra["pid"] = os.getpid()
         rt.extra["configure_kwargs"] = arguments
@@ -233,7 +253,8 @@ def _attach_metrics(rt: _runtime.Runtime, resource: Resource, readers, exporters
     sinks = [e for e in exporters if callable(getattr(e, "log_metrics", None))]
     if provider is None and not sinks:
         return
-    rt.extra["metrics"] = rt.pipeline.observer = RolloutMetrics(provider, sinks, rt.stats)
+    label = rt.redactor.name if rt.redactor is not None else None
+    rt.extra["metrics"] = rt.pipeline.observer = RolloutMetrics(provider, sinks, rt.stats, label)
 
 
 def _start_ticker() -> None:

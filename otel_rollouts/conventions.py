@@ -43,6 +43,7 @@ RL_TIMED_OUT = "rl.timed_out"  # true on an episode ended by configure(episode_t
 RL_TRUNCATED_FIELDS = "rl.content.truncated"  # names of attributes whose text was cut
 RL_REPLACED_FIELDS = "rl.content.replaced"  # names of attributes (or "span.name") whose invalid UTF-8 became U+FFFD
 RL_INVALID_FIELDS = "rl.invalid"  # "field: reason" for values that were refused
+RL_OMITTED_FIELDS = "rl.content.omitted"  # capture_content=False: keys whose text value was left out
 RL_FEEDBACK_ROLE = "rl.feedback.role"  # env | tool | user for mask-0 spans after the prompt
 RL_TOOL_PARSE_ERROR = "rl.tool.parse_error"
 RL_TOOL_RUNTIME = "rl.tool.runtime_s"  # a tool call's runtime as the framework measured it
@@ -203,6 +204,30 @@ OPERATION_OF = {
     KIND_GENERATION: OP_CHAT,
     KIND_TOOL: OP_EXECUTE_TOOL,
 }
+
+# --- what capture_content=False keeps ------------------------------------------------------
+# With content capture off, a text value on our spans is kept only under one of these keys (or
+# rl.metadata.*): names, ids, statuses and enumerations the library writes itself. Any other text
+# (a value given to set_attribute, a parse error quoting the model's output) is content: left out
+# and its key named in rl.content.omitted. Numbers and booleans are kept everywhere.
+LABEL_KEYS = frozenset({
+    RL_SPLIT, RL_EPISODE_ID, RL_GROUP_ID, RL_RUN_ID, RL_FINISH_REASON, RL_STATUS, RL_DATASET_NAME,
+    RL_DATASET_INDEX, RL_FRAMEWORK, RL_FEEDBACK_ROLE, RL_SPAN_KIND, RL_ALIGNMENT, RL_ALIGNMENT_MISSING,
+    RL_TRUNCATED_FIELDS, RL_REPLACED_FIELDS, RL_INVALID_FIELDS, RL_OMITTED_FIELDS,
+    GEN_AI_OPERATION_NAME, GEN_AI_REQUEST_MODEL, GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_TOOL_NAME,
+    GEN_AI_TOOL_CALL_ID, GEN_AI_CONVERSATION_ID, GEN_AI_AGENT_NAME, GEN_AI_PROVIDER_NAME, ERROR_TYPE,
+    OPENINFERENCE_SPAN_KIND, INPUT_MIME_TYPE, OUTPUT_MIME_TYPE, OI_LLM_MODEL_NAME, OI_LLM_PROVIDER,
+    OI_TOOL_NAME, OI_SESSION_ID, OI_METADATA, OI_TAG_TAGS,
+})
+LABEL_PREFIXES = (RL_METADATA_PREFIX,)
+# exception event attributes kept with content capture off (the message and stack trace are not)
+EXCEPTION_LABEL_KEYS = frozenset({EXCEPTION_TYPE})
+
+
+def is_label(key: str) -> bool:
+    """Whether a text value under ``key`` is kept with content capture off (see LABEL_KEYS)."""
+    return key in LABEL_KEYS or key.startswith(LABEL_PREFIXES)
+
 
 # --- environment variables ------------------------------------------------------------------
 ENV_CAPTURE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"

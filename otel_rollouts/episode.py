@@ -27,7 +27,7 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred, short_repr, snapshot, text, to_float, to_int
+from otel_rollouts._content import Deferred, refused, snapshot, text, to_float, to_int
 from otel_rollouts._guard import contained, guarded, guarded_or, report
 from otel_rollouts._recording import DROPPED, KEPT, EpisodeRecord, SpanRecord
 
@@ -571,7 +571,7 @@ class Episode:
             root.attributes[c.RL_FINISH_REASON] = text(reason)
         if status is not None:
             if status not in c.STATUSES:
-                flag(root, f"status: expected one of {', '.join(c.STATUSES)}, got {short_repr(status)}")
+                flag(root, f"status: expected one of {', '.join(c.STATUSES)}, got {refused(status)}")
                 status = c.STATUS_ERROR if status == "failed" else None
             if status is not None:
                 root.attributes[c.RL_STATUS] = status

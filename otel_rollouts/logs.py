@@ -29,8 +29,10 @@ from opentelemetry import context as otel_context
 
 from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._content import type_name
 from otel_rollouts._otlp_env import uses_http
 from otel_rollouts._recording import SpanRecord
+from otel_rollouts.redaction import Redactor
 
 __all__ = ["EpisodeLogFilter", "LoggingIntegration", "instrument_logging", "uninstrument_logging"]
 
@@ -84,11 +86,23 @@ _SEVERITY = ((logging.CRITICAL, 21, "FATAL"), (logging.ERROR, 17, "ERROR"),
 
 
 class _OtlpHandler(logging.Handler):
-    """Records out through an SDK ``LoggerProvider``, in the caller's trace context."""
+    """Records out through an SDK ``LoggerProvider``, in the caller's trace context.
+
+    Redacted as spans are (the configured run's redactor; the default patterns before
+    ``configure()``): the body, the logger's name and the attributes.
+    """
 
     def __init__(self, provider: Any, level: int = logging.NOTSET) -> None:
         super().__init__(level)
         self.provider = provider
+        self.fallback = Redactor()
+
+    def _rules(self) -> tuple[Redactor | None, bool]:
+        """The redactor and whether content is captured, of the configured run."""
+        rt = _runtime.installed()
+        if rt is None or not rt.enabled:
+            return self.fallback, True
+        return rt.redactor, rt.capture_content
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -107,12 +121,23 @@ class _OtlpHandler(logging.Handler):
                 attributes[c.RL_STEP] = step
             if episode_id is not None:
                 attributes[c.RL_EPISODE_ID] = str(episode_id)
-            self.provider.get_logger(record.name).emit(
+            redactor, capture = self._rules()
+            # content off: the message's template without its arguments (the values may be
+            # content); an f-string message is its own template and cannot be told apart
+            if capture:
+                body = record.getMessage()
+            else:
+                body = record.msg if isinstance(record.msg, str) else type_name(record.msg)
+            name = record.name
+            if redactor is not None:
+                body, name = redactor(body), redactor.name(name)
+                attributes = redactor.mapping(attributes)
+            self.provider.get_logger(name).emit(
                 timestamp=int(record.created * 1e9),
                 context=otel_context.get_current(),
                 severity_number=SeverityNumber(number),
                 severity_text=text,
-                body=record.getMessage(),
+                body=body,
                 attributes=attributes,
             )
         except Exception:  # noqa: BLE001

@@ -28,7 +28,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -164,8 +164,12 @@ class _ScalarSender:
 class RolloutMetrics:
     """Told of every decision and closed step by the pipeline; records the instruments."""
 
-    def __init__(self, provider=None, scalar_sinks: Sequence[Any] = (), stats=None) -> None:
+    def __init__(self, provider=None, scalar_sinks: Sequence[Any] = (), stats=None,
+                 label: Callable[[str], str] | None = None) -> None:
         self.provider = provider
+        # the split is a user's name: it leaves (as an attribute, in Trackio's metric names)
+        # redacted like a span name
+        self.label = label
         self._lock = threading.Lock()
         self._steps: dict[tuple[int, str], _Step] = {}
         self._sender = _ScalarSender(scalar_sinks, stats) if scalar_sinks else None
@@ -205,7 +209,8 @@ class RolloutMetrics:
             tokens_out += _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
             if span.kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
                 errors += 1
-        key = (record.step, record.split)
+        split = self.label(record.split) if self.label is not None else record.split
+        key = (record.step, split)
         with self._lock:
             step = self._steps.get(key)
             if step is None:
@@ -226,7 +231,7 @@ class RolloutMetrics:
             step.tool_errors += errors
         if not self._instruments:
             return
-        by_split = {c.RL_SPLIT: record.split}
+        by_split = {c.RL_SPLIT: split}
         # exemplars point at a trace only when it will exist (kept)
         ctx = None
         if reason is None and root is not None:

@@ -61,7 +61,7 @@ class _Call:
                 if self.episode is not None:
                     self.span.attributes[c.RL_STATUS] = c.STATUS_ERROR
         except Exception as err:  # noqa: BLE001
-            report(f"traced: {type(err).__name__}: {err}", exc=err)
+            report(f"traced: {exception_text(err)}", exc=err)
 
     def output(self, value: Any) -> None:
         try:
@@ -85,7 +85,7 @@ class _Call:
             if value is not None:
                 self.span.set_attribute(c.OUTPUT_VALUE, _render(self, value))
         except Exception as err:  # noqa: BLE001
-            report(f"traced: output: {type(err).__name__}: {err}", exc=err)
+            report(f"traced: output: {exception_text(err)}", exc=err)
 
     def end(self) -> None:
         try:
@@ -94,7 +94,7 @@ class _Call:
             else:
                 self.span.end()
         except Exception as err:  # noqa: BLE001
-            report(f"traced: end: {type(err).__name__}: {err}", exc=err)
+            report(f"traced: end: {exception_text(err)}", exc=err)
 
 
 def _render(call: _Call, value: Any) -> Any:
@@ -229,7 +229,7 @@ def _safe_start(*a) -> _Call | None:
     try:
         return _start(*a)
     except Exception as err:  # noqa: BLE001 - never break the traced function
-        report(f"traced: start: {type(err).__name__}: {err}", exc=err)
+        report(f"traced: start: {exception_text(err)}", exc=err)
         return None
 
 

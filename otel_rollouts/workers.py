@@ -43,6 +43,7 @@ from opentelemetry import context as otel_context
 
 from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._content import exception_text
 from otel_rollouts._recording import EpisodeRecord, SpanRecord
 from otel_rollouts.propagation import extract_context, inject_headers
 
@@ -215,7 +216,7 @@ def _encode(record: EpisodeRecord) -> bytes:
     except Exception as exc:  # noqa: BLE001 - telemetry never breaks the task
         from otel_rollouts._guard import report
 
-        report(f"worker spans: {type(exc).__name__}: {exc}")
+        report(f"worker spans: {exception_text(exc)}")
         return b""
 
 
@@ -233,13 +234,13 @@ def _encode_spans(record: EpisodeRecord) -> bytes:
     rt = _runtime.installed()
     configured = getattr(getattr(rt, "delivery", None), "materializer", None)
     if configured is not None:
-        redact, limit = configured.redact, configured.max_attribute_chars
+        redact, limit, capture = configured.redact, configured.max_attribute_chars, configured.capture_content
     else:
         from otel_rollouts.redaction import make_redactor
 
-        redact, limit = make_redactor(True), 16_384
+        redact, limit, capture = make_redactor(True), 16_384, _capture_content()
     materializer = Materializer(Resource({}), InstrumentationScope(c.SCOPE_NAME),
-                                max_attribute_chars=limit, redact=redact)
+                                max_attribute_chars=limit, redact=redact, capture_content=capture)
     spans = []
     for span in record.spans:
         if span.end_ns is None:
@@ -284,7 +285,7 @@ def _hand_over(data: bytes, trace_id: int, record: EpisodeRecord | None = None) 
             rt.stats.add("errors.worker_spans")
         from otel_rollouts._guard import report
 
-        report(f"worker spans: {type(exc).__name__}: {exc}")
+        report(f"worker spans: {exception_text(exc)}")
 
 
 def adopt(result: Any, record: EpisodeRecord | None = None) -> Any:

@@ -105,6 +105,9 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                     state["refused"] += 1
                 self._reply(int(status), b"unavailable", "text/plain")
                 return
+            if self.path == "/v1/logs":
+                self._logs(data)
+                return
             request = ExportTraceServiceRequest()
             request.ParseFromString(data)
             lines = []
@@ -122,12 +125,42 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                                        for e in span.events],
                             "status": span.status.message,
                             "service": resource.get("service.name"),
+                            "resource": resource,
+                            "scope": ss.scope.name,
                         }))
             with lock:
                 state["accepted"] += 1
                 with open(out, "a", encoding="utf-8") as fh:
                     fh.write("".join(line + "\n" for line in lines))
             self._reply(200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
+
+        def _logs(self, data: bytes) -> None:
+            """OTLP/HTTP logs: each record is appended to ``logs.jsonl`` beside the spans."""
+            from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+                ExportLogsServiceRequest,
+                ExportLogsServiceResponse,
+            )
+
+            request = ExportLogsServiceRequest()
+            request.ParseFromString(data)
+            lines = []
+            for rl in request.resource_logs:
+                resource = {kv.key: _value(kv.value) for kv in rl.resource.attributes}
+                for sl in rl.scope_logs:
+                    for record in sl.log_records:
+                        lines.append(json.dumps({
+                            "scope": sl.scope.name,
+                            "body": _value(record.body),
+                            "severity": record.severity_text,
+                            "attributes": {kv.key: _value(kv.value) for kv in record.attributes},
+                            "trace_id": record.trace_id.hex(),
+                            "resource": resource,
+                        }))
+            with lock:
+                state["accepted"] += 1
+                with open(out.with_name("logs.jsonl"), "a", encoding="utf-8") as fh:
+                    fh.write("".join(line + "\n" for line in lines))
+            self._reply(200, ExportLogsServiceResponse().SerializeToString(), "application/x-protobuf")
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
@@ -166,6 +199,17 @@ class OtlpSink:
     @property
     def endpoint(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}/v1/traces"
+
+    @property
+    def logs_endpoint(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}/v1/logs"
+
+    def logs(self) -> list[dict[str, Any]]:
+        path = self.out.with_name("logs.jsonl")
+        if not path.exists():
+            return []
+        with open(path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.endswith("\n")]
 
     def start(self, **control: Any) -> OtlpSink:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port), "--out", str(self.out)]

@@ -84,7 +84,7 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred, to_int
+from otel_rollouts._content import Deferred, exception_text, to_int
 from otel_rollouts._guard import guarded_or, report
 from otel_rollouts.adapters import _text
 from otel_rollouts.adapters._common import (
@@ -178,7 +178,7 @@ def record_trajectory_groups(
     try:
         reader = _Reader(tokenizer, renderer)
     except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot be read: record numbers only
-        report(f"tinker adapter: tokenizer: {type(exc).__name__}: {exc}", exc=exc)
+        report(f"tinker adapter: tokenizer: {exception_text(exc)}", exc=exc)
         reader = _Reader(None, None)
     if isinstance(reward_metrics, str):
         reward_metrics = (reward_metrics,)
@@ -199,7 +199,7 @@ def record_trajectory_groups(
         except otr.InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
-            report(f"tinker adapter: group {g}: {type(exc).__name__}: {exc}", exc=exc)
+            report(f"tinker adapter: group {g}: {exception_text(exc)}", exc=exc)
     return ids
 
 
@@ -255,7 +255,7 @@ class _Reader:
         try:
             message, _termination = self.renderer.parse_response(list(ids))
         except Exception as exc:  # noqa: BLE001 - the renderer is the user's object
-            warn_unknown(ADAPTER, "renderer.parse_response", f"{type(exc).__name__}: {exc}")
+            warn_unknown(ADAPTER, "renderer.parse_response", f"{exception_text(exc)}")
             return None
         out: dict[str, Any] = {"role": "assistant", "content": _content_text(message.get("content"))}
         calls = []

@@ -75,7 +75,7 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import to_int
+from otel_rollouts._content import exception_text, to_int
 from otel_rollouts._guard import guarded_or, report
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
@@ -138,7 +138,7 @@ def record_episodes(
         except otr.InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
-            report(f"torchforge adapter: sample {i}: {type(exc).__name__}: {exc}", exc=exc)
+            report(f"torchforge adapter: sample {i}: {exception_text(exc)}", exc=exc)
     return ids
 
 

@@ -75,6 +75,7 @@ from transformers import TrainerCallback
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts._content import exception_text
 from otel_rollouts._guard import guarded, report
 from otel_rollouts.adapters._common import (
     as_float,
@@ -137,7 +138,7 @@ class RolloutTraceCallback(TrainerCallback):
         try:
             self._install(value)
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-            report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc, may_raise=False)
+            report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc, may_raise=False)
 
     # --- Trainer events -------------------------------------------------------------------------
     @guarded
@@ -283,7 +284,7 @@ class RolloutTraceCallback(TrainerCallback):
             except otr.InvalidValue:
                 raise
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-                report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc)
+                report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc)
 
     def _collect(self, args: Any, state: Any, split: str, *, policy_version: int | None,
                  trained_version: int | None) -> None:
@@ -302,7 +303,7 @@ class RolloutTraceCallback(TrainerCallback):
         except otr.InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-            report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc)
+            report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc)
 
     def _new_count(self, columns: dict[str, list[Any]]) -> int:
         """How many of the newest entries were not recorded yet.
@@ -415,12 +416,12 @@ def _wrap(method: Any, before: Any, after: Any) -> Any:
             try:
                 token = before()
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-                report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc, may_raise=False)
+                report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc, may_raise=False)
         result = method(*args, **kwargs)
         try:
             after(result, token)
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-            report(f"trl RolloutTraceCallback: {type(exc).__name__}: {exc}", exc=exc, may_raise=False)
+            report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc, may_raise=False)
         return result
 
     setattr(wrapper, _WRAPPED, method)
