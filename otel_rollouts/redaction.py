@@ -137,6 +137,8 @@ class Redactor:
         def one(match: re.Match[str]) -> str:
             start, end = self._secret_span(match)
             whole, offset = match.group(0), match.start(0)
+            if match.string.startswith((self.replacement, PLACEHOLDER_PREFIX), start):
+                return whole  # redacted already (text redacted twice must read as once)
             return whole[: start - offset] + replace(match.string[start:end]) + whole[end - offset :]
 
         # most text holds none of the default patterns' literal parts: one scan rules them out

@@ -198,6 +198,8 @@ def _assert_no_secret(texts: dict[str, str]) -> None:
     for name, text in texts.items():
         for what, secret in SECRETS.items():
             assert secret not in text, f"the {what} secret leaked into {name}"
+        # content is redacted in several passes (each text, then the JSON around it): once shows
+        assert "[REDACTED]]" not in text, f"{name}: a placeholder was redacted again"
 
 
 def test_with_content_on_every_output_is_redacted_and_names_keep_a_stable_placeholder(
@@ -349,3 +351,23 @@ def test_a_secret_of_every_default_pattern_is_found_at_every_position(index, otr
     finally:
         otr.uninstrument_logging()
         app.propagate = True
+
+
+@pytest.mark.parametrize("index", range(len(redaction.DEFAULT_PATTERNS)))
+def test_redacting_twice_reads_as_redacting_once(index):
+    """Content is redacted as each text and again as the JSON around it: the second pass must
+    not eat into the first's placeholder (``password=[REDACTED]]``)."""
+    pattern = redaction.DEFAULT_PATTERNS[index]
+    redactor = redaction.Redactor()
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(hst.from_regex(pattern, fullmatch=True, alphabet=_PRINTABLE), hst.sampled_from(["", " x", '"}']))
+    def check(text: str, after: str) -> None:
+        once = redactor(text + after)
+        assert redactor(once) == once
+        wrapped = json.dumps({"v": once}, ensure_ascii=False)  # as content is rendered
+        assert redactor(wrapped) == wrapped
+        named = redactor.name(text + after)
+        assert redactor.name(named) == named
+
+    check()
