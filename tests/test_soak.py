@@ -210,7 +210,10 @@ def test_soak_with_faults_on_a_schedule(tmp_path):
     damaged = result["damaged"]
     assert damaged > 0
     assert set(result["otlp"]) <= set(kept)
-    assert len(set(kept) - set(result["otlp"])) == damaged
+    # (at most, not exactly: under load a request can time out after the receiver stored it, so
+    # an episode of the damaged file may have arrived already, and is then counted lost and
+    # delivered: never lost uncounted)
+    assert len(set(kept) - set(result["otlp"])) <= damaged
     assert result["delivery"]["OTLPSpanExporter"]["dropped"] == damaged
     assert totals["spool.quarantined.OTLPSpanExporter"] == 1
     assert len(result["otlp"]) - len(set(result["otlp"])) <= 8 * 3  # a few retried requests at most
