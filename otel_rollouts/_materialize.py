@@ -98,7 +98,8 @@ class Materializer:
         links = tuple(trace.Link(link.context, self._plain(link.attributes)) for link in span.links)
         status = span.status
         if status.description:
-            status = Status(status.status_code, self._status_text(status.description, span.events))
+            events_seen = [(e.name, e.attributes or {}, e.timestamp) for e in span.events]
+            status = Status(status.status_code, self._status_text(status.description, events_seen))
         return ReadableSpan(
             name=self._name_out(span.name),
             context=span.context,
@@ -152,10 +153,9 @@ class Materializer:
         """A failure's description: with content capture off, an exception's type stands for
         its message (which may quote content); otherwise the redacted message."""
         if not self.capture_content:
-            for event in events or ():
-                name, attrs = (event.name, event.attributes) if isinstance(event, Event) else (event[0], event[1])
-                if name == c.EVENT_EXCEPTION and (attrs or {}).get(c.EXCEPTION_TYPE):
-                    return self._text_out(str(attrs[c.EXCEPTION_TYPE]))
+            kind = error_type(events)
+            if kind != c.ERROR_TYPE_OTHER:
+                return self._text_out(kind)
         return self._text_out(message)
 
     def _content(self, attributes: dict[str, Any]) -> dict[str, Any]:
@@ -169,9 +169,7 @@ class Materializer:
         for key, value in attributes.items():
             if value is None or isinstance(value, (bool, int, float)) or c.is_label(key):
                 out[key] = value
-            elif isinstance(value, (list, tuple)) and value and all(
-                isinstance(v, (bool, int, float)) and not isinstance(v, str) for v in value
-            ):
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (bool, int, float)) for v in value):
                 out[key] = value
             else:
                 omitted.append(self._name_out(key))
