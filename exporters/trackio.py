@@ -39,7 +39,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts import conventions as c
-from otel_rollouts._views import as_text, attach_tool_call, to_openai
+from otel_rollouts._core.messages import as_text, attach_tool_call, to_openai
+from otel_rollouts._core.redaction import Redactor
 from otel_rollouts.exporters._tree import (
     by_trace,
     duration_ms,
@@ -51,7 +52,6 @@ from otel_rollouts.exporters._tree import (
     parse,
     root_of,
 )
-from otel_rollouts.redaction import Redactor
 
 logger = logging.getLogger("otel_rollouts")
 

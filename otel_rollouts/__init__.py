@@ -13,19 +13,34 @@
 """
 
 from otel_rollouts import conventions
-from otel_rollouts._guard import InvalidValue
-from otel_rollouts.configuration import configure, end_step, flush, set_step, shutdown, stats
-from otel_rollouts.decode import TokenBatchSummary, record_token_batch
-from otel_rollouts.episode import Episode, Generation, ToolCall, Turn, current_episode, episode
-from otel_rollouts.logs import instrument_logging, uninstrument_logging
-from otel_rollouts.propagation import (
+from otel_rollouts._core.guard import InvalidValue
+from otel_rollouts._rollouts import configure, end_step, flush, set_step, shutdown, stats
+from otel_rollouts.correlate.logs import instrument_logging, uninstrument_logging
+from otel_rollouts.correlate.propagation import (
     extract_context,
     httpx_event_hooks,
     inject_headers,
     instrument_requests_session,
     openai_extra_headers,
 )
-from otel_rollouts.sampling import (
+from otel_rollouts.correlate.workers import (
+    WorkerResult,
+    adopt,
+    context_carrier,
+    submit,
+    with_context,
+)
+from otel_rollouts.decode.batch import TokenBatchSummary, record_token_batch
+from otel_rollouts.record.episode import (
+    Episode,
+    Generation,
+    ToolCall,
+    Turn,
+    current_episode,
+    episode,
+)
+from otel_rollouts.record.traced import traced
+from otel_rollouts.sampling.policies import (
     Compose,
     Errors,
     First,
@@ -35,8 +50,6 @@ from otel_rollouts.sampling import (
     TopBottom,
     Uniform,
 )
-from otel_rollouts.traced import traced
-from otel_rollouts.workers import WorkerResult, adopt, context_carrier, submit, with_context
 
 __all__ = [
     "adopt",

@@ -51,7 +51,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 def _policy(text: str) -> str:
     """A policy name, checked by building it (the names and '+' rules live in sampling)."""
-    from otel_rollouts.sampling import make_policy
+    from otel_rollouts.sampling.policies import make_policy
 
     try:
         make_policy(text)
@@ -74,7 +74,7 @@ def _url(text: str) -> str:
 
 def _demo(args: argparse.Namespace) -> int:
     import otel_rollouts as otr
-    from otel_rollouts.configuration import otlp_exporter_from_env
+    from otel_rollouts.delivery.defaults import otlp_exporter_from_env
     from otel_rollouts.exporters import ConsoleExporter, TrackioExporter
 
     trackio = TrackioExporter(args.project, run=args.run, trace_ui_url=args.trace_ui_url)
@@ -90,7 +90,7 @@ def _demo(args: argparse.Namespace) -> int:
         sampler=otr.TailSampler(max_traces_per_step=args.cap, policy=args.policy),
         resource_attributes={c.OPENINFERENCE_PROJECT_NAME: args.project},
     )
-    from otel_rollouts import demo
+    from otel_rollouts import _demo as demo
 
     stats = demo.run(steps=args.steps, prompts=args.prompts, group_size=args.group_size,
                      seed=args.seed, progress=not args.no_progress)
@@ -116,7 +116,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from otel_rollouts.sampling import POLICIES
+    from otel_rollouts.sampling.policies import POLICIES
 
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="otel-rollouts", description=__doc__, epilog=EPILOG,
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="e.g. http://localhost:16686 to link each Trackio trace to Jaeger "
                       f"(default: ${c.ENV_TRACE_UI_URL}, else no link)")
     demo.set_defaults(func=_demo)
-    from otel_rollouts import replay
+    from otel_rollouts.delivery import replay
 
     replay.add_arguments(sub.add_parser(
         "replay", help="send the traces of an OTLP/JSON-lines file to trackio, otlp or console",

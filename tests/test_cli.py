@@ -15,7 +15,7 @@ from otr_scenario import SPANS_PER_EPISODE, record_step
 import otel_rollouts as otr
 from otel_rollouts import cli
 from otel_rollouts.exporters import OtlpJsonFileExporter
-from otel_rollouts.sampling import POLICIES
+from otel_rollouts.sampling.policies import POLICIES
 
 TIMEOUT = 120  # seconds, for every command: none may hang
 
@@ -122,7 +122,7 @@ def _boom(*args, **kwargs):
 
 
 def test_an_unexpected_error_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path: Path) -> None:
-    from otel_rollouts import replay
+    from otel_rollouts.delivery import replay
 
     (tmp_path / "f.jsonl").write_text("")
     monkeypatch.setattr(replay, "make_exporter", _boom)
@@ -227,7 +227,7 @@ def test_replay_counts_a_failed_flush_as_failed(
     # Trackio persists at flush: an error there means nothing is confirmed delivered
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from otel_rollouts import replay
+    from otel_rollouts.delivery import replay
 
     class FlushFails(InMemorySpanExporter):
         def force_flush(self, timeout_millis: int = 30000) -> bool:

@@ -57,7 +57,7 @@ def test_default_exporters_trackio_plus_otlp_when_env_set(monkeypatch):
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-    from otel_rollouts.configuration import default_exporters
+    from otel_rollouts.delivery.defaults import default_exporters
 
     monkeypatch.delenv(c.ENV_OTLP_ENDPOINT, raising=False)
     monkeypatch.delenv(c.ENV_OTLP_TRACES_ENDPOINT, raising=False)

@@ -18,7 +18,7 @@ from otr_helpers import root, traces
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import CYCLE, DEFAULT_MAX_NODES, jsonable, snapshot
+from otel_rollouts._core.content import CYCLE, DEFAULT_MAX_NODES, jsonable, snapshot
 
 
 def _in_thread(fn, timeout: float = 60.0):

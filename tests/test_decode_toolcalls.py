@@ -6,8 +6,8 @@ import json
 
 from tokenizer_fixture import build_tokenizer
 
-from otel_rollouts._chat_roles import learn_markers
-from otel_rollouts.toolcalls import parse_tool_calls, tool_responses
+from otel_rollouts.decode.chat_roles import learn_markers
+from otel_rollouts.decode.toolcalls import parse_tool_calls, tool_responses
 
 
 def _call(name, args, call_id):

@@ -153,7 +153,7 @@ def test_global_top_bottom_across_ranks(three_ranks):
 
 
 def test_global_uniform_sample_is_the_union_choice(three_ranks):
-    from otel_rollouts.sampling import _stable_hash
+    from otel_rollouts.sampling.policies import _stable_hash
 
     recorded, kept = _union(three_ranks, "uniform")
     expected = sorted(recorded, key=lambda e: _stable_hash(0, e["trace_id"]))[:5]

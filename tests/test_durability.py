@@ -25,7 +25,7 @@ from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.replay import spans_from_file
+from otel_rollouts.delivery.replay import spans_from_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -208,7 +208,7 @@ def _write_episodes(path: Path, n: int) -> None:
 
 
 def _replayed(path: Path, **kwargs) -> tuple[list[str], list[str]]:
-    from otel_rollouts.replay import replay
+    from otel_rollouts.delivery.replay import replay
 
     memory = InMemorySpanExporter()
     result = replay(path, memory, **kwargs)
@@ -250,7 +250,7 @@ def test_replay_survives_an_exporter_that_raises_on_one_line(tmp_path, otr_shutd
                 raise SystemExit("an exporter that ends the process")
             return super().export(spans)
 
-    from otel_rollouts.replay import replay
+    from otel_rollouts.delivery.replay import replay
 
     picky = Picky()
     result = replay(path, picky, shutdown=False)
@@ -401,7 +401,7 @@ def test_a_hung_exporter_holds_bounded_bytes_and_nothing_kept_is_lost(tmp_path, 
         if step == 0:
             assert hung.entered.wait(30)
     otr.flush(timeout=2)  # the render thread has handed every batch over
-    from otel_rollouts import _runtime
+    from otel_rollouts._core import runtime as _runtime
 
     (outlet,) = _runtime.installed().delivery.outlets
     assert outlet.pending_bytes <= 2 * 1024 * 1024 + 64 * 1024  # was 40 MiB held in memory
@@ -418,7 +418,7 @@ def test_an_episode_open_past_its_timeout_is_ended_truncated_decided_and_counted
     hung.prompt("a rollout whose environment never answers")
     with otr.episode(step=0, episode_id="fine") as ep:
         ep.reward(1.0)
-    from otel_rollouts import _runtime
+    from otel_rollouts._core import runtime as _runtime
 
     pipeline = _runtime.installed().pipeline
     deadline = time.monotonic() + 30
@@ -479,6 +479,6 @@ def test_metrics_memory_stays_flat_over_ten_thousand_steps_and_many_splits(otr_s
         tracemalloc.stop()
     assert grown < 300_000, grown  # was 5.9 KB per step: ~59 MB over 10,000 steps
     steps(20_000, 5_000, splits=5_000)  # 5,000 splits leave a bounded number of entries behind
-    from otel_rollouts import _runtime
+    from otel_rollouts._core import runtime as _runtime
 
     assert len(_runtime.installed().pipeline._max_step) <= 1024

@@ -19,7 +19,7 @@ import pytest
 from otlp_sink import free_port
 
 from otel_rollouts import conventions as c
-from otel_rollouts.replay import spans_from_file
+from otel_rollouts.delivery.replay import spans_from_file
 
 REPO = Path(__file__).resolve().parent.parent
 

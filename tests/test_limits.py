@@ -10,8 +10,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._core import runtime as _runtime
 
 
 def _spans(memory):

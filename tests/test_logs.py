@@ -12,8 +12,8 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_rollouts as otr
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._core import runtime as _runtime
 
 
 class _Collect(logging.Handler):

@@ -11,8 +11,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_rollouts as otr
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._core import runtime as _runtime
 
 REWARDS = (1.0, 0.0, 0.5)  # with TailSampler(1, "first"): the first is kept, two are dropped
 

@@ -26,9 +26,9 @@ from otr_scenario import (
 )
 
 import otel_rollouts as otr
+from otel_rollouts.delivery.replay import replay, spans_from_file
 from otel_rollouts.exporters import OtlpJsonFileExporter
 from otel_rollouts.exporters.otlp_json import decode_line, read_requests, rotated_paths
-from otel_rollouts.replay import replay, spans_from_file
 
 REWARDS = [0.4, 0.9, 0.1, 0.6]
 

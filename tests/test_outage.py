@@ -22,7 +22,7 @@ from receivers import PhoenixReceiver, require_phoenix_python
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred
+from otel_rollouts._core.content import Deferred
 
 
 def _episodes(step: int, n: int, text: str = "hello") -> None:

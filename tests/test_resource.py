@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.resource import run_resource
+from otel_rollouts.correlate.resource import run_resource
 
 
 def _clean_env(monkeypatch) -> None:
@@ -50,7 +50,7 @@ def test_rank_from_an_initialised_torch_distributed_group(tmp_path):
         os.environ.update(RANK="5", WORLD_SIZE="9")
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-        from otel_rollouts.resource import run_resource
+        from otel_rollouts.correlate.resource import run_resource
         a = run_resource(run_id="r").attributes
         print(json.dumps([a["rl.rank"], a["rl.world_size"]]))
         dist.destroy_process_group()

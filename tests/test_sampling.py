@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otr_helpers import root, traces, tree
 
 import otel_rollouts as otr
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts.episode import trace_id_for
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts.record.episode import trace_id_for
 
 
 def configure(cap=4, policy="top_bottom", **kw):

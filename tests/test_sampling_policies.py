@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.sampling import make_policy
+from otel_rollouts.sampling.policies import make_policy
 
 
 class Rec:

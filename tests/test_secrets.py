@@ -38,7 +38,8 @@ from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts import redaction
+from otel_rollouts._core import redaction
+from otel_rollouts._core import runtime as _runtime
 from otel_rollouts.exporters import ConsoleExporter, OtlpJsonFileExporter, TrackioExporter
 
 # one secret of each default shape, each planted in its own place(s)
@@ -76,7 +77,7 @@ def _record() -> None:
         span.add_event(f"cache miss {AWS}", {f"why {AWS}": f"{MARKER} api_key={PASSWORD}", "n": 3})
         raise RuntimeError(f"backend said {GITHUB} {MARKER}")
 
-    rt_tracer = otr.configuration._runtime.installed().tracer
+    rt_tracer = _runtime.installed().tracer
     app = logging.getLogger(f"app.{AWS}")
     with otr.episode(step=0, group_id="g", sample_index=0,
                      metadata={f"owner {AWS}": "team-a", "note": f"ticket {SLACK}"}) as ep:
@@ -308,7 +309,7 @@ def test_a_secret_of_every_default_pattern_is_found_at_every_position(index, otr
     integration = otr.instrument_logging(logging.getLogger("secrets.app"), exporter=logs)
     app = logging.getLogger("secrets.app")
     app.propagate = False
-    rt_tracer = otr.configuration._runtime.installed().tracer
+    rt_tracer = _runtime.installed().tracer
     try:
         @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
         @given(hst.from_regex(pattern, fullmatch=True, alphabet=_PRINTABLE))

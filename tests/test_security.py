@@ -27,8 +27,9 @@ from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.redaction import Redactor
 from otel_rollouts.exporters import ConsoleExporter, OtlpJsonFileExporter, TrackioExporter
-from otel_rollouts.redaction import Redactor
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "PURPLE-ELEPHANT-7731"  # stands for a prompt, a completion, an argument, a result
@@ -200,7 +201,7 @@ def test_redactor_fails_closed_when_the_callback_raises():
 def test_redaction_covers_spans_of_other_instrumentation(tmp_path, otr_shutdown):
     memory = InMemorySpanExporter()
     otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "first"), set_global_provider=False)
-    rt_tracer = otr.configuration._runtime.installed().tracer
+    rt_tracer = _runtime.installed().tracer
     with otr.episode(step=0) as ep:
         # e.g. an HTTP client instrumentation recording a header it should not have
         with rt_tracer.start_as_current_span("POST /v1/chat", attributes={"http.request.header.authorization": f"Bearer {SECRETS['bearer']}"}):
@@ -296,13 +297,13 @@ def test_otlp_over_tls_with_auth_headers_never_logs_them(tmp_path):
     assert write_token not in output
 
 
-@pytest.mark.parametrize("index", range(len(__import__("otel_rollouts.redaction").redaction.DEFAULT_PATTERNS)))
+@pytest.mark.parametrize("index", range(len(__import__("otel_rollouts._core.redaction")._core.redaction.DEFAULT_PATTERNS)))
 def test_every_default_pattern_needs_one_of_the_trigger_literals(index):
     """The fast path skips text without a trigger literal: that must never skip a secret."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as hst
 
-    from otel_rollouts import redaction
+    from otel_rollouts._core import redaction
 
     pattern = redaction.DEFAULT_PATTERNS[index]
 

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace.status import StatusCode
 
 import otel_rollouts as otr
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
+from otel_rollouts._core import runtime as _runtime
 
 METHODS = [m for m in ("fork", "spawn") if m in multiprocessing.get_all_start_methods()]
 

@@ -26,9 +26,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import scalar, to_float
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import scalar, to_float
 
 __all__ = [
     "Columns",
@@ -275,7 +275,7 @@ def mark_invalid(ep: Any, problem: str | None) -> None:
     record = getattr(ep, "_record", None)
     if record is None or record.root is None:
         return
-    from otel_rollouts.episode import flag
+    from otel_rollouts.record.episode import flag
 
     flag(record.root, problem)
     count(COUNT_INVALID, step=getattr(ep, "step", None), split=getattr(ep, "split", None))
@@ -433,8 +433,8 @@ def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
     can fail in the training thread) and keeps special tokens, so chat markers and tool tags stay
     visible.
     """
-    from otel_rollouts._content import Deferred
-    from otel_rollouts.decode import _info
+    from otel_rollouts._core.content import Deferred
+    from otel_rollouts.decode.batch import _info
 
     info = _info(tokenizer)  # learned once per tokenizer, on the calling thread
     ids = [int(t) for t in ids]
@@ -512,7 +512,7 @@ def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = Non
     the prompt; each assistant message opens a turn (its ``tool_calls`` become tool spans, the
     ``tool`` messages answering them their results); other messages are feedback. Returns the
     number of turns. The messages are snapshotted (later mutation does not leak in)."""
-    from otel_rollouts._content import snapshot
+    from otel_rollouts._core.content import snapshot
 
     msgs = [m if isinstance(m, Mapping) else {"role": "user", "content": str(m)} for m in messages]
     msgs = snapshot([dict(m) for m in msgs])

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from otel_rollouts._chat_roles import RoleMarkers
-from otel_rollouts.decode import tokenizer_knowledge
-from otel_rollouts.toolcalls import ParsedMessage, parse_tool_calls
+from otel_rollouts.decode.batch import tokenizer_knowledge
+from otel_rollouts.decode.chat_roles import RoleMarkers
+from otel_rollouts.decode.toolcalls import ParsedMessage, parse_tool_calls
 
 __all__ = ["assistant_message", "clean", "messages_of", "unspecial"]
 

@@ -66,7 +66,7 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._guard import guarded
+from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
     COUNT_PARTIAL,
@@ -84,7 +84,7 @@ from otel_rollouts.adapters._common import (
 )
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message
-from otel_rollouts.decode import record_token_batch
+from otel_rollouts.decode.batch import record_token_batch
 
 __all__ = ["record_trajectories"]
 

@@ -71,7 +71,7 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._guard import guarded
+from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     Columns,
     group_ids,

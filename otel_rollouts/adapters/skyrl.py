@@ -78,8 +78,8 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred
-from otel_rollouts._guard import guarded
+from otel_rollouts._core.content import Deferred
+from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     Columns,
@@ -101,7 +101,7 @@ from otel_rollouts.adapters._common import (
 )
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
-from otel_rollouts.toolcalls import HERMES_OPEN, tool_responses
+from otel_rollouts.decode.toolcalls import HERMES_OPEN, tool_responses
 
 __all__ = ["record_generator_output", "record_output_group"]
 

@@ -84,8 +84,8 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred, exception_text, to_int
-from otel_rollouts._guard import guarded_or, report
+from otel_rollouts._core.content import Deferred, exception_text, to_int
+from otel_rollouts._core.guard import guarded_or, report
 from otel_rollouts.adapters import _text
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
@@ -107,7 +107,7 @@ from otel_rollouts.adapters._messages import (
     token_count,
     token_ids,
 )
-from otel_rollouts.toolcalls import strip_tool_responses, tool_responses
+from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
 
 __all__ = ["REWARD_METRICS", "record_trajectory_groups"]
 
@@ -216,7 +216,7 @@ class _Reader:
         self.tokenizer = tokenizer
         self.renderer = renderer if callable(getattr(renderer, "parse_response", None)) else None
         if tokenizer is not None:  # learn markers and special tokens on this thread, once
-            from otel_rollouts.decode import _info
+            from otel_rollouts.decode.batch import _info
 
             self.info = _info(tokenizer)
             _text.unspecial("", tokenizer)

@@ -75,8 +75,8 @@ from typing import Any
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import exception_text, to_int
-from otel_rollouts._guard import guarded_or, report
+from otel_rollouts._core.content import exception_text, to_int
+from otel_rollouts._core.guard import guarded_or, report
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     as_float,

@@ -75,8 +75,8 @@ from transformers import TrainerCallback
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._content import exception_text
-from otel_rollouts._guard import guarded, report
+from otel_rollouts._core.content import exception_text
+from otel_rollouts._core.guard import guarded, report
 from otel_rollouts.adapters._common import (
     as_float,
     group_ids,

@@ -66,7 +66,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._guard import guarded
+from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_PARTIAL,
     count,
@@ -76,7 +76,7 @@ from otel_rollouts.adapters._common import (
     to_list,
     warn_unknown,
 )
-from otel_rollouts.decode import record_token_batch
+from otel_rollouts.decode.batch import record_token_batch
 
 __all__ = ["ROLLOUT_N_COLUMN", "mark_rollouts", "record_batch"]
 

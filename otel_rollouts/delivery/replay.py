@@ -36,7 +36,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
 from opentelemetry.trace.status import Status, StatusCode
 
-from otel_rollouts._content import exception_text
+from otel_rollouts._core.content import exception_text
 
 __all__ = ["ReplayResult", "main", "replay", "spans_from_request", "spans_from_file"]
 
@@ -304,7 +304,7 @@ def make_exporter(to: str, project: str | None = None, run: str | None = None) -
             project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts", run=run
         )
     if to == "otlp":
-        from otel_rollouts.configuration import otlp_exporter_from_env
+        from otel_rollouts.delivery.defaults import otlp_exporter_from_env
 
         return otlp_exporter_from_env()
     if to == "console":
@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m otel_rollouts.replay FILE --to trackio|otlp|console``."""
+    """``python -m otel_rollouts.delivery.replay FILE --to trackio|otlp|console``."""
     parser = add_arguments(
         argparse.ArgumentParser(prog="otel-rollouts replay", description=__doc__.split("\n")[0])
     )

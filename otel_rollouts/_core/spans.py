@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
-from otel_rollouts._content import call_user, exception_text, text, type_name
+from otel_rollouts._core.content import call_user, exception_text, text, type_name
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan

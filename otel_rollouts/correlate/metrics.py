@@ -36,8 +36,8 @@ from opentelemetry.trace import NonRecordingSpan
 from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
-from otel_rollouts._otlp_env import uses_http
-from otel_rollouts._recording import EpisodeRecord
+from otel_rollouts._core.env import uses_http
+from otel_rollouts._core.spans import EpisodeRecord
 
 logger = logging.getLogger("otel_rollouts")
 

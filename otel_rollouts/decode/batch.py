@@ -38,19 +38,19 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._chat_roles import RoleMarkers, learn_markers
-from otel_rollouts._content import Deferred, to_float
-from otel_rollouts._guard import InvalidValue, guarded_or, report
-from otel_rollouts._recording import SpanRecord
-from otel_rollouts.episode import episode as new_episode
-from otel_rollouts.toolcalls import ParsedMessage, parse_tool_calls, tool_responses
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import Deferred, to_float
+from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.spans import SpanRecord
+from otel_rollouts.decode.chat_roles import RoleMarkers, learn_markers
+from otel_rollouts.decode.toolcalls import ParsedMessage, parse_tool_calls, tool_responses
+from otel_rollouts.record.episode import episode as new_episode
 
 if TYPE_CHECKING:  # numpy (and torch) are imported only when a batch is recorded
     import numpy as np
 
-    from otel_rollouts._token_layout import Layout
+    from otel_rollouts.decode.layout import Layout
 
 __all__ = ["record_token_batch", "TokenBatchSummary"]
 
@@ -353,7 +353,7 @@ class _EpisodeBody(SpanRecord):
 # --- the batch ------------------------------------------------------------------------------------
 def _per_sample(name: str, value: Any, batch: int, summary: TokenBatchSummary) -> list[Any] | None:
     """A per-sample column aligned to the batch: short columns leave ``None`` and are noted."""
-    from otel_rollouts._token_layout import host_column
+    from otel_rollouts.decode.layout import host_column
 
     column = host_column(value)
     if column is None:
@@ -374,7 +374,7 @@ def _token_values(name: str, value: Any, ids: Layout, mask: Layout | None, batch
                                                   and isinstance(value[0], (list, tuple))):
         import numpy as np
 
-        from otel_rollouts._token_layout import field_layout
+        from otel_rollouts.decode.layout import field_layout
 
         misfit: dict[int, str] = {}  # a misshapen reward column leaves the tokens usable
         layout = field_layout(name, value, ids, np.float64, misfit)
@@ -472,7 +472,7 @@ def record_token_batch(
 
     import numpy as np
 
-    from otel_rollouts._token_layout import field_layout, layout_of
+    from otel_rollouts.decode.layout import field_layout, layout_of
 
     ids, refused = layout_of(input_ids, attention_mask)
     batch = len(ids.starts)

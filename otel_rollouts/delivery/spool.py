@@ -55,7 +55,7 @@ def decode(data: bytes) -> list[ReadableSpan]:
     """SDK spans (same ids, attributes, resource, scope) from an encoded request."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from otel_rollouts.replay import spans_from_request
+    from otel_rollouts.delivery.replay import spans_from_request
 
     request = ExportTraceServiceRequest()
     request.ParseFromString(data)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from otel_rollouts._delivery import Delivery
-    from otel_rollouts._pipeline import Pipeline
-    from otel_rollouts._stats import Stats
-    from otel_rollouts.redaction import Redactor
+    from otel_rollouts._core.redaction import Redactor
+    from otel_rollouts._core.stats import Stats
+    from otel_rollouts.delivery.outlet import Delivery
+    from otel_rollouts.sampling.pipeline import Pipeline
 
 logger = logging.getLogger("otel_rollouts")
 

@@ -41,11 +41,11 @@ from typing import Any
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import exception_text
-from otel_rollouts._recording import EpisodeRecord, SpanRecord
-from otel_rollouts.propagation import extract_context, inject_headers
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import exception_text
+from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
+from otel_rollouts.correlate.propagation import extract_context, inject_headers
 
 __all__ = [
     "WorkerResult",
@@ -214,7 +214,7 @@ def _encode(record: EpisodeRecord) -> bytes:
     try:
         return _encode_spans(record)
     except Exception as exc:  # noqa: BLE001 - telemetry never breaks the task
-        from otel_rollouts._guard import report
+        from otel_rollouts._core.guard import report
 
         report(f"worker spans: {exception_text(exc)}")
         return b""
@@ -225,7 +225,7 @@ def _encode_spans(record: EpisodeRecord) -> bytes:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    from otel_rollouts._materialize import Materializer
+    from otel_rollouts.delivery.materialize import Materializer
 
     if not record.spans:
         return b""
@@ -236,7 +236,7 @@ def _encode_spans(record: EpisodeRecord) -> bytes:
     if configured is not None:
         redact, limit, capture = configured.redact, configured.max_attribute_chars, configured.capture_content
     else:
-        from otel_rollouts.redaction import make_redactor
+        from otel_rollouts._core.redaction import make_redactor
 
         redact, limit, capture = make_redactor(True), 16_384, _capture_content()
     materializer = Materializer(Resource({}), InstrumentationScope(c.SCOPE_NAME),
@@ -254,7 +254,7 @@ def _decode(data: bytes) -> list:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.sdk.trace import ReadableSpan
 
-    from otel_rollouts.replay import spans_from_request
+    from otel_rollouts.delivery.replay import spans_from_request
 
     request = ExportTraceServiceRequest()
     request.ParseFromString(data)
@@ -283,7 +283,7 @@ def _hand_over(data: bytes, trace_id: int, record: EpisodeRecord | None = None) 
     except Exception as exc:  # noqa: BLE001 - telemetry never breaks the caller
         if rt.stats is not None:
             rt.stats.add("errors.worker_spans")
-        from otel_rollouts._guard import report
+        from otel_rollouts._core.guard import report
 
         report(f"worker spans: {exception_text(exc)}")
 
@@ -356,7 +356,7 @@ def _after_fork_in_child() -> None:
         return
 
     def revive() -> _runtime.Runtime | None:
-        from otel_rollouts import configuration
+        from otel_rollouts import _rollouts as configuration
 
         # a metric reader belongs to one MeterProvider (the parent's): the child takes its
         # metric settings from the environment only; a spool directory is the parent's too

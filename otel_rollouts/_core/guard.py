@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 
-from otel_rollouts import _runtime
-from otel_rollouts._content import exception_text, reraise_interrupt
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import exception_text, reraise_interrupt
 
 logger = logging.getLogger("otel_rollouts")
 _logged: set[str] = set()

@@ -17,12 +17,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.status import StatusCode
 
-from otel_rollouts import _exit, _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import call_user, exception_text, snapshot
-from otel_rollouts._guard import report
-from otel_rollouts._recording import SpanRecord, exception_attributes
-from otel_rollouts.episode import Episode, as_messages, child_span
+from otel_rollouts._core import exit as _exit
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import call_user, exception_text, snapshot
+from otel_rollouts._core.guard import report
+from otel_rollouts._core.spans import SpanRecord, exception_attributes
+from otel_rollouts.record.episode import Episode, as_messages, child_span
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -100,7 +101,7 @@ class _Call:
 def _render(call: _Call, value: Any) -> Any:
     """SDK spans need attribute values now; light spans keep a snapshot for later."""
     if call.sdk:
-        from otel_rollouts._content import cut, to_json
+        from otel_rollouts._core.content import cut, to_json
 
         return cut(to_json(value), 16_384)[0]
     return snapshot(value)
@@ -215,7 +216,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     op = c.OPERATION_OF.get(kind)
     if op:
         attributes[c.GEN_AI_OPERATION_NAME] = op
-    from otel_rollouts._content import cut, to_json
+    from otel_rollouts._core.content import cut, to_json
 
     sdk_attrs = {
         k: (v if isinstance(v, (str, bool, int, float)) else cut(to_json(v), 16_384)[0])

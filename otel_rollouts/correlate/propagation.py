@@ -29,7 +29,7 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_rollouts import conventions as c
-from otel_rollouts._recording import SpanRecord
+from otel_rollouts._core.spans import SpanRecord
 
 __all__ = [
     "extract_context",

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable
 
 logger = logging.getLogger("otel_rollouts")
 
-_PACKAGE = __name__.rpartition(".")[0]
+_PACKAGE = __name__.split(".", 1)[0]  # the whole library, whatever folder this module sits in
 _POLL_S = 0.005  # how often the helper looks whether the main thread left the library
 
 _installed_pid: int | None = None

@@ -25,11 +25,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.status import StatusCode
 
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import Deferred, refused, snapshot, text, to_float, to_int
-from otel_rollouts._guard import contained, guarded, guarded_or, report
-from otel_rollouts._recording import DROPPED, KEPT, EpisodeRecord, SpanRecord
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import Deferred, refused, snapshot, text, to_float, to_int
+from otel_rollouts._core.guard import contained, guarded, guarded_or, report
+from otel_rollouts._core.spans import DROPPED, KEPT, EpisodeRecord, SpanRecord
 
 __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
 

@@ -15,16 +15,17 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from otel_rollouts import _exit, _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._delivery import DEFAULT_MAX_REQUEST_BYTES, Delivery
-from otel_rollouts._guard import guarded, reset_reports
-from otel_rollouts._materialize import Materializer
-from otel_rollouts._otlp_env import uses_http
-from otel_rollouts._pipeline import Pipeline
-from otel_rollouts._stats import Stats
-from otel_rollouts.redaction import RedactingLogFilter, Redactor, make_redactor
-from otel_rollouts.sampling import TailSampler
+from otel_rollouts._core import exit as _exit
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.guard import guarded, reset_reports
+from otel_rollouts._core.redaction import RedactingLogFilter, Redactor, make_redactor
+from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.defaults import default_exporters
+from otel_rollouts.delivery.materialize import Materializer
+from otel_rollouts.delivery.outlet import DEFAULT_MAX_REQUEST_BYTES, Delivery
+from otel_rollouts.sampling.pipeline import Pipeline
+from otel_rollouts.sampling.policies import TailSampler
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -52,35 +53,10 @@ def _version() -> str:
         return "0+unknown"
 
 
-def default_exporters(project: str | None = None, redactor: Redactor | None = None) -> list[SpanExporter]:
-    """Local Trackio (nothing to start), plus OTLP when an OTLP endpoint is set in the env."""
-    from otel_rollouts.exporters import TrackioExporter
-
-    exporters: list[SpanExporter] = [
-        TrackioExporter(project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts",
-                        redact=redactor if redactor is not None else False)
-    ]
-    if os.environ.get(c.ENV_OTLP_TRACES_ENDPOINT) or os.environ.get(c.ENV_OTLP_ENDPOINT):
-        exporters.append(otlp_exporter_from_env())
-    return exporters
-
-
-def otlp_exporter_from_env() -> SpanExporter:
-    """The stock OTLP span exporter for ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (default grpc)."""
-    if uses_http(c.ENV_OTLP_TRACES_PROTOCOL):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    timeout = None
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
-        timeout = 5.0  # its own retries must give up soon: our spool retries for as long as it takes
-    return OTLPSpanExporter(timeout=timeout)
-
-
 def _resource(service_name: str | None, attributes: Mapping[str, Any] | None, run_id: str,
               redactor: Redactor | None) -> Resource:
     """The run's resource, redacted once here: it goes out with every span, metric and log."""
-    from otel_rollouts.resource import run_resource
+    from otel_rollouts.correlate.resource import run_resource
 
     resource = run_resource(service_name, attributes, run_id)
     if redactor is None:
@@ -140,7 +116,7 @@ def configure(
     * ``set_global_provider``: also install the TracerProvider as OpenTelemetry's global one, so
       other instrumentation's spans (httpx, OpenAI clients) join episode traces.
     * ``redact`` (default on), ``redact_patterns``: secrets in captured content are replaced
-      before anything leaves the process (see ``otel_rollouts.redaction``); a callable is run
+      before anything leaves the process (see ``otel_rollouts._core.redaction``); a callable is run
       after the built-in patterns; ``False`` turns the built-in patterns off.
     * ``max_attribute_chars`` / ``max_episode_chars``: text budgets per attribute and per
       episode (head and tail kept, cut attributes named in ``rl.content.truncated``);
@@ -156,7 +132,7 @@ def configure(
     * ``max_pending_bytes``: per exporter, the bytes of batches waiting in memory for it; past
       that the oldest go to the spool (or are dropped, counted, without one).
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
-      ``otel_rollouts.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
+      ``otel_rollouts.correlate.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
     """
     global _last
@@ -247,7 +223,7 @@ def configure(
 
 def _attach_metrics(rt: _runtime.Runtime, resource: Resource, readers, exporters) -> None:
     """Rollout metrics when there is somewhere to send them (readers, OTLP env, Trackio)."""
-    from otel_rollouts.metrics import RolloutMetrics, meter_provider
+    from otel_rollouts.correlate.metrics import RolloutMetrics, meter_provider
 
     provider = meter_provider(resource, readers)
     sinks = [e for e in exporters if callable(getattr(e, "log_metrics", None))]

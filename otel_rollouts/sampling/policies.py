@@ -17,7 +17,7 @@ The protocol is small so that policies compose:
 * ``Bucket.held()`` lists what it holds (each record once).
 
 A record only needs ``attribute(name)`` and an integer ``trace_id``; the distributed budget
-(``otel_rollouts.distributed``) feeds light summaries of every rank's candidates into a fresh
+(``otel_rollouts.sampling.distributed``) feeds light summaries of every rank's candidates into a fresh
 bucket of the same policy, so every rank computes the same global choice.
 """
 
@@ -696,7 +696,7 @@ class TailSampler:
 
     ``distributed`` (default ``"auto"``): when ``torch.distributed`` is initialised with more
     than one rank (or a process group is passed), ``end_step`` agrees one global budget per step
-    across ranks (see ``otel_rollouts.distributed``); every rank must call ``end_step`` for the
+    across ranks (see ``otel_rollouts.sampling.distributed``); every rank must call ``end_step`` for the
     same steps. ``False`` keeps the cap per process.
     """
 

@@ -39,11 +39,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts import conventions as c
-from otel_rollouts._content import exception_text, type_name
-from otel_rollouts._materialize import Materializer
-from otel_rollouts._recording import EpisodeRecord, SpanRecord
-from otel_rollouts._spool import Spool, encode
-from otel_rollouts._stats import Stats
+from otel_rollouts._core.content import exception_text, type_name
+from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
+from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.materialize import Materializer
+from otel_rollouts.delivery.spool import Spool, encode
 
 logger = logging.getLogger("otel_rollouts")
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from re import Pattern
 from typing import Any
 
-from otel_rollouts._content import reraise_interrupt
+from otel_rollouts._core.content import reraise_interrupt
 
 __all__ = ["DEFAULT_PATTERNS", "PLACEHOLDER_PREFIX", "REPLACEMENT", "RedactingLogFilter", "Redactor"]
 

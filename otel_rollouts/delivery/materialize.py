@@ -15,10 +15,10 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
-from otel_rollouts import redaction
-from otel_rollouts._content import Deferred, cut, jsonable, to_json
-from otel_rollouts._recording import EpisodeRecord, SpanRecord
-from otel_rollouts._views import EpisodeViews, SpanView, error_type, settle
+from otel_rollouts._core import redaction
+from otel_rollouts._core.content import Deferred, cut, jsonable, to_json
+from otel_rollouts._core.messages import EpisodeViews, SpanView, error_type, settle
+from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)

@@ -27,12 +27,12 @@ from typing import Any
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 
-from otel_rollouts import _runtime
 from otel_rollouts import conventions as c
-from otel_rollouts._content import type_name
-from otel_rollouts._otlp_env import uses_http
-from otel_rollouts._recording import SpanRecord
-from otel_rollouts.redaction import Redactor
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import type_name
+from otel_rollouts._core.env import uses_http
+from otel_rollouts._core.redaction import Redactor
+from otel_rollouts._core.spans import SpanRecord
 
 __all__ = ["EpisodeLogFilter", "LoggingIntegration", "instrument_logging", "uninstrument_logging"]
 
@@ -251,7 +251,7 @@ def _logger_provider(exporter: Any) -> Any:
     if rt is not None and rt.provider is not None:
         resource = rt.provider.resource
     else:
-        from otel_rollouts.resource import run_resource
+        from otel_rollouts.correlate.resource import run_resource
 
         resource = run_resource()
     if exporter is None:

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from otel_rollouts import _runtime
+from otel_rollouts._core import runtime as _runtime
 
 _MAX_DEPTH = 64
 DEFAULT_MAX_NODES = 16_384  # containers and items copied or rendered per value (the attribute budget)

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._content import jsonable, text, to_json
+from otel_rollouts._core.content import jsonable, text, to_json
 
 Message = dict[str, Any]
 

@@ -18,10 +18,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from otel_rollouts import conventions as c
-from otel_rollouts._delivery import Delivery
-from otel_rollouts._recording import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
-from otel_rollouts._stats import Stats
-from otel_rollouts.sampling import Bucket, TailSampler
+from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
+from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.outlet import Delivery
+from otel_rollouts.sampling.policies import Bucket, TailSampler
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
@@ -65,7 +65,7 @@ class Pipeline(SpanProcessor):
         setting = self.sampler.distributed
         if setting is False or setting is None:
             return None
-        from otel_rollouts import distributed
+        from otel_rollouts.sampling import distributed
 
         coordinator = self._coordinator
         if coordinator is None or not coordinator.usable():

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from otel_rollouts.sampling import Policy
+from otel_rollouts.sampling.policies import Policy
 
 __all__ = ["Coordinator", "coordinator_for"]
 

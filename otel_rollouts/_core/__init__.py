@@ -1,0 +1,1 @@
+"""The shared base every stage stands on: the span records, the installed-instance slot, containment, counters, content coercion, redaction, message shapes, the OTLP codec and exit handling. Nothing here imports a stage above it."""

@@ -1,0 +1,1 @@
+"""Stage 3 of the data path: kept episodes are rendered into OpenTelemetry spans (truncation, redaction) off the training thread and delivered to exporters through bounded, retrying, spooling layers."""
