@@ -14,7 +14,17 @@
 
 from otel_rollouts import conventions
 from otel_rollouts._core.guard import InvalidValue
-from otel_rollouts._rollouts import configure, end_step, flush, set_step, shutdown, stats
+from otel_rollouts._rollouts import (
+    Rollouts,
+    configure,
+    end_step,
+    flush,
+    set_step,
+    shutdown,
+    stats,
+    tracer_provider,
+    version,
+)
 from otel_rollouts.correlate.logs import instrument_logging, uninstrument_logging
 from otel_rollouts.correlate.propagation import (
     extract_context,
@@ -51,7 +61,12 @@ from otel_rollouts.sampling.policies import (
     Uniform,
 )
 
+__version__ = version()
+
 __all__ = [
+    "__version__",
+    "Rollouts",
+    "tracer_provider",
     "adopt",
     "context_carrier",
     "extract_context",

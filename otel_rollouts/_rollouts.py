@@ -1,4 +1,6 @@
-"""``configure()`` and the process-wide controls: ``end_step``, ``flush``, ``shutdown``, ``stats``."""
+"""``otr.Rollouts``: one configured run (provider, pipeline, delivery, metrics, ticker, exit
+hooks), ``configure()`` that builds and installs it, and the module-level controls that call
+the installed one: ``end_step``, ``set_step``, ``flush``, ``shutdown``, ``stats``."""
 
 from __future__ import annotations
 
@@ -18,37 +20,41 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.guard import guarded, reset_reports
+from otel_rollouts._core.guard import guarded
 from otel_rollouts._core.redaction import RedactingLogFilter, Redactor, make_redactor
+from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, resolve
 from otel_rollouts._core.stats import Stats
+from otel_rollouts.correlate.metrics import RolloutMetrics
 from otel_rollouts.delivery.defaults import default_exporters
 from otel_rollouts.delivery.materialize import Materializer
-from otel_rollouts.delivery.outlet import DEFAULT_MAX_REQUEST_BYTES, Delivery
+from otel_rollouts.delivery.outlet import Delivery
+from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.pipeline import Pipeline
 from otel_rollouts.sampling.policies import TailSampler
 
 logger = logging.getLogger("otel_rollouts")
 
-__all__ = ["configure", "end_step", "flush", "shutdown", "stats", "set_step"]
+__all__ = [
+    "Rollouts",
+    "configure",
+    "end_step",
+    "flush",
+    "set_step",
+    "shutdown",
+    "stats",
+    "tracer_provider",
+    "version",
+]
 
-_lock = threading.RLock()
-_ticker: threading.Thread | None = None
-_ticker_stop = threading.Event()
-_last: _runtime.Runtime | None = None  # the last runtime stopped: otr.stats() reads it after shutdown
+_TICK_S = 1.0
 
 
-def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or not value.strip():
-        return None
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _version() -> str:
+def version() -> str:
+    """This distribution's version ("0+unknown" when not installed)."""
     try:
-        from importlib.metadata import version
+        from importlib.metadata import version as installed_version
 
-        return version("otel-rollouts")
+        return installed_version("otel-rollouts")
     except Exception:  # noqa: BLE001
         return "0+unknown"
 
@@ -74,6 +80,251 @@ def _redact_own_logs(redactor: Redactor | None) -> None:
         own.addFilter(RedactingLogFilter(redactor))
 
 
+class Rollouts(_runtime.Runtime):
+    """One configured run: what ``otr.configure()`` returns.
+
+    Owns the tracer provider, the sampling pipeline, delivery, rollout metrics, the ticker thread
+    (episode and step timeouts) and the exit hooks. The module-level functions (``otr.end_step``,
+    ``otr.flush``...) call the installed instance; an instance's own methods act on it whether
+    it is installed or not, so several may exist (a test, a second project). Build one with
+    ``Rollouts.build(settings)`` or ``otr.configure(..., install=False)``.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(enabled=not settings.disabled, pid=os.getpid())
+        self.settings = settings
+        self.delivery: Delivery | None = None
+        self.metrics: RolloutMetrics | None = None
+        self.sampler: TailSampler | None = None
+        # the same object as ``pipeline`` (which the recording side sees as an EpisodeSink)
+        self.sampling_pipeline: Pipeline | None = None
+        self.exit_hooks = _exit.hooks()
+        self._ticker: threading.Thread | None = None
+        self._ticker_stop = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        if self.enabled:
+            self._build()
+
+    # --- building ----------------------------------------------------------------------------
+    def _build(self) -> None:
+        s = self.settings
+        content, limits, delivery_settings = s.content, s.limits, s.delivery
+        sampler = s.sampler or TailSampler()
+        run_id = s.run_id or uuid.uuid4().hex[:12]
+        redactor = make_redactor(content.redact, content.redact_patterns)
+        resource = _resource(s.service_name, s.resource_attributes, run_id, redactor)
+        stats = Stats()
+        exporters = (
+            list(s.exporters) if s.exporters is not None
+            else default_exporters(s.trackio_project, redactor)
+        )
+        materializer = Materializer(
+            resource,
+            InstrumentationScope(c.SCOPE_NAME, version()),
+            max_attribute_chars=content.max_attribute_chars,
+            redact=redactor,
+            max_episode_chars=content.max_episode_chars,
+            agent_name=content.agent_name,
+            capture_content=content.capture_content,
+        )
+        queue_size = delivery_settings.max_queue or max(1024, 16 * sampler.max_traces_per_step)
+        delivery = Delivery(
+            exporters,
+            materializer,
+            stats,
+            max_queue=queue_size,
+            spool_dir=delivery_settings.spool_dir,
+            spool_max_bytes=delivery_settings.spool_max_bytes,
+            max_request_bytes=delivery_settings.max_request_bytes,
+            max_pending_bytes=delivery_settings.max_pending_bytes,
+        )
+        pipeline = Pipeline(sampler, delivery, stats, episode_timeout_s=limits.episode_timeout_s)
+        provider = TracerProvider(
+            resource=resource,
+            shutdown_on_exit=False,
+            span_limits=SpanLimits(
+                max_attributes=limits.max_attributes_per_span,
+                max_event_attributes=limits.max_attributes_per_span,
+                max_span_attributes=limits.max_attributes_per_span,
+            ),
+        )
+        provider.add_span_processor(pipeline)
+        self.sampler = sampler
+        self.delivery = delivery
+        self.pipeline = self.sampling_pipeline = pipeline
+        self.provider = provider
+        self.counters = stats
+        self.capture_content = content.capture_content
+        self.max_spans_per_episode = limits.max_spans_per_episode
+        self.max_attribute_chars = content.max_attribute_chars
+        self.strict = s.strict
+        self.run_id = run_id
+        self.deterministic_ids = s.deterministic_ids
+        self.tracer = provider.get_tracer(c.SCOPE_NAME, version())
+        self.redactor = redactor
+        self.metrics = _metrics(resource, s.metric_readers, exporters, stats, redactor)
+        pipeline.observer = self.metrics
+
+    def tracer_provider(self) -> TracerProvider | None:
+        """This run's OpenTelemetry tracer provider: give it to other instrumentation so that
+        their spans join the episodes (``set_global_provider=True`` installs it globally)."""
+        return self.provider
+
+    # --- installing --------------------------------------------------------------------------
+    def install(self) -> Rollouts:
+        """Make this the process's instance (what ``otr.episode`` & co record into): the one
+        installed before is stopped (its open episodes ended, truncated, and delivered)."""
+        slot = _runtime.slot()
+        with slot.configure_lock:
+            old = slot.installed
+            if old is not None and old is not self and old.pid == os.getpid():
+                if isinstance(old, Rollouts):
+                    old.shutdown(timeout=10.0)
+            slot.last_stopped = None  # a new run: otr.stats() counts from zero
+            slot.install(self)
+            if not self.enabled:
+                return self
+            _redact_own_logs(self.redactor)
+            if self.settings.set_global_provider and self.provider is not None:
+                from opentelemetry import trace
+
+                trace.set_tracer_provider(self.provider)
+            self._start_ticker()
+            self.exit_hooks.install(self._at_exit_flush, self.settings.delivery.exit_timeout,
+                                    self.settings.delivery.handle_signals)
+        return self
+
+    def rebuild_after_fork(self) -> Callable[[], _runtime.Runtime | None] | None:
+        settings = self.settings.for_forked_child()
+
+        def rebuild() -> _runtime.Runtime | None:
+            return Rollouts(settings).install()
+
+        return rebuild
+
+    def _start_ticker(self) -> None:
+        if self._ticker is not None and self._ticker.is_alive():
+            return
+        self._ticker_stop.clear()
+        self._ticker = threading.Thread(target=self._tick, name="otel-rollouts-ticker", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._ticker_stop.wait(_TICK_S):
+            pipeline = self.sampling_pipeline
+            if pipeline is None or not self.enabled:
+                continue
+            try:
+                pipeline.tick()
+            except BaseException:  # noqa: BLE001 - a user policy's error never stops the ticker
+                if self.counters is not None:
+                    self.counters.add("errors.ticker")
+
+    def _at_exit_flush(self, timeout: float) -> None:
+        if self.pid != os.getpid():
+            return  # a forked child's copy of its parent's instance: the parent delivers it
+        self.shutdown(timeout=timeout)
+
+    def episode(self, step: int | None = None, split: str = "train", **fields: Any) -> Episode:
+        """An episode recorded into this run (``otr.episode`` records into the installed one);
+        takes the same arguments as ``otr.episode``."""
+        return Episode(step, split, runtime=self, **fields)
+
+    # --- the controls ------------------------------------------------------------------------
+    def end_step(self, step: int, split: str | None = None) -> None:
+        """Close training step ``step`` (all splits, or one): the sampler decides and exports.
+
+        Also advances the default step of new episodes to ``step + 1``."""
+        pipeline = self.sampling_pipeline
+        if not self.enabled or pipeline is None:
+            return
+        pipeline.end_step(int(step), split)
+        if int(step) >= self.current_step:
+            self.current_step = int(step) + 1
+
+    def set_step(self, step: int) -> None:
+        """Set the step that episodes started without ``step=`` belong to."""
+        self.current_step = int(step)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Close every open step and wait until kept episodes reached the exporters."""
+        pipeline = self.sampling_pipeline
+        if not self.enabled or pipeline is None or self.delivery is None:
+            return True
+        try:
+            pipeline.close_all()
+            ok = self.metrics.flush(timeout) if self.metrics is not None else True
+            return self.delivery.flush(timeout) and ok
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("otel_rollouts: flush failed: %s", exc)
+            return False
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Flush and stop; episodes still open are ended and marked truncated. Never hangs.
+
+        Returns within ``timeout`` whatever holds the library's locks (at a signal, the
+        interrupted thread may): what could not be delivered by then is counted in ``stats()``,
+        which keeps the final totals after shutdown."""
+        deadline = time.monotonic() + timeout
+        slot = _runtime.slot()
+        locked = slot.configure_lock.acquire(timeout=max(timeout / 4, 0.0))
+        try:
+            try:
+                ok = self._stop(max(deadline - time.monotonic(), 0.0)) and locked
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("otel_rollouts: shutdown failed: %s", exc)
+                ok = False
+            if slot.installed is self:
+                slot.install(None)
+                slot.last_stopped = self
+            return ok
+        finally:
+            if locked:
+                slot.configure_lock.release()
+
+    def _stop(self, timeout: float) -> bool:
+        """End open episodes (truncated), close every step, deliver, stop; within ``timeout``.
+
+        Every lock is taken with a deadline: at a signal the thread holding one may be the one
+        that was interrupted. What cannot be decided by then is counted, not waited for."""
+        self._ticker_stop.set()
+        self.exit_hooks.uninstall(self._at_exit_flush)
+        pipeline = self.sampling_pipeline
+        if not self._stop_lock.acquire(blocking=False):
+            return True  # another thread is stopping it
+        try:
+            if self._stopped or not self.enabled or pipeline is None or self.delivery is None:
+                self._stopped = True
+                return True
+            self._stopped = True
+            deadline = time.monotonic() + timeout
+            pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
+            self.enabled = False
+            closed = pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)
+            metrics = self.metrics
+            if metrics is not None:
+                # step summaries go before the exporters stop
+                metrics.flush(max(deadline - time.monotonic(), 0.0) / 2)
+            ok = self.delivery.shutdown(max(deadline - time.monotonic(), 0.0))
+            if metrics is not None:
+                metrics.shutdown(max(deadline - time.monotonic(), 0.0))
+            return ok and closed
+        finally:
+            self._stop_lock.release()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late), totals,
+        and per exporter what was delivered, spooled, pending and dropped."""
+        if self.counters is None:
+            return {"totals": {}, "steps": {}}
+        snapshot = self.counters.snapshot()
+        if self.delivery is not None:
+            snapshot["delivery"] = self.delivery.report()
+        return snapshot
+
+
+
 def configure(
     service_name: str | None = None,
     exporters: Sequence[SpanExporter] | None = None,
@@ -85,14 +336,14 @@ def configure(
     trackio_project: str | None = None,
     deterministic_ids: bool = False,
     max_spans_per_episode: int = 1024,
-    max_attribute_chars: int = 16_384,
+    max_attribute_chars: int | None = None,
     max_queue: int | None = None,
     redact: bool | Callable[[str], str] | None = True,
     strict: bool = False,
     set_global_provider: bool = False,
     redact_patterns: Sequence[str] = (),
     max_episode_chars: int | None = 1_048_576,
-    max_attributes_per_span: int = 1024,
+    max_attributes_per_span: int | None = None,
     spool_dir: str | os.PathLike[str] | None = None,
     spool_max_bytes: int = 256 * 1024 * 1024,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
@@ -102,8 +353,15 @@ def configure(
     agent_name: str | None = None,
     episode_timeout_s: float | None = None,
     max_pending_bytes: int = 64 * 1024 * 1024,
-) -> None:
-    """Set up tracing of episodes for this process. Safe to call again: it reconfigures.
+    install: bool = True,
+) -> Rollouts:
+    """Set up tracing of episodes for this process and return the run (``otr.Rollouts``).
+
+    Safe to call again: it reconfigures (the previous run's open episodes are ended, truncated,
+    and delivered). Each option is taken from its argument, else from its environment variable
+    (``otel_rollouts._core.settings.ENV_TABLE``: ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``,
+    ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, ``OTEL_ROLLOUTS_SPOOL_DIR``...), else its default.
+    ``install=False`` builds a run without making it the process's one (its methods still work).
 
     * ``exporters``: any OpenTelemetry ``SpanExporter`` (OTLP, in-memory, ours). Default: a local
       Trackio project (``trackio_project``, env ``OTEL_ROLLOUTS_TRACKIO_PROJECT``) plus OTLP
@@ -135,152 +393,35 @@ def configure(
       ``otel_rollouts.correlate.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
     """
-    global _last
-    arguments = dict(locals())  # a forked child rebuilds its own runtime from these (workers.py)
-    if episode_timeout_s is not None and not episode_timeout_s > 0:
-        raise ValueError(f"episode_timeout_s must be > 0 or None, got {episode_timeout_s!r}")
-    if not max_pending_bytes > 0:
-        raise ValueError(f"max_pending_bytes must be > 0, got {max_pending_bytes!r}")
-    with _lock:
-        old = _runtime.installed()
-        if old is not None and old.extra.get("pid", os.getpid()) != os.getpid():
-            old = None  # inherited through fork: the parent's threads are not here; the parent delivers it
-        if old is not None:
-            # its open episodes are ended (truncated) and delivered by the pipeline they began in
-            _stop_runtime(old, timeout=10.0)
-        _last = None  # a new run: otr.stats() counts from zero
-        if _env_flag(c.ENV_SDK_DISABLED):
-            _runtime.install(_runtime.Runtime(enabled=False))
-            return
-        if capture_content is None:
-            env = _env_flag(c.ENV_CAPTURE_CONTENT)
-            capture_content = True if env is None else env
-        sampler = sampler or TailSampler()
-        run_id = run_id or uuid.uuid4().hex[:12]
-        redactor = make_redactor(redact, redact_patterns)
-        resource = _resource(service_name, resource_attributes, run_id, redactor)
-        _redact_own_logs(redactor)
-        reset_reports()
-        stats = Stats()
-        if exporters is None:
-            exporters = default_exporters(trackio_project, redactor)
-        materializer = Materializer(
-            resource,
-            InstrumentationScope(c.SCOPE_NAME, _version()),
-            max_attribute_chars=max_attribute_chars,
-            redact=redactor,
-            max_episode_chars=max_episode_chars,
-            agent_name=agent_name,
-            capture_content=bool(capture_content),
-        )
-        queue_size = max_queue or max(1024, 16 * sampler.max_traces_per_step)
-        delivery = Delivery(
-            list(exporters),
-            materializer,
-            stats,
-            max_queue=queue_size,
-            spool_dir=spool_dir,
-            spool_max_bytes=spool_max_bytes,
-            max_request_bytes=max_request_bytes,
-            max_pending_bytes=max_pending_bytes,
-        )
-        pipeline = Pipeline(sampler, delivery, stats, episode_timeout_s=episode_timeout_s)
-        provider = TracerProvider(
-            resource=resource,
-            shutdown_on_exit=False,
-            span_limits=SpanLimits(
-                max_attributes=max_attributes_per_span,
-                max_event_attributes=max_attributes_per_span,
-                max_span_attributes=max_attributes_per_span,
-            ),
-        )
-        provider.add_span_processor(pipeline)
-        if set_global_provider:
-            from opentelemetry import trace
-
-            trace.set_tracer_provider(provider)
-        rt = _runtime.Runtime(
-            enabled=True,
-            pipeline=pipeline,
-            delivery=delivery,
-            provider=provider,
-            stats=stats,
-            capture_content=bool(capture_content),
-            max_spans_per_episode=max_spans_per_episode,
-            strict=strict,
-            run_id=run_id,
-            deterministic_ids=deterministic_ids,
-            tracer=provider.get_tracer(c.SCOPE_NAME, _version()),
-            redactor=redactor,
-        )
-        rt.extra["pid"] = os.getpid()
-        rt.extra["configure_kwargs"] = arguments
-        _attach_metrics(rt, resource, metric_readers, exporters)
-        _runtime.install(rt)
-        _start_ticker()
-        _exit.install(_at_exit_flush, exit_timeout, handle_signals)
+    arguments = dict(locals())
+    arguments.pop("install")
+    settings = resolve(arguments)
+    rollouts = Rollouts(settings)
+    return rollouts.install() if install else rollouts
 
 
-def _attach_metrics(rt: _runtime.Runtime, resource: Resource, readers, exporters) -> None:
+def _metrics(resource: Resource, readers: Sequence[Any] | None, exporters: Sequence[Any],
+             stats: Stats, redactor: Redactor | None) -> RolloutMetrics | None:
     """Rollout metrics when there is somewhere to send them (readers, OTLP env, Trackio)."""
-    from otel_rollouts.correlate.metrics import RolloutMetrics, meter_provider
+    from otel_rollouts.correlate.metrics import meter_provider
 
     provider = meter_provider(resource, readers)
     sinks = [e for e in exporters if callable(getattr(e, "log_metrics", None))]
     if provider is None and not sinks:
-        return
-    label = rt.redactor.name if rt.redactor is not None else None
-    rt.extra["metrics"] = rt.pipeline.observer = RolloutMetrics(provider, sinks, rt.stats, label)
+        return None
+    label = redactor.name if redactor is not None else None
+    return RolloutMetrics(provider, sinks, stats, label)
 
 
-def _start_ticker() -> None:
-    global _ticker
-    if _ticker is not None and _ticker.is_alive():
-        return
-    _ticker_stop.clear()
-
-    def tick() -> None:
-        while not _ticker_stop.wait(1.0):
-            rt = _runtime.installed()
-            if rt is not None and rt.pipeline is not None:
-                try:
-                    rt.pipeline.tick()
-                except BaseException:  # noqa: BLE001 - a user policy's error never stops the ticker
-                    if rt.stats is not None:
-                        rt.stats.add("errors.ticker")
-
-    _ticker = threading.Thread(target=tick, name="otel-rollouts-ticker", daemon=True)
-    _ticker.start()
-
-
-def _stop_runtime(rt: _runtime.Runtime, timeout: float) -> bool:
-    """End open episodes (truncated), close every step, deliver, stop; within ``timeout``.
-
-    Every lock is taken with a deadline: at a signal the thread holding one may be the one
-    that was interrupted. What cannot be decided by then is counted, not waited for.
-    """
-    global _last
-    if not rt.enabled or rt.pipeline is None or rt.delivery is None:
-        return True
-    deadline = time.monotonic() + timeout
-    rt.pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
-    rt.enabled = False
-    closed = rt.pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)
-    metrics = rt.extra.get("metrics")
-    if metrics is not None:
-        metrics.flush(max(deadline - time.monotonic(), 0.0) / 2)  # step summaries go before exporters stop
-    ok = rt.delivery.shutdown(max(deadline - time.monotonic(), 0.0))
-    if metrics is not None:
-        metrics.shutdown(max(deadline - time.monotonic(), 0.0))
-    _last = rt
-    return ok and closed
-
-
-def _at_exit_flush(timeout: float) -> None:
+def _installed() -> Rollouts | None:
     rt = _runtime.installed()
-    if rt is not None and rt.extra.get("pid", os.getpid()) != os.getpid():
-        return  # a forked child's copy of its parent's runtime: the parent delivers it
-    shutdown(timeout=timeout)
+    return rt if isinstance(rt, Rollouts) else None
+
+
+def tracer_provider() -> TracerProvider | None:
+    """The installed run's OpenTelemetry tracer provider (None before ``configure()``)."""
+    rollouts = _installed()
+    return rollouts.provider if rollouts is not None else None
 
 
 @guarded
@@ -290,11 +431,8 @@ def end_step(step: int, split: str | None = None) -> None:
     Also advances the default step of new episodes to ``step + 1``.
     """
     rt = _runtime.current()
-    if not rt.enabled or rt.pipeline is None:
-        return
-    rt.pipeline.end_step(int(step), split)
-    if int(step) >= rt.current_step:
-        rt.current_step = int(step) + 1
+    if isinstance(rt, Rollouts):
+        rt.end_step(step, split)
 
 
 @guarded
@@ -306,17 +444,8 @@ def set_step(step: int) -> None:
 
 def flush(timeout: float = 30.0) -> bool:
     """Close every open step and wait until kept episodes reached the exporters."""
-    rt = _runtime.installed()
-    if rt is None or not rt.enabled or rt.pipeline is None or rt.delivery is None:
-        return True
-    try:
-        rt.pipeline.close_all()
-        metrics = rt.extra.get("metrics")
-        ok = metrics.flush(timeout) if metrics is not None else True
-        return rt.delivery.flush(timeout) and ok
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("otel_rollouts: flush failed: %s", exc)
-        return False
+    rollouts = _installed()
+    return rollouts.flush(timeout) if rollouts is not None else True
 
 
 def shutdown(timeout: float = 30.0) -> bool:
@@ -326,30 +455,11 @@ def shutdown(timeout: float = 30.0) -> bool:
     thread may): what could not be delivered by then is counted in ``otr.stats()``, which keeps
     the final totals after shutdown.
     """
-    deadline = time.monotonic() + timeout
-    locked = _lock.acquire(timeout=max(timeout / 4, 0.0))
-    try:
-        rt = _runtime.installed()
-        if rt is None:
-            return True
-        try:
-            ok = _stop_runtime(rt, max(deadline - time.monotonic(), 0.0)) and locked
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("otel_rollouts: shutdown failed: %s", exc)
-            ok = False
+    rollouts = _installed()
+    if rollouts is None:
         _runtime.install(None)
-        _ticker_stop.set()
-        return ok
-    finally:
-        if locked:
-            _lock.release()
-
-
-def _snapshot(rt: _runtime.Runtime) -> dict[str, Any]:
-    snapshot = rt.stats.snapshot() if rt.stats is not None else {"totals": {}, "steps": {}}
-    if rt.delivery is not None:
-        snapshot["delivery"] = rt.delivery.report()
-    return snapshot
+        return True
+    return rollouts.shutdown(timeout)
 
 
 def stats() -> dict[str, Any]:
@@ -357,8 +467,6 @@ def stats() -> dict[str, Any]:
 
     After ``shutdown()`` (and until the next ``configure()``) the final totals of the last run.
     """
-    rt = _runtime.installed()
-    if rt is None or rt.stats is None:
-        last = _last
-        return _snapshot(last) if last is not None else {"totals": {}, "steps": {}}
-    return _snapshot(rt)
+    slot = _runtime.slot()
+    rt = slot.installed if slot.installed is not None else slot.last_stopped
+    return rt.stats() if isinstance(rt, Rollouts) else {"totals": {}, "steps": {}}

@@ -230,6 +230,7 @@ def is_label(key: str) -> bool:
 
 
 # --- environment variables ------------------------------------------------------------------
+CODE_FUNCTION = "code.function"  # OpenTelemetry code semconv: the decorated function
 ENV_CAPTURE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 ENV_SDK_DISABLED = "OTEL_SDK_DISABLED"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
@@ -240,6 +241,9 @@ ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 ENV_OTLP_METRICS_PROTOCOL = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
 ENV_OTLP_LOGS_PROTOCOL = "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL"
 ENV_TRACKIO_PROJECT = "OTEL_ROLLOUTS_TRACKIO_PROJECT"
+ENV_SPOOL_DIR = "OTEL_ROLLOUTS_SPOOL_DIR"  # where batches wait for an exporter that failed
+ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT = "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"
+ENV_SPAN_ATTRIBUTE_COUNT_LIMIT = "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"
 ENV_TRACE_UI_URL = "OTEL_ROLLOUTS_TRACE_UI_URL"  # e.g. http://localhost:16686 (Jaeger)
 
 # --- resource attributes ----------------------------------------------------------------------

@@ -308,10 +308,8 @@ def test_only_reward_terms_are_rl_reward(memory):
 def test_unknown_structures_warn_once_and_are_recorded_as_far_as_understood(caplog, memory):
     import logging
 
-    from otel_rollouts.adapters import _common
 
-    for name in ("model_steps", "tool_call_stats", "masks", "raw_queries", "rollout_states.rewards"):
-        _common._warned.discard(("open-instruct", name))
+    # each run (configure()) warns once per kind: the `memory` fixture's run is fresh
     batch, result, _ = make()
     batch.model_steps = ["latest", 6, 6, 6]
     batch.raw_queries[2] = "what is 3 + 3 ?"  # not "role: content" lines

@@ -185,9 +185,7 @@ def test_only_reward_function_columns_are_reward_terms(caplog, memory):
     columns that are not terms of the reward are metadata (with a warning), not rewards."""
     import logging
 
-    from otel_rollouts.adapters import _common
 
-    _common._warned.discard(("torchforge", "sample columns"))
     sample = make_episode(0, "the answer is 4", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
     sample["score"] = sample["reward"]
     extra = make_episode(1, "the answer is 4", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
@@ -230,10 +228,7 @@ def test_chat_templated_request_is_split_and_text_is_clean_with_a_tokenizer(memo
 def test_unknown_samples_and_versions_warn_once(caplog, memory):
     import logging
 
-    from otel_rollouts.adapters import _common
 
-    _common._warned.discard(("torchforge", "episode"))
-    _common._warned.discard(("torchforge", "policy_version"))
     odd = make_episode(0, "the answer is 4", 1.0, 0.5).to_dict(exclude=["ref_logprobs", "completion"])
     odd["policy_version"] = "latest"
     with caplog.at_level(logging.WARNING, logger="otel_rollouts"):

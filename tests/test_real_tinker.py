@@ -29,7 +29,6 @@ from tokenizer_fixture import build_tokenizer
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.adapters import _common
 from otel_rollouts.adapters.tinker import record_trajectory_groups
 
 MARKUP = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
@@ -315,7 +314,6 @@ def test_policy_version_and_staleness(tok, renderer, memory):
 def test_unknown_stop_reason_and_group_shape_are_warned(tok, renderer, memory, caplog, monkeypatch):
     import dataclasses
 
-    monkeypatch.setattr(_common, "_warned", set())
     builder, group = arithmetic_group(tok, renderer, ["The answer is 4<|im_end|>"])
     odd = dataclasses.replace(group.trajectories_G[0], stop_reason="asked_to_stop_by_judge")
     group.trajectories_G[0] = odd

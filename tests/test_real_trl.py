@@ -350,8 +350,6 @@ def test_unknown_structures_warn_once(caplog, memory):
         def _prepare_inputs(self, batch):
             return self._generate_and_score_completions(batch)
 
-    _common._warned.discard(("trl", "completion"))
-    _common._warned.discard(("trl", "_generate"))
     trainer = Trainer()
     callback = RolloutTraceCallback(trainer, model="m")
     assert callback.hooked

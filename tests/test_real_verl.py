@@ -32,7 +32,6 @@ from tokenizer_fixture import build_tokenizer
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.adapters import _common
 from otel_rollouts.adapters import verl as verl_adapter
 
 N = 4
@@ -209,7 +208,6 @@ def test_only_reward_terms_are_rewards(tmp_path, memory):
 
 
 def test_reward_terms_without_verl_list_skip_bookkeeping_and_warn(tmp_path, memory, caplog, monkeypatch):
-    monkeypatch.setattr(_common, "_warned", set())
     tok, batch, _ = verl_step(tmp_path, reward_keys=False)  # an older reward-manager path
     with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
         eps = record(memory, tok, batch)
@@ -302,7 +300,6 @@ def test_rollout_n_matches_verl_trajectory_info_after_balancing(tmp_path, memory
 
 
 def test_balanced_batch_without_mark_records_no_wrong_rollout_n(tmp_path, memory, caplog, monkeypatch):
-    monkeypatch.setattr(_common, "_warned", set())
     tok, batch, _ = verl_step(tmp_path, mark=False)
     with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
         eps = record(memory, tok, batch)

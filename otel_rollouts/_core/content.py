@@ -27,8 +27,6 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from otel_rollouts._core import runtime as _runtime
-
 _MAX_DEPTH = 64
 DEFAULT_MAX_NODES = 16_384  # containers and items copied or rendered per value (the attribute budget)
 CYCLE = "<cycle>"
@@ -96,15 +94,6 @@ def short_repr(value: Any, limit: int = 80) -> str:
     """A guarded ``repr`` cut to ``limit`` characters."""
     out = text(value, repr)
     return out if len(out) <= limit else out[: limit - 3] + "..."
-
-
-def refused(value: Any) -> str:
-    """How a refused value is described in ``rl.invalid`` and the library's warning: its type and
-    a short ``repr``, or its type alone when content capture is off (the value may be content)."""
-    rt = _runtime.installed()
-    if rt is not None and not rt.capture_content:
-        return type_name(value)
-    return f"{type_name(value)} {short_repr(value)}"
 
 
 def exception_text(exc: BaseException) -> str:
@@ -216,10 +205,8 @@ class _Snapshot:
         elif isinstance(value, (list, tuple)):
             # the stored items (a subclass's __iter__ is not called); only the head and the
             # tail are taken from a container longer than the budget
-            if isinstance(value, list):
-                get, size = list.__getitem__, list.__len__
-            else:
-                get, size = tuple.__getitem__, tuple.__len__
+            base: Any = list if isinstance(value, list) else tuple  # its own methods, not a subclass's
+            get, size = base.__getitem__, base.__len__
             n = size(value)
             if n > self.left:
                 head, tail = _ends(n, self.left)
@@ -268,52 +255,6 @@ def scalar(value: Any) -> Any:
     except BaseException as exc:  # noqa: BLE001 - anything odd stays as it was
         reraise_interrupt(exc)
     return value
-
-
-def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
-    """Coerce a reward-like value to float; return (number, None) or (None, reason).
-
-    Accepts ints, floats, bools, numpy/torch scalars and numeric strings (legacy loggers
-    formatted rewards as text). NaN and infinities are refused with a reason naming ``field``.
-    """
-    value = scalar(value)
-    if isinstance(value, bool):
-        return float(value), None
-    if isinstance(value, (int, float)):
-        number, exc = call_user(float, value)
-    elif isinstance(value, (str, bytes)):
-        number, exc = call_user(float, value)
-        if exc is not None:
-            return None, f"{field}: not a number: {refused(value)}"
-    else:
-        # a hostile __float__ is refused like any non-number, whatever it raises
-        number, exc = call_user(float, value)
-    if exc is not None or type(number) is not float:
-        return None, f"{field}: not a number: {refused(value)}"
-    if math.isnan(number) or math.isinf(number):
-        return None, f"{field}: not finite: {number!r}"
-    return number, None
-
-
-def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
-    """Coerce an index/step-like value to int; refuse floats with a fraction and non-numbers."""
-    value = scalar(value)
-    if isinstance(value, bool):
-        return int(value), None
-    if type(value) is int:
-        return value, None
-    if isinstance(value, int):  # an int subclass: its own __int__ is user code
-        number, exc = call_user(int.__index__, value)
-        if exc is None:
-            return number, None
-    if type(value) is float and value.is_integer():
-        return int(value), None
-    if type(value) is str:
-        try:
-            return int(value), None
-        except ValueError:
-            pass
-    return None, f"{field}: not an integer: {refused(value)}"
 
 
 # --- materialisation: JSON ------------------------------------------------------------------------

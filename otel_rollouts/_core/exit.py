@@ -53,26 +53,51 @@ logger = logging.getLogger("otel_rollouts")
 _PACKAGE = __name__.split(".", 1)[0]  # the whole library, whatever folder this module sits in
 _POLL_S = 0.005  # how often the helper looks whether the main thread left the library
 
-_installed_pid: int | None = None
-_signals_installed: set[int] = set()
-_flush: Callable[[float], object] | None = None
-_timeout = 10.0
-_calls_out: set[types.CodeType] = set()  # library frames that run user code, holding no lock
-_pending: tuple[int, threading.Thread] | None = None  # a signal whose flush is under way
-_claim = threading.Lock()  # the Python handler or the watcher: whichever takes it handles the signal
 _WATCH_GRACE_S = 0.25  # how long the watcher leaves the signal to the Python handler
-_watcher_pid: int | None = None
-_watch_fds: list[int] = []  # the wakeup pipe (read end, write end) of this process's watcher
-_at_fork_registered = False
+
+
+class ExitHooks:
+    """This process's exit handling: signal dispositions, the wakeup-fd watcher and atexit hooks
+    are per process by nature, so there is exactly one (``hooks()``); the installed ``Rollouts``
+    points it at its own flush."""
+
+    def __init__(self) -> None:
+        self.installed_pid: int | None = None
+        self.signals_installed: set[int] = set()
+        self.flush: Callable[[float], object] | None = None
+        self.timeout = 10.0
+        self.calls_out: set[types.CodeType] = set()  # library frames that run user code, holding no lock
+        self.pending: tuple[int, threading.Thread] | None = None  # a signal whose flush is under way
+        # the Python handler or the watcher: whichever takes it handles the signal
+        self.claim = threading.Lock()
+        self.watcher_pid: int | None = None
+        self.watch_fds: list[int] = []  # the wakeup pipe (read end, write end) of this process's watcher
+
+    def install(self, flush: Callable[[float], object], timeout: float,
+                handle_signals: bool = True) -> None:
+        """Make ``flush(timeout)`` run at every kind of exit of this process (idempotent)."""
+        install(flush, timeout, handle_signals)
+
+    def uninstall(self, flush: Callable[[float], object]) -> None:
+        """``flush`` no longer runs at exit (its instance was shut down); signal handlers stay."""
+        if self.flush == flush:
+            self.flush = None
+
+
+_hooks = ExitHooks()
+
+
+def hooks() -> ExitHooks:
+    """The process's exit hooks."""
+    return _hooks
 
 
 def install(flush: Callable[[float], object], timeout: float, handle_signals: bool = True) -> None:
     """Make ``flush(timeout)`` run at every kind of exit of this process (idempotent)."""
-    global _installed_pid, _flush, _timeout
-    _flush, _timeout = flush, timeout
+    _hooks.flush, _hooks.timeout = flush, timeout
     pid = os.getpid()
-    if _installed_pid != pid:
-        _installed_pid = pid
+    if _hooks.installed_pid != pid:
+        _hooks.installed_pid = pid
         atexit.register(_at_exit)
         try:
             from multiprocessing import util
@@ -80,7 +105,7 @@ def install(flush: Callable[[float], object], timeout: float, handle_signals: bo
             util.Finalize(None, _at_exit, exitpriority=100)
         except Exception:  # noqa: BLE001 - not fatal: atexit still covers the main process
             pass
-        _signals_installed.clear()
+        _hooks.signals_installed.clear()
     if handle_signals:
         _install_signal(signal.SIGTERM)
 
@@ -94,14 +119,14 @@ def calls_user_code(functions: Iterable[Callable[..., object]]) -> None:
     stack = [fn.__code__ for fn in functions]
     while stack:
         code = stack.pop()
-        _calls_out.add(code)
+        _hooks.calls_out.add(code)
         stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
 
 
 def inside_library(frame: types.FrameType | None) -> bool:
     """Whether a stack (innermost frame first) is inside a library call that may hold a lock."""
     while frame is not None:
-        if frame.f_code not in _calls_out:
+        if frame.f_code not in _hooks.calls_out:
             module = frame.f_globals.get("__name__")
             if isinstance(module, str) and (module == _PACKAGE or module.startswith(_PACKAGE + ".")):
                 if module != __name__:
@@ -111,13 +136,13 @@ def inside_library(frame: types.FrameType | None) -> bool:
 
 
 def _install_signal(signum: int) -> None:
-    if signum in _signals_installed or threading.current_thread() is not threading.main_thread():
+    if signum in _hooks.signals_installed or threading.current_thread() is not threading.main_thread():
         return
     try:
         if signal.getsignal(signum) is not signal.SIG_DFL:
             return  # the user's own handler (or SIG_IGN) decides; atexit still flushes
         signal.signal(signum, _on_signal)
-        _signals_installed.add(signum)
+        _hooks.signals_installed.add(signum)
     except (ValueError, OSError):  # not the main interpreter, or an unsupported signal
         return
     _start_watcher()
@@ -125,8 +150,7 @@ def _install_signal(signum: int) -> None:
 
 def _start_watcher() -> None:
     """Have the C-level handler report signals on a pipe a watcher thread reads (once per process)."""
-    global _watcher_pid
-    if _watcher_pid == os.getpid():
+    if _hooks.watcher_pid == os.getpid():
         return
     try:
         read_fd, write_fd = os.pipe()
@@ -141,29 +165,20 @@ def _start_watcher() -> None:
         os.close(read_fd)
         os.close(write_fd)
         return
-    _watcher_pid = os.getpid()
-    _watch_fds[:] = [read_fd, write_fd]
-    if not _at_fork_registered:
-        _register_at_fork()
+    _hooks.watcher_pid = os.getpid()
+    _hooks.watch_fds[:] = [read_fd, write_fd]
     threading.Thread(target=_watch, args=(read_fd,), name="otel-rollouts-signal-watch", daemon=True).start()
-
-
-def _register_at_fork() -> None:
-    global _at_fork_registered
-    _at_fork_registered = True
-    os.register_at_fork(after_in_child=_forget_watcher)
 
 
 def _forget_watcher() -> None:
     """In a forked child: stop writing signals into the parent's pipe. The child's C handler
     would otherwise report the child's signals (``Pool.terminate`` sends workers SIGTERM) to the
     parent's watcher, which would end the parent."""
-    global _watcher_pid
-    if _watcher_pid is None:
+    if _hooks.watcher_pid is None:
         return
-    _watcher_pid = None
-    read_fd, write_fd = _watch_fds
-    _watch_fds.clear()
+    _hooks.watcher_pid = None
+    read_fd, write_fd = _hooks.watch_fds
+    _hooks.watch_fds.clear()
     try:
         # the write end now leads nowhere, whether or not the wakeup fd can be unset here (it
         # stays registered if this thread may not call set_wakeup_fd): never a reused fd number
@@ -187,7 +202,7 @@ def _watch(read_fd: int) -> None:
             if not data:
                 return
             for signum in data:
-                if signum in _signals_installed and _pending is None and _watcher_pid == os.getpid():
+                if signum in _hooks.signals_installed and _hooks.pending is None and _hooks.watcher_pid == os.getpid():
                     _handle_if_unclaimed(signum)
     except BaseException:  # noqa: BLE001 - a watcher thread never raises into anything
         return
@@ -195,21 +210,20 @@ def _watch(read_fd: int) -> None:
 
 def _handle_if_unclaimed(signum: int) -> None:
     """Handle ``signum`` here if the main thread's Python handler has not within the grace."""
-    global _pending
     grace_end = time.monotonic() + _WATCH_GRACE_S
     while time.monotonic() < grace_end:
-        if _pending is not None:
+        if _hooks.pending is not None:
             return  # the Python handler ran
         time.sleep(_POLL_S)  # the handler runs on another thread; there is nothing to wait on
-    if not _claim.acquire(blocking=False):
+    if not _hooks.claim.acquire(blocking=False):
         return
-    if _installed_pid != os.getpid():
+    if _hooks.installed_pid != os.getpid():
         return
     # the main thread is stuck in C: restore the default action at the C level (a second signal
     # kills at once, and the final os.kill does), then flush with every lock taken on a deadline
     _default_action_in_c(signum)
-    _pending = (signum, threading.current_thread())
-    _flush_then_kill(signum, time.monotonic() + _timeout)
+    _hooks.pending = (signum, threading.current_thread())
+    _flush_then_kill(signum, time.monotonic() + _hooks.timeout)
 
 
 def _default_action_in_c(signum: int) -> None:
@@ -225,39 +239,38 @@ def _default_action_in_c(signum: int) -> None:
 
 
 def _run_flush(timeout: float) -> None:
-    if _installed_pid != os.getpid() or _flush is None:
+    if _hooks.installed_pid != os.getpid() or _hooks.flush is None:
         return
     try:
-        _flush(max(timeout, 0.0))
+        _hooks.flush(max(timeout, 0.0))
     except BaseException as exc:  # noqa: BLE001 - exiting: nothing may be raised from here
         if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
             raise
 
 
 def _at_exit() -> None:
-    pending = _pending
+    pending = _hooks.pending
     if pending is not None:
         # a signal's flush is under way on its helper: let it finish, then die of that signal
         signum, helper = pending
         if helper is not threading.current_thread():
-            helper.join(_timeout + 1.0)
+            helper.join(_hooks.timeout + 1.0)
             os.kill(os.getpid(), signum)
         return
-    _run_flush(_timeout)
+    _run_flush(_hooks.timeout)
 
 
 def _on_signal(signum: int, frame: types.FrameType | None) -> None:
-    global _pending
     try:
         signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
     except (ValueError, OSError):
         pass
-    if _pending is not None or not _claim.acquire(blocking=False):
+    if _hooks.pending is not None or not _hooks.claim.acquire(blocking=False):
         return  # already flushing for an earlier signal, or the watcher took this one
-    deadline = time.monotonic() + _timeout
+    deadline = time.monotonic() + _hooks.timeout
     if not inside_library(frame):
         # the training thread stays where it is (in user code, holding none of our locks)
-        _pending = (signum, threading.current_thread())
+        _hooks.pending = (signum, threading.current_thread())
         _flush_then_kill(signum, deadline)
         return
     # the main thread was interrupted inside the library, maybe holding a lock the flush needs:
@@ -265,14 +278,14 @@ def _on_signal(signum: int, frame: types.FrameType | None) -> None:
     helper = threading.Thread(
         target=_flush_after_library, args=(signum, deadline), name="otel-rollouts-exit", daemon=True
     )
-    _pending = (signum, helper)
+    _hooks.pending = (signum, helper)
     helper.start()
 
 
 def _flush_after_library(signum: int, deadline: float) -> None:
     try:
         main = threading.main_thread()
-        wait_until = time.monotonic() + _timeout / 2
+        wait_until = time.monotonic() + _hooks.timeout / 2
         while time.monotonic() < wait_until and main.is_alive():
             if not inside_library(sys._current_frames().get(main.ident)):
                 break
@@ -297,3 +310,9 @@ def _flush_then_kill(signum: int, deadline: float) -> None:
         # still alive: the default action could not be restored (the watcher's ctypes failed)
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# once, at import: a forked child stops writing into its parent's wakeup pipe (registered here
+# rather than when the watcher starts, so no fork can race with the registration)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_watcher)

@@ -9,7 +9,6 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import exception_text, reraise_interrupt
 
 logger = logging.getLogger("otel_rollouts")
-_logged: set[str] = set()
 _MAX_KINDS_LOGGED = 50
 _MAX_LOGGED_CHARS = 500
 
@@ -21,8 +20,8 @@ class InvalidValue(ValueError):
 def report(message: str, *, exc: BaseException | None = None, may_raise: bool = True) -> None:
     """Count and log (once per message kind) a problem; raise it in strict mode."""
     rt = _runtime.installed()
-    if rt is not None and rt.stats is not None:
-        rt.stats.add("errors.library" if exc is not None else "invalid_values")
+    if rt is not None and rt.counters is not None:
+        rt.counters.add("errors.library" if exc is not None else "invalid_values")
     if rt is not None and rt.strict and may_raise:
         if exc is not None:
             raise exc
@@ -31,13 +30,13 @@ def report(message: str, *, exc: BaseException | None = None, may_raise: bool = 
     # is shortened for the log (a refused value may be huge) and the number of kinds logged is
     # capped, so bad input can never flood the log: everything is counted in otr.stats()
     kind = message.split(":", 1)[0][:80]
-    if kind in _logged or len(_logged) > _MAX_KINDS_LOGGED:
+    if not first_time(kind):
         return
-    _logged.add(kind)
+    logged = _runtime.slot().logged()
     if len(message) > _MAX_LOGGED_CHARS:
         message = message[:_MAX_LOGGED_CHARS] + f"... ({len(message)} chars)"
     try:
-        if len(_logged) > _MAX_KINDS_LOGGED:
+        if len(logged) > _MAX_KINDS_LOGGED:
             logger.warning("otel_rollouts: many kinds of problems reported; from now on they are only counted")
         elif exc is not None:
             logger.warning("otel_rollouts: internal error contained: %s", message, exc_info=exc)
@@ -47,9 +46,15 @@ def report(message: str, *, exc: BaseException | None = None, may_raise: bool = 
         reraise_interrupt(err)
 
 
-def reset_reports() -> None:
-    """A new run (``configure()``) logs each kind of problem once again."""
-    _logged.clear()
+def first_time(kind: str) -> bool:
+    """Whether ``kind`` (of problem, warning, exporter failure) is seen for the first time in
+    this run: the one log-once rule of the library. Each run (``configure()``) has its own set,
+    bounded: past ``_MAX_KINDS_LOGGED`` kinds nothing more is logged, everything is counted."""
+    logged = _runtime.slot().logged()
+    if kind in logged or len(logged) > _MAX_KINDS_LOGGED:
+        return False
+    logged.add(kind)
+    return True
 
 
 def contained(where: str, exc: BaseException) -> None:

@@ -98,7 +98,8 @@ def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     for call in message.get("tool_calls") or ():
         if not isinstance(call, Mapping):
             continue
-        function = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+        nested = call.get("function")
+        function: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}
         name = function.get("name", call.get("name"))
         arguments = function.get("arguments", call.get("arguments"))
         out.append({"id": call.get("id"), "name": None if name is None else text(name), "arguments": arguments})
@@ -420,7 +421,7 @@ class EpisodeViews:
         return {c.GEN_AI_INPUT_MESSAGES: [to_parts(m) for m in messages]}
 
     @staticmethod
-    def _instructions(value: Any) -> list[dict[str, Any]]:
+    def _instructions(value: Any) -> list[Mapping[str, Any]]:
         if isinstance(value, str):
             return [{"type": c.PART_TEXT, "content": value}]
         if isinstance(value, (list, tuple)):

@@ -1,107 +1,198 @@
-"""The process-wide runtime that ``configure()`` installs and the recording API reads.
+"""What the recording side reads of the configured instance, and the one process slot holding it.
 
-Kept in its own module so that the recording side (episode API, @traced) never imports the
-configuration code: it only reads ``current()``.
+``otr.configure()`` builds an ``otr.Rollouts`` (a ``Runtime``) and installs it here; the
+recording API (episodes, ``@traced``, decoding, adapters, workers) reads it through
+``current()``. The stages above depend on this module, never the other way round: what the
+recording side calls on the pipeline is the ``EpisodeSink`` protocol below, so this module knows
+nothing of sampling or delivery.
+
+Module state: exactly one ``ProcessSlot`` (the installed instance, the last one stopped, a
+pending rebuild after fork). It is per process by nature: a forked child gets a copy, which it
+replaces on first use.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from otel_rollouts._core.stats import Stats
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.trace import Tracer
 
-    from otel_rollouts._core.redaction import Redactor
-    from otel_rollouts._core.stats import Stats
-    from otel_rollouts.delivery.outlet import Delivery
-    from otel_rollouts.sampling.pipeline import Pipeline
+    from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 
 logger = logging.getLogger("otel_rollouts")
 
+__all__ = [
+    "EpisodeSink",
+    "ProcessSlot",
+    "Redacting",
+    "Runtime",
+    "current",
+    "install",
+    "installed",
+    "new_id128",
+    "new_id64",
+]
 
-@dataclass
+
+class EpisodeSink(Protocol):
+    """Where recorded episodes go (the sampling pipeline): what the recording side calls."""
+
+    def started(self, record: EpisodeRecord) -> None:
+        """An episode began (counted; its step may close older ones)."""
+
+    def part_ended(self, record: EpisodeRecord) -> None:
+        """The root or the reward span ended: the episode may be complete."""
+
+    def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
+        """A span ended after its episode was decided."""
+
+    def adopt(self, spans: list[ReadableSpan], record: EpisodeRecord | None = None) -> None:
+        """Finished spans made in another process for an episode held here."""
+
+
+class Redacting(Protocol):
+    """The run's redaction, as the recording side uses it (``_core.redaction.Redactor``)."""
+
+    def __call__(self, text: str) -> str: ...
+
+    def name(self, text: str) -> str: ...
+
+    def mapping(self, value: Any) -> Any: ...
+
+
+@dataclass(eq=False)  # compared by identity: an instance is one run
 class Runtime:
-    """Everything a recording call needs, fixed at configure() time."""
+    """Everything a recording call needs, fixed when the instance is built.
+
+    A disabled one (``enabled=False``) makes every recording call a cheap no-op.
+    """
 
     enabled: bool
-    pipeline: Pipeline | None = None
-    delivery: Delivery | None = None
+    pipeline: EpisodeSink | None = None
     provider: TracerProvider | None = None
-    stats: Stats | None = None
+    counters: Stats | None = None  # behind otr.stats()
     capture_content: bool = True
     max_spans_per_episode: int = 1024
+    max_attribute_chars: int = 16_384
     strict: bool = False
     run_id: str = ""
     deterministic_ids: bool = False
-    tracer: Any = None
-    redactor: Redactor | None = None  # what leaves the process is redacted with it (None: off)
+    tracer: Tracer | None = None
+    redactor: Redacting | None = None  # what leaves the process is redacted with it (None: off)
     current_step: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0  # the process that built it: a forked child must not use its parent's
+    # each kind of problem is logged once per run (``_core.guard.report``); the rest are counted
+    logged: set[str] = field(default_factory=set)
 
-
-_DISABLED = Runtime(enabled=False)
-_runtime: Runtime | None = None
-_warned_unconfigured = False
-
-
-def current() -> Runtime:
-    """The active runtime; a disabled one (with a one-time warning) before configure()."""
-    global _warned_unconfigured
-    rt = _runtime
-    if rt is not None:
-        return rt
-    if _revive is not None:
-        rt = _run_revive()
-        if rt is not None:
-            return rt
-    if not _warned_unconfigured:
-        _warned_unconfigured = True
-        logger.warning(
-            "otel_rollouts: not configured, nothing is recorded; call otel_rollouts.configure()"
-        )
-    return _DISABLED
-
-
-def install(rt: Runtime | None) -> None:
-    global _runtime, _revive
-    _runtime = rt
-    _revive = None
-
-
-# --- a forked child rebuilds its runtime on first use (see workers.py) ----------------------------
-_revive = None
-_revive_lock = threading.Lock()
-
-
-def set_revive(revive) -> None:
-    """Register a callable that builds the runtime the first time ``current()`` needs one."""
-    global _revive
-    _revive = revive
-
-
-def pending_revive():
-    return _revive
-
-
-def _run_revive() -> Runtime | None:
-    global _revive
-    with _revive_lock:
-        revive, _revive = _revive, None
-    if revive is None:
-        return _runtime
-    try:
-        return revive()
-    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the child
-        logger.warning("otel_rollouts: could not rebuild the runtime after fork: %s", exc)
+    def rebuild_after_fork(self) -> Callable[[], Runtime | None] | None:
+        """How a forked child builds its own instance from this one's settings (None: it can't)."""
         return None
 
 
+_DISABLED = Runtime(enabled=False)
+
+
+class ProcessSlot:
+    """The installed instance of this process, the last one stopped (``otr.stats()`` reads its
+    final totals after shutdown) and a rebuild pending after fork."""
+
+    def __init__(self) -> None:
+        self.installed: Runtime | None = None
+        self.last_stopped: Runtime | None = None
+        self.revive: Callable[[], Runtime | None] | None = None
+        self.revive_lock = threading.Lock()
+        # held while a worker task swaps in a temporary instance (``correlate.workers``)
+        self.swap_lock = threading.Lock()
+        # configure() and shutdown() of this process's instances, one at a time
+        self.configure_lock = threading.RLock()
+        # the logging integration (``otr.instrument_logging``): a handler on the root logger,
+        # so one per process, whichever instance is installed
+        self.logging_integration: object | None = None
+        self.logging_lock = threading.Lock()
+        self.warned_unconfigured = False
+        self.logged_unconfigured: set[str] = set()  # log-once kinds before any configure()
+
+    def current(self) -> Runtime:
+        """The active instance; a disabled one (with a one-time warning) before configure()."""
+        rt = self.installed
+        if rt is not None:
+            return rt
+        if self.revive is not None:
+            rt = self._run_revive()
+            if rt is not None:
+                return rt
+        if not self.warned_unconfigured:
+            self.warned_unconfigured = True
+            logger.warning(
+                "otel_rollouts: not configured, nothing is recorded; call otel_rollouts.configure()"
+            )
+        return _DISABLED
+
+    def install(self, rt: Runtime | None) -> None:
+        self.installed = rt
+        self.revive = None
+
+    def _run_revive(self) -> Runtime | None:
+        with self.revive_lock:
+            revive, self.revive = self.revive, None
+        if revive is None:
+            return self.installed
+        try:
+            return revive()
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks the child
+            logger.warning("otel_rollouts: could not rebuild the runtime after fork: %s", exc)
+            return None
+
+    def after_fork_in_child(self) -> None:
+        """The child drops the parent's instance (its undecided episodes and export queue stay
+        the parent's) and rebuilds its own, lazily, from the same settings."""
+        self.revive_lock = threading.Lock()
+        self.swap_lock = threading.Lock()
+        self.configure_lock = threading.RLock()
+        self.logging_lock = threading.Lock()
+        rt = self.installed
+        if rt is None or not rt.enabled:
+            return
+        self.installed = None
+        self.revive = rt.rebuild_after_fork()
+
+    def logged(self) -> set[str]:
+        """The log-once set of the installed instance (or of the unconfigured process)."""
+        rt = self.installed
+        return rt.logged if rt is not None else self.logged_unconfigured
+
+
+_slot = ProcessSlot()
+
+
+def slot() -> ProcessSlot:
+    """This process's slot."""
+    return _slot
+
+
+def current() -> Runtime:
+    """The active instance; a disabled one (with a one-time warning) before configure()."""
+    rt = _slot.installed
+    return rt if rt is not None else _slot.current()
+
+
 def installed() -> Runtime | None:
-    return _runtime
+    """The installed instance, or None (no warning, no rebuild)."""
+    return _slot.installed
+
+
+def install(rt: Runtime | None) -> None:
+    _slot.install(rt)
 
 
 def new_id64() -> int:
@@ -117,3 +208,7 @@ def new_id128() -> int:
         value = random.getrandbits(128)
         if value:
             return value
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_slot.after_fork_in_child)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -90,7 +91,7 @@ class SpanRecord(trace.Span):
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value
 
-    def set_attributes(self, attributes: dict[str, Any]) -> None:
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         self.attributes.update(attributes)
 
     def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
@@ -177,6 +178,7 @@ class EpisodeRecord:
         "dropped_spans",
         "max_spans",
         "handle",
+        "capture_content",
         "__weakref__",
     )
 
@@ -190,6 +192,7 @@ class EpisodeRecord:
         self.reward_span: SpanRecord | None = None
         self.state = OPEN
         self.seq = 0
+        self.capture_content = True  # the run's content rule, fixed when the episode began
         self.next_turn = 0
         self.sink = sink  # the pipeline: told when the root or the reward span ends
         self.dropped_spans = 0

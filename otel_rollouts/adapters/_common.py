@@ -18,20 +18,29 @@ the fixes live here once:
   ``otr.stats()``.
 
 Nothing here imports a framework, torch or numpy: tensors are recognised by their methods.
+
+Every adapter's entry point follows one contract, ``AdapterEntryPoint`` (below): a new adapter
+(``adapters/<framework>.py``) is a module of such functions built on these helpers. Adapters
+stand beside the recording API, below the package root: they import ``otel_rollouts.record``,
+``otel_rollouts.decode`` and ``otel_rollouts._core``, never ``otel_rollouts`` itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import scalar, to_float
+from otel_rollouts._core.content import scalar
+from otel_rollouts._core.guard import first_time
+from otel_rollouts._core.values import to_float
 
 __all__ = [
+    "AdapterEntryPoint",
     "Columns",
+    "end_step",
     "as_float",
     "count",
     "field",
@@ -66,8 +75,47 @@ COUNT_UNGROUPED = "adapters.ungrouped"
 COUNT_INVALID = "adapters.invalid_values"
 COUNT_UNKNOWN = "adapters.unknown_structure"
 
-_warned: set[tuple[str, str]] = set()
-_MAX_WARNED = 200
+
+# --- the extension point -----------------------------------------------------------------------
+@runtime_checkable
+class AdapterEntryPoint(Protocol):
+    """What every adapter entry point is (``verl.record_batch``, ``tinker.record_trajectory_groups``
+    ...): the contract a new adapter follows.
+
+    It takes:
+
+    * positionally, the framework's own objects exactly as the training loop has them (a batch,
+      a generator output, trajectory groups): never a copy made for us, never converted first;
+    * keyword-only ``step`` (required: the training step the episodes belong to, what the tail
+      sampler keys on), and the optional ``split`` (default ``"train"``), ``model``, ``tokenizer``
+      (to decode token ids lazily, on the export thread) and ``trained_version``, plus
+      framework-specific options.
+
+    It records one episode per sample through ``otel_rollouts.record`` (and ``decode`` for token
+    batches) and returns what it recorded: the number of episodes, or their trace ids (a list of
+    32-hex-digit strings), whichever the framework's loop can use. It never raises into the
+    training loop (it is wrapped in ``_core.guard.guarded``/``guarded_or``: a library failure
+    is reported and the fallback, ``None`` or ``[]``, returned), never blocks (decoding is
+    deferred), moves each tensor to the CPU once per batch, and marks what it could not read
+    (``mark_partial``, ``mark_invalid``, ``warn_unknown``) instead of guessing.
+
+    The signature is written loosely (each framework's objects differ), so mypy checks only
+    that an entry point is callable and returns a count, trace ids or None; the keyword-only
+    ``step`` is checked by the adapter tests.
+    """
+
+    __name__: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> int | list[str] | None: ...
+
+
+def end_step(step: int, split: str | None = None) -> None:
+    """Close ``step`` on the installed instance, as ``otr.end_step`` does (for adapters that
+    hook a trainer's step boundary). The instance is reached through the process slot, so this
+    module does not import the package root above it; no instance: nothing to close."""
+    close = getattr(_runtime.current(), "end_step", None)
+    if callable(close):
+        close(step, split)
 
 
 # --- reading duck-typed inputs -----------------------------------------------------------------
@@ -284,22 +332,20 @@ def mark_invalid(ep: Any, problem: str | None) -> None:
 def count(name: str, n: int = 1, *, step: int | None = None, split: str | None = None) -> None:
     """Add ``n`` to the ``otr.stats()`` counter ``name`` (total, and per step when given)."""
     rt = _runtime.installed()
-    if rt is None or rt.stats is None or n <= 0:
+    if rt is None or rt.counters is None or n <= 0:
         return
     if step is not None:
-        rt.stats.step((int(step), split or "train"), name, n)
+        rt.counters.step((int(step), split or "train"), name, n)
     else:
-        rt.stats.add(name, n)
+        rt.counters.add(name, n)
 
 
 def warn_unknown(adapter: str, field_name: str, detail: str) -> None:
     """Warn once per (adapter, field) about a structure the adapter does not understand (and
     count every time): it is recorded as far as it is understood, never guessed silently."""
     count(COUNT_UNKNOWN)
-    key = (adapter, field_name)
-    if key in _warned or len(_warned) >= _MAX_WARNED:
+    if not first_time(f"adapters.{adapter}.{field_name}"):
         return
-    _warned.add(key)
     import logging
 
     logging.getLogger("otel_rollouts").warning(
@@ -434,9 +480,9 @@ def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
     visible.
     """
     from otel_rollouts._core.content import Deferred
-    from otel_rollouts.decode.batch import _info
+    from otel_rollouts.decode.batch import tokenizer_info
 
-    info = _info(tokenizer)  # learned once per tokenizer, on the calling thread
+    info = tokenizer_info(tokenizer)  # learned once per tokenizer, on the calling thread
     ids = [int(t) for t in ids]
 
     def decode() -> str:

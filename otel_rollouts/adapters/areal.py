@@ -64,7 +64,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
@@ -85,6 +84,7 @@ from otel_rollouts.adapters._common import (
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message
 from otel_rollouts.decode.batch import record_token_batch
+from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_trajectories"]
 
@@ -144,7 +144,7 @@ def record_trajectories(
 @guarded
 def _filtered(index: int, *, step: int, split: str) -> None:
     """A rejected trajectory (``None`` from ``wait()``): nothing but its place is known."""
-    with otr.episode(step=step, split=split, group_id=str(index),
+    with new_episode(step=step, split=split, group_id=str(index),
                      episode_id=f"{split}-{step}-{index}-rejected", framework=FRAMEWORK,
                      metadata={"trajectory_index": index}) as ep:
         ep.prompt("")
@@ -157,7 +157,7 @@ def _unknown(trajectory: Any, index: int, *, step: int, split: str) -> int:
     """A trajectory with neither token ids, messages nor interactions: an error episode."""
     detail = f"{type(trajectory).__name__} without input_ids, messages or interactions"
     warn_unknown(FRAMEWORK, "trajectory", detail)
-    with otr.episode(step=step, split=split, group_id=str(index),
+    with new_episode(step=step, split=split, group_id=str(index),
                      episode_id=f"{split}-{step}-{index}-unknown", framework=FRAMEWORK,
                      metadata={"trajectory_index": index}) as ep:
         ep.prompt("")
@@ -347,7 +347,7 @@ def _record_messages(messages: list[Any], values: dict[str, Any], index: int, of
                              len(messages))
     for j, conversation in enumerate(messages):
         lo, hi = ranges[j]
-        with otr.episode(step=step, split=split, group_id=str(index), sample_index=offset + j,
+        with new_episode(step=step, split=split, group_id=str(index), sample_index=offset + j,
                          episode_id=episode_ids[j], framework=FRAMEWORK, metadata=metadata[j]) as ep:
             set_policy(ep, hi, trained_version)
             if lo is not None and lo != hi:
@@ -379,7 +379,7 @@ def _record_interactions(interactions: list[Any], index: int, offset: int, *, st
             warn_unknown(FRAMEWORK, "interactions[].request", f"{type(request).__name__}; recorded as text")
             request = [{"role": "user", "content": "" if request is None else str(request)}]
         message, errors = assistant_message(item.get("response"), tokenizer)
-        with otr.episode(step=step, split=split, group_id=str(index), sample_index=offset + recorded,
+        with new_episode(step=step, split=split, group_id=str(index), sample_index=offset + recorded,
                          episode_id=f"{split}-{step}-{index}-{j}", framework=FRAMEWORK,
                          metadata={"trajectory_index": index, "sample_index_in_group": j}) as ep:
             # the request is the whole input of this one call (earlier turns included): the prompt

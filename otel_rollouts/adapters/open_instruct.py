@@ -69,7 +69,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
@@ -88,6 +87,7 @@ from otel_rollouts.adapters._common import (
     turns_from_mask,
     warn_unknown,
 )
+from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_batch"]
 
@@ -197,7 +197,7 @@ def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str |
         metadata["ground_truth"] = truth
     if group is not None and n_per_group and n_per_group > 0:
         metadata["repetition"] = i % n_per_group
-    with otr.episode(
+    with new_episode(
         step=step,
         split=split,
         group_id=group,

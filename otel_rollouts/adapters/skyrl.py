@@ -76,7 +76,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._core.content import Deferred
 from otel_rollouts._core.guard import guarded
@@ -102,6 +101,7 @@ from otel_rollouts.adapters._common import (
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
 from otel_rollouts.decode.toolcalls import HERMES_OPEN, tool_responses
+from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_generator_output", "record_output_group"]
 
@@ -361,7 +361,7 @@ def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled:
                              f"{type(value).__name__} value not recorded (scalars only)")
     elif metrics is not None:
         warn_unknown(FRAMEWORK, "env_metrics", f"expected a dict per row, got {type(metrics).__name__}")
-    with otr.episode(
+    with new_episode(
         step=step,
         split=split,
         group_id=group,

@@ -82,10 +82,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import Deferred, exception_text, to_int
-from otel_rollouts._core.guard import guarded_or, report
+from otel_rollouts._core.content import Deferred, exception_text
+from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.values import to_int
 from otel_rollouts.adapters import _text
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
@@ -108,6 +108,7 @@ from otel_rollouts.adapters._messages import (
     token_ids,
 )
 from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
+from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["REWARD_METRICS", "record_trajectory_groups"]
 
@@ -196,7 +197,7 @@ def record_trajectory_groups(
             ids.extend(_record_group(group, gi, g, per_group, step=step, split=split,
                                      reader=reader, model=model, substeps=substeps,
                                      reward_keys=tuple(str(k) for k in reward_metrics or ())))
-        except otr.InvalidValue:
+        except InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
             report(f"tinker adapter: group {g}: {exception_text(exc)}", exc=exc)
@@ -216,9 +217,9 @@ class _Reader:
         self.tokenizer = tokenizer
         self.renderer = renderer if callable(getattr(renderer, "parse_response", None)) else None
         if tokenizer is not None:  # learn markers and special tokens on this thread, once
-            from otel_rollouts.decode.batch import _info
+            from otel_rollouts.decode.batch import tokenizer_info
 
-            self.info = _info(tokenizer)
+            self.info = tokenizer_info(tokenizer)
             _text.unspecial("", tokenizer)
         else:
             self.info = None
@@ -439,7 +440,7 @@ def _record_rollout_error(error: Any, *, episode_id: str, group_id: str, step: i
     metadata = {"error_message": str(message or "")}
     if tags is not None:
         metadata["tags"] = tags
-    with otr.episode(step=step, split=split, group_id=group_id, episode_id=episode_id,
+    with new_episode(step=step, split=split, group_id=group_id, episode_id=episode_id,
                      framework=FRAMEWORK, metadata=metadata) as ep:
         set_policy(ep, version)
         if prompt:
@@ -465,7 +466,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
     trajectory_metrics = cols.value("metrics", t)
     if trajectory_metrics:
         metadata["trajectory_metrics"] = dict(trajectory_metrics)
-    with otr.episode(step=step, split=split, group_id=group_id, sample_index=t,
+    with new_episode(step=step, split=split, group_id=group_id, sample_index=t,
                      episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
         set_policy(ep, *policy)
         mark_partial(ep, cols.missing(t))

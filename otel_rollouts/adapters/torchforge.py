@@ -73,10 +73,10 @@ from collections.abc import Iterable, Mapping
 from itertools import combinations
 from typing import Any
 
-import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import exception_text, to_int
-from otel_rollouts._core.guard import guarded_or, report
+from otel_rollouts._core.content import exception_text
+from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.values import to_int
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     as_float,
@@ -90,6 +90,7 @@ from otel_rollouts.adapters._common import (
 )
 from otel_rollouts.adapters._messages import record_assistant, token_count
 from otel_rollouts.adapters._text import assistant_message, messages_of
+from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_episodes"]
 
@@ -135,7 +136,7 @@ def record_episodes(
         try:
             ids.append(_record(samples[i], i, step=step, split=split, model=model,
                                trained_version=trained_version, tokenizer=tokenizer))
-        except otr.InvalidValue:
+        except InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
             report(f"torchforge adapter: sample {i}: {exception_text(exc)}", exc=exc)
@@ -249,7 +250,7 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
     for name, value in others.items():
         metadata[str(name)] = as_float(value)[0]
 
-    with otr.episode(step=step, split=split, group_id=_group_id(request, target), sample_index=i,
+    with new_episode(step=step, split=split, group_id=_group_id(request, target), sample_index=i,
                      episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
         set_policy(ep, version, trained_version)
         if tokenizer is not None and request is not None:

@@ -73,12 +73,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._core.content import exception_text
-from otel_rollouts._core.guard import guarded, report
+from otel_rollouts._core.guard import InvalidValue, guarded, report
 from otel_rollouts.adapters._common import (
     as_float,
+    end_step,
     group_ids,
     mark_invalid,
     mark_partial,
@@ -91,6 +91,7 @@ from otel_rollouts.adapters._common import (
 )
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
+from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["RolloutTraceCallback"]
 
@@ -151,7 +152,7 @@ class RolloutTraceCallback(TrainerCallback):
         self._collect(args, state, "train", policy_version=self._version,
                       trained_version=self._version)
         if self.end_steps and state.is_world_process_zero:
-            otr.end_step(int(state.global_step), split="train")
+            end_step(int(state.global_step), split="train")
 
     @guarded
     def on_prediction_step(self, args, state, control, **kwargs):
@@ -163,7 +164,7 @@ class RolloutTraceCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self._flush_pending(args, state, "eval")
         if self.end_steps and state.is_world_process_zero:
-            otr.end_step(int(state.global_step), split="eval")
+            end_step(int(state.global_step), split="eval")
 
     @guarded
     def on_train_end(self, args, state, control, **kwargs):
@@ -281,7 +282,7 @@ class RolloutTraceCallback(TrainerCallback):
         for batch in todo:
             try:
                 self._record(batch, args, step=int(state.global_step))
-            except otr.InvalidValue:
+            except InvalidValue:
                 raise
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
                 report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc)
@@ -300,7 +301,7 @@ class RolloutTraceCallback(TrainerCallback):
             batch.update(split=split, version=policy_version, tokens={}, slices=None, offset=0,
                          trained=None if trained_version is None else [trained_version])
             self._record(batch, args, step=int(state.global_step))
-        except otr.InvalidValue:
+        except InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
             report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc)
@@ -366,7 +367,7 @@ class RolloutTraceCallback(TrainerCallback):
                     group_id: str | None, sample_index: int, usage: dict[str, Any] | None) -> None:
         metadata = {key[len("extra."):]: v for key, v in values.items()
                     if key.startswith("extra.") and v is not None}
-        with otr.episode(step=step, split=split, group_id=group_id, sample_index=sample_index,
+        with new_episode(step=step, split=split, group_id=group_id, sample_index=sample_index,
                          episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
             set_policy(ep, version, trained_version)
             mark_partial(ep, missing)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 from opentelemetry import baggage, trace
@@ -185,8 +184,13 @@ class LoggingIntegration:
                 pass
 
 
-_lock = threading.Lock()
-_active: LoggingIntegration | None = None
+def _uninstall_active() -> None:
+    """Remove the process's current integration, if any (the slot's lock held)."""
+    slot = _runtime.slot()
+    active = slot.logging_integration
+    slot.logging_integration = None
+    if isinstance(active, LoggingIntegration):
+        active.uninstall()
 
 
 def instrument_logging(
@@ -204,11 +208,9 @@ def instrument_logging(
     ``configure()`` so exported records carry the run's resource. Calling again replaces the
     previous integration.
     """
-    global _active
-    with _lock:
-        if _active is not None:
-            _active.uninstall()
-            _active = None
+    slot = _runtime.slot()
+    with slot.logging_lock:
+        _uninstall_active()
         target = logging.getLogger(logger) if isinstance(logger, str) else logger
         filter_ = factory = previous = None
         if target is None:
@@ -230,17 +232,15 @@ def instrument_logging(
         if exporter is not None or otlp:
             handler = _OtlpHandler(_logger_provider(exporter), level)
             (target or logging.getLogger()).addHandler(handler)
-        _active = LoggingIntegration(target, filter_, factory, previous, handler)
-        return _active
+        integration = LoggingIntegration(target, filter_, factory, previous, handler)
+        slot.logging_integration = integration
+        return integration
 
 
 def uninstrument_logging() -> None:
     """Remove what ``instrument_logging`` installed (flushing and closing its exporter)."""
-    global _active
-    with _lock:
-        if _active is not None:
-            _active.uninstall()
-            _active = None
+    with _runtime.slot().logging_lock:
+        _uninstall_active()
 
 
 def _logger_provider(exporter: Any) -> Any:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,6 +43,7 @@ from opentelemetry import context as otel_context
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import exception_text
+from otel_rollouts._core.settings import ContentSettings, env_flag
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts.correlate.propagation import extract_context, inject_headers
 
@@ -148,7 +148,6 @@ class _Sink:
 
 
 _SINK = _Sink()
-_worker_lock = threading.Lock()
 
 
 def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwargs) -> Any:
@@ -157,14 +156,15 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwar
     if not parent.is_valid:
         return WorkerResult(fn(*args, **kwargs), b"", 0)
     installed = _runtime.installed()
-    revive = _runtime.pending_revive()
+    revive = _runtime.slot().revive
     temporary = None
     if installed is None or not installed.enabled:
         # an unconfigured worker: record this task's spans anyway, they go back to the parent
         temporary = _runtime.Runtime(enabled=True, capture_content=_capture_content())
-    max_spans = (installed or temporary).max_spans_per_episode
+    active = installed if temporary is None else temporary
     step = _int(baggage.get_baggage(c.RL_STEP, remote))
-    record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, max_spans)
+    record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, active.max_spans_per_episode)
+    record.capture_content = active.capture_content
     # the parent's span, as seen from here: children point at it; it is never exported. It
     # carries the episode's step and id (from baggage) for logs and onward propagation.
     anchor = SpanRecord(record, "remote parent", parent.span_id, None, c.KIND_SPAN)
@@ -174,7 +174,7 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwar
     if episode_id is not None:
         anchor.attributes[c.RL_EPISODE_ID] = str(episode_id)
     record.root = anchor
-    with _worker_lock:
+    with _runtime.slot().swap_lock:
         if temporary is not None:
             _runtime.install(temporary)
     token = otel_context.attach(trace.set_span_in_context(anchor, remote))
@@ -188,10 +188,10 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwar
         raise
     finally:
         otel_context.detach(token)
-        with _worker_lock:
+        with _runtime.slot().swap_lock:
             if temporary is not None and _runtime.installed() is temporary:
                 _runtime.install(installed)
-                _runtime.set_revive(revive)
+                _runtime.slot().revive = revive
     return WorkerResult(value, _encode(record), parent.trace_id)
 
 
@@ -203,8 +203,7 @@ def _int(value: Any) -> int | None:
 
 
 def _capture_content() -> bool:
-    value = os.environ.get(c.ENV_CAPTURE_CONTENT, "").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return env_flag(c.ENV_CAPTURE_CONTENT) is not False
 
 
 def _encode(record: EpisodeRecord) -> bytes:
@@ -238,7 +237,8 @@ def _encode_spans(record: EpisodeRecord) -> bytes:
     else:
         from otel_rollouts._core.redaction import make_redactor
 
-        redact, limit, capture = make_redactor(True), 16_384, _capture_content()
+        limit = rt.max_attribute_chars if rt is not None else ContentSettings().max_attribute_chars
+        redact, capture = make_redactor(True), _capture_content()
     materializer = Materializer(Resource({}), InstrumentationScope(c.SCOPE_NAME),
                                 max_attribute_chars=limit, redact=redact, capture_content=capture)
     spans = []
@@ -281,8 +281,8 @@ def _hand_over(data: bytes, trace_id: int, record: EpisodeRecord | None = None) 
     try:
         rt.pipeline.adopt(_decode(data), record)
     except Exception as exc:  # noqa: BLE001 - telemetry never breaks the caller
-        if rt.stats is not None:
-            rt.stats.add("errors.worker_spans")
+        if rt.counters is not None:
+            rt.counters.add("errors.worker_spans")
         from otel_rollouts._core.guard import report
 
         report(f"worker spans: {exception_text(exc)}")
@@ -339,33 +339,3 @@ def submit(executor: concurrent.futures.Executor, fn: Callable[..., Any], /, *ar
 
     inner.add_done_callback(done)
     return outer
-
-
-# --- fork safety -------------------------------------------------------------------------------
-def _after_fork_in_child() -> None:
-    """The child drops the parent's runtime (its undecided episodes and export queue stay the
-    parent's) and rebuilds its own, lazily, from the same configure() arguments."""
-    global _worker_lock
-    _worker_lock = threading.Lock()
-    rt = _runtime.installed()
-    if rt is None or not rt.enabled:
-        return
-    kwargs = rt.extra.get("configure_kwargs")
-    _runtime.install(None)
-    if kwargs is None:
-        return
-
-    def revive() -> _runtime.Runtime | None:
-        from otel_rollouts import _rollouts as configuration
-
-        # a metric reader belongs to one MeterProvider (the parent's): the child takes its
-        # metric settings from the environment only; a spool directory is the parent's too
-        overrides = {k: None for k in ("metric_readers", "spool_dir") if k in kwargs}
-        configuration.configure(**{**kwargs, **overrides})
-        return _runtime.installed()
-
-    _runtime.set_revive(revive)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -40,9 +40,10 @@ from opentelemetry import trace
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import Deferred, to_float
+from otel_rollouts._core.content import Deferred
 from otel_rollouts._core.guard import InvalidValue, guarded_or, report
 from otel_rollouts._core.spans import SpanRecord
+from otel_rollouts._core.values import to_float
 from otel_rollouts.decode.chat_roles import RoleMarkers, learn_markers
 from otel_rollouts.decode.toolcalls import ParsedMessage, parse_tool_calls, tool_responses
 from otel_rollouts.record.episode import episode as new_episode
@@ -140,30 +141,49 @@ def _weakrefable(obj: Any) -> bool:
     return True
 
 
-_infos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_infos_by_id: dict[int, _TokenizerInfo] = {}
-_infos_lock = threading.Lock()
+class TokenizerCache:
+    """What was learned of each tokenizer (special tokens, chat-template markers): learning it
+    renders the template, so it is done once per tokenizer object and shared by every run of
+    the process. A cache, not run state: weakly keyed (it goes with the tokenizer); a tokenizer
+    that cannot be weakly referenced is kept by id, at most ``max_by_id`` of them."""
 
+    def __init__(self, max_by_id: int = 64) -> None:
+        self._weak: weakref.WeakKeyDictionary[Any, _TokenizerInfo] = weakref.WeakKeyDictionary()
+        self._by_id: dict[int, _TokenizerInfo] = {}
+        self._max_by_id = max_by_id
+        self._lock = threading.Lock()
 
-def _info(tokenizer: Any) -> _TokenizerInfo:
-    with _infos_lock:
-        try:
-            info = _infos.get(tokenizer)
-        except TypeError:  # not weak-referenceable / unhashable
-            info = _infos_by_id.get(id(tokenizer))
-        if info is None:
-            info = _TokenizerInfo(tokenizer)
+    def get(self, tokenizer: Any) -> _TokenizerInfo:
+        with self._lock:
             try:
-                _infos[tokenizer] = info
-            except TypeError:
-                _infos_by_id[id(tokenizer)] = info
-        return info
+                info = self._weak.get(tokenizer)
+            except TypeError:  # not weak-referenceable / unhashable
+                info = self._by_id.get(id(tokenizer))
+            if info is None:
+                info = _TokenizerInfo(tokenizer)
+                try:
+                    self._weak[tokenizer] = info
+                except TypeError:
+                    if len(self._by_id) >= self._max_by_id:
+                        self._by_id.pop(next(iter(self._by_id)))
+                    self._by_id[id(tokenizer)] = info
+            return info
+
+
+TOKENIZERS = TokenizerCache()  # the process's documented cache (see the class)
+
+
+def tokenizer_info(tokenizer: Any) -> _TokenizerInfo:
+    """What was learned of ``tokenizer`` (learned on first use)."""
+    return TOKENIZERS.get(tokenizer)
+
+
 
 
 def tokenizer_knowledge(tokenizer: Any) -> tuple[RoleMarkers, tuple[str, ...], str | None]:
     """(chat-template role markers, special-token strings, EOS string) of ``tokenizer``, learned
     once per tokenizer; what turns decoded text back into readable messages."""
-    info = _info(tokenizer)
+    info = tokenizer_info(tokenizer)
     eos = getattr(tokenizer, "eos_token", None)
     return info.markers, info.special, eos if isinstance(eos, str) and eos else None
 
@@ -195,6 +215,16 @@ class _EpisodeBody(SpanRecord):
 
     __slots__ = ("info", "ids", "bounds", "first_value", "skip_special", "model", "finish",
                  "capture", "eos_ids", "_decoded")
+    info: _TokenizerInfo
+    ids: np.ndarray
+    bounds: list[int]
+    first_value: bool
+    skip_special: bool
+    model: str | None
+    finish: str | None
+    capture: bool
+    eos_ids: frozenset[int]
+    _decoded: dict[str, Any] | None
 
     # --- decoding (export thread, kept episodes only) ------------------------------------------
     def decoded(self) -> dict[str, Any]:
@@ -275,8 +305,8 @@ class _EpisodeBody(SpanRecord):
         content = self.decoded() if self.capture else None
         k0 = 0
         if nseg > 0 and not self.first_value:
-            attrs = {c.GEN_AI_INPUT_MESSAGES: content["prompt"]} if content is not None else {}
-            self._span(out, c.SPAN_PROMPT, c.KIND_PROMPT, root, attrs)
+            prompt = {c.GEN_AI_INPUT_MESSAGES: content["prompt"]} if content is not None else {}
+            self._span(out, c.SPAN_PROMPT, c.KIND_PROMPT, root, prompt)
             k0 = 1
         turns = (nseg - k0 + 1) // 2
         for t in range(turns):
@@ -466,7 +496,7 @@ def record_token_batch(
     rt = _runtime.current()
     if not rt.enabled or rt.pipeline is None:
         return summary
-    info = _info(tokenizer)
+    info = tokenizer_info(tokenizer)
     eos_ids = frozenset(int(x) for x in eos_token_ids) if eos_token_ids is not None else info.eos_ids
     capture = rt.capture_content
 
@@ -497,8 +527,9 @@ def record_token_batch(
     finish_col = _per_sample("finish_reasons", finish_reasons, batch, summary)
     status_col = _per_sample("statuses", statuses, batch, summary)
     dataset_col = _per_sample("dataset_indices", dataset_indices, batch, summary)
+    shared_meta: Mapping[str, Any] | None = None  # one mapping for every sample
     if isinstance(metadata, Mapping) or metadata is None:
-        meta_col = None
+        meta_col, shared_meta = None, metadata
     else:
         meta_col = _per_sample("metadata", metadata, batch, summary)
     attr_col = _per_sample("attributes", attributes, batch, summary)
@@ -542,7 +573,7 @@ def record_token_batch(
                 dataset_name=dataset_name,
                 dataset_index=None if dataset_col is None else dataset_col[i],
                 framework=framework,
-                metadata=metadata if meta_col is None else meta_col[i],
+                metadata=shared_meta if meta_col is None else meta_col[i],
             )
             with ep:
                 extra = None if attr_col is None else attr_col[i]

@@ -101,7 +101,7 @@ def _openai_json(text: str, prefix: str) -> ParsedMessage | None:
     content = ""
     if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
         items = obj["tool_calls"]
-        content = obj.get("content") if isinstance(obj.get("content"), str) else ""
+        content = obj["content"] if isinstance(obj.get("content"), str) else ""
     elif isinstance(obj, list):
         items = obj
     else:
@@ -111,7 +111,7 @@ def _openai_json(text: str, prefix: str) -> ParsedMessage | None:
         if looks_like_call and calls and any(call is not None for call in calls):
             return ParsedMessage(text, [], ["JSON tool call list with entries that are not tool calls"])
         return None  # plain JSON output, not a tool call
-    return ParsedMessage(content, calls, [])
+    return ParsedMessage(content, [call for call in calls if call is not None], [])
 
 
 def parse_tool_calls(text: str, call_id_prefix: str = "call_") -> ParsedMessage:

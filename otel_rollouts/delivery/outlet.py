@@ -40,6 +40,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.content import exception_text, type_name
+from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.materialize import Materializer
@@ -49,7 +50,6 @@ logger = logging.getLogger("otel_rollouts")
 
 _STOP = object()
 WARN_INTERVAL_S = 10.0
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 15.0
 _POISON_AFTER = 3

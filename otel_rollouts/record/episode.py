@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
@@ -27,9 +28,10 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import Deferred, refused, snapshot, text, to_float, to_int
+from otel_rollouts._core.content import Deferred, snapshot, text
 from otel_rollouts._core.guard import contained, guarded, guarded_or, report
 from otel_rollouts._core.spans import DROPPED, KEPT, EpisodeRecord, SpanRecord
+from otel_rollouts._core.values import refused, to_float, to_int
 
 __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
 
@@ -188,7 +190,7 @@ class ToolCall(_SpanHandle):
         span = self._span
         if span is None:
             return
-        if _runtime.current().capture_content:
+        if span.episode.capture_content:
             span.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
         if not self._entered:
             span.end()
@@ -229,7 +231,7 @@ class Generation(_SpanHandle):
         if model:
             span.attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
             span.name = c.chat_span_name(text(model))
-        if _runtime.current().capture_content:
+        if span.episode.capture_content:
             if isinstance(content, Deferred):  # the whole message, rendered only if kept
                 message = content
             elif isinstance(content, Mapping):
@@ -278,7 +280,7 @@ class Turn(_SpanHandle):
             attrs[c.GEN_AI_REQUEST_MODEL] = text(model)
         if provider:
             attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
-        if messages is not None and _runtime.current().capture_content:
+        if messages is not None and self._record.capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
         span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
         return Generation(span)
@@ -299,7 +301,7 @@ class Turn(_SpanHandle):
         attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: text(name)}
         if call_id is not None:
             attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
-        if arguments is not None and _runtime.current().capture_content:
+        if arguments is not None and self._record.capture_content:
             attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
         span = child_span(self._record, c.tool_span_name(text(name)), c.KIND_TOOL, self._span, attrs)
         return ToolCall(span)
@@ -310,7 +312,7 @@ class Turn(_SpanHandle):
         if self._record is None:
             return
         attrs: dict[str, Any] = {c.RL_FEEDBACK_ROLE: text(role)}
-        if _runtime.current().capture_content:
+        if self._record.capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": text(role), "content": snapshot(content)}]
         span = child_span(self._record, c.SPAN_FEEDBACK, c.KIND_SPAN, self._span, attrs)
         span.end()
@@ -321,6 +323,23 @@ def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
     """A deterministic 128-bit trace id for (run, step, episode id): find a trace from data."""
     digest = hashlib.blake2b(f"{run_id}\x1f{step}\x1f{episode_id}".encode(), digest_size=16)
     return int.from_bytes(digest.digest(), "big") or 1
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What an ``Episode`` was asked to record, kept until it starts."""
+
+    step: int | None
+    split: str
+    group_id: Any
+    sample_index: int | None
+    policy_version: int | None
+    episode_id: str | None
+    dataset_name: str | None
+    dataset_index: Any
+    framework: str | None
+    metadata: Mapping[str, Any] | None
+    name: str
 
 
 class Episode:
@@ -345,9 +364,11 @@ class Episode:
         framework: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         name: str = c.SPAN_EPISODE,
+        runtime: _runtime.Runtime | None = None,
     ) -> None:
-        self._args = (step, split, group_id, sample_index, policy_version, episode_id,
-                      dataset_name, dataset_index, framework, metadata, name)
+        self._request = _Request(step, split, group_id, sample_index, policy_version, episode_id,
+                                 dataset_name, dataset_index, framework, metadata, name)
+        self._runtime = runtime  # None: the installed instance, when the episode starts
         self._record: EpisodeRecord | None = None
         self._scope = _Scope()
         self.episode_id: str | None = episode_id
@@ -360,11 +381,14 @@ class Episode:
         """Start recording (``with`` does this); returns self."""
         if self._record is not None:
             return self
-        rt = _runtime.current()
+        rt = self._runtime if self._runtime is not None else _runtime.current()
         if not rt.enabled or rt.pipeline is None:
             return self
-        (step, split, group_id, sample_index, policy_version, episode_id,
-         dataset_name, dataset_index, framework, metadata, name) = self._args
+        request = self._request
+        step, split, episode_id = request.step, request.split, request.episode_id
+        group_id, sample_index, policy_version = request.group_id, request.sample_index, request.policy_version
+        dataset_name, dataset_index = request.dataset_name, request.dataset_index
+        framework, metadata, name = request.framework, request.metadata, request.name
         problems: list[str] = []
         if step is None:
             step_value = rt.current_step
@@ -384,6 +408,7 @@ class Episode:
         )
         record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
         record.handle = self
+        record.capture_content = rt.capture_content
         attrs: dict[str, Any] = {
             c.RL_SPAN_KIND: c.KIND_EPISODE,
             c.OPENINFERENCE_SPAN_KIND: c.OI_AGENT,
@@ -423,7 +448,7 @@ class Episode:
         if not isinstance(metadata, Mapping):
             flag(root, f"metadata: expected a mapping, got {type(metadata).__name__}")
             return
-        capture = _runtime.current().capture_content
+        capture = root.episode.capture_content
         for key, value in metadata.items():
             name = c.RL_METADATA_PREFIX + text(key)
             if isinstance(value, (bool, int, float)) or value is None:
@@ -486,6 +511,12 @@ class Episode:
     def recording(self) -> bool:
         return self._record is not None
 
+    @property
+    def root(self) -> SpanRecord | None:
+        """The episode's root span record (None when not recording): for the library's own
+        decorators, which annotate it."""
+        return None if self._record is None else self._record.root
+
     @guarded
     def prompt(self, messages: Any, *, system_instructions: Any = None) -> None:
         """Record the initial messages (a list of OpenAI-style messages or plain text).
@@ -498,7 +529,7 @@ class Episode:
         if record is None:
             return
         attrs = {}
-        if _runtime.current().capture_content:
+        if record.capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
             if system_instructions is not None:
                 attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)

@@ -103,7 +103,7 @@ def _render(call: _Call, value: Any) -> Any:
     if call.sdk:
         from otel_rollouts._core.content import cut, to_json
 
-        return cut(to_json(value), 16_384)[0]
+        return cut(to_json(value), _runtime.current().max_attribute_chars)[0]
     return snapshot(value)
 
 
@@ -165,10 +165,10 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         step = params.pop("step", None)
         ep = Episode(step, split, name=name or c.SPAN_EPISODE, **params)
         ep.start()
-        if ep._record is None:
+        root = ep.root
+        if root is None:
             return None
-        root = ep._record.root
-        root.attributes["code.function"] = fn_name
+        root.attributes[c.CODE_FUNCTION] = fn_name
         if capture and arguments:
             root.attributes[c.INPUT_VALUE] = snapshot(arguments)
         return _Call(root, ep, False, kind)
@@ -219,7 +219,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     from otel_rollouts._core.content import cut, to_json
 
     sdk_attrs = {
-        k: (v if isinstance(v, (str, bool, int, float)) else cut(to_json(v), 16_384)[0])
+        k: (v if isinstance(v, (str, bool, int, float)) else cut(to_json(v), rt.max_attribute_chars)[0])
         for k, v in attributes.items()
     }
     span = rt.tracer.start_span(span_name, attributes=sdk_attrs)

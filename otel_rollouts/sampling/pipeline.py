@@ -27,6 +27,7 @@ _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept coun
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
 _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule), least recent forgotten
 
+_SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
 
 class _Step:
     __slots__ = ("bucket", "last_seen", "kept")
@@ -395,7 +396,20 @@ class Pipeline(SpanProcessor):
             self.delivery.spans(late)
 
     def shutdown(self) -> None:
-        return None
+        """OpenTelemetry's ``provider.shutdown()``: end open episodes (truncated), close every
+        step and deliver, then stop delivery. The library's own ``otr.shutdown()`` does the same
+        with deadlines on every lock; after either, this is a no-op."""
+        if self.delivery.closed:
+            return
+        self.end_open(c.STATUS_TRUNCATED, timeout=_SHUTDOWN_S / 4)
+        self.close_all(timeout=_SHUTDOWN_S / 4)
+        self.delivery.shutdown(_SHUTDOWN_S / 2)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+        """OpenTelemetry's ``provider.force_flush()``: close every open step (the sampler
+        decides) and wait until kept episodes reached the exporters, within the timeout; False
+        when that did not happen (an exporter failing: its batches wait in the spool)."""
+        deadline = time.monotonic() + max(timeout_millis, 0) / 1000
+        if not self.close_all(timeout=max(deadline - time.monotonic(), 0.0)):
+            return False
+        return self.delivery.flush(max(deadline - time.monotonic(), 0.0))
