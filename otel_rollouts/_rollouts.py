@@ -26,8 +26,8 @@ from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, re
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.correlate.metrics import RolloutMetrics
 from otel_rollouts.delivery.defaults import default_exporters
+from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
-from otel_rollouts.delivery.outlet import Delivery
 from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.pipeline import Pipeline
 from otel_rollouts.sampling.policies import TailSampler

@@ -403,7 +403,7 @@ def test_a_hung_exporter_holds_bounded_bytes_and_nothing_kept_is_lost(tmp_path, 
     otr.flush(timeout=2)  # the render thread has handed every batch over
     from otel_rollouts._core import runtime as _runtime
 
-    (outlet,) = _runtime.installed().delivery.outlets
+    (outlet,) = _runtime.installed().delivery.senders
     assert outlet.pending_bytes <= 2 * 1024 * 1024 + 64 * 1024  # was 40 MiB held in memory
     assert otr.stats()["delivery"]["_Hung"]["spooled"] > 0  # the oldest went to disk
     hung.release.set()

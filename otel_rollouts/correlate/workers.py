@@ -39,9 +39,11 @@ from typing import Any
 
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
+from opentelemetry.sdk.trace import ReadableSpan
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.codec import decode, encode, with_resource
 from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.settings import ContentSettings, env_flag
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
@@ -220,7 +222,6 @@ def _encode(record: EpisodeRecord) -> bytes:
 
 
 def _encode_spans(record: EpisodeRecord) -> bytes:
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -246,30 +247,17 @@ def _encode_spans(record: EpisodeRecord) -> bytes:
         if span.end_ns is None:
             span.end_ns = span.start_ns
         spans.append(materializer.span(record.trace_id, span))
-    return encode_spans(spans).SerializeToString()
+    return encode(spans)
 
 
 # --- the parent side ---------------------------------------------------------------------------
-def _decode(data: bytes) -> list:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.sdk.trace import ReadableSpan
-
-    from otel_rollouts.delivery.replay import spans_from_request
-
-    request = ExportTraceServiceRequest()
-    request.ParseFromString(data)
+def _decode(data: bytes) -> list[ReadableSpan]:
+    """The worker's spans, re-stamped with this run's resource: they are part of its trace."""
+    spans = decode(data)
     rt = _runtime.installed()
-    resource = rt.provider.resource if rt is not None and rt.provider is not None else None
-    out = []
-    for s in spans_from_request(request):
-        # re-stamped with this run's resource: worker spans are part of this run's trace
-        out.append(ReadableSpan(
-            name=s.name, context=s.context, parent=s.parent, resource=resource or s.resource,
-            attributes=s.attributes, events=s.events, links=s.links, kind=s.kind,
-            status=s.status, start_time=s.start_time, end_time=s.end_time,
-            instrumentation_scope=s.instrumentation_scope,
-        ))
-    return out
+    if rt is not None and rt.provider is not None:
+        return with_resource(spans, rt.provider.resource)
+    return spans
 
 
 def _hand_over(data: bytes, trace_id: int, record: EpisodeRecord | None = None) -> None:

@@ -21,137 +21,21 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
-from opentelemetry.proto.trace.v1.trace_pb2 import SpanFlags
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
-from opentelemetry.trace.status import Status, StatusCode
 
+from otel_rollouts._core.codec import spans_from_request
 from otel_rollouts._core.content import exception_text
 
 __all__ = ["ReplayResult", "main", "replay", "spans_from_request", "spans_from_file"]
 
 logger = logging.getLogger("otel_rollouts")
 
-_KIND = {
-    PbSpan.SpanKind.SPAN_KIND_INTERNAL: SpanKind.INTERNAL,
-    PbSpan.SpanKind.SPAN_KIND_SERVER: SpanKind.SERVER,
-    PbSpan.SpanKind.SPAN_KIND_CLIENT: SpanKind.CLIENT,
-    PbSpan.SpanKind.SPAN_KIND_PRODUCER: SpanKind.PRODUCER,
-    PbSpan.SpanKind.SPAN_KIND_CONSUMER: SpanKind.CONSUMER,
-}
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
 TARGETS = ("trackio", "otlp", "console")
-
-
-# --- proto -> SDK spans ------------------------------------------------------------------------
-def _value(value: AnyValue) -> Any:
-    which = value.WhichOneof("value")
-    if which is None:
-        return None
-    if which == "array_value":
-        return tuple(_value(v) for v in value.array_value.values)
-    if which == "kvlist_value":
-        return {kv.key: _value(kv.value) for kv in value.kvlist_value.values}
-    return getattr(value, which)
-
-
-def _attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in pairs}
-
-
-def _int_id(raw: bytes, what: str = "span_id", size: int = 8, required: bool = True) -> int:
-    """An id of exactly ``size`` bytes, not all zero (``ValueError`` naming the field otherwise)."""
-    if not raw and not required:
-        return 0
-    if len(raw) != size:
-        raise ValueError(f"{what} must be {size} bytes, got {len(raw)}")
-    value = int.from_bytes(raw, "big")
-    if value == 0:
-        raise ValueError(f"{what} is all zero (invalid)")
-    return value
-
-
-def _is_remote(flags: int) -> bool:
-    return bool(flags & SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK)
-
-
-def _trace_flags(flags: int) -> TraceFlags:
-    # The low 8 bits carry the W3C trace flags when the sender set them; the SDK's encoder
-    # does not, and only sampled spans are exported, so "sampled" is the default.
-    low = flags & SpanFlags.SPAN_FLAGS_TRACE_FLAGS_MASK
-    return TraceFlags(low) if low else _SAMPLED
-
-
-def _span(pb: PbSpan, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
-    trace_id = _int_id(pb.trace_id, "trace_id", 16)
-    trace_state = TraceState.from_header([pb.trace_state]) if pb.trace_state else TraceState()
-    context = SpanContext(
-        trace_id, _int_id(pb.span_id), is_remote=False, trace_flags=_trace_flags(pb.flags),
-        trace_state=trace_state,
-    )
-    parent = None
-    if pb.parent_span_id:
-        parent = SpanContext(
-            trace_id, _int_id(pb.parent_span_id, "parent_span_id"), is_remote=_is_remote(pb.flags), trace_flags=_SAMPLED
-        )
-    code = StatusCode(pb.status.code) if pb.status.code in (0, 1, 2) else StatusCode.UNSET
-    status = Status(code, pb.status.message or None) if code is StatusCode.ERROR else Status(code)
-    events = tuple(
-        Event(e.name, _attributes(e.attributes), timestamp=e.time_unix_nano) for e in pb.events
-    )
-    links = tuple(
-        Link(
-            SpanContext(
-                _int_id(link.trace_id, "link trace_id", 16), _int_id(link.span_id, "link span_id"), is_remote=_is_remote(link.flags),
-                trace_flags=_trace_flags(link.flags),
-            ),
-            _attributes(link.attributes),
-        )
-        for link in pb.links
-    )
-    return ReadableSpan(
-        name=pb.name,
-        context=context,
-        parent=parent,
-        resource=resource,
-        attributes=_attributes(pb.attributes),
-        events=events,
-        links=links,
-        kind=_KIND.get(pb.kind, SpanKind.INTERNAL),
-        status=status,
-        start_time=pb.start_time_unix_nano,
-        end_time=pb.end_time_unix_nano,
-        instrumentation_scope=scope,
-    )
-
-
-def spans_from_request(request: ExportTraceServiceRequest) -> list[ReadableSpan]:
-    """The SDK spans of one OTLP trace request, with their resource and scope."""
-    spans: list[ReadableSpan] = []
-    for resource_spans in request.resource_spans:
-        resource = Resource(
-            _attributes(resource_spans.resource.attributes), resource_spans.schema_url or None
-        )
-        for scope_spans in resource_spans.scope_spans:
-            pb_scope = scope_spans.scope
-            scope = InstrumentationScope(
-                pb_scope.name,
-                pb_scope.version or None,
-                scope_spans.schema_url or None,
-                _attributes(pb_scope.attributes) or None,
-            )
-            spans.extend(_span(pb, resource, scope) for pb in scope_spans.spans)
-    return spans
 
 
 def spans_from_file(

@@ -29,10 +29,12 @@ import re
 import stat
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from opentelemetry.sdk.trace import ReadableSpan
+
+from otel_rollouts._core.codec import decode
 
 _SUFFIX = ".otlp"
 _NAME = re.compile(r"^(\d{12})-(\d{1,9})\.otlp$")
@@ -42,24 +44,6 @@ _QUARANTINE_KEEP = 64
 _OWN_PREFIX = "pid-"
 
 Quarantine = Callable[[str, int, str], None]  # (file name, episodes it held, reason)
-
-
-def encode(spans: Sequence[ReadableSpan]) -> bytes:
-    """The OTLP protobuf encoding of ``spans`` (one ``ExportTraceServiceRequest``)."""
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-    return encode_spans(spans).SerializeToString()
-
-
-def decode(data: bytes) -> list[ReadableSpan]:
-    """SDK spans (same ids, attributes, resource, scope) from an encoded request."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    from otel_rollouts.delivery.replay import spans_from_request
-
-    request = ExportTraceServiceRequest()
-    request.ParseFromString(data)
-    return spans_from_request(request)
 
 
 class SpoolFileError(Exception):

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from otel_rollouts import conventions as c
 from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
-from otel_rollouts.delivery.outlet import Delivery
+from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.sampling.policies import Bucket, TailSampler
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones

@@ -1,0 +1,309 @@
+"""Delivery: kept episodes leave the training thread and reach every exporter, or are counted.
+
+Three stages, none of which the training thread waits on:
+
+1. the training thread only ``put_nowait``s a kept episode record into a bounded queue (sized
+   from the sampler's cap); a full queue drops the item, counts it and warns once per interval;
+2. one render thread turns records into SDK spans (``Materializer``) and hands each batch to one
+   stack of delivery layers per exporter (``delivery.layers``; never blocking: the sender's memory
+   buffer is bounded too);
+3. each exporter's ``SpoolingSender`` has its own thread, so a slow or dead exporter holds up only itself. A
+   batch the exporter fails (``FAILURE`` or an exception) goes to a bounded on-disk ``Spool``
+   and is retried with exponential backoff until the exporter accepts it; while an outage
+   lasts, new batches go straight to the spool. Nothing kept is lost while the spool has room;
+   when it is full the oldest batches go first, counted.
+
+``force_flush()`` of an exporter is never trusted as proof of delivery (the stock batch
+processor returns True after dropping spans): an episode counts as delivered only when an
+``export`` call that carried its root span returned ``SUCCESS``.
+
+OTLP requests are split so that none is larger than the collector's message-size limit
+(``max_request_bytes``): a batch is halved by span until every part fits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from otel_rollouts._core.content import exception_text, type_name
+from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES
+from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
+from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.layers import (
+    CountingExporter,
+    DeliveryCounts,
+    SplittingExporter,
+    Warner,
+    exporter_name,
+    request_limit,
+    warn,
+)
+from otel_rollouts.delivery.materialize import Materializer
+from otel_rollouts.delivery.sender import SpoolingSender
+
+__all__ = ["Delivery"]
+
+logger = logging.getLogger("otel_rollouts")
+
+_STOP = object()
+
+
+class _Marker:
+    """Put in the queue by flush(): set when the render thread reaches it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
+class Delivery:
+    """A bounded queue, the render thread that drains it, and one stack of delivery layers per
+    exporter (``SpoolingSender`` over ``SplittingExporter`` over ``CountingExporter``)."""
+
+    def __init__(
+        self,
+        exporters: Sequence[SpanExporter],
+        materializer: Materializer,
+        stats: Stats,
+        max_queue: int = 1024,
+        *,
+        spool_dir: str | Path | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+        max_pending_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.exporters = list(exporters)
+        self.materializer = materializer
+        self.stats = stats
+        self.warner = Warner()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.closed = False  # set by shutdown: later items are counted, not queued
+        self._logged: set[tuple[str, str]] = set()
+        self._own_spool_root = spool_dir is None
+        self.spool_root = Path(spool_dir) if spool_dir is not None else None
+        self.senders: list[SpoolingSender] = []
+        seen: dict[str, int] = {}
+        for i, exporter in enumerate(self.exporters):
+            base = exporter_name(exporter)
+            seen[base] = seen.get(base, 0) + 1
+            name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+            counts = DeliveryCounts(stats, name, self.warner)
+            limit = request_limit(exporter, max_request_bytes)
+            stack = SplittingExporter(CountingExporter(exporter, counts), limit, counts)
+            sender = SpoolingSender(
+                stack,
+                counts,
+                max_pending=max_queue,
+                spool_dir=self._spool_dir_for(i, base),
+                spool_max_bytes=spool_max_bytes,
+                max_pending_bytes=max_pending_bytes,
+            )
+            sender.user_exporter = exporter
+            self.senders.append(sender)
+        self._thread = threading.Thread(target=self._run, name="otel-rollouts-export", daemon=True)
+        self._thread.start()
+
+    def _spool_dir_for(self, index: int, name: str) -> Path | None:
+        if self.spool_root is None:
+            # created lazily, private to this process, removed at shutdown when empty
+            # (a name no other local user can guess and create first: the spool holds content)
+            self.spool_root = Path(tempfile.gettempdir()) / f"otel-rollouts-spool-{os.getpid()}-{secrets.token_hex(8)}"
+        return self.spool_root / f"{index}-{name}"
+
+    # --- called from the training side -------------------------------------------------------
+    def episode(self, record: EpisodeRecord) -> None:
+        self._put(("episode", record), "episodes")
+
+    def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
+        self._put(("late", (record.trace_id, span)), "spans")
+
+    def spans(self, spans: list[ReadableSpan]) -> None:
+        self._put(("spans", spans), "spans")
+
+    def _put(self, item: Any, what: str) -> None:
+        if self.closed:  # a span of an episode begun before shutdown or reconfiguration
+            self.stats.add(f"dropped.after_shutdown.{what}")
+            return
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.stats.add(f"dropped.queue_full.{what}")
+            self.warner.warn(
+                f"queue_full.{what}",
+                "export queue full (%d items); dropping %s. Total dropped: %s (otr.stats())",
+                self._queue.maxsize,
+                what,
+                self.stats.total(f"dropped.queue_full.{what}"),
+            )
+
+    # --- flush / shutdown ----------------------------------------------------------------------
+    def flush(self, timeout: float, *, through_outage: bool = False) -> bool:
+        """Wait until everything queued before this call was delivered (or the deadline).
+
+        Returns False early when an exporter is failing (its batches wait in the spool and are
+        retried in the background), unless ``through_outage`` (shutdown: the last chance).
+        """
+        deadline = time.monotonic() + timeout
+        if not self._thread.is_alive():
+            return False
+        marker = _Marker()
+        try:
+            self._queue.put(marker, timeout=max(deadline - time.monotonic(), 0.001))
+        except queue.Full:
+            return False
+        if not marker.event.wait(max(deadline - time.monotonic(), 0.0)):
+            return False
+        ok = True
+        for sender in self.senders:
+            ok = sender.wait_idle(deadline, through_outage=through_outage) and ok
+        for sender in self.senders:
+            if time.monotonic() >= deadline:
+                return False
+            ok = self._flush_exporter(sender, deadline) and ok
+        return ok
+
+    def _flush_exporter(self, sender: SpoolingSender, deadline: float) -> bool:
+        result: list[Any] = []
+        remaining_ms = int(max(deadline - time.monotonic(), 0.0) * 1000)
+        worker = threading.Thread(
+            target=lambda: result.append(self._call(sender, "force_flush", remaining_ms)), daemon=True
+        )
+        worker.start()
+        worker.join(max(deadline - time.monotonic(), 0.0))
+        return bool(result) and result[0] is not False
+
+    def shutdown(self, timeout: float) -> bool:
+        """Flush, then stop; never waits past ``timeout`` (a dead network included)."""
+        deadline = time.monotonic() + timeout
+        if not self._thread.is_alive():
+            return False  # a forked copy: the threads (and the work) are the parent's
+        flushed = self.flush(max(timeout * 0.8, 0.0), through_outage=True)
+        self.closed = True
+        try:
+            self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
+        except queue.Full:
+            pass
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        for sender in self.senders:
+            sender.stop()
+        # exporters' shutdown may hang on a dead network: run it where we can stop waiting
+        closer = threading.Thread(target=self._shutdown_exporters, daemon=True)
+        closer.start()
+        closer.join(max(deadline - time.monotonic(), 0.0))
+        self._report_leftovers()
+        return flushed and not self._thread.is_alive() and not closer.is_alive()
+
+    def _report_leftovers(self) -> None:
+        own = self._own_spool_root
+        for sender in self.senders:
+            episodes, directory = sender.leftover()
+            if not episodes:
+                continue
+            if own:
+                # a private temporary spool dies with the process: say so, and count the loss
+                self.stats.add(f"dropped.undelivered_at_exit.{sender.name}", episodes)
+                logger.warning(
+                    "otel_rollouts: %s: %d kept episode(s) could not be delivered before exit and are "
+                    "lost (pass configure(spool_dir=...) to keep them for the next run)",
+                    sender.name,
+                    episodes,
+                )
+            else:
+                self.stats.add(f"undelivered_at_exit.{sender.name}", episodes)
+                logger.warning(
+                    "otel_rollouts: %s: %d kept episode(s) not delivered yet; they stay in %s and are "
+                    "sent by the next process configured with this spool_dir",
+                    sender.name,
+                    episodes,
+                    directory,
+                )
+        root = self.spool_root
+        if own and root is not None and root.is_dir():
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _shutdown_exporters(self) -> None:
+        for sender in self.senders:
+            self._call(sender, "shutdown")
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """Per exporter: episodes delivered, spooled to disk, pending, dropped."""
+        out = {}
+        for sender in self.senders:
+            counts = sender.counts
+            out[sender.name] = {
+                "delivered": counts.total("delivered"),
+                "spooled": counts.total("spooled"),
+                "pending": sender.pending_episodes(),
+                "dropped": counts.dropped_episodes(),  # episodes only: dropped spans are not added
+                "failures": counts.total("export.failures"),
+            }
+        return out
+
+    # --- the render thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, _Marker):
+                item.event.set()
+                continue
+            try:
+                self._render(item)
+            except BaseException:  # noqa: BLE001 - last resort (a logging handler that raises): go on
+                self.stats.add("errors.render_thread")
+
+    def _render(self, item: Any) -> None:
+        """Materialise one queued item and offer it to every sender; failures are counted."""
+        kind, payload = item
+        try:
+            if kind == "episode":
+                spans = self.materializer.episode(payload)
+                self.stats.add("exported.episodes")
+            elif kind == "late":
+                trace_id, span = payload
+                spans = [self.materializer.span(trace_id, span)]
+            else:
+                spans = [self.materializer.foreign(s) for s in payload]
+        except BaseException as exc:  # noqa: BLE001 - rendering must never kill the thread
+            self.stats.add("errors.materialize")
+            if kind == "episode":
+                self.stats.add("dropped.render_error")
+            else:
+                self.stats.add("dropped.render_error_spans", len(payload) if kind == "spans" else 1)
+            self._log_once("materialize", exc)
+            return
+        for sender in self.senders:
+            try:
+                sender.offer(spans)
+            except BaseException as exc:  # noqa: BLE001
+                self.stats.add(f"errors.offer.{sender.name}")
+                self._log_once(f"{sender.name}.offer", exc)
+
+    def _call(self, sender: SpoolingSender, method: str, *args: Any) -> Any:
+        try:
+            return getattr(sender.user_exporter, method)(*args)
+        except BaseException as exc:  # noqa: BLE001 - an exporter bug never reaches training
+            self.stats.add(f"errors.{method}.{sender.name}")
+            self._log_once(f"{sender.name}.{method}", exc)
+            return False
+
+    def _log_once(self, where: str, error: Any) -> None:
+        key = (where, type_name(error) if isinstance(error, BaseException) else str(error))
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        message = exception_text(error) if isinstance(error, BaseException) else str(error)
+        warn("otel_rollouts: %s failed: %s (logged once; counted in otr.stats())", where, message)

@@ -1,0 +1,371 @@
+"""The sender layer: a thread per exporter, memory bounded in bytes, backoff, disk retry."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from otel_rollouts._core.codec import count_episodes, encode
+from otel_rollouts._core.content import exception_text, type_name
+from otel_rollouts.delivery.layers import DeliveryCounts, PartialExporter
+from otel_rollouts.delivery.spool import Spool
+
+__all__ = ["SpoolingSender", "approx_bytes"]
+
+_BACKOFF_MIN_S = 0.25
+_BACKOFF_MAX_S = 15.0
+_POISON_AFTER = 3  # consecutive failures of one batch before checking whether only it fails
+_DRAIN_BATCHES = 64  # spooled batches sent together once the exporter takes them again
+_DRAIN_BYTES = 2 * 1024 * 1024
+
+
+def approx_bytes(spans: Sequence[ReadableSpan]) -> int:
+    """About how many bytes a batch holds: its texts plus a fixed cost per value (the bound on
+    memory waiting for an exporter is kept in these units)."""
+    total = 0
+    for span in spans:
+        total += 200 + len(span.name)
+        for key, value in (span.attributes or {}).items():
+            total += len(key) + 16
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, (tuple, list)):
+                total += sum(len(v) if isinstance(v, str) else 8 for v in value)
+        for event in span.events or ():
+            total += 64 + len(event.name)
+            for key, value in (event.attributes or {}).items():
+                total += len(key) + 16 + (len(value) if isinstance(value, str) else 8)
+    return total
+
+
+class SpoolingSender(SpanExporter):
+    """The top layer: ``export`` hands a batch over and returns at once; a thread of its own
+    sends it through the layers below. Memory is bounded in batches and bytes (the oldest go to
+    disk); a batch the layers below fail waits in a bounded on-disk ``Spool`` and is retried
+    with exponential backoff (during an outage new batches go straight behind it, so order is
+    kept); a spooled batch that keeps failing while later ones go through is dropped as
+    refused, counted. ``force_flush`` waits for delivery; ``shutdown`` keeps what is left on
+    disk."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        counts: DeliveryCounts,
+        *,
+        max_pending: int,
+        spool_dir: Path | None,
+        spool_max_bytes: int,
+        max_pending_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.exporter = exporter  # the layers below (the user's exporter at the bottom)
+        self.counts = counts
+        self.name = counts.name
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._sizes: dict[int, int] = {}  # id(batch in _pending) -> its approximate bytes
+        self.max_pending = max_pending
+        self._spool_dir = spool_dir
+        self._spool_max_bytes = spool_max_bytes
+        self._spool: Spool | None = None
+        self._pending: deque[list[ReadableSpan]] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # cut a backoff short (flush, stop)
+        self._attempts = 0  # export attempts finished
+        self._inflight = 0  # episodes in the export call under way
+        self._last_ok = True
+        self._head_strikes: dict[Any, int] = {}  # spool head -> times a later batch went through instead
+        if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
+            self._open_spool()  # batches a previous process left behind go first
+        self._thread = threading.Thread(target=self._run, name=f"otel-rollouts-send-{self.name}", daemon=True)
+        self._thread.start()
+
+    # --- render side ---------------------------------------------------------------------
+    def offer(self, spans: list[ReadableSpan]) -> None:
+        size = approx_bytes(spans)
+        spill: list[list[ReadableSpan]] = []
+        with self._cond:
+            outage = self._spool is not None and len(self._spool) > 0
+            # during an outage batches go to disk, behind those already there; while the memory
+            # buffer is being spilled (it is not empty), they queue behind it, so order is kept
+            if not outage or self._pending:
+                # the memory buffer is bounded in batches and in bytes: the oldest make room (to
+                # the spool, which the sender drains first, so the order is kept)
+                while self._pending and (
+                    len(self._pending) >= self.max_pending or self._pending_bytes + size > self.max_pending_bytes
+                ):
+                    spill.append(self._take_head())
+                if size <= self.max_pending_bytes:
+                    self._pending.append(spans)
+                    self._sizes[id(spans)] = size
+                    self._pending_bytes += size
+                    spans = None
+                self._cond.notify()
+        for batch in spill:
+            self._to_spool(batch)
+        if spans is not None:
+            # an outage is going on, or the batch alone is over the memory bound: keep it on disk
+            self._to_spool(spans)
+        with self._cond:
+            self._cond.notify()
+
+    def _take_head(self) -> list[ReadableSpan]:
+        """Pop the oldest pending batch (caller holds ``_cond``)."""
+        batch = self._pending.popleft()
+        self._pending_bytes -= self._sizes.pop(id(batch), 0)
+        return batch
+
+    @property
+    def pending_bytes(self) -> int:
+        """Approximate bytes of the batches waiting in memory."""
+        return self._pending_bytes
+
+    def _open_spool(self) -> Spool | None:
+        if self._spool is None and self._spool_dir is not None and self._spool_max_bytes > 0:
+            try:
+                self._spool = Spool(self._spool_dir, self._spool_max_bytes, self._quarantined)
+            except OSError as exc:
+                self._log_once("spool", f"cannot create spool at {self._spool_dir}: {exc}")
+                self._spool_max_bytes = 0
+                return None
+            if self._spool.shared:
+                self._log_once(
+                    "spool.shared",
+                    f"spool directory {self._spool_dir} is in use by another process; this process "
+                    f"spools to {self._spool.directory} (adopted by the next process once this one ends)",
+                )
+            if self._spool.dropped_at_open:
+                self._dropped("spool_full", self._spool.dropped_at_open)
+        return self._spool
+
+    def _quarantined(self, name: str, episodes: int, reason: str) -> None:
+        """A spool file that is not a batch was moved aside: count what it claimed to hold."""
+        self.counts.quarantined()
+        self._log_once("spool.quarantine", f"spool file {name} moved to quarantine/: {reason}")
+        if episodes:
+            self._dropped("spool_damaged", episodes)
+
+    def _to_spool(self, spans: list[ReadableSpan]) -> None:
+        episodes = count_episodes(spans)
+        spool = self._open_spool()
+        if spool is None:
+            self._dropped("spool_unavailable", episodes)
+            return
+        try:
+            dropped = spool.push(encode(spans), episodes)
+        except BaseException as exc:  # noqa: BLE001 - a full disk must not stop delivery
+            self.counts.error("spool")
+            self._log_once("spool.write", f"spool write failed: {exception_text(exc)}")
+            self._dropped("spool_error", episodes)
+            return
+        self.counts.spooled(episodes)
+        if dropped:
+            self._dropped("spool_full", dropped)
+
+    def _dropped(self, reason: str, episodes: int) -> None:
+        self.counts.dropped(reason, episodes)
+
+    # --- status ----------------------------------------------------------------------------
+    def pending_episodes(self) -> int:
+        with self._cond:
+            in_memory = sum(count_episodes(b) for b in self._pending) + self._inflight
+        return in_memory + (self._spool.episodes if self._spool is not None else 0)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._pending and not self._busy and (self._spool is None or len(self._spool) == 0)
+
+    def _idle_locked(self) -> bool:
+        return not self._pending and not self._busy and (self._spool is None or len(self._spool) == 0)
+
+    def wait_idle(self, deadline: float, *, through_outage: bool = False) -> bool:
+        """Wait until all is delivered. Unless ``through_outage``, stop waiting (returning
+        False) as soon as one attempt made after this call has failed: what failed is safe in
+        the spool and is retried in the background, and an outage may last longer than anyone
+        calling flush() wants to wait."""
+        with self._cond:
+            start = self._attempts
+            self._wake.set()  # a sender in a backoff wait tries again now
+            self._cond.notify_all()
+            while not self._idle_locked():
+                if not through_outage and self._attempts > start and not self._last_ok:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                if through_outage and self._attempts > start and not self._wake.is_set():
+                    start = self._attempts
+                    self._wake.set()  # at shutdown, retry promptly instead of backing off
+                self._cond.wait(min(remaining, 0.05))
+            return True
+
+    # --- sender thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.0
+        failures = 0
+        while not self._stopping.is_set():
+            if backoff:
+                self._wake.wait(backoff)
+                if self._stopping.is_set():
+                    return
+            self._wake.clear()
+            with self._cond:
+                while not self._pending and (self._spool is None or len(self._spool) == 0):
+                    if self._stopping.is_set():
+                        return
+                    self._cond.wait(0.5)
+                self._busy = True
+            ok = False
+            batch = None  # taken from memory, and neither delivered nor spooled yet
+            try:
+                spool = self._spool
+                if spool is not None and len(spool) > 0:
+                    ok = self._send_spooled(spool, failures)
+                else:
+                    with self._cond:
+                        batch = self._take_head() if self._pending else None
+                        self._inflight = count_episodes(batch) if batch is not None else 0
+                    ok = True
+                    if batch is not None:
+                        failed = self._send(batch)
+                        batch = None
+                        ok = not failed
+                        if failed:
+                            # keep it, and everything behind it, on disk until the exporter is back
+                            for part in failed:
+                                self._to_spool(part)
+                            self._spill_pending()
+            except BaseException as exc:  # noqa: BLE001 - the sender thread never dies
+                ok = False
+                self.counts.error("sender")
+                if batch is not None:
+                    self._dropped("sender_error", count_episodes(batch))
+                self._log_once(f"sender.{type_name(exc)}", f"delivery error: {exception_text(exc)}")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._inflight = 0
+                    self._attempts += 1
+                    self._last_ok = ok
+                    self._cond.notify_all()
+            if ok:
+                backoff, failures = 0.0, 0
+            else:
+                failures += 1
+                backoff = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
+
+    def _spill_pending(self) -> None:
+        """Move the memory buffer to disk, oldest first; each batch is on disk before it leaves
+        memory, so ``pending_episodes`` never undercounts."""
+        while True:
+            with self._cond:
+                if not self._pending:
+                    return
+                item = self._pending[0]
+            self._to_spool(item)
+            with self._cond:
+                if self._pending and self._pending[0] is item:
+                    self._take_head()
+
+    def _send_spooled(self, spool: Spool, failures: int) -> bool:
+        if failures == 0 and len(spool) > 1:
+            # the exporter is taking batches: drain several spooled ones per request
+            many = spool.peek_many(_DRAIN_BATCHES, _DRAIN_BYTES)
+            spans = [span for _, batch, _ in many for span in batch]
+            failed = self._send(spans)
+            if not failed or sum(len(p) for p in failed) < len(spans):
+                for path, _, _ in many:
+                    spool.remove(path)
+                for part in failed:
+                    self._to_spool(part)
+            return not failed
+        head = spool.peek()
+        if head is None:
+            return True
+        path, spans, _ = head
+        failed = self._send(spans)
+        if not failed:
+            spool.remove(path)
+            return True
+        if sum(len(p) for p in failed) < len(spans):  # part of it went through: keep the rest
+            spool.remove(path)
+            for part in failed:
+                self._to_spool(part)
+            return False
+        if failures + 1 >= _POISON_AFTER and len(spool) > 1:
+            # this batch, or the exporter? try the next one: if it goes through, the exporter
+            # works. The head is dropped (counted) only after it failed that way _POISON_AFTER
+            # times: once may be a receiver that was still starting up when the head was sent
+            second = spool.peek(1)
+            if second is not None and not self._send(second[1]):
+                spool.remove(second[0])
+                strikes = self._head_strikes.get(path, 0) + 1
+                if strikes >= _POISON_AFTER:
+                    self._head_strikes.pop(path, None)
+                    spool.remove(path)
+                    self._dropped("rejected", count_episodes(spans))
+                else:
+                    self._head_strikes = {path: strikes}
+                return True
+        return False
+
+    def _send(self, spans: list[ReadableSpan]) -> list[list[ReadableSpan]]:
+        """Export ``spans`` through the layers below; return the parts that failed."""
+        try:
+            if isinstance(self.exporter, PartialExporter):
+                return self.exporter.export_parts(spans)
+            return [] if self.exporter.export(spans) is SpanExportResult.SUCCESS else [spans]
+        except BaseException as exc:  # noqa: BLE001 - a layer's bug never kills the sender
+            self.counts.error("export")
+            self._log_once(f"export.{type_name(exc)}", f"export raised {exception_text(exc)}")
+            return [spans]
+
+    # --- shutdown --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the sender; batches still in memory are kept on disk (when there is a spool)."""
+        self._stopping.set()
+        self._wake.set()
+        with self._cond:
+            rest, self._pending = list(self._pending), deque()
+            self._sizes.clear()
+            self._pending_bytes = 0
+            self._cond.notify_all()
+        if rest and self._spool_max_bytes > 0:
+            for batch in rest:
+                self._to_spool(batch)
+        elif rest:
+            self._dropped("shutdown", sum(count_episodes(b) for b in rest))
+
+    def leftover(self) -> tuple[int, Path | None]:
+        """(episodes left undelivered on disk, spool directory) after stop()."""
+        spool = self._spool
+        if spool is None:
+            return 0, None
+        spool.close()  # the lock goes; the files stay for the next process
+        return spool.episodes, spool.directory
+
+    def _log_once(self, what: str, message: str) -> None:
+        self.counts.log_once(what, message)
+
+    # --- SpanExporter ----------------------------------------------------------------------
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Hand ``spans`` over (never blocks on the exporter): memory, or the spool."""
+        self.offer(list(spans))
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Wait until everything handed over was delivered; False at the first failure after
+        this call (what failed waits in the spool) or at the timeout."""
+        return self.wait_idle(time.monotonic() + max(timeout_millis, 0) / 1000)
+
+    def shutdown(self) -> None:
+        """Stop the thread; what is still in memory goes to the spool (or is counted lost)."""
+        self.stop()
