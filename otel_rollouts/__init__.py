@@ -41,6 +41,8 @@ from otel_rollouts.correlate.workers import (
     with_context,
 )
 from otel_rollouts.decode.batch import TokenBatchSummary, record_token_batch
+from otel_rollouts.delivery.layers import CountingExporter, DeliveryCounts, SplittingExporter
+from otel_rollouts.delivery.sender import SpoolingSender
 from otel_rollouts.record.episode import (
     Episode,
     Generation,
@@ -80,6 +82,10 @@ __all__ = [
     "with_context",
     "WorkerResult",
     "Compose",
+    "CountingExporter",
+    "DeliveryCounts",
+    "SplittingExporter",
+    "SpoolingSender",
     "configure",
     "conventions",
     "current_episode",

@@ -175,9 +175,9 @@ class CountingExporter(SpanExporter):
     took but did not store (Trackio skips a trace it cannot write) are counted lost, not
     delivered."""
 
-    def __init__(self, exporter: SpanExporter, counts: DeliveryCounts) -> None:
+    def __init__(self, exporter: SpanExporter, counts: DeliveryCounts | None = None) -> None:
         self.exporter = exporter
-        self.counts = counts
+        self.counts = counts if counts is not None else DeliveryCounts(Stats(), exporter_name(exporter))
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:

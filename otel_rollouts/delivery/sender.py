@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts._core.codec import count_episodes, encode
 from otel_rollouts._core.content import exception_text, type_name
-from otel_rollouts.delivery.layers import DeliveryCounts, PartialExporter
+from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.layers import DeliveryCounts, PartialExporter, exporter_name
 from otel_rollouts.delivery.spool import Spool
 
 __all__ = ["SpoolingSender", "approx_bytes"]
@@ -57,14 +58,20 @@ class SpoolingSender(SpanExporter):
     def __init__(
         self,
         exporter: SpanExporter,
-        counts: DeliveryCounts,
+        counts: DeliveryCounts | None = None,
         *,
-        max_pending: int,
-        spool_dir: Path | None,
-        spool_max_bytes: int,
+        max_pending: int = 1024,
+        spool_dir: str | Path | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
         max_pending_bytes: int = 64 * 1024 * 1024,
     ) -> None:
+        """``exporter``: the layers below, or any exporter. ``counts``: where counts go (default:
+        counters of its own, ``counts.stats``). ``spool_dir``: where failed batches wait (None:
+        they are dropped, counted). ``max_pending`` / ``max_pending_bytes``: the memory bound."""
         self.exporter = exporter  # the layers below (the user's exporter at the bottom)
+        self.user_exporter: SpanExporter = exporter  # whose force_flush/shutdown the library calls
+        counts = counts if counts is not None else DeliveryCounts(Stats(), exporter_name(exporter))
+        spool_dir = Path(spool_dir) if spool_dir is not None else None
         self.counts = counts
         self.name = counts.name
         self.max_pending_bytes = max_pending_bytes
