@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ _FILE_MODE = 0o600
 
 
 # --- the format: proto <-> one JSON line -----------------------------------------------------
-def _ids(request: dict[str, Any], convert) -> dict[str, Any]:
+def _ids(request: dict[str, Any], convert: Callable[[str, Any], Any]) -> dict[str, Any]:
     """Apply ``convert(field, value)`` to the id fields of every span and link, in place.
 
     Anything not shaped like a request is left alone for ``ParseDict`` to reject clearly.

@@ -65,6 +65,20 @@ _CONTENT_KEYS = {
 }
 # Trackio's warning keys for data it could not persist (trackio.run.Run._warn_once)
 _PERSIST_FAILURES = ("write-", "persist-", "local-sender", "remote-sender", "flush-local-buffer", "finish-pending")
+
+
+def _persist_failures(run: Any) -> list[str]:
+    """The keys of the writes a finished Trackio run reported as failed (sorted).
+
+    The one place this package reads a private field of Trackio: ``Run._warned_failures``, the
+    set of keys ``Run._warn_once`` adds before it warns. Trackio has no public way to learn that
+    a write failed: its writer thread only calls ``warnings.warn`` (process-wide, filtered and
+    de-duplicated by the warnings registry, and not safely capturable from another thread). The
+    field exists in the lower bound CI installs (``trackio==0.43.0``, the latest release when this
+    was written); should a later release drop it, this returns ``[]`` (failures go back to being
+    Trackio's warnings only) and the trackio-failure tests say so.
+    """
+    return sorted(key for key in getattr(run, "_warned_failures", ()) if key.startswith(_PERSIST_FAILURES))
 _TRACKIO_KIND = {c.KIND_GENERATION: "generation", c.KIND_TOOL: "tool"}
 # Trackio's own vocabulary (keys of its trace metadata and span dicts, its span statuses)
 TRACKIO_SUCCESS = "success"
@@ -122,7 +136,7 @@ def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
                 messages.append(message)
                 last_assistant = message
         elif kind == c.KIND_TOOL:
-            call_id = attrs.get(c.GEN_AI_TOOL_CALL_ID) or hex_id(span.context.span_id)
+            call_id = str(attrs.get(c.GEN_AI_TOOL_CALL_ID) or hex_id(span.context.span_id))
             name = attrs.get(c.GEN_AI_TOOL_NAME) or span.name
             if last_assistant is not None:
                 calls = last_assistant.setdefault("tool_calls", [])
@@ -339,7 +353,7 @@ class TrackioExporter(SpanExporter):
         redactor = Redactor() if redact is True else redact or None
         self.config = redactor.mapping(config) if redactor is not None and config is not None else config
         self.table = table
-        self._run = None
+        self._run: Any = None  # trackio's Run, made on the first export (import is slow)
         self._lock = threading.Lock()
         # (step, table key) -> trace id -> row: an episode exported again before its step's table is
         # logged (a retried export) is one row
@@ -351,7 +365,7 @@ class TrackioExporter(SpanExporter):
         self._not_stored: dict[str, int] = {}
         self._warned_unstorable = False
 
-    def _trackio_run(self):
+    def _trackio_run(self) -> Any:
         if self._run is None:
             import trackio
 
@@ -432,8 +446,8 @@ class TrackioExporter(SpanExporter):
                 run.log({key: traces}, step=step)
                 self.exported += len(traces)
             if self.table:
-                for step, key, trace_id, _, row in episodes:
-                    self._rows[(step, f"{key}/{TABLE_SUFFIX}")][trace_id] = row
+                for step, key, hex_trace_id, _, row in episodes:
+                    self._rows[(step, f"{key}/{TABLE_SUFFIX}")][hex_trace_id] = row
             # the steps before the latest one here are over: their tables can be logged
             self._log_tables(before=max(e[0] for e in episodes))
         return SpanExportResult.SUCCESS
@@ -498,10 +512,6 @@ class TrackioExporter(SpanExporter):
                 # Trackio writes on its own thread and only *warns* when a write fails (read-only
                 # or full directory, locked database): turn that into an error the delivery
                 # layer counts and logs once, instead of a silent loss
-                failed = sorted(
-                    key
-                    for key in getattr(run, "_warned_failures", ())
-                    if key.startswith(_PERSIST_FAILURES)
-                )
+                failed = _persist_failures(run)
                 if failed:
                     raise OSError(f"trackio could not persist run {run.name!r} ({', '.join(failed)})")

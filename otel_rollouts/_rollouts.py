@@ -22,6 +22,7 @@ from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.guard import guarded
 from otel_rollouts._core.redaction import RedactingLogFilter, Redactor, make_redactor
+from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, resolve
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.correlate.metrics import RolloutMetrics
@@ -70,7 +71,7 @@ def _resource(service_name: str | None, attributes: Mapping[str, Any] | None, ru
     return Resource(redactor.mapping(dict(resource.attributes)), resource.schema_url)
 
 
-def _redact_own_logs(redactor: Redactor | None) -> None:
+def _redact_own_logs(redactor: Redacting | None) -> None:
     """The library's own log lines quote refused values and error messages: they are redacted
     with the run's redactor before any handler (a console, an OTLP log exporter) sees them."""
     own = logging.getLogger(c.SCOPE_NAME)

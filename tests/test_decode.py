@@ -407,3 +407,32 @@ def test_token_level_rewards_advantages_components_and_ids(tok, memory):
     assert (a[c.RL_EPISODE_ID], a[c.RL_FRAMEWORK], a[c.RL_DATASET_NAME], a[c.RL_DATASET_INDEX]) == (
         "ep-a", "verl", "gsm8k", 3)
     assert c.RL_ALIGNMENT not in a and b[c.RL_ALIGNMENT] == "partial"
+
+
+def test_the_tokenizer_cache_is_weakly_keyed_and_bounded():
+    """What is learned of a tokenizer is cached per object: a tokenizer that can be weakly
+    referenced takes its entry with it; the others are kept by id, at most ``max_by_id``."""
+    import gc
+
+    from otel_rollouts.decode.batch import TokenizerCache
+
+    class Plain:
+        eos_token_id = 7
+
+    class Slotted:  # no __weakref__: cached by id
+        __slots__ = ()
+        eos_token_id = 7
+
+    cache = TokenizerCache(max_by_id=2)
+    tokenizer = Plain()
+    info = cache.get(tokenizer)
+    assert cache.get(tokenizer) is info and 7 in info.eos_ids and len(cache) == 1
+    del tokenizer, info
+    gc.collect()
+    assert len(cache) == 0
+    kept = [Slotted() for _ in range(3)]
+    first = cache.get(kept[0])
+    assert cache.get(kept[0]) is first
+    for t in kept[1:]:
+        cache.get(t)
+    assert len(cache) == 2  # the oldest by-id entry made room

@@ -328,3 +328,83 @@ def test_tail_sampler_accepts_names_and_objects_and_refuses_bad_input():
         otr.Errors(-2)
     with pytest.raises(ValueError, match="rule"):
         otr.Groups(rule="best")
+
+
+# --- extension point: a custom policy is any object with bucket() and needs() ---------------------
+class HighestTraceIds:
+    """A custom policy written as a plain class (no base class): the ``cap`` episodes with the
+    highest trace ids, decided when the step closes."""
+
+    def __init__(self, budget=None):
+        self.budget = budget
+        self.buckets = 0
+
+    def needs(self) -> set[str]:
+        return set()
+
+    def bucket(self, cap, key, *, stream=False, margin=0):
+        self.buckets += 1
+        return _HighestBucket(cap + margin)
+
+
+class _HighestBucket:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.records = []
+
+    def offer(self, record):
+        self.records.append(record)
+        self.records.sort(key=lambda r: r.trace_id, reverse=True)
+        released = self.records[self.capacity:]
+        del self.records[self.capacity:]
+        return released, []
+
+    def decide(self, limit=None, exclude=None):
+        exclude = exclude or set()
+        fresh = [r for r in self.records if id(r) not in exclude]
+        return fresh[: self.capacity if limit is None else limit]
+
+    def held(self):
+        return list(self.records)
+
+
+def test_a_plain_class_satisfies_the_policy_protocol_alone_and_composed():
+    from otel_rollouts.sampling.policies import Bucket, Policy
+
+    custom = HighestTraceIds()
+    assert isinstance(custom, Policy) and isinstance(custom.bucket(1, (0, "train")), Bucket)
+    assert not isinstance("first", Policy)
+    for builtin in (otr.First(), otr.Uniform(), otr.TopBottom(), otr.Errors(), otr.Groups(),
+                    otr.Compose(otr.Errors(), otr.Uniform())):
+        assert isinstance(builtin, Policy)
+        assert isinstance(builtin.bucket(2, (0, "train")), Bucket)
+    assert make_policy(custom) is custom and otr.TailSampler(3, custom).policy is custom
+
+    records = [Rec(i, reward=float(i)) for i in range(10)]
+    kept, released, peak = run(custom, records, 3)
+    assert sorted(r.i for r in kept) == [7, 8, 9] and peak <= 3
+    # composed: 2 errors first, then the custom policy's budget of 2, then uniform fills the cap
+    statuses = ["error" if i in (0, 1, 2) else "ok" for i in range(10)]
+    records = [Rec(i, reward=float(i), status=s) for i, s in enumerate(statuses)]
+    kept, _, _ = run(otr.Compose(otr.Errors(2), HighestTraceIds(budget=2), otr.Uniform()),
+                     records, 6)
+    ids = sorted(r.i for r in kept)
+    assert len(ids) == 6 and len(set(ids)) == 6
+    assert sum(1 for i in ids if i in (0, 1, 2)) >= 2 and {8, 9} <= set(ids)
+
+
+def test_a_custom_policy_drives_the_real_pipeline(otr_shutdown):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    custom = HighestTraceIds()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, custom, step_lag=None))
+    tids = []
+    for i in range(5):
+        with otr.episode(step=0) as ep:
+            ep.prompt(f"question {i}")
+            ep.reward(float(i))
+        tids.append(int(ep.trace_id, 16))
+    assert otr.flush()
+    kept = {s.context.trace_id for s in exporter.get_finished_spans()}
+    assert kept == set(sorted(tids)[-2:]) and custom.buckets == 1

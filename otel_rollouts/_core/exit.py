@@ -287,7 +287,8 @@ def _flush_after_library(signum: int, deadline: float) -> None:
         main = threading.main_thread()
         wait_until = time.monotonic() + _hooks.timeout / 2
         while time.monotonic() < wait_until and main.is_alive():
-            if not inside_library(sys._current_frames().get(main.ident)):
+            ident = main.ident
+            if ident is None or not inside_library(sys._current_frames().get(ident)):
                 break
             time.sleep(_POLL_S)  # polling another thread's stack: there is nothing to wait on
     finally:

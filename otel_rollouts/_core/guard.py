@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import exception_text, reraise_interrupt
 
 logger = logging.getLogger("otel_rollouts")
+P = ParamSpec("P")
+R = TypeVar("R")
+F = TypeVar("F")
 _MAX_KINDS_LOGGED = 50
 _MAX_LOGGED_CHARS = 500
 
@@ -65,22 +70,24 @@ def contained(where: str, exc: BaseException) -> None:
     report(f"{where}: {exception_text(exc)}", exc=exc, may_raise=False)
 
 
-def guarded_or(fallback):
+def guarded_or(
+    fallback: Callable[[], F],
+) -> Callable[[Callable[P, R]], Callable[P, R | F]]:
     """Run the function; a library exception is reported and ``fallback()`` returned instead.
 
     ``fallback`` gives what the caller can still use (a no-op handle, an empty list), so user
     code that goes on with the result never breaks.
     """
 
-    def decorate(fn):
+    def decorate(fn: Callable[P, R]) -> Callable[P, R | F]:
         @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | F:
             try:
                 return fn(*args, **kwargs)
             except InvalidValue:
                 raise
             except Exception as exc:  # noqa: BLE001 - containment is the point
-                report(f"{fn.__qualname__}: {exception_text(exc)}", exc=exc)
+                report(f"{getattr(fn, '__qualname__', 'call')}: {exception_text(exc)}", exc=exc)
                 return fallback()
 
         return wrapper
@@ -88,9 +95,10 @@ def guarded_or(fallback):
     return decorate
 
 
+def guarded(fn: Callable[P, R]) -> Callable[P, R | None]:
+    """Run the function; a library exception is reported and None returned instead."""
+    return guarded_or(_none)(fn)
+
+
 def _none() -> None:
     return None
-
-
-guarded = guarded_or(_none)
-guarded.__doc__ = "Run the function; a library exception is reported and None returned instead."

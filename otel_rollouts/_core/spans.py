@@ -197,7 +197,7 @@ class EpisodeRecord:
         self.sink = sink  # the pipeline: told when the root or the reward span ends
         self.dropped_spans = 0
         self.max_spans = max_spans
-        self.handle = None  # the user-facing Episode object
+        self.handle: Any = None  # the user-facing Episode object
 
     def add(self, span: SpanRecord) -> SpanRecord:
         if len(self.spans) + len(self.foreign) >= self.max_spans:

@@ -232,7 +232,7 @@ def reward_total(value: Any, field_name: str = "reward") -> tuple[float | None, 
     per_token: list[float] = []
     for j, v in enumerate(values):
         number, problem = to_float(v, f"{field_name}[{j}]")
-        if problem is not None:
+        if problem is not None or number is None:
             return None, None, problem
         per_token.append(number)
     return float(sum(per_token)), per_token, None
@@ -579,7 +579,8 @@ def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = Non
             used = set()
             for n_call, call in enumerate(calls):
                 call = call if isinstance(call, Mapping) else {}
-                fn = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+                nested = call.get("function")
+                fn: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}
                 call_id = call.get("id") or f"call_{n_call}"
                 handle = turn.tool_call(str(fn.get("name") or call.get("name") or "tool"),
                                         arguments=fn.get("arguments"), call_id=str(call_id))

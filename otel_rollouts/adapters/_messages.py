@@ -109,7 +109,7 @@ def _tool_calls(message: Mapping[str, Any]) -> list[tuple[str, Any, str | None]]
 def record_assistant(
     turn: Any,
     message: Mapping[str, Any] | None,
-    feedback: list[dict[str, Any]] = (),
+    feedback: Sequence[dict[str, Any]] = (),
     *,
     model: str | None = None,
     finish_reason: str | None = None,

@@ -208,7 +208,7 @@ def _keys(trajectory: Any) -> list[str]:
 
 @guarded
 def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split: str,
-                  tokenizer: Any, model: str | None, trained_version: int | None) -> int:
+                  tokenizer: Any, model: str | None, trained_version: int | None) -> int | None:
     for key in _keys(trajectory):
         if key not in _KNOWN:
             warn_unknown(FRAMEWORK, f"trajectory[{key!r}]", "a key AReaL's stock workflows do not write; not recorded")
@@ -241,7 +241,7 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         metadata.append({"trajectory_index": index, "sample_index_in_group": j})
         missing.append([f"{name}[{rows}!={size}]" for name, rows in ragged.items() if j >= rows])
     episode_ids = [f"{split}-{step}-{index}-{j}" for j in range(size)]
-    if _has_structured(messages, size):
+    if messages is not None and _has_structured(messages, size):
         _record_messages(messages, values, index, offset, episode_ids, metadata, missing,
                          step=step, split=split, model=model, trained_version=trained_version)
         return size

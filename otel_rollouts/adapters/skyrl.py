@@ -202,11 +202,12 @@ def record_generator_output(
         if j is None and per_prompt is not None and not stepwise:
             j = first // per_prompt
         prompt = prompts[j] if j is not None and j < len(prompts) else None
+        key = keys[first]
         _record(
             cols, rows, step=step, split=split, scheduled=scheduled, version=version,
             trained=trained, prompt=prompt, prompt_found=j is not None and j < len(prompts),
             input_index=j,
-            episode_id=keys[first] if keys[first] is not None else f"{split}-{step}-{first}",
+            episode_id=key if key is not None else f"{split}-{step}-{first}",
             group=groups[first], env_class=_at(field(generator_input, "env_classes"), j),
             env_extras=_at(field(generator_input, "env_extras"), j), text=text,
             model=model, sample_index=number,
@@ -216,7 +217,8 @@ def record_generator_output(
 
 
 @guarded
-def record_output_group(group: Any, *, step: int, tokenizer: Any = None, model: str | None = None) -> int:
+def record_output_group(group: Any, *, step: int, tokenizer: Any = None,
+                        model: str | None = None) -> int | None:
     """Record one ``GeneratedOutputGroup`` of SkyRL's fully asynchronous trainer (its
     ``generator_output``, ``uid``, ``global_step_when_scheduled``, ``prompts``), e.g. for each
     group in ``convert_generation_group_mini_batch_to_training_input`` with

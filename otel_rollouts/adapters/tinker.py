@@ -107,6 +107,7 @@ from otel_rollouts.adapters._messages import (
     token_count,
     token_ids,
 )
+from otel_rollouts.decode.batch import TokenizerInfo, tokenizer_info
 from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
 from otel_rollouts.record.episode import episode as new_episode
 
@@ -215,14 +216,11 @@ class _Reader:
 
     def __init__(self, tokenizer: Any, renderer: Any) -> None:
         self.tokenizer = tokenizer
-        self.renderer = renderer if callable(getattr(renderer, "parse_response", None)) else None
+        self.renderer: Any = renderer if callable(getattr(renderer, "parse_response", None)) else None
+        self.info: TokenizerInfo | None = None
         if tokenizer is not None:  # learn markers and special tokens on this thread, once
-            from otel_rollouts.decode.batch import tokenizer_info
-
             self.info = tokenizer_info(tokenizer)
             _text.unspecial("", tokenizer)
-        else:
-            self.info = None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -232,9 +230,9 @@ class _Reader:
         ids = _ob_ids(ob)
         if ids is None:
             return []  # no token ids (a summary record): nothing to show
-        if self.tokenizer is None:
-            return [{"role": "user", "content": f"<{len(ids)} prompt tokens; pass tokenizer= to decode>"}]
         info, tokenizer = self.info, self.tokenizer
+        if tokenizer is None or info is None:  # both set, or neither
+            return [{"role": "user", "content": f"<{len(ids)} prompt tokens; pass tokenizer= to decode>"}]
 
         def split() -> list[dict[str, Any]]:
             return _text.messages_of(info.decoder.decode(ids, skip_special_tokens=False), tokenizer)
@@ -334,7 +332,7 @@ def _tool_messages(messages: list[dict[str, Any]], has_calls: bool) -> list[dict
         blocks = tool_responses(content) if isinstance(content, str) else []
         if blocks:
             out.extend({"role": "tool", "content": b} for b in blocks)
-            rest = strip_tool_responses(content)
+            rest = strip_tool_responses(str(content))  # a str: it had blocks
             if rest:
                 out.append({"role": m.get("role") or "user", "content": rest})
         elif m.get("role") not in _CONVERSATION_ROLES:
@@ -505,6 +503,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
             if isinstance(extra, Mapping) and extra.get("rubric_grades") is not None:
                 extras.append(extra.get("rubric_grades"))
 
+            errors: list[str]
             if responses[k]:
                 message, errors = _response(responses[k]), []
             else:

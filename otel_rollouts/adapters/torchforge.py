@@ -199,7 +199,7 @@ def _breakdown(sample: Any, reward: float | None) -> tuple[dict[str, Any], dict[
                and not isinstance(v, bool) and as_float(v)[0] is not None}
     if not columns or reward is None:
         return columns, {}
-    numbers = {k: as_float(v)[0] for k, v in columns.items()}
+    numbers = {k: as_float(v)[0] or 0.0 for k, v in columns.items()}  # each a number (above)
     names = sorted(numbers)
     if len(names) <= _MAX_SUBSET:
         # the largest set of columns the reward is the mean or sum of: the reward functions
@@ -258,7 +258,7 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
         else:
             ep.prompt([{"role": "user", "content": "" if request is None else str(request)}])
         with ep.turn() as turn:
-            usage = {"input_tokens": token_count(field(completion, "prompt_ids")),
+            usage: dict[str, Any] = {"input_tokens": token_count(field(completion, "prompt_ids")),
                      "output_tokens": token_count(field(completion, "token_ids"))}
             if tokenizer is not None:
                 message, errors = assistant_message("" if response is None else str(response), tokenizer)

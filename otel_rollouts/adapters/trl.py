@@ -243,7 +243,7 @@ class RolloutTraceCallback(TrainerCallback):
                      trained=_slice_versions(trainer, split, version, generated.get("micro")))
         expected = _expected_size(trainer, generated)
         batch["offset"] = 0
-        maxlen = getattr(logs.get("advantages"), "maxlen", None)
+        maxlen = getattr((logs or {}).get("advantages"), "maxlen", None)
         if expected is not None and expected > new and new == maxlen:
             batch["offset"] = expected - new  # the buffer (sized for training) dropped the first ones
             warn_unknown(FRAMEWORK, "_logs", f"buffer holds {new} of a batch of {expected}: the first "
@@ -275,7 +275,8 @@ class RolloutTraceCallback(TrainerCallback):
     def _flush_pending(self, args: Any, state: Any, split: str | None) -> None:
         if not self._pending:
             return
-        keep, todo = [], []
+        keep: list[Any] = []
+        todo: list[Any] = []
         for batch in self._pending:
             (todo if split is None or batch["split"] == split else keep).append(batch)
         self._pending = keep
@@ -476,7 +477,7 @@ class _Finish:
         tokenizer = getattr(trainer, "_tokenizer", None) or _tokenizer(trainer)
         if ids is None:
             ids = getattr(tokenizer, "eos_token_id", None)
-        ids = to_list(ids) if ids is not None else []
+        ids = (to_list(ids) or []) if ids is not None else []
         pad = getattr(tokenizer, "pad_token_id", None)
         self.stop_ids = {int(i) for i in ids if isinstance(i, int)} | ({pad} if isinstance(pad, int) else set())
 
@@ -647,7 +648,7 @@ def _reward_names(trainer: Any, columns: Mapping[str, Any]) -> list[str]:
 
 
 def _reward_weights(trainer: Any, n: int) -> list[float]:
-    weights = getattr(trainer, "reward_weights", None)
+    weights: Any = getattr(trainer, "reward_weights", None)
     try:
         values = [float(w) for w in (weights.tolist() if hasattr(weights, "tolist") else weights)]
     except TypeError:

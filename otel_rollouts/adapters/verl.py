@@ -195,8 +195,9 @@ def record_batch(
     ragged = {name: len(v) for name, v in columns.items() if v is not None and len(v) != size}
     uid = columns.get("uid") if "uid" not in ragged else None
     index = columns.get("index")
-    if index is None and columns.get("extra_info") is not None:
-        index = [field(e, "index") if isinstance(e, Mapping) else None for e in columns["extra_info"]]
+    extra_info = columns.get("extra_info")
+    if index is None and extra_info is not None:
+        index = [field(e, "index") if isinstance(e, Mapping) else None for e in extra_info]
     groups = _groups(size, uid, rollout_n)
     rollouts = _rollout_numbers(size, groups, index, columns.get(ROLLOUT_N_COLUMN)
                                 if ROLLOUT_N_COLUMN not in ragged else None)
@@ -212,7 +213,8 @@ def record_batch(
     turns = _column_ints(columns.get("__num_turns__"), size)
     extra = {name: columns[name] for name in _METADATA_COLUMNS if columns.get(name) is not None}
 
-    metadata, episode_ids, attributes, seen = [], [], [], {}
+    metadata, episode_ids, attributes = [], [], []
+    seen: dict[Any, Any] = {}
     partial = 0
     for i in range(size):
         group = groups[i]
@@ -239,8 +241,9 @@ def record_batch(
         attrs = _Attributes()
         version = versions[i] if versions is not None else None
         set_policy(attrs, version, trained)
-        if version is not None and lowest[i] is not None and 0 <= lowest[i] < version:
-            attrs[c.RL_POLICY_VERSION_MIN] = lowest[i]
+        low = lowest[i]
+        if version is not None and low is not None and 0 <= low < version:
+            attrs[c.RL_POLICY_VERSION_MIN] = low
             attrs[c.RL_POLICY_VERSION_MAX] = version
         if turns[i] is not None:
             attrs[c.RL_TURN_COUNT] = turns[i]
@@ -354,13 +357,13 @@ def _rollout_numbers(size: int, groups: list[str | None], index: list[Any] | Non
     return _unique_in_groups(_trajectory_rollout_n(keys), groups)
 
 
-def _unique_in_groups(values: list[int | None], groups: list[str | None]) -> list[int | None]:
+def _unique_in_groups(values: Sequence[int | None], groups: list[str | None]) -> list[int | None]:
     """``values`` when (group, value) names each sample once (they become episode ids)."""
     pairs = [(g, v) for g, v in zip(groups, values, strict=True) if g is not None]
     if len(set(pairs)) != len(pairs):
         warn_unknown(FRAMEWORK, "rollout_n", "repeats within a uid group; rollout_n not recorded")
         return [None] * len(values)
-    return values
+    return list(values)
 
 
 def _contiguous(groups: list[str | None]) -> bool:

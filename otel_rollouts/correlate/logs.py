@@ -31,6 +31,7 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import type_name
 from otel_rollouts._core.env import uses_http
 from otel_rollouts._core.redaction import Redactor
+from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.spans import SpanRecord
 
 __all__ = ["EpisodeLogFilter", "LoggingIntegration", "instrument_logging", "uninstrument_logging"]
@@ -96,7 +97,7 @@ class _OtlpHandler(logging.Handler):
         self.provider = provider
         self.fallback = Redactor()
 
-    def _rules(self) -> tuple[Redactor | None, bool]:
+    def _rules(self) -> tuple[Redacting | None, bool]:
         """The redactor and whether content is captured, of the configured run."""
         rt = _runtime.installed()
         if rt is None or not rt.enabled:
@@ -263,7 +264,9 @@ def _logger_provider(exporter: Any) -> Any:
 
 def _otlp_log_exporter() -> Any:
     if uses_http(c.ENV_OTLP_LOGS_PROTOCOL):
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
-    return OTLPLogExporter()
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as Http
+
+        return Http()
+    from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as Grpc
+
+    return Grpc()

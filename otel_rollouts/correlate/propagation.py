@@ -19,7 +19,7 @@ the episode id in baggage if the server copies baggage to span attributes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from opentelemetry import baggage, trace
@@ -113,7 +113,7 @@ async def _httpx_inject_async(request: Any) -> None:
     _httpx_inject(request)
 
 
-def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list]:
+def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list[Callable[[Any], Any]]]:
     """``event_hooks`` for ``httpx.Client`` (or ``httpx.AsyncClient`` with ``asynchronous=True``).
 
     ``httpx.Client(event_hooks=otr.httpx_event_hooks())``: every request carries the context
@@ -123,13 +123,13 @@ def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list]:
 
 
 # --- requests --------------------------------------------------------------------------------------
-def _adapter_class():
+def _adapter_class() -> type[Any]:
     from requests.adapters import HTTPAdapter
 
     class ContextAdapter(HTTPAdapter):
         """A ``requests`` adapter that adds the current trace context to each request it sends."""
 
-        def add_headers(self, request, **kwargs):
+        def add_headers(self, request: Any, **kwargs: Any) -> None:
             super().add_headers(request, **kwargs)
             carrier: dict[str, str] = {}
             inject_headers(carrier)

@@ -77,10 +77,10 @@ class WorkerResult:
         self.spans = spans
         self.trace_id = trace_id
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Any, bytes, int]:
         return (self.value, self.spans, self.trace_id)
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: tuple[Any, bytes, int]) -> None:
         self.value, self.spans, self.trace_id = state
 
     def __repr__(self) -> str:
@@ -102,10 +102,10 @@ class ContextTask:
         # the live context (with the episode's own span record): same process only
         self.context = otel_context.get_current() if carrier is None else None
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return {"fn": self.fn, "carrier": self.carrier, "pid": self.pid}
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.fn, self.carrier, self.pid = state["fn"], state["carrier"], state["pid"]
         self.context = None
 
@@ -152,7 +152,8 @@ class _Sink:
 _SINK = _Sink()
 
 
-def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwargs) -> Any:
+def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
     remote = extract_context(carrier)
     parent = trace.get_current_span(remote).get_span_context()
     if not parent.is_valid:
@@ -163,7 +164,9 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args, kwar
     if installed is None or not installed.enabled:
         # an unconfigured worker: record this task's spans anyway, they go back to the parent
         temporary = _runtime.Runtime(enabled=True, capture_content=_capture_content())
-    active = installed if temporary is None else temporary
+    active = temporary if temporary is not None else installed
+    if active is None:
+        return WorkerResult(fn(*args, **kwargs), b"", 0)
     step = _int(baggage.get_baggage(c.RL_STEP, remote))
     record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, active.max_spans_per_episode)
     record.capture_content = active.capture_content
@@ -301,7 +304,7 @@ def adopt_exception(exc: BaseException, record: EpisodeRecord | None = None) -> 
 
 
 def submit(executor: concurrent.futures.Executor, fn: Callable[..., Any], /, *args: Any,
-           **kwargs: Any) -> concurrent.futures.Future:
+           **kwargs: Any) -> concurrent.futures.Future[Any]:
     """``executor.submit(fn, *args, **kwargs)`` in the current episode context.
 
     Works with ``ThreadPoolExecutor`` and ``ProcessPoolExecutor``: the returned future holds
@@ -312,9 +315,9 @@ def submit(executor: concurrent.futures.Executor, fn: Callable[..., Any], /, *ar
     span = trace.get_current_span(task.context)
     record = span.episode if isinstance(span, SpanRecord) else None
     inner = executor.submit(task, *args, **kwargs)
-    outer: concurrent.futures.Future = concurrent.futures.Future()
+    outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-    def done(future: concurrent.futures.Future) -> None:
+    def done(future: concurrent.futures.Future[Any]) -> None:
         if future.cancelled():
             outer.cancel()
             outer.set_running_or_notify_cancel()

@@ -169,15 +169,19 @@ class TokenizerCache:
                     self._by_id[id(tokenizer)] = info
             return info
 
+    def __len__(self) -> int:
+        """How many tokenizers it knows now (a weakly held one leaves with its tokenizer)."""
+        with self._lock:
+            return len(self._weak) + len(self._by_id)
 
+
+TokenizerInfo = _TokenizerInfo  # its public name, for type hints (what ``tokenizer_info`` returns)
 TOKENIZERS = TokenizerCache()  # the process's documented cache (see the class)
 
 
 def tokenizer_info(tokenizer: Any) -> _TokenizerInfo:
     """What was learned of ``tokenizer`` (learned on first use)."""
     return TOKENIZERS.get(tokenizer)
-
-
 
 
 def tokenizer_knowledge(tokenizer: Any) -> tuple[RoleMarkers, tuple[str, ...], str | None]:

@@ -29,11 +29,16 @@ def default_exporters(project: str | None = None, redactor: Redactor | None = No
 
 def otlp_exporter_from_env() -> SpanExporter:
     """The stock OTLP span exporter for ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (default grpc)."""
+    exporter_class: type[SpanExporter]
     if uses_http(c.ENV_OTLP_TRACES_PROTOCOL):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+        exporter_class = Http
     else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+        exporter_class = Grpc
     timeout = None
     if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
         timeout = 5.0  # its own retries must give up soon: our spool retries for as long as it takes
-    return OTLPSpanExporter(timeout=timeout)
+    return exporter_class(timeout=timeout)  # type: ignore[call-arg]

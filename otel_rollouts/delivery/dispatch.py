@@ -79,7 +79,7 @@ class Delivery:
         stats: Stats,
         max_queue: int = 1024,
         *,
-        spool_dir: str | Path | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
         spool_max_bytes: int = 256 * 1024 * 1024,
         max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
         max_pending_bytes: int = 64 * 1024 * 1024,

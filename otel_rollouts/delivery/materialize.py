@@ -204,7 +204,7 @@ class Materializer:
                 value = self._walk(value)
                 text = to_json(value)
                 clean = self._clean_text(text)
-                if clean == text:
+                if clean is None or clean == text:
                     out[key] = value
                 else:
                     try:
@@ -249,7 +249,7 @@ class Materializer:
         if s.kind == c.KIND_EPISODE:
             merged.update(self.views.root(merged))
         if s.status_code is StatusCode.ERROR:
-            merged[c.ERROR_TYPE] = error_type(s.events)
+            merged[c.ERROR_TYPE] = error_type(s.events or ())
         return self._attributes(merged, redact=redact)
 
     def _build(self, trace_id: int, s: SpanRecord, attributes: dict[str, Any], truncated: list[str],
@@ -402,7 +402,7 @@ class Materializer:
 
     def _text(self, text: str, limit: int, redact: bool = True) -> tuple[str, bool]:
         if redact:
-            text = self._clean_text(text)
+            text = self._clean_text(text) or ""  # a str in, a str out
         budget = self._budget
         if budget is not None:
             # the episode's budget is shared by its texts, in span order; each keeps at least a

@@ -96,8 +96,9 @@ class SpoolingSender(SpanExporter):
         self._thread.start()
 
     # --- render side ---------------------------------------------------------------------
-    def offer(self, spans: list[ReadableSpan]) -> None:
-        size = approx_bytes(spans)
+    def offer(self, batch: list[ReadableSpan]) -> None:
+        spans: list[ReadableSpan] | None = batch
+        size = approx_bytes(batch)
         spill: list[list[ReadableSpan]] = []
         with self._cond:
             outage = self._spool is not None and len(self._spool) > 0
@@ -111,13 +112,13 @@ class SpoolingSender(SpanExporter):
                 ):
                     spill.append(self._take_head())
                 if size <= self.max_pending_bytes:
-                    self._pending.append(spans)
-                    self._sizes[id(spans)] = size
+                    self._pending.append(batch)
+                    self._sizes[id(batch)] = size
                     self._pending_bytes += size
                     spans = None
                 self._cond.notify()
-        for batch in spill:
-            self._to_spool(batch)
+        for oldest in spill:
+            self._to_spool(oldest)
         if spans is not None:
             # an outage is going on, or the batch alone is over the memory bound: keep it on disk
             self._to_spool(spans)

@@ -23,6 +23,7 @@ open. A second process given the same directory spools into a sub-directory of i
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import re
@@ -264,7 +265,7 @@ class Spool:
             return sum(e for _, _, e in self._files)
 
     # --- writing ---------------------------------------------------------------------------
-    def push(self, data: bytes, episodes: int) -> int:
+    def push(self, data: builtins.bytes, episodes: int) -> int:
         """Store one encoded batch; return the number of episodes dropped to make room."""
         size = len(data)
         if size > self.max_bytes:

@@ -19,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
+from contextvars import Token
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
@@ -47,7 +50,7 @@ def flag(span: SpanRecord, message: str) -> None:
     report(message)
 
 
-def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]]:
+def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]] | Deferred:
     """OpenAI-style message list from a list of messages, one message, or plain text."""
     if messages is None:
         return []
@@ -108,7 +111,7 @@ class _Scope:
     __slots__ = ("_token",)
 
     def __init__(self) -> None:
-        self._token = None
+        self._token: Token[Context] | None = None
 
     def attach(self, span: SpanRecord) -> None:
         self._token = otel_context.attach(trace.set_span_in_context(span))
@@ -164,7 +167,8 @@ class _SpanHandle:
             self._scope.attach(self._span)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
             self._scope.detach()
@@ -177,7 +181,8 @@ class _SpanHandle:
     async def __aenter__(self: _H) -> _H:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
 
 
@@ -232,6 +237,7 @@ class Generation(_SpanHandle):
             span.attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
             span.name = c.chat_span_name(text(model))
         if span.episode.capture_content:
+            message: Deferred | dict[str, Any]
             if isinstance(content, Deferred):  # the whole message, rendered only if kept
                 message = content
             elif isinstance(content, Mapping):
@@ -393,7 +399,8 @@ class Episode:
         if step is None:
             step_value = rt.current_step
         else:
-            step_value, problem = to_int(step, "step")
+            parsed, problem = to_int(step, "step")
+            step_value = rt.current_step if parsed is None else parsed
             if problem is not None:
                 problems.append(problem)
                 step_value = rt.current_step
@@ -458,11 +465,12 @@ class Episode:
 
     def __enter__(self) -> Episode:
         self.start()
-        if self._record is not None:
+        if self._record is not None and self._record.root is not None:
             self._scope.attach(self._record.root)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
             self._scope.detach()
@@ -474,7 +482,8 @@ class Episode:
     async def __aenter__(self) -> Episode:
         return self.__enter__()
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
 
     @guarded
@@ -557,7 +566,7 @@ class Episode:
     ) -> None:
         """Record the reward (and its components, and the advantage): numbers, never text."""
         record = self._record
-        if record is None:
+        if record is None or record.root is None:
             return
         if record.state == DROPPED:
             return  # the sampler already let this episode go: nothing of it is exported
@@ -595,9 +604,9 @@ class Episode:
     def finish(self, reason: str | None = None, status: str | None = None) -> None:
         """Record why the episode ended (``stop``, ``length``…) and its ``rl.status``."""
         record = self._record
-        if record is None:
+        root = record.root if record is not None else None
+        if root is None:
             return
-        root = record.root
         if reason is not None:
             root.attributes[c.RL_FINISH_REASON] = text(reason)
         if status is not None:
@@ -612,8 +621,9 @@ class Episode:
     @guarded
     def set_attribute(self, key: str, value: Any) -> None:
         """Set an extra attribute on the episode root span."""
-        if self._record is not None:
-            self._record.root.attributes[text(key)] = snapshot(value)
+        root = self.root
+        if root is not None:
+            root.attributes[text(key)] = snapshot(value)
 
 
 def episode(
@@ -652,7 +662,8 @@ def current_episode() -> Episode | None:
     """The episode recording in the current context, or None."""
     span = trace.get_current_span()
     if isinstance(span, SpanRecord):
-        return span.episode.handle
+        handle = span.episode.handle
+        return handle if isinstance(handle, Episode) else None
     return None
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from contextvars import Token
 from typing import Any, TypeVar, overload
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
@@ -41,11 +43,11 @@ class _Call:
         self.sdk = sdk
         self.kind = kind
 
-    def attach(self):
+    def attach(self) -> Token[Context]:
         return otel_context.attach(trace.set_span_in_context(self.span))
 
     @staticmethod
-    def detach(token) -> None:
+    def detach(token: Token[Context]) -> None:
         try:
             otel_context.detach(token)
         except Exception:  # noqa: BLE001
@@ -107,14 +109,15 @@ def _render(call: _Call, value: Any) -> Any:
     return snapshot(value)
 
 
-def _signature(fn) -> inspect.Signature | None:
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):
         return None
 
 
-def _bound_args(sig: inspect.Signature | None, args, kwargs) -> dict[str, Any]:
+def _bound_args(sig: inspect.Signature | None, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> dict[str, Any]:
     if sig is None:
         return {"args": list(args), **kwargs} if args else dict(kwargs)
     try:
@@ -134,7 +137,7 @@ def _bound_args(sig: inspect.Signature | None, args, kwargs) -> dict[str, Any]:
     return out
 
 
-def _model_of(model: str | None, arguments: dict[str, Any], args) -> str | None:
+def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...]) -> str | None:
     if model:
         return model
     for key in ("model", "model_name"):
@@ -152,8 +155,8 @@ def _model_of(model: str | None, arguments: dict[str, Any], args) -> str | None:
     return None
 
 
-def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None, sig, args,
-           kwargs) -> _Call | None:
+def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
+           sig: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
     rt = _runtime.current()
     if not rt.enabled:
         return None
@@ -205,8 +208,8 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
             attributes[c.RL_TURN_INDEX] = record.next_turn
             record.next_turn += 1
         attributes = {k: (snapshot(v) if not isinstance(v, str) else v) for k, v in attributes.items()}
-        span = child_span(record, span_name, kind, current, attributes)
-        return _Call(span, None, False, kind)
+        child = child_span(record, span_name, kind, current, attributes)
+        return _Call(child, None, False, kind)
 
     # outside any episode: an ordinary SDK span
     if rt.tracer is None:
@@ -226,7 +229,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     return _Call(span, None, True, kind)
 
 
-def _safe_start(*a) -> _Call | None:
+def _safe_start(*a: Any) -> _Call | None:
     try:
         return _start(*a)
     except Exception as err:  # noqa: BLE001 - never break the traced function
@@ -234,7 +237,7 @@ def _safe_start(*a) -> _Call | None:
         return None
 
 
-def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Callable:
+def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None) -> Callable[..., Any]:
     sig = _signature(fn)
     short_name = getattr(fn, "__name__", "call")
     fn_name = getattr(fn, "__qualname__", short_name)
@@ -242,7 +245,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
-        async def agen_wrapper(*args, **kwargs):
+        async def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
             call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
             agen = fn(*args, **kwargs)
             if call is None:
@@ -282,7 +285,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
     if inspect.isgeneratorfunction(fn):
 
         @functools.wraps(fn)
-        def gen_wrapper(*args, **kwargs):
+        def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
             call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
             gen = fn(*args, **kwargs)
             if call is None:
@@ -320,7 +323,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
-        async def async_wrapper(*args, **kwargs):
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
             if call is None:
                 return await fn(*args, **kwargs)
@@ -340,7 +343,7 @@ def _wrap(fn: Callable, name: str | None, kind: str, model: str | None) -> Calla
         return async_wrapper
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
         if call is None:
             return fn(*args, **kwargs)
@@ -370,7 +373,8 @@ def traced(fn: F) -> F: ...
 def traced(*, name: str | None = None, kind: str = "span", model: str | None = None) -> Callable[[F], F]: ...
 
 
-def traced(fn=None, *, name: str | None = None, kind: str = c.KIND_SPAN, model: str | None = None):
+def traced(fn: Callable[..., Any] | None = None, *, name: str | None = None, kind: str = c.KIND_SPAN,
+           model: str | None = None) -> Any:
     """Trace each call of the decorated callable as a span.
 
     ``kind`` is one of ``span``, ``generation``, ``tool``, ``turn`` or ``episode``. Works on
@@ -380,7 +384,7 @@ def traced(fn=None, *, name: str | None = None, kind: str = c.KIND_SPAN, model: 
     if kind not in c.TRACED_KINDS:
         raise ValueError(f"traced: kind must be one of {', '.join(c.TRACED_KINDS)}, got {kind!r}")
 
-    def decorate(target):
+    def decorate(target: Any) -> Any:
         if isinstance(target, classmethod):
             return classmethod(_wrap(target.__func__, name, kind, model))
         if isinstance(target, staticmethod):

@@ -193,12 +193,12 @@ class Pipeline(SpanProcessor):
             # share so the job stays under the cap, then let the error be reported
             with self._lock:
                 share = coordinator.local_share(self.sampler.max_traces_per_step)
-                for key, s in closing.items():
-                    self._apply(key, s, s.bucket.decide(share))
+                for key, held in closing.items():
+                    self._apply(key, held, held.bucket.decide(share))
             raise
         with self._lock:
-            for key, s in closing.items():
-                self._apply(key, s, chosen.get(key, []))
+            for key, held in closing.items():
+                self._apply(key, held, chosen.get(key, []))
             self._trim_closed()
 
     def close_all(self, timeout: float | None = None) -> bool:
@@ -339,6 +339,7 @@ class Pipeline(SpanProcessor):
         """Note which episode a foreign span belongs to (its parent is an episode span, or a
         foreign span already noted)."""
         parent = trace.get_current_span(parent_context)
+        record: EpisodeRecord | None
         if isinstance(parent, SpanRecord):
             record = parent.episode
         else:

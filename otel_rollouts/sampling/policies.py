@@ -5,7 +5,10 @@ It sees *episode records* (never rendered spans), holds a number of them bounded
 and releases a candidate the moment it can no longer be chosen, so memory depends on the cap,
 not on how many episodes a step saw.
 
-The protocol is small so that policies compose:
+The protocol is small so that policies compose. ``Policy`` and ``Bucket`` are the extension
+points (``typing.Protocol``, checkable with ``isinstance``): a custom policy is any object with
+``bucket`` and ``needs``, a plain class will do (no base class needed; ``BasePolicy`` gives the
+built-ins' defaults to those who want them):
 
 * ``Policy.bucket(cap, key, stream=False, margin=0)`` makes a ``Bucket`` for one (step, split)
   that may be asked for up to ``cap`` episodes, ``margin`` of its candidates possibly being
@@ -27,7 +30,7 @@ import hashlib
 import heapq
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
 
@@ -65,28 +68,73 @@ def _let_go(refs: dict[int, int], record: Any, out: list[Any]) -> None:
         out.append(record)
 
 
-class Bucket:
-    """Candidates of one (step, split) under one policy."""
+@runtime_checkable
+class Bucket(Protocol):
+    """The candidates of one (step, split) under one policy: what ``Policy.bucket`` returns.
 
-    def offer(self, record: Any) -> Decision:  # pragma: no cover - interface
-        raise NotImplementedError
+    The sampling pipeline calls, on the thread that ends episodes (under its lock, so a bucket
+    needs no lock of its own): ``offer`` once per finished episode of the step, then, when the
+    step closes, ``decide`` once and ``held`` (to drop what was not chosen). The distributed
+    budget does the same on a fresh bucket fed light summaries of every rank's candidates, so
+    ``decide`` must depend only on what was offered (in order), never on the clock or on chance.
+    A record is only known by ``record.attribute(name)`` and ``record.trace_id``; a bucket holds
+    at most about ``cap + margin`` of them (memory must not grow with the episodes of a step).
+    """
+
+    def offer(self, record: Any) -> Decision:
+        """Take one finished episode: return ``(released, keep_now)``, the records this bucket
+        will never choose (dropped at once) and those kept for good right now (exported at
+        once; streaming buckets only, others return ``[]``)."""
+        ...
 
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
-        raise NotImplementedError  # pragma: no cover - interface
+        """When the step closes: at most ``limit`` (default: the cap) held records, none whose
+        ``id()`` is in ``exclude`` (taken by an earlier part of a composition), each once."""
+        ...
 
-    def held(self) -> list[Any]:  # pragma: no cover - interface
-        raise NotImplementedError
+    def held(self) -> list[Any]:
+        """Every record held now, each once (what is not decided is dropped)."""
+        ...
 
 
-class Policy:
-    """A rule for choosing at most ``cap`` episodes of a step."""
+@runtime_checkable
+class Policy(Protocol):
+    """A rule for choosing at most ``cap`` episodes of a step: the sampling extension point.
+
+    A custom policy is any object with these two methods (``isinstance(obj, Policy)`` checks
+    it); it may also carry ``budget`` (int or None), its own share of the cap when it is a part
+    of a ``Compose``. ``bucket`` is called once per (step, split), when the step's first episode
+    finishes (and once per step by the distributed budget); ``needs`` when the distributed budget
+    summarises candidates (the attributes it must carry across ranks).
+    """
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        """A fresh ``Bucket`` for the (step, split) ``key``, choosing at most ``cap`` episodes and
+        holding up to ``cap + margin``. ``stream=True`` (one process, the policy alone) allows
+        it to keep episodes at once from ``offer``."""
+        ...
+
+    def needs(self) -> set[str]:
+        """Episode attributes this policy reads (carried across ranks by the distributed budget)."""
+        ...
+
+
+def budget_of(policy: Policy) -> int | None:
+    """A policy's own share of the cap in a ``Compose`` (``budget``; None: what is left)."""
+    budget = getattr(policy, "budget", None)
+    return budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+
+
+class BasePolicy(Policy):
+    """The built-in policies' base: a name, no attributes read, no budget of its own."""
 
     name = "policy"
     streaming = False  # True when decisions need no comparison and can be exported at once
     budget: int | None = None  # its own share of the cap inside a ``Compose`` (None: what is left)
 
     def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
-               margin: int = 0) -> Bucket:  # pragma: no cover
+               margin: int = 0) -> Bucket:  # pragma: no cover - interface
         raise NotImplementedError
 
     def needs(self) -> set[str]:
@@ -168,7 +216,7 @@ class _RankedBucket(Bucket):
 
 
 # --- first -------------------------------------------------------------------------------------
-class First(Policy):
+class First(BasePolicy):
     """The first ``n`` (default: the cap) episodes to finish.
 
     Alone and in a single process it streams: kept episodes are exported at once. Inside a
@@ -230,7 +278,7 @@ class _FirstBucket(Bucket):
 
 
 # --- uniform -------------------------------------------------------------------------------------
-class Uniform(Policy):
+class Uniform(BasePolicy):
     """A seeded uniform sample: every episode of the step is equally likely to be kept.
 
     Each episode gets a pseudo-random priority from a keyed hash of ``(seed, trace id)`` and the
@@ -265,7 +313,7 @@ class _UniformBucket(_RankedBucket):
 
 
 # --- errors --------------------------------------------------------------------------------------
-class Errors(Policy):
+class Errors(BasePolicy):
     """Episodes whose ``rl.status`` is ``error`` (first) or ``truncated`` (next), first come.
 
     Alone it keeps only such episodes; the string ``"errors"`` means ``Compose(Errors(),
@@ -297,7 +345,7 @@ class _ErrorsBucket(_RankedBucket):
 
 
 # --- top / bottom --------------------------------------------------------------------------------
-class TopBottom(Policy):
+class TopBottom(BasePolicy):
     """The ``top`` best and ``bottom`` worst episodes by a numeric attribute (default reward).
 
     Any numeric root attribute may be named (``score="rl.advantage"``). With no explicit split
@@ -321,7 +369,7 @@ class TopBottom(Policy):
         if self.top is None and self.bottom is None:
             return limit - limit // 2, limit // 2
         if self.top is None:
-            bottom = min(self.bottom, limit)
+            bottom = min(self.bottom or 0, limit)
             return limit - bottom, bottom
         top = min(self.top, limit)
         bottom = limit - top if self.bottom is None else min(self.bottom, limit - top)
@@ -409,7 +457,7 @@ class _ScoreBucket(_RankedBucket):
 
 
 # --- groups --------------------------------------------------------------------------------------
-class Groups(Policy):
+class Groups(BasePolicy):
     """Whole groups (``rl.group.id``, e.g. the samples of one GRPO prompt) kept or dropped together.
 
     ``rule`` orders groups: ``"spread"`` (default: largest max−min of ``score`` first — a group
@@ -467,7 +515,7 @@ class _GroupsBucket(Bucket):
         self.count = 0
         self.seq = 0
 
-    def priority(self, g: _Group) -> tuple:
+    def priority(self, g: _Group) -> tuple[float, ...]:
         """Larger is better."""
         rule = self.policy.rule
         if rule == "spread":
@@ -522,7 +570,7 @@ class _GroupsBucket(Bucket):
 
 
 # --- compositions --------------------------------------------------------------------------------
-class Compose(Policy):
+class Compose(BasePolicy):
     """Parts with sub-budgets, decided in order: ``Compose(Errors(2), TopBottom(top=4,
     bottom=4), Uniform())`` keeps 2 failures, then the 4 best and 4 worst of the rest, then fills
     the cap uniformly. A part with a budget takes at most that many; a part without one
@@ -563,7 +611,7 @@ class Compose(Policy):
     def reserved(self, cap: int) -> list[int]:
         """For each part, how much of ``cap`` is kept back for the parts after it: their budgets
         (by default) or their equal shares (``equal_shares``)."""
-        keep = self.shares(cap) if self.equal_shares else [p.budget or 0 for p in self.parts]
+        keep = self.shares(cap) if self.equal_shares else [budget_of(p) or 0 for p in self.parts]
         out, later = [], 0
         for k in reversed(keep):
             out.append(later)
@@ -575,8 +623,8 @@ class Compose(Policy):
         leave when no earlier part took anything), cut to the cap."""
         out = []
         for p, later in zip(self.parts, self.reserved(cap), strict=True):
-            most = max(cap - later, 0)
-            out.append(min(most, p.budget) if p.budget is not None else most)
+            most, budget = max(cap - later, 0), budget_of(p)
+            out.append(min(most, budget) if budget is not None else most)
         return out
 
     def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
@@ -616,9 +664,9 @@ class _ComposeBucket(Bucket):
         out: list[Any] = []
         parts = self.policy.parts
         for part, sub, later in zip(parts, self.subs, self.policy.reserved(cap), strict=True):
-            room = cap - len(out) - later
-            if part.budget is not None:
-                room = min(room, part.budget)
+            room, budget = cap - len(out) - later, budget_of(part)
+            if budget is not None:
+                room = min(room, budget)
             if room <= 0:
                 continue
             for r in sub.decide(room, taken):
@@ -666,7 +714,8 @@ def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
     if policy == Groups.name:
         return Groups(seed=seed)
     try:
-        return POLICIES[policy]()
+        made: Policy = POLICIES[policy]()
+        return made
     except KeyError:
         raise ValueError(
             f"unknown sampling policy {policy!r}; expected one of {sorted(POLICIES)} or a Policy"
