@@ -227,7 +227,8 @@ def test_sender_with_a_spool_survives_a_failing_exporter_and_delivers_later(tmp_
 
 def test_sender_without_a_spool_counts_what_a_failing_exporter_loses():
     inner = otr.CountingExporter(Failing(failures=10**6))
-    sender = otr.SpoolingSender(inner, inner.counts)
+    sender = otr.SpoolingSender(inner)  # counts where the layer below counts
+    assert sender.counts is inner.counts
     try:
         sender.export(_batch(3))
         assert sender.wait_idle(time.monotonic() + 30, through_outage=True)

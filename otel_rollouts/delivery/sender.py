@@ -70,7 +70,10 @@ class SpoolingSender(SpanExporter):
         they are dropped, counted). ``max_pending`` / ``max_pending_bytes``: the memory bound."""
         self.exporter = exporter  # the layers below (the user's exporter at the bottom)
         self.user_exporter: SpanExporter = exporter  # whose force_flush/shutdown the library calls
-        counts = counts if counts is not None else DeliveryCounts(Stats(), exporter_name(exporter))
+        if counts is None:  # the layer below's counts, if it keeps some (one set per exporter)
+            below = getattr(exporter, "counts", None)
+            counts = below if isinstance(below, DeliveryCounts) else DeliveryCounts(
+                Stats(), exporter_name(exporter))
         spool_dir = Path(spool_dir) if spool_dir is not None else None
         self.counts = counts
         self.name = counts.name
