@@ -111,7 +111,7 @@ class Rollouts(_runtime.Runtime):
     def _build(self) -> None:
         s = self.settings
         content, limits, delivery_settings = s.content, s.limits, s.delivery
-        sampler = s.sampler or TailSampler()
+        sampler = s.sampling.sampler or TailSampler()
         run_id = s.run_id or uuid.uuid4().hex[:12]
         redactor = make_redactor(content.redact, content.redact_patterns)
         resource = _resource(s.service_name, s.resource_attributes, run_id, redactor)
@@ -161,7 +161,7 @@ class Rollouts(_runtime.Runtime):
         self.max_attribute_chars = content.max_attribute_chars
         self.strict = s.strict
         self.run_id = run_id
-        self.deterministic_ids = s.deterministic_ids
+        self.deterministic_ids = s.sampling.deterministic_ids
         self.tracer = provider.get_tracer(c.SCOPE_NAME, version())
         self.redactor = redactor
         self.metrics = _metrics(resource, s.metric_readers, exporters, stats, redactor)

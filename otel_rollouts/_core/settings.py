@@ -25,6 +25,7 @@ __all__ = [
     "ENV_TABLE",
     "EnvOption",
     "LimitSettings",
+    "SamplingSettings",
     "Settings",
     "env_flag",
 ]
@@ -104,17 +105,24 @@ class DeliverySettings:
 
 
 @dataclass(frozen=True)
+class SamplingSettings:
+    """Which episodes of a step are kept: the tail sampler (default ``TailSampler(32,
+    "top_bottom")``) and whether ids are derived from (run, step, episode id)."""
+
+    sampler: Any = None
+    deterministic_ids: bool = False
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything ``configure()`` was given, resolved. The objects (exporters, sampler, metric
     readers) are the caller's; the groups are plain values."""
 
     service_name: str | None = None
     exporters: tuple[Any, ...] | None = None
-    sampler: Any = None
     resource_attributes: Mapping[str, Any] | None = None
     run_id: str | None = None
     trackio_project: str | None = None
-    deterministic_ids: bool = False
     strict: bool = False
     set_global_provider: bool = False
     metric_readers: tuple[Any, ...] | None = None
@@ -122,6 +130,7 @@ class Settings:
     content: ContentSettings = field(default_factory=ContentSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
 
     def for_forked_child(self) -> Settings:
         """A forked child's settings: a metric reader belongs to one MeterProvider (the
@@ -152,7 +161,8 @@ ENV_TABLE: tuple[EnvOption, ...] = (
     EnvOption(c.ENV_SPOOL_DIR, "delivery.spool_dir", _env_text),
 )
 
-_GROUPS = {"content": ContentSettings, "limits": LimitSettings, "delivery": DeliverySettings}
+_GROUPS = {"content": ContentSettings, "limits": LimitSettings, "delivery": DeliverySettings,
+           "sampling": SamplingSettings}
 
 
 def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:

@@ -39,6 +39,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from otel_rollouts._core.content import exception_text, type_name
+from otel_rollouts._core.guard import first_time
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
@@ -90,7 +91,6 @@ class Delivery:
         self.warner = Warner()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.closed = False  # set by shutdown: later items are counted, not queued
-        self._logged: set[tuple[str, str]] = set()
         self._own_spool_root = spool_dir is None
         self.spool_root = Path(spool_dir) if spool_dir is not None else None
         self.senders: list[SpoolingSender] = []
@@ -301,9 +301,8 @@ class Delivery:
             return False
 
     def _log_once(self, where: str, error: Any) -> None:
-        key = (where, type_name(error) if isinstance(error, BaseException) else str(error))
-        if key in self._logged:
+        kind = type_name(error) if isinstance(error, BaseException) else str(error)
+        if not first_time(f"delivery.{where}.{kind}"):
             return
-        self._logged.add(key)
         message = exception_text(error) if isinstance(error, BaseException) else str(error)
         warn("otel_rollouts: %s failed: %s (logged once; counted in otr.stats())", where, message)
