@@ -106,6 +106,7 @@ def test_counting_layer_counts_exactly_what_the_exporter_stored():
     assert counting.export(_batch(5, start=10)) is SpanExportResult.SUCCESS
     assert counting.counts.total("delivered") == 5
     assert counting.counts.total("export.failures") == 1
+    assert counting.counts.total("export.failed_episodes") == 3  # what a retry may duplicate
     assert count_episodes(inner.stored) == 5
 
 

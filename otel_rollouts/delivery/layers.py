@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts._core.codec import count_episodes
 from otel_rollouts._core.content import exception_text, type_name
+from otel_rollouts._core.guard import first_time
 from otel_rollouts._core.stats import Stats
 
 __all__ = [
@@ -106,7 +107,6 @@ class DeliveryCounts:
         self.stats = stats
         self.name = name
         self.warner = warner or Warner()
-        self._logged: set[str] = set()
 
     # the keys, per exporter
     def key(self, what: str) -> str:
@@ -118,8 +118,12 @@ class DeliveryCounts:
     def spooled(self, episodes: int) -> None:
         self.stats.add(self.key("spooled"), episodes)
 
-    def failure(self) -> None:
+    def failure(self, episodes: int) -> None:
+        """A request that failed, and the episodes in it. They are retried, so a receiver that
+        stored the request before the client gave up sees them twice: delivery is at least
+        once, and the duplicates are bounded by ``export.failed_episodes``."""
         self.stats.add(self.key("export.failures"))
+        self.stats.add(self.key("export.failed_episodes"), episodes)
 
     def error(self, where: str) -> None:
         """An exception contained in ``where`` (export, sender, spool)."""
@@ -161,9 +165,8 @@ class DeliveryCounts:
         return self.stats.total(self.key(what))
 
     def log_once(self, what: str, message: str) -> None:
-        if what in self._logged:
+        if not first_time(f"exporter.{self.name}.{what}"):
             return
-        self._logged.add(what)
         warn("otel_rollouts: exporter %s: %s (logged once; counted in otr.stats())", self.name, message)
 
 
@@ -187,7 +190,7 @@ class CountingExporter(SpanExporter):
             self.counts.log_once(f"export.{type_name(exc)}", f"export raised {exception_text(exc)}")
             result = SpanExportResult.FAILURE
         if result is SpanExportResult.FAILURE:
-            self.counts.failure()
+            self.counts.failure(count_episodes(spans))
             self.counts.log_once("export.FAILURE", "export returned FAILURE (will retry from the spool)")
             return SpanExportResult.FAILURE
         lost = self._not_stored()
