@@ -43,6 +43,7 @@ from otel_rollouts.correlate.workers import (
 from otel_rollouts.decode.batch import TokenBatchSummary, record_token_batch
 from otel_rollouts.delivery.layers import CountingExporter, DeliveryCounts, SplittingExporter
 from otel_rollouts.delivery.sender import SpoolingSender
+from otel_rollouts.record.batch import BatchSummary, record_batch
 from otel_rollouts.record.episode import (
     Episode,
     Generation,
@@ -100,11 +101,13 @@ __all__ = [
     "InvalidValue",
     "Policy",
     "record_token_batch",
+    "record_batch",
     "set_step",
     "shutdown",
     "stats",
     "TailSampler",
     "TokenBatchSummary",
+    "BatchSummary",
     "ToolCall",
     "TopBottom",
     "traced",

@@ -66,6 +66,22 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
     phase("top_bottom", otr.TailSampler(6, "top_bottom", step_lag=None), steps=[0, 1])
     phase("uniform", otr.TailSampler(5, "uniform", step_lag=None), steps=[0])
+
+    # the same rewards offered as columns, two batches per step (otr.record_batch)
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(6, "top_bottom", step_lag=None))
+    for step in (0, 1):
+        rewards = [_reward(rank, step, i) for i in range(PER_RANK)]
+        half = PER_RANK // 2
+        otr.record_batch(half, step=step, rewards=rewards[:half])
+        otr.record_batch(PER_RANK - half, step=step, rewards=rewards[half:])
+        otr.end_step(step)
+    otr.flush()
+    result["phases"]["batch"] = {"recorded": [], "stats": otr.stats()["steps"], "kept": [
+        {"trace_id": s.context.trace_id, "step": s.attributes[c.RL_STEP], "reward": s.attributes[c.RL_REWARD]}
+        for s in exporter.get_finished_spans() if s.parent is None
+    ]}
+    otr.shutdown()
     phase(
         "compose",
         otr.TailSampler(
@@ -150,6 +166,17 @@ def test_global_top_bottom_across_ranks(three_ranks):
         ranks = {r["rank"] for r in three_ranks for k in r["phases"]["top_bottom"]["kept"]
                  if k["step"] == step}
         assert len(ranks) > 1
+
+
+def test_batches_on_every_rank_merge_into_the_same_global_choice(three_ranks):
+    recorded, _ = _union(three_ranks, "top_bottom")  # the same rewards, one episode at a time
+    _, kept = _union(three_ranks, "batch")
+    for step in (0, 1):
+        rewards = sorted(e["reward"] for e in recorded if e["step"] == step)
+        got = sorted(k["reward"] for k in kept if k["step"] == step)
+        assert got == sorted(rewards[:3] + rewards[-3:])
+    seen = sum(r["phases"]["batch"]["stats"]["0/train"]["seen"] for r in three_ranks)
+    assert seen == 3 * PER_RANK
 
 
 def test_global_uniform_sample_is_the_union_choice(three_ranks):

@@ -59,6 +59,13 @@ class EpisodeSink(Protocol):
     def adopt(self, spans: list[ReadableSpan], record: EpisodeRecord | None = None) -> None:
         """Finished spans made in another process for an episode held here."""
 
+    def offer_batch(self, batch: Any) -> list[Any] | None:
+        """Offer the rows of a ``sampling.batch.RowBatch`` at once: the rows to record as
+        episodes, or None when every row must be recorded as an episode."""
+
+    def attach(self, recorded: list[tuple[Any, EpisodeRecord | None]]) -> None:
+        """The episodes recorded for the rows ``offer_batch`` returned."""
+
 
 class Redacting(Protocol):
     """The run's redaction, as the recording side uses it (``_core.redaction.Redactor``)."""

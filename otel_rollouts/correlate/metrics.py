@@ -194,6 +194,39 @@ class RolloutMetrics:
                                                 "Tool calls that failed")
 
     # --- called by the pipeline (under its lock) --------------------------------------------------
+    def dropped_rows(self, batch: Any, indices: Sequence[int], reason: str) -> None:
+        """Rows of a batch (``sampling.batch.RowBatch``) dropped before their episodes were
+        recorded: counted and their rewards summarised at once (they have no duration, no
+        spans). Rewards still reach the histogram one by one: it has no bulk call."""
+        n = len(indices)
+        if not n:
+            return
+        import numpy as np
+
+        scores = batch.scores(c.RL_REWARD)[np.asarray(indices, dtype=np.int64)]
+        rewards = scores[~np.isnan(scores)]
+        split = self.label(batch.split) if self.label is not None else batch.split
+        with self._lock:
+            step = self._steps.get((batch.step, split))
+            if step is None:
+                if len(self._steps) >= _MAX_PENDING_STEPS:
+                    self._steps.pop(next(iter(self._steps)))
+                step = self._steps[(batch.step, split)] = _Step()
+            step.seen += n
+            step.dropped += n
+            if rewards.size:
+                step.rewards += int(rewards.size)
+                step.reward_sum += float(rewards.sum())
+                step.reward_min = min(step.reward_min, float(rewards.min()))
+                step.reward_max = max(step.reward_max, float(rewards.max()))
+        if not self._instruments:
+            return
+        by_split = {c.RL_SPLIT: split}
+        self.seen.add(n, by_split)
+        self.dropped.add(n, {**by_split, c.RL_DROP_REASON: reason})
+        for value in rewards.tolist():
+            self.reward.record(value, by_split)
+
     def decided(self, record: EpisodeRecord, reason: str | None) -> None:
         """``reason`` None: kept; else why it was dropped. Called before its spans are freed."""
         root = record.root

@@ -36,17 +36,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred
-from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.guard import guarded_or, report
 from otel_rollouts._core.spans import SpanRecord
 from otel_rollouts._core.values import to_float
 from otel_rollouts.decode.chat_roles import RoleMarkers, learn_markers
 from otel_rollouts.decode.toolcalls import ParsedMessage, parse_tool_calls, tool_responses
-from otel_rollouts.record.episode import episode as new_episode
+from otel_rollouts.record.batch import Rows, record_rows
+from otel_rollouts.record.episode import status_value
 
 if TYPE_CHECKING:  # numpy (and torch) are imported only when a batch is recorded
     import numpy as np
@@ -508,7 +507,9 @@ def record_token_batch(
 
     from otel_rollouts.decode.layout import field_layout, layout_of
 
-    ids, refused = layout_of(input_ids, attention_mask)
+    # the ids and versions of a batch already on the host are read in place, not copied: only
+    # the samples recorded as episodes are, before this call returns
+    ids, refused = layout_of(input_ids, attention_mask, view=True)
     batch = len(ids.starts)
     mask = field_layout("loss_mask", loss_mask, ids, np.bool_, refused)
     vers = None
@@ -520,7 +521,7 @@ def record_token_batch(
                 and not hasattr(versions[0], "shape") and batch != 1):
             per_sample_versions = _per_sample("versions", versions, batch, summary)
         else:
-            vers = field_layout("versions", versions, ids, np.int32, refused)
+            vers = field_layout("versions", versions, ids, np.int32, refused, view=True)
 
     reward_col = _token_values("rewards", rewards, ids, mask, batch, summary, "sum")
     advantage_col = _token_values("advantages", advantages, ids, mask, batch, summary, "mean")
@@ -550,7 +551,7 @@ def record_token_batch(
         hi = np.searchsorted(edges, mask.starts + mask.lengths, side="left").tolist()
         ms_list = mask.starts.tolist()
         first_values = mflat[np.minimum(mask.starts, max(len(mflat) - 1, 0))].tolist() if len(mflat) else [False] * batch
-    vrange = _version_ranges(vers, mask, batch) if vers is not None and mask is not None else None
+    vrange = _VersionRanges(vers, mask) if vers is not None and mask is not None else None
     right_padded = (
         ids.width is not None and ids.last_column is not None
         and bool(np.any((ids.lengths > 0) & (ids.last_column < ids.width - 1)))
@@ -559,67 +560,83 @@ def record_token_batch(
     flat_ids = ids.flat
     model = str(model) if model is not None else None
 
-    for i in range(batch):
-        try:
-            reason = refused.get(i)
-            vmin = vmax = None
-            if reason is None and vrange is not None:
-                vmin, vmax = vrange[i]
-            elif per_sample_versions is not None:
-                vmin = vmax = per_sample_versions[i]
-            sample = i if index_col is None or index_col[i] is None else index_col[i]
-            ep = new_episode(
-                step, split,
-                group_id=None if group_col is None else group_col[i],
-                sample_index=sample,
-                policy_version=vmax,
-                episode_id=None if episode_col is None else episode_col[i],
-                dataset_name=dataset_name,
-                dataset_index=None if dataset_col is None else dataset_col[i],
-                framework=framework,
-                metadata=shared_meta if meta_col is None else meta_col[i],
-            )
-            with ep:
-                extra = None if attr_col is None else attr_col[i]
-                if isinstance(extra, Mapping):
-                    for key, value in extra.items():
-                        ep.set_attribute(str(key), value)
-                if reason is not None:
-                    summary.refused.append((i, reason))
-                    report(f"record_token_batch: {reason}")
-                    ep.set_attribute(c.RL_INVALID_FIELDS, [reason])
-                    _finish_reward(ep, i, reward_col, advantage_col, components, None, c.STATUS_ERROR, reason)
-                    summary.recorded += 1
-                    continue
-                s, n = s_list[i], n_list[i]
-                bounds = [0, *(edges[lo[i] : hi[i]] - ms_list[i]).tolist(), n] if n else []
-                first_value = bool(first_values[i]) if n else False
-                generated = len(bounds) > 1 + (0 if first_value else 1)
-                finish = None if finish_col is None else finish_col[i]
-                if finish is None and generated:
-                    last = bounds[-1] if (len(bounds) - 1) % 2 == (1 if first_value else 0) else bounds[-2]
-                    finish = _infer_finish(int(flat_ids[s + last - 1]) in eos_ids, n, max_length, right_padded,
-                                           last_col[i] if last_col else None, ids.width)
-                root = trace.get_current_span()  # the episode's root span record
-                if isinstance(root, SpanRecord):
-                    if vmin is not None and vmin != vmax:  # several policy versions: staleness
-                        root.set_attribute(c.RL_POLICY_VERSION_MIN, vmin)
-                        root.set_attribute(c.RL_POLICY_VERSION_MAX, vmax)
-                    body = _body(root, info, flat_ids[s : s + n], bounds, first_value, skip_special_tokens,
-                                 model, finish, capture, eos_ids)
-                    if capture and generated:
-                        root.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(body, "errors"))
-                status = None if status_col is None else status_col[i]
-                if status is None and finish == FINISH_LENGTH:
-                    status = c.STATUS_TRUNCATED
-                _finish_reward(ep, i, reward_col, advantage_col, components, finish, status, None)
-                summary.recorded += 1
-        except InvalidValue:
-            raise
-        except Exception as exc:  # noqa: BLE001 - one bad sample never stops the batch
-            reason = f"sample {i}: {type(exc).__name__}: {exc}"
-            summary.refused.append((i, reason))
-            report(f"record_token_batch: {reason}", exc=exc)
+    for i, reason in sorted(refused.items()):  # reported whether or not the sample is kept
+        summary.refused.append((i, reason))
+        report(f"record_token_batch: {reason}")
+
+    def finish_of(i: int) -> str | None:
+        """The finish reason: given, else ``stop`` after an EOS, ``length`` at the limit."""
+        finish = None if finish_col is None else finish_col[i]
+        n = n_list[i]
+        if finish is not None or i in refused or not n or mask is None:
+            return finish
+        bounds = _bounds(i)
+        first_value = bool(first_values[i])
+        if len(bounds) > 1 + (0 if first_value else 1):  # something was generated
+            s = s_list[i]
+            last = bounds[-1] if (len(bounds) - 1) % 2 == (1 if first_value else 0) else bounds[-2]
+            finish = _infer_finish(int(flat_ids[s + last - 1]) in eos_ids, n, max_length, right_padded,
+                                   last_col[i] if last_col else None, ids.width)
+        return finish
+
+    def _bounds(i: int) -> list[int]:
+        n = n_list[i]
+        return [0, *(edges[lo[i] : hi[i]] - ms_list[i]).tolist(), n] if n and mask is not None else []
+
+    def status_of(i: int) -> str | None:
+        if i in refused:
+            return c.STATUS_ERROR
+        given = None if status_col is None else status_col[i]  # as build() hands it to finish()
+        if given is None:
+            return c.STATUS_TRUNCATED if finish_of(i) == FINISH_LENGTH else None
+        return status_value(given)
+
+    def build(i: int, ep: Any) -> None:
+        extra = None if attr_col is None else attr_col[i]
+        if isinstance(extra, Mapping):
+            for key, value in extra.items():
+                ep.set_attribute(str(key), value)
+        reason = refused.get(i)
+        if reason is not None:
+            ep.set_attribute(c.RL_INVALID_FIELDS, [reason])
+            _finish_reward(ep, i, reward_col, advantage_col, components, None, c.STATUS_ERROR, reason)
+            return
+        if per_sample_versions is None and vrange is not None:
+            vmin, vmax = vrange[i]
+            if vmin is not None and vmin != vmax:  # several policy versions: staleness
+                ep.set_attribute(c.RL_POLICY_VERSION_MIN, vmin)
+                ep.set_attribute(c.RL_POLICY_VERSION_MAX, vmax)
+        s, n = s_list[i], n_list[i]
+        bounds = _bounds(i)
+        first_value = bool(first_values[i]) if n and mask is not None else False
+        generated = len(bounds) > 1 + (0 if first_value else 1)
+        finish = finish_of(i)
+        root = ep.root
+        if isinstance(root, SpanRecord):
+            own = np.array(flat_ids[s : s + n], dtype=np.int32)  # a copy: the caller's buffer may change
+            body = _body(root, info, own, bounds, first_value, skip_special_tokens,
+                         model, finish, capture, eos_ids)
+            if capture and generated:
+                root.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(body, "errors"))
+        status = None if status_col is None else status_col[i]
+        if status is None and finish == FINISH_LENGTH:
+            status = c.STATUS_TRUNCATED
+        _finish_reward(ep, i, reward_col, advantage_col, components, finish, status, None)
+
+    versions_col: Any = per_sample_versions
+    if vrange is not None:  # read for the recorded samples only
+        versions_col = _Lazy(lambda i: None if i in refused else vrange[i][1])
+    rows = Rows(
+        batch, step, split,
+        rewards=reward_col, advantages=advantage_col, group_ids=group_col, sample_indices=index_col,
+        episode_ids=episode_col, policy_versions=versions_col, dataset_indices=dataset_col,
+        statuses=lambda: [status_of(i) for i in range(batch)],
+        dataset_name=dataset_name, framework=framework, metadata=shared_meta if meta_col is None else meta_col,
+    )
+    _, failed = record_rows(rows, build)
+    summary.recorded = batch - len(failed)  # offered to the sampler as episodes
+    for i, reason in failed:
+        summary.refused.append((i, reason))
     return summary
 
 
@@ -637,37 +654,31 @@ def _body(root: SpanRecord, info: _TokenizerInfo, ids: np.ndarray, bounds: list[
     return body
 
 
-def _version_ranges(vers: Layout, mask: Layout, batch: int) -> list[tuple[int | None, int | None]]:
-    """(min, max) policy version over each sample's generated tokens; −1 placeholders ignored."""
-    import numpy as np
+class _VersionRanges:
+    """(min, max) policy version over a sample's generated tokens, −1 placeholders ignored;
+    read for the samples recorded as episodes only."""
 
-    vflat, mflat = vers.flat, mask.flat
-    out: list[tuple[int | None, int | None]] = [(None, None)] * batch
-    idx = vers.starts
-    if (batch and len(vflat) and len(vflat) == len(mflat) and np.array_equal(idx, mask.starts)
-            and bool(np.all(idx[1:] >= idx[:-1])) and mask.row_lengths is None):
-        # vectorized over the batch: a sample's segment [start_i, start_i+1) may hold padding of
-        # the next row, but there the loss mask is 0 (masks are cut to the attended tokens)
-        # in place: vflat is this call's private copy (no batch-sized temporaries)
-        invalid = vflat >= 0
-        invalid &= mflat
-        np.logical_not(invalid, out=invalid)  # not (generated and a real version)
-        idx = np.minimum(idx, len(vflat) - 1)
-        vflat[invalid] = -1
-        maxs = np.maximum.reduceat(vflat, idx).tolist()
-        vflat[invalid] = np.iinfo(vflat.dtype).max
-        mins = np.minimum.reduceat(vflat, idx).tolist()
-        for i, (n, lo, hi) in enumerate(zip(vers.lengths.tolist(), mins, maxs, strict=True)):
-            if n and hi >= 0:
-                out[i] = (lo, hi)
-        return out
-    for i in range(batch):
+    def __init__(self, vers: Layout, mask: Layout) -> None:
+        self.vers, self.mask = vers, mask
+
+    def __getitem__(self, i: int) -> tuple[int | None, int | None]:
+        vers, mask = self.vers, self.mask
         vs, ms, n = int(vers.starts[i]), int(mask.starts[i]), int(vers.lengths[i])
-        gen = vflat[vs : vs + n][mflat[ms : ms + n]] if int(mask.lengths[i]) == n else vflat[:0]
+        if int(mask.lengths[i]) != n:
+            return (None, None)
+        gen = vers.flat[vs : vs + n][mask.flat[ms : ms + n]]
         gen = gen[gen >= 0]
-        if gen.size:
-            out[i] = (int(gen.min()), int(gen.max()))
-    return out
+        return (int(gen.min()), int(gen.max())) if gen.size else (None, None)
+
+
+class _Lazy:
+    """A per-sample column computed for the samples that are read."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __getitem__(self, i: int) -> Any:
+        return self.fn(i)
 
 
 def _infer_finish(ends_with_eos: bool, n: int, max_length: int | None, right_padded: bool,

@@ -60,6 +60,23 @@ def host_array(x: Any, dtype: Any) -> np.ndarray:
     return (arr != 0) if dtype is np.bool_ else arr.astype(dtype, copy=False)
 
 
+def host_view(x: Any, dtype: Any) -> np.ndarray:
+    """``x`` on the host without a copy where it already is there (a CPU tensor, a numpy
+    array: shared with the caller, in its own dtype), else as ``host_array``. For values read
+    before the recording call returns: what outlives it must be copied from the view."""
+    x = _local(x)
+    if dtype is not np.bool_:
+        if isinstance(x, np.ndarray) and x.dtype.kind in "iu":
+            return x
+        if _is_torch(x):
+            import torch
+
+            t = x.detach()
+            if t.device.type == "cpu" and t.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+                return t.numpy()
+    return host_array(x, dtype)
+
+
 def host_column(x: Any) -> list[Any] | None:
     """A per-sample column (rewards, group ids…) as a Python list, one host copy per batch."""
     if x is None:
@@ -93,7 +110,7 @@ class Layout:
 def _ranges(attention: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """First column, count and contiguity of the attended tokens of each row (vectorized)."""
     width = attention.shape[1]
-    counts = attention.sum(axis=1)
+    counts = np.count_nonzero(attention, axis=1)
     first = attention.argmax(axis=1)
     last = width - 1 - attention[:, ::-1].argmax(axis=1)
     contiguous = (counts == 0) | (counts == last - first + 1)
@@ -122,12 +139,13 @@ def _is_flat_ints(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and (not x or isinstance(x[0], (int, np.integer)))
 
 
-def layout_of(input_ids: Any, attention_mask: Any) -> tuple[Layout, dict[int, str]]:
-    """The layout of ``input_ids``; returns it and the samples refused, with reasons."""
+def layout_of(input_ids: Any, attention_mask: Any, *, view: bool = False) -> tuple[Layout, dict[int, str]]:
+    """The layout of ``input_ids``; returns it and the samples refused, with reasons.
+    ``view``: a 2-D batch already on the host is not copied (see ``host_view``)."""
     refused: dict[int, str] = {}
     ids = _local(input_ids)
     if is_tensor(ids) and len(ids.shape) == 2:
-        arr = host_array(ids, np.int32)
+        arr = host_view(ids, np.int32) if view else host_array(ids, np.int32)
         batch, width = arr.shape
         if attention_mask is None:
             attention = np.ones((batch, width), dtype=bool)
@@ -176,8 +194,10 @@ def layout_of(input_ids: Any, attention_mask: Any) -> tuple[Layout, dict[int, st
     return Layout(flat, starts, lengths, row_lengths=full), refused
 
 
-def field_layout(name: str, value: Any, ids: Layout, dtype: Any, refused: dict[int, str]) -> Layout | None:
-    """A per-token field (loss mask, versions…) laid out like ``ids``; mismatches are refused."""
+def field_layout(name: str, value: Any, ids: Layout, dtype: Any, refused: dict[int, str], *,
+                 view: bool = False) -> Layout | None:
+    """A per-token field (loss mask, versions…) laid out like ``ids``; mismatches are refused.
+    ``view``: a 2-D field already on the host is not copied (see ``host_view``)."""
     batch = len(ids.starts)
     value = _local(value)
     if is_tensor(value) and len(value.shape) == 2:
@@ -186,7 +206,7 @@ def field_layout(name: str, value: Any, ids: Layout, dtype: Any, refused: dict[i
             for i in range(batch):
                 refused.setdefault(i, f"sample {i}: {name} has shape {tuple(value.shape)} but input_ids {shape}")
             return None
-        flat = host_array(value, dtype).reshape(-1)
+        flat = (host_view(value, dtype) if view else host_array(value, dtype)).reshape(-1)
         if dtype is np.bool_ and ids.inside is not None:
             flat &= ids.inside  # a mask says nothing about padding
         return Layout(flat, ids.starts, ids.lengths, ids.width, ids.last_column, ids.inside)

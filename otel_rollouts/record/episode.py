@@ -33,7 +33,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, snapshot, text
 from otel_rollouts._core.guard import contained, guarded, guarded_or, report
-from otel_rollouts._core.spans import DROPPED, KEPT, EpisodeRecord, SpanRecord
+from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, EpisodeRecord, SpanRecord
 from otel_rollouts._core.values import refused, to_float, to_int
 
 __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
@@ -325,6 +325,21 @@ class Turn(_SpanHandle):
 
 
 
+def new_episode_id(step: int) -> str:
+    """An episode id when none is given: the step and 64 random bits."""
+    return f"{step}-{_runtime.new_id64():016x}"
+
+
+def status_value(status: Any) -> str | None:
+    """The ``rl.status`` that ``Episode.finish(status=...)`` records (None: none, ``ok`` at the
+    end): a known status as it is, ``"failed"`` as ``error``, anything else refused."""
+    if not isinstance(status, str):
+        return None
+    if status in c.STATUSES:
+        return status
+    return c.STATUS_ERROR if status == "failed" else None
+
+
 def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
     """A deterministic 128-bit trace id for (run, step, episode id): find a trace from data."""
     digest = hashlib.blake2b(f"{run_id}\x1f{step}\x1f{episode_id}".encode(), digest_size=16)
@@ -390,6 +405,21 @@ class Episode:
         rt = self._runtime if self._runtime is not None else _runtime.current()
         if not rt.enabled or rt.pipeline is None:
             return self
+        record = self._begin(rt, None)
+        rt.pipeline.started(record)
+        return self
+
+    def begin_offered(self, rt: _runtime.Runtime, trace_id: int) -> EpisodeRecord | None:
+        """Record this episode for a batch row the sampler was already offered (its trace id
+        chosen with the batch): the pipeline is not told it started, and its root and reward
+        ending offer nothing. The batch attaches the record to its row."""
+        if self._record is not None or not rt.enabled or rt.pipeline is None:
+            return None
+        record = self._begin(rt, trace_id)
+        record.state = OFFERED
+        return record
+
+    def _begin(self, rt: _runtime.Runtime, trace_id: int | None) -> EpisodeRecord:
         request = self._request
         step, split, episode_id = request.step, request.split, request.episode_id
         group_id, sample_index, policy_version = request.group_id, request.sample_index, request.policy_version
@@ -408,11 +438,12 @@ class Episode:
                 problems.append(f"step: negative ({step_value})")
         split = text(split) if split is not None else "train"
         if episode_id is None:
-            episode_id = f"{step_value}-{_runtime.new_id64():016x}"
+            episode_id = new_episode_id(step_value)
         episode_id = text(episode_id)
-        trace_id = (
-            trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids else _runtime.new_id128()
-        )
+        if trace_id is None:
+            trace_id = (
+                trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids else _runtime.new_id128()
+            )
         record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
         record.handle = self
         record.capture_content = rt.capture_content
@@ -448,8 +479,7 @@ class Episode:
             flag(root, problem)
         self._record = record
         self.episode_id, self.step, self.split = episode_id, step_value, split
-        rt.pipeline.started(record)
-        return self
+        return record
 
     def _metadata(self, root: SpanRecord, metadata: Any) -> None:
         if not isinstance(metadata, Mapping):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -21,6 +22,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
+from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch, rows
 from otel_rollouts.sampling.policies import Bucket, TailSampler
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
@@ -79,18 +81,124 @@ class Pipeline(SpanProcessor):
             self._seq += 1
             record.seq = self._seq
             self._live[record.trace_id] = record
-            self.stats.step((record.step, record.split), "started")
-            previous = self._max_step.get(record.split)
-            if previous is None or record.step > previous:
-                self._max_step[record.split] = record.step
-                self._max_step.move_to_end(record.split)
-                if len(self._max_step) > _MAX_SPLITS:
-                    self._max_step.popitem(last=False)
-                lag = self.sampler.step_lag
-                if lag is not None and previous is not None:
-                    self._close_old(record.split, record.step - lag)
-            if self.sampler.step_timeout_s is not None:
-                self._expire()
+            self._step_started(record.step, record.split, 1)
+
+    def _step_started(self, step: int, split: str, n: int) -> None:
+        """``n`` episodes of (step, split) started: counted; the lag and timeout rules apply."""
+        self.stats.step((step, split), "started", n)
+        previous = self._max_step.get(split)
+        if previous is None or step > previous:
+            self._max_step[split] = step
+            self._max_step.move_to_end(split)
+            if len(self._max_step) > _MAX_SPLITS:
+                self._max_step.popitem(last=False)
+            lag = self.sampler.step_lag
+            if lag is not None and previous is not None:
+                self._close_old(split, step - lag)
+        if self.sampler.step_timeout_s is not None:
+            self._expire()
+
+    # --- batches -------------------------------------------------------------------------------
+    def takes_batches(self) -> bool:
+        """Whether a batch can be offered as rows: the policy's buckets are offered rows and
+        read nothing a batch's columns lack (decided per batch by ``offer_batch``)."""
+        return callable(getattr(self.sampler.policy, "bucket", None))
+
+    def offer_batch(self, batch: RowBatch) -> list[BatchRow] | None:
+        """Offer every row of ``batch`` (finished episodes of one step) in one call; return the
+        rows to record (held by the sampler, or kept already), or None when this policy must
+        see whole episode records (it reads an attribute the batch has no column for): the
+        caller then records every row as an episode.
+
+        One lock round-trip, one stats update per outcome; a row never offered (no candidate)
+        is never an object. Record each returned row's episode, then ``attach`` them."""
+        policy = self.sampler.policy
+        if not all(batch.has(name) for name in policy.needs()):
+            return None
+        key = batch.key
+        with self._lock:
+            self._step_started(batch.step, batch.split, batch.n)
+            if batch.n == 0:
+                return []
+            self.stats.step(key, "seen", batch.n)
+            step = self._steps.get(key)
+            if step is None:
+                if self._is_closed(key):
+                    return self._late_batch(batch, key)
+                stream = self._distributed() is None
+                step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream))
+            step.last_seen = time.monotonic()
+            bucket = step.bucket
+            find = getattr(bucket, "candidates", None)
+            chosen = find(batch) if callable(find) else None
+            indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
+            offered = rows(batch, indices, self._seq + 1)
+            self._seq += len(offered)
+            dropped = batch.n - len(offered)  # rows never offered: dropped without an object
+            kept_now: list[BatchRow] = []
+            for row in offered:
+                released, keep_now = bucket.offer(row)
+                for r in released:
+                    if isinstance(r, BatchRow) and r.batch is batch:
+                        dropped += 1
+                    else:
+                        self._drop(r, "sampled_out")
+                for r in keep_now:
+                    step.kept += 1
+                    kept_now.append(r)
+            held = [r for r in bucket.held() if isinstance(r, BatchRow) and r.batch is batch]
+            survivors = held + kept_now
+            if dropped:
+                alive = {r.index for r in survivors}
+                self._dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
+            for r in kept_now:
+                self._keep(r)
+            return sorted(survivors, key=lambda r: r.seq)
+
+    def _late_batch(self, batch: RowBatch, key: tuple[int, str]) -> list[BatchRow]:
+        """The late rule for a batch: its first rows kept while the step kept fewer than the
+        cap (none under a distributed budget), the rest dropped, counted at once."""
+        self.stats.step(key, "late", batch.n)
+        kept = self._closed.get(key, 0)
+        room = 0 if self._distributed() is not None else max(self.sampler.max_traces_per_step - kept, 0)
+        taken = rows(batch, range(min(room, batch.n)), self._seq + 1)
+        self._seq += len(taken)
+        if taken:
+            self._closed[key] = kept + len(taken)
+            self._trim_closed()
+        for row in taken:
+            self._keep(row)
+        if batch.n > len(taken):
+            self._dropped_rows(batch, range(len(taken), batch.n), reason="late")
+        return taken
+
+    def _dropped_rows(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
+        """Rows dropped before their episodes were recorded: one count, one call to the metrics."""
+        self.stats.step(batch.key, "dropped." + reason, len(indices))
+        observer = self.observer
+        if observer is not None:
+            try:
+                observer.dropped_rows(batch, indices, reason)
+            except Exception:  # noqa: BLE001 - metrics never break the pipeline
+                self.stats.add("errors.metrics")
+
+    def attach(self, recorded: list[tuple[BatchRow, EpisodeRecord | None]]) -> None:
+        """The episodes recorded for rows ``offer_batch`` returned (None: recording failed).
+        A row still held now stands for its record; one decided meanwhile gets its decision."""
+        with self._lock:
+            for row, record in recorded:
+                row.built = True
+                if record is None:
+                    if row.decision == KEEP:
+                        self.stats.add("dropped.batch_record_failed")
+                    continue
+                record.seq = row.seq
+                record.state = OFFERED
+                row.record = record
+                if row.decision == KEEP:
+                    self._keep(record)
+                elif row.decision == DROP:
+                    self._drop(record, None)
 
     def part_ended(self, record: EpisodeRecord) -> None:
         """The root or the reward span ended: offer the episode once it is complete."""
@@ -146,7 +254,15 @@ class Pipeline(SpanProcessor):
         else:
             self._drop(record, "late")
 
-    def _keep(self, record: EpisodeRecord) -> None:
+    def _keep(self, record: EpisodeRecord | BatchRow) -> None:
+        if isinstance(record, BatchRow):
+            row = record
+            if row.record is None:  # decided before its episode was recorded: kept on arrival
+                if row.built:  # its recording failed: nothing to keep
+                    self.stats.add("dropped.batch_record_failed")
+                row.decision = KEEP
+                return
+            record = row.record
         record.state = KEPT
         self._live.pop(record.trace_id, None)
         self.stats.step((record.step, record.split), "kept")
@@ -155,11 +271,21 @@ class Pipeline(SpanProcessor):
         self._observe("decided", record, None)
         self.delivery.episode(record)
 
-    def _drop(self, record: EpisodeRecord, reason: str) -> None:
+    def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
+        """``reason`` None: counted already (a row dropped before its record arrived)."""
+        if isinstance(record, BatchRow):
+            row = record
+            if row.record is None:
+                if row.decision != DROP and reason is not None:
+                    row.decision = DROP
+                    self._dropped_rows(row.batch, [row.index], reason)
+                return
+            record = row.record
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
-        self.stats.step((record.step, record.split), "dropped." + reason)
-        self._observe("decided", record, reason)
+        if reason is not None:
+            self.stats.step((record.step, record.split), "dropped." + reason)
+            self._observe("decided", record, reason)
         # free what it held at once
         record.spans = []
         record.foreign = []

@@ -19,6 +19,11 @@ built-ins' defaults to those who want them):
   is in ``exclude``, each once. Everything held and not returned is dropped.
 * ``Bucket.held()`` lists what it holds (each record once).
 
+A bucket may also offer ``candidates(batch)`` (see ``otel_rollouts.sampling.batch``): the rows
+of a ``RowBatch`` it could still hold once the whole batch was offered, found with numpy, so
+that a batch of thousands of samples costs Python objects for a few dozen. A bucket without it
+(a custom one) is offered every row of a batch, as light ``BatchRow`` objects.
+
 A record only needs ``attribute(name)`` and an integer ``trace_id``; the distributed budget
 (``otel_rollouts.sampling.distributed``) feeds light summaries of every rank's candidates into a fresh
 bucket of the same policy, so every rank computes the same global choice.
@@ -33,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
+from otel_rollouts.sampling.batch import RowBatch, best_rows
 
 Decision = tuple[list[Any], list[Any]]  # (released, keep_now)
 _MASK64 = (1 << 64) - 1
@@ -55,6 +61,10 @@ def _stable_hash(seed: int, value: Any) -> int:
         value = str(value).encode()
     digest = hashlib.blake2b(value, digest_size=8, key=str(seed).encode()[:64])
     return int.from_bytes(digest.digest(), "big")
+
+
+def _or_nan(value: int | None) -> float:
+    return math.nan if value is None else float(value)
 
 
 def _let_go(refs: dict[int, int], record: Any, out: list[Any]) -> None:
@@ -203,6 +213,19 @@ class _RankedBucket(Bucket):
             return [], []
         return [heapq.heapreplace(self.heap, entry)[2]], []
 
+    def batch_keys(self, batch: RowBatch) -> Any:
+        """``rank`` for every row of ``batch`` as a numpy array (float NaN: not eligible), or
+        None when it cannot be computed in one pass."""
+        return None
+
+    def candidates(self, batch: RowBatch) -> Any:
+        """The rows of ``batch`` this bucket could hold once it was offered all of them (None:
+        every row)."""
+        keys = self.batch_keys(batch)
+        if keys is None:
+            return None
+        return best_rows(keys, self.capacity, later_wins=self.later_wins)
+
     def ordered(self) -> list[Any]:
         return [e[2] for e in sorted(self.heap, key=lambda e: e[:2], reverse=True)]
 
@@ -250,6 +273,9 @@ class _FirstStreamBucket(Bucket):
             return [], [record]
         return [record], []
 
+    def candidates(self, batch: RowBatch) -> Any:
+        return range(min(batch.n, max(self.cap - self.kept, 0)))
+
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         return []
 
@@ -267,6 +293,9 @@ class _FirstBucket(Bucket):
             self.records.append(record)
             return [], []
         return [record], []
+
+    def candidates(self, batch: RowBatch) -> Any:
+        return range(min(batch.n, max(self.capacity - len(self.records), 0)))
 
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         out: list[Any] = []
@@ -311,6 +340,13 @@ class _UniformBucket(_RankedBucket):
     def rank(self, record: Any) -> Any:
         return _stable_hash(self.seed, record.trace_id)
 
+    def batch_keys(self, batch: RowBatch) -> Any:
+        import numpy as np
+
+        seed = self.seed
+        return np.fromiter((_stable_hash(seed, batch.trace_id(i)) for i in range(batch.n)),
+                           dtype=np.uint64, count=batch.n)
+
 
 # --- errors --------------------------------------------------------------------------------------
 class Errors(BasePolicy):
@@ -342,6 +378,16 @@ class _ErrorsBucket(_RankedBucket):
 
     def rank(self, record: Any) -> Any:
         return Errors._CLASS.get(record.attribute(c.RL_STATUS))
+
+    def batch_keys(self, batch: RowBatch) -> Any:
+        import numpy as np
+
+        statuses = batch.column(c.RL_STATUS)
+        if statuses is None:
+            return np.full(batch.n, np.nan)
+        get = Errors._CLASS.get
+        return np.fromiter((_or_nan(get(s) if isinstance(s, str) else None) for s in statuses),
+                           dtype=np.float64, count=batch.n)
 
 
 # --- top / bottom --------------------------------------------------------------------------------
@@ -423,6 +469,15 @@ class _TopBottomBucket(Bucket):
             self.unscored = []
         return released, []
 
+    def candidates(self, batch: RowBatch) -> Any:
+        """The best and the worst of the batch. Not when a row (held or offered) has no score:
+        whether an unscored one is held depends on how many scored ones are held at each step."""
+        import numpy as np
+
+        if self.unscored or bool(np.isnan(batch.scores(self.score)).any()):
+            return None
+        return np.union1d(self.best.candidates(batch), self.worst.candidates(batch))
+
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         limit = self.cap if limit is None else limit
         k_top, k_bottom = self.policy.split(limit)
@@ -454,6 +509,9 @@ class _ScoreBucket(_RankedBucket):
     def rank(self, record: Any) -> Any:
         value = score_of(record, self.score)
         return None if value is None else self.sign * value
+
+    def batch_keys(self, batch: RowBatch) -> Any:
+        return self.sign * batch.scores(self.score)
 
 
 # --- groups --------------------------------------------------------------------------------------
@@ -657,6 +715,20 @@ class _ComposeBucket(Bucket):
             for r in sub.offer(record)[0]:
                 _let_go(self.refs, r, released)
         return released, []
+
+    def candidates(self, batch: RowBatch) -> Any:
+        """Every part's candidates: each part ends as it would have after every row, since the
+        rows it could hold are all offered to it (None when a part cannot tell)."""
+        import numpy as np
+
+        out = None
+        for sub in self.subs:
+            find = getattr(sub, "candidates", None)
+            found = find(batch) if callable(find) else None
+            if found is None:
+                return None
+            out = np.asarray(found, dtype=np.int64) if out is None else np.union1d(out, found)
+        return out
 
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         cap = self.cap if limit is None else min(limit, self.cap)

@@ -1,0 +1,273 @@
+"""A step's samples recorded as columns: ``otr.record_batch``.
+
+    summary = otr.record_batch(
+        len(rewards), step=step, rewards=rewards, group_ids=prompt_ids, statuses=statuses,
+        record=lambda i, ep: ep.prompt(prompts[i]) or ep.turn().record_generation(completions[i]),
+    )
+
+Frameworks hold a step's rollouts as columns (per-sample rewards, group ids, statuses, texts).
+Recording them one ``otr.episode`` at a time costs every sample an episode object, spans, ids
+and a sampler offer, although the tail sampler keeps a few dozen of thousands. Here the sampler
+is offered the batch as columns, in one call (``sampling.batch``): it picks the rows it could
+still keep, and only those are recorded as episodes; ``record(i, episode)`` adds a row's content
+(prompt, turns, tool calls) to its episode, so content is built only for those rows. The rest
+are counted in one update. What is kept is exactly what the per-episode API would have kept.
+
+``record_token_batch`` (token-id tensors) records through the same path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_rollouts import conventions as c
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import text
+from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.spans import EpisodeRecord
+from otel_rollouts._core.values import to_float, to_int
+from otel_rollouts.record.episode import Episode, new_episode_id, status_value, trace_id_for
+from otel_rollouts.sampling.batch import BatchRow, RowBatch
+
+__all__ = ["record_batch", "BatchSummary", "Rows"]
+
+Recorder = Callable[[int, Episode], None]
+
+
+@dataclass
+class BatchSummary:
+    """What ``record_batch`` did with a batch."""
+
+    offered: int = 0  # samples offered to the tail sampler
+    recorded: int = 0  # samples recorded as episodes (the sampler's candidates)
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (sample, reason): record() raised
+    problems: list[str] = field(default_factory=list)  # batch-level notes (e.g. misaligned columns)
+
+
+@dataclass
+class Rows:
+    """The per-sample columns of one batch, aligned (one value per sample, None: none).
+
+    Internal form shared by ``record_batch`` and ``record_token_batch``: ``statuses`` are the
+    final ``rl.status`` of each sample (None: ``ok``), ``finish_reasons`` as given."""
+
+    size: int
+    step: int | None
+    split: str = "train"
+    rewards: Sequence[Any] | None = None
+    advantages: Sequence[Any] | None = None
+    group_ids: Sequence[Any] | None = None
+    sample_indices: Sequence[Any] | None = None
+    episode_ids: Sequence[Any] | None = None
+    policy_versions: Sequence[Any] | None = None
+    dataset_indices: Sequence[Any] | None = None
+    statuses: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
+    dataset_name: str | None = None
+    framework: str | None = None
+    metadata: Mapping[str, Any] | Sequence[Any] | None = None  # one mapping, or one per sample
+
+    def episode(self, i: int, episode_id: str | None) -> Episode:
+        """Sample ``i``'s episode, as ``otr.episode`` would make it."""
+        meta = self.metadata
+        if meta is not None and not isinstance(meta, Mapping):
+            meta = meta[i]
+        return Episode(
+            self.step, self.split,
+            group_id=_at(self.group_ids, i),
+            sample_index=i if _at(self.sample_indices, i) is None else _at(self.sample_indices, i),
+            policy_version=_at(self.policy_versions, i),
+            episode_id=episode_id,
+            dataset_name=self.dataset_name,
+            dataset_index=_at(self.dataset_indices, i),
+            framework=self.framework,
+            metadata=meta,
+        )
+
+
+def _at(column: Sequence[Any] | None, i: int) -> Any:
+    return None if column is None else column[i]
+
+
+def _floats(column: Sequence[Any]) -> list[float | None]:
+    """What ``Episode.reward`` records of each value: a finite float, else None (refused)."""
+    return [v if type(v) is float and v - v == 0.0 else None if v is None else to_float(v, "value")[0]
+            for v in column]
+
+
+def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int, list[tuple[int, str]]]:
+    """Offer ``rows`` to the tail sampler as a batch and record the episodes of the rows it
+    may keep, ``build(i, episode)`` adding each one's spans. Returns (episodes recorded,
+    [(sample, reason)] where ``build`` raised). A policy that must read whole records (it needs
+    an attribute the columns lack) gets every sample as an ``otr.episode``, as before."""
+    rt = _runtime.current()
+    if not rt.enabled or rt.pipeline is None or rows.size <= 0:
+        return 0, []
+    pipeline = rt.pipeline
+    step = rt.current_step if rows.step is None else to_int(rows.step, "step")[0]
+    step = rt.current_step if step is None or step < 0 else step
+    split = text(rows.split) if rows.split is not None else "train"
+    episode_ids: list[str | None] = [None] * rows.size
+    if rows.episode_ids is not None:
+        episode_ids = [None if v is None else text(v) for v in rows.episode_ids]
+
+    def trace_id_of(i: int) -> int:
+        if not rt.deterministic_ids:
+            return _runtime.new_id128()
+        episode_id = episode_ids[i]
+        if episode_id is None:
+            episode_id = episode_ids[i] = new_episode_id(step)
+        return trace_id_for(rt.run_id, step, episode_id)
+
+    columns: dict[str, Any] = {}
+    if rows.rewards is not None:
+        columns[c.RL_REWARD] = lambda: _floats(rows.rewards or ())
+    if rows.advantages is not None:
+        columns[c.RL_ADVANTAGE] = lambda: _floats(rows.advantages or ())
+    columns[c.RL_STATUS] = _statuses(rows)
+    columns[c.RL_GROUP_ID] = lambda: [None if g is None else text(g) for g in (rows.group_ids or [None] * rows.size)]
+    columns[c.RL_SAMPLE_INDEX] = lambda: [
+        i if v is None else to_int(v, "sample_index")[0]
+        for i, v in enumerate(rows.sample_indices or [None] * rows.size)
+    ]
+    batch = RowBatch(step, split, rows.size, columns, trace_id_of)
+    chosen = pipeline.offer_batch(batch)
+
+    failed: list[tuple[int, str]] = []
+    if chosen is None:  # every sample as an episode, offered one by one
+        recorded = 0
+        for i in range(rows.size):
+            ep = rows.episode(i, episode_ids[i])
+            with ep:
+                if _build(build, i, ep, failed):
+                    recorded += 1
+        return recorded, failed
+    recorded_rows: list[tuple[BatchRow, EpisodeRecord | None]] = []
+    for row in chosen:
+        ep = rows.episode(row.index, episode_ids[row.index])
+        record = ep.begin_offered(rt, row.trace_id)
+        if record is not None and record.root is not None:
+            if not _build(build, row.index, ep, failed):
+                record = None
+            else:
+                ep.end()
+        recorded_rows.append((row, record))
+    pipeline.attach(recorded_rows)
+    return sum(1 for _, r in recorded_rows if r is not None), failed
+
+
+def _build(build: Callable[[int, Episode], None], i: int, ep: Episode, failed: list[tuple[int, str]]) -> bool:
+    try:
+        build(i, ep)
+        return True
+    except InvalidValue:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one bad sample never stops the batch
+        reason = f"sample {i}: {type(exc).__name__}: {exc}"
+        failed.append((i, reason))
+        report(f"record_batch: {reason}", exc=exc)
+        return False
+
+
+def _statuses(rows: Rows) -> Callable[[], list[Any]]:
+    def column() -> list[Any]:
+        given = rows.statuses() if callable(rows.statuses) else rows.statuses
+        if given is None:
+            return [c.STATUS_OK] * rows.size
+        return [status_value(s) or c.STATUS_OK for s in given]
+
+    return column
+
+
+def _column(name: str, value: Any, size: int, problems: list[str]) -> list[Any] | None:
+    """A per-sample column aligned to the batch: a short or long one is cut or padded with
+    None, and noted."""
+    if value is None:
+        return None
+    tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors: plain values
+    column = list(tolist() if callable(tolist) else value)
+    if len(column) != size:
+        problems.append(f"{name}: {len(column)} values for {size} samples (alignment partial)")
+        column = (column + [None] * size)[:size]
+    return column
+
+
+@guarded_or(BatchSummary)
+def record_batch(
+    size: int,
+    *,
+    step: int | None = None,
+    split: str = "train",
+    rewards: Any = None,
+    advantages: Any = None,
+    reward_components: Mapping[str, Any] | None = None,
+    group_ids: Any = None,
+    sample_indices: Any = None,
+    episode_ids: Any = None,
+    policy_versions: Any = None,
+    statuses: Any = None,
+    finish_reasons: Any = None,
+    dataset_name: str | None = None,
+    dataset_indices: Any = None,
+    framework: str | None = None,
+    metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
+    record: Recorder | None = None,
+) -> BatchSummary:
+    """Record ``size`` finished episodes of one step from per-sample columns; the tail sampler
+    chooses in one call and only the samples it may keep are recorded as episodes.
+
+    Each column holds one value per sample (a list, a numpy array or a tensor); None: none.
+    ``reward_components``: name -> column. ``statuses``: ``ok``/``error``/``truncated``
+    (``truncated`` is also inferred from a ``length`` finish reason). ``record(i, episode)``
+    records sample ``i``'s content (``episode.prompt``, ``episode.turn()``...) and is called only
+    for the samples that may be kept; an exception from it is reported naming the sample, and
+    that sample is not recorded. Returns a ``BatchSummary``.
+    """
+    summary = BatchSummary()
+    n, problem = to_int(size, "size")
+    if n is None or n < 0:
+        report(f"record_batch: {problem or f'size: negative ({size})'}")
+        return summary
+    problems = summary.problems
+    rewards_col = _column("rewards", rewards, n, problems)
+    advantages_col = _column("advantages", advantages, n, problems)
+    components = {str(k): _column(f"reward_components.{k}", v, n, problems)
+                  for k, v in (reward_components or {}).items()} if isinstance(reward_components, Mapping) else {}
+    finish_col = _column("finish_reasons", finish_reasons, n, problems)
+    status_col = _column("statuses", statuses, n, problems)
+    if finish_col is not None:  # a sample cut at the length limit is truncated
+        status_col = [
+            (s if s is not None else c.STATUS_TRUNCATED if f == "length" else None)
+            for s, f in zip(status_col or [None] * n, finish_col, strict=True)
+        ]
+    meta: Any = metadata
+    if metadata is not None and not isinstance(metadata, Mapping):
+        meta = _column("metadata", metadata, n, problems)
+    for note in problems:
+        report(f"record_batch: {note}")
+    rows = Rows(
+        n, step, split,
+        rewards=rewards_col, advantages=advantages_col,
+        group_ids=_column("group_ids", group_ids, n, problems),
+        sample_indices=_column("sample_indices", sample_indices, n, problems),
+        episode_ids=_column("episode_ids", episode_ids, n, problems),
+        policy_versions=_column("policy_versions", policy_versions, n, problems),
+        dataset_indices=_column("dataset_indices", dataset_indices, n, problems),
+        statuses=status_col, dataset_name=dataset_name, framework=framework, metadata=meta,
+    )
+
+    def build(i: int, ep: Episode) -> None:
+        comps = {k: col[i] for k, col in components.items() if col is not None and col[i] is not None}
+        reward, advantage = _at(rewards_col, i), _at(advantages_col, i)
+        if reward is not None or advantage is not None or comps:
+            ep.reward(reward, components=comps or None, advantage=advantage)
+        finish, status = _at(finish_col, i), _at(status_col, i)
+        if finish is not None or status is not None:
+            ep.finish(reason=finish, status=status)
+        if record is not None:
+            record(i, ep)
+
+    summary.offered = n
+    summary.recorded, summary.failed = record_rows(rows, build)
+    return summary

@@ -1,0 +1,260 @@
+"""The columnar recording path keeps exactly what the per-episode path keeps.
+
+``otr.record_batch`` offers a batch to the tail sampler as columns; only rows the sampler could
+still keep become episode records. The property test records the same samples both ways (one
+``otr.episode`` per sample, then ``otr.record_batch`` per batch) under every built-in policy, a
+composition and a custom policy (no batch offer: rows one by one), with several batches per step,
+ties, unscored rows, errors and groups, and compares the kept episodes and the counts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+
+
+class LastWins:
+    """A custom policy (no ``candidates``): keeps the last ``cap`` episodes by arrival."""
+
+    name = "last_wins"
+
+    def bucket(self, cap, key, *, stream=False, margin=0):
+        return _LastBucket(cap + margin)
+
+    def needs(self):
+        return set()
+
+
+class _LastBucket:
+    def __init__(self, capacity):
+        self.capacity, self.records = capacity, []
+
+    def offer(self, record):
+        self.records.append(record)
+        if len(self.records) > self.capacity:
+            return [self.records.pop(0)], []
+        return [], []
+
+    def decide(self, limit=None, exclude=None):
+        out = [r for r in self.records if id(r) not in (exclude or set())]
+        return out[: self.capacity if limit is None else limit]
+
+    def held(self):
+        return list(self.records)
+
+
+class ReadsMetadata:
+    """A custom policy reading an attribute no batch column has: whole records, as before."""
+
+    name = "reads_metadata"
+
+    def bucket(self, cap, key, *, stream=False, margin=0):
+        return _LastBucket(cap + margin)
+
+    def needs(self):
+        return {c.RL_METADATA_PREFIX + "difficulty"}
+
+
+POLICIES: dict[str, Any] = {
+    "first": lambda: "first",
+    "uniform": lambda: "uniform",
+    "top_bottom": lambda: "top_bottom",
+    "errors": lambda: "errors",
+    "groups": lambda: "groups",
+    "groups_uniform": lambda: otr.Groups(rule="uniform", seed=3),
+    "errors+top_bottom": lambda: "errors+top_bottom",
+    "compose": lambda: otr.Compose(otr.Errors(2), otr.TopBottom(top=2, bottom=2), otr.Uniform()),
+    "first_then_uniform": lambda: otr.Compose(otr.First(2), otr.Uniform(seed=7)),
+    "advantage": lambda: otr.TopBottom(score=c.RL_ADVANTAGE, top=3, bottom=1),
+    "custom": LastWins,
+    "custom_reads_metadata": ReadsMetadata,
+}
+
+REWARDS = st.one_of(st.sampled_from([0.0, 0.5, 1.0, -1.0]), st.floats(-5, 5), st.just(math.nan))
+ROW = st.tuples(
+    REWARDS,  # reward (NaN: unscored)
+    st.sampled_from([None, None, None, "error", "truncated", "ok", "weird"]),  # status
+    st.integers(0, 5),  # group
+    st.one_of(st.none(), st.floats(-2, 2)),  # advantage
+)
+# most batches have no unscored row (the vectorised choice); some have (rows one by one)
+BATCH = st.tuples(st.integers(0, 3), st.lists(ROW, max_size=30)).map(
+    lambda t: t[1] if t[0] == 0 else [(0.25 if math.isnan(r[0]) else r[0], *r[1:]) for r in t[1]]
+)
+STEPS = st.lists(st.lists(BATCH, min_size=1, max_size=3), min_size=1, max_size=2)
+
+
+def _run(policy_name: str, cap: int, steps: list, *, batched: bool) -> tuple[list, dict]:
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, POLICIES[policy_name](), step_lag=None),
+                  deterministic_ids=True, run_id="prop")
+    try:
+        index = 0
+        for step, batches in enumerate(steps):
+            for rows in batches:
+                first = index
+                index += len(rows)
+                ids = list(range(first, index))
+                if batched:
+                    otr.record_batch(
+                        len(rows), step=step,
+                        rewards=[r[0] for r in rows], statuses=[r[1] for r in rows],
+                        group_ids=[f"g{r[2]}" for r in rows], advantages=[r[3] for r in rows],
+                        sample_indices=ids, episode_ids=[f"e{i}" for i in ids],
+                        record=lambda i, ep, rows=rows: ep.prompt(f"sample {rows[i]}"),
+                    )
+                    continue
+                for i, (reward, status, group, advantage) in zip(ids, rows, strict=True):
+                    with otr.episode(step=step, group_id=f"g{group}", sample_index=i, episode_id=f"e{i}") as ep:
+                        ep.prompt(f"sample {(reward, status, group, advantage)}")
+                        if status is not None:
+                            ep.finish(status=status)
+                        ep.reward(reward, advantage=advantage)
+            otr.end_step(step)
+        otr.flush()
+        kept = sorted(
+            (s.attributes[c.RL_STEP], s.attributes[c.RL_SAMPLE_INDEX], s.attributes.get(c.RL_STATUS),
+             s.attributes.get(c.RL_REWARD))
+            for s in exporter.get_finished_spans() if s.parent is None
+        )
+        totals = otr.stats()["totals"]
+        return kept, {k: totals.get(k, 0) for k in ("seen", "kept", "dropped.sampled_out", "started")}
+    finally:
+        otr.shutdown()
+
+
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=STEPS, cap=st.integers(0, 9))
+def test_the_batch_path_keeps_what_the_per_episode_path_keeps(policy_name, steps, cap):
+    one_by_one = _run(policy_name, cap, steps, batched=False)
+    batched = _run(policy_name, cap, steps, batched=True)
+    assert batched == one_by_one
+
+
+def _batch_config(cap=4, policy="top_bottom"):
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, policy, step_lag=None))
+    return exporter
+
+
+def _roots(exporter):
+    return [s for s in exporter.get_finished_spans() if s.parent is None]
+
+
+def test_only_candidates_become_records_and_content_is_built_only_for_them(otr_shutdown):
+    exporter = _batch_config(cap=4)
+    built = []
+    summary = otr.record_batch(
+        1000, step=0, rewards=[float(i % 97) for i in range(1000)],
+        record=lambda i, ep: (built.append(i), ep.prompt(f"p{i}")),
+    )
+    assert summary.offered == 1000 and summary.recorded == len(built) <= 4
+    otr.end_step(0)
+    otr.flush()
+    kept = sorted(s.attributes[c.RL_REWARD] for s in _roots(exporter))
+    assert kept == [0.0, 0.0, 96.0, 96.0]  # top 2 and bottom 2, ties to the earlier / later
+    step = otr.stats()["steps"]["0/train"]
+    assert step["seen"] == step["started"] == 1000 and step["kept"] == 4
+    assert step["dropped.sampled_out"] == 996
+    prompts = [s for s in exporter.get_finished_spans() if s.name == c.SPAN_PROMPT]
+    assert len(prompts) == 4
+
+
+def test_a_failing_record_callback_is_reported_naming_the_sample(otr_shutdown):
+    exporter = _batch_config(cap=2, policy="first")
+
+    def record(i, ep):
+        if i == 0:
+            raise SystemError("boom in user code")
+        ep.prompt("fine")
+
+    summary = otr.record_batch(5, step=0, rewards=[1.0] * 5, record=record)
+    assert [i for i, _ in summary.failed] == [0] and "sample 0" in summary.failed[0][1]
+    otr.end_step(0)
+    otr.flush()
+    assert len(_roots(exporter)) == 1  # the other kept sample
+    assert otr.stats()["totals"]["dropped.batch_record_failed"] == 1
+
+
+def test_bad_columns_are_noted_and_the_batch_still_recorded(otr_shutdown):
+    exporter = _batch_config(cap=8)
+
+    class Hostile:
+        def __float__(self):
+            raise SystemExit("no")
+
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    summary = otr.record_batch(3, step=0, rewards=[1.0, Hostile(), 2.0], group_ids=["a"])
+    assert any("group_ids: 1 values for 3 samples" in p for p in summary.problems)
+    otr.end_step(0)
+    otr.flush()
+    roots = _roots(exporter)
+    assert len(roots) == 3
+    flagged = [r for r in roots if r.attributes.get(c.RL_REWARD) is None]
+    assert len(flagged) == 1  # the hostile reward: refused, the episode still recorded
+    reward_spans = [s for s in exporter.get_finished_spans() if s.name == c.SPAN_REWARD]
+    assert any(c.RL_INVALID_FIELDS in s.attributes for s in reward_spans)
+
+
+def test_a_batch_for_a_closed_step_follows_the_late_rule(otr_shutdown):
+    exporter = _batch_config(cap=3)
+    otr.record_batch(2, step=0, rewards=[1.0, 2.0])
+    otr.end_step(0)
+    otr.record_batch(4, step=0, rewards=[5.0, 6.0, 7.0, 8.0])  # late: one more fits the cap
+    otr.flush()
+    assert sorted(s.attributes[c.RL_REWARD] for s in _roots(exporter)) == [1.0, 2.0, 5.0]
+    step = otr.stats()["steps"]["0/train"]
+    assert step["late"] == 4 and step["dropped.late"] == 3
+
+
+def test_a_step_closed_while_rows_are_being_recorded_gets_them(otr_shutdown):
+    exporter = _batch_config(cap=2)
+    entered, release = threading.Event(), threading.Event()
+
+    def record(i, ep):
+        entered.set()
+        release.wait(10)
+        ep.prompt("slow")
+
+    t = threading.Thread(target=otr.record_batch, args=(6,),
+                         kwargs={"step": 0, "rewards": [float(i) for i in range(6)], "record": record})
+    t.start()
+    assert entered.wait(10)
+    otr.end_step(0)  # the sampler decides while the kept rows' episodes are being recorded
+    release.set()
+    t.join(10)
+    otr.flush()
+    assert sorted(s.attributes[c.RL_REWARD] for s in _roots(exporter)) == [0.0, 5.0]
+    assert otr.stats()["steps"]["0/train"]["kept"] == 2
+
+
+def test_metrics_count_rows_dropped_without_records(otr_shutdown):
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    otr.configure(exporters=[InMemorySpanExporter()], metric_readers=[reader],
+                  sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
+    otr.record_batch(50, step=0, rewards=[float(i) for i in range(50)])
+    otr.end_step(0)
+    otr.flush()
+    points: dict[str, float] = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                for p in m.data.data_points:
+                    points[m.name] = points.get(m.name, 0) + getattr(p, "value", getattr(p, "count", 0))
+    assert points[c.METRIC_EPISODES_SEEN] == 50
+    assert points[c.METRIC_EPISODES_DROPPED] == 48
+    assert points[c.METRIC_REWARD] == 50  # every reward in the histogram, dropped ones too
