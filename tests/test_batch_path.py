@@ -258,3 +258,44 @@ def test_metrics_count_rows_dropped_without_records(otr_shutdown):
     assert points[c.METRIC_EPISODES_SEEN] == 50
     assert points[c.METRIC_EPISODES_DROPPED] == 48
     assert points[c.METRIC_REWARD] == 50  # every reward in the histogram, dropped ones too
+
+
+class _CountingLock:
+    """Wraps a lock and counts how often it is taken."""
+
+    def __init__(self, lock):
+        self.lock, self.taken = lock, 0
+
+    def acquire(self, *args, **kwargs):
+        self.taken += 1
+        return self.lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_an_episode_takes_the_pipeline_lock_once_and_no_stats_lock(otr_shutdown):
+    rollouts = otr.configure(exporters=[InMemorySpanExporter()],
+                             sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
+    pipeline = rollouts.pipeline
+    with otr.episode(step=0) as ep:  # the first of its step: the lag rule takes the lock
+        ep.reward(0.0)
+    pipeline._lock = _CountingLock(pipeline._lock)
+    stats_lock = pipeline.stats._lock = _CountingLock(pipeline.stats._lock)
+    for i in range(100):
+        with otr.episode(step=0) as ep:
+            ep.prompt("p")
+            with ep.turn() as turn:
+                turn.record_generation("x", model="m")
+            ep.reward(float(i))
+    assert pipeline._lock.taken == 100  # one round-trip each: the offer to the sampler
+    assert stats_lock.taken == 0  # counted without a lock (added up when read)
+    step = otr.stats()["steps"]["0/train"]
+    assert step["seen"] == step["started"] == 101

@@ -128,7 +128,11 @@ class SpanRecord(trace.Span):
         if self.end_ns is not None:
             return
         self.end_ns = end_time if end_time is not None else time.time_ns()
-        self.episode.span_ended(self)
+        episode = self.episode  # EpisodeRecord.span_ended, inlined: every span ends here
+        if episode.state >= KEPT:
+            episode.sink.late_span(episode, self)
+        elif self is episode.root or self is episode.reward_span:
+            episode.sink.part_ended(episode)
 
     # --- helpers -----------------------------------------------------------------------------
     def fail(self, exception: BaseException | None = None, message: str | None = None) -> None:

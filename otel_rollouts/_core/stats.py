@@ -3,29 +3,48 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 _MAX_STEPS_KEPT = 4096  # per-step counters of the most recent steps
+_FOLD_AT = 4096  # step events waiting to be added up (bounds their memory)
 
 
 class Stats:
-    """Thread-safe counters behind ``otr.stats()``."""
+    """Thread-safe counters behind ``otr.stats()``.
+
+    Per-step events (every episode started, seen, kept, dropped) are the hot ones: they are
+    appended to a deque (atomic, no lock) and added up when read, or by the thread that finds
+    ``_FOLD_AT`` of them waiting, so recording an episode takes no lock here."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._steps: OrderedDict[tuple[int, str], Counter] = OrderedDict()
         self._totals: Counter = Counter()
+        self._events: deque[tuple[tuple[int, str], str, int]] = deque()
 
     def step(self, key: tuple[int, str], name: str, n: int = 1) -> None:
-        with self._lock:
-            counter = self._steps.get(key)
+        events = self._events
+        events.append((key, name, n))
+        if len(events) >= _FOLD_AT:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Add up the waiting step events (under the lock)."""
+        events, steps, totals = self._events, self._steps, self._totals
+        while True:
+            try:
+                key, name, n = events.popleft()
+            except IndexError:
+                return
+            counter = steps.get(key)
             if counter is None:
-                counter = self._steps[key] = Counter()
-                if len(self._steps) > _MAX_STEPS_KEPT:
-                    self._steps.popitem(last=False)
+                counter = steps[key] = Counter()
+                if len(steps) > _MAX_STEPS_KEPT:
+                    steps.popitem(last=False)
             counter[name] += n
-            self._totals[name] += n
+            totals[name] += n
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -33,6 +52,7 @@ class Stats:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
+            self._fold()
             steps = {
                 f"{step}/{split}": dict(counter) for (step, split), counter in self._steps.items()
             }
@@ -40,8 +60,10 @@ class Stats:
 
     def total(self, name: str) -> int:
         with self._lock:
+            self._fold()
             return self._totals.get(name, 0)
 
     def for_step(self, step: int, split: str = "train") -> dict[str, int]:
         with self._lock:
+            self._fold()
             return dict(self._steps.get((step, split), {}))

@@ -102,7 +102,11 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
         base = _BASE_ATTRS[kind] = _base_attrs(kind)
     attrs = {**base, **attributes} if attributes else base.copy()
     span = SpanRecord(record, name, _runtime.new_id64(), parent.span_id if parent else None, kind, attrs)
-    return record.add(span)
+    if len(record.spans) + len(record.foreign) < record.max_spans:  # EpisodeRecord.add, inlined
+        record.spans.append(span)
+    else:
+        record.dropped_spans += 1
+    return span
 
 
 class _Scope:
@@ -123,12 +127,6 @@ class _Scope:
                 otel_context.detach(token)
             except Exception:  # noqa: BLE001 - a context mismatch must not break user code
                 pass
-
-
-def _end_with(span: SpanRecord, exc: BaseException | None) -> None:
-    if exc is not None and span.status_code is not StatusCode.ERROR:
-        span.fail(exc)
-    span.end()
 
 
 def _number(span: SpanRecord, value: Any, field: str) -> float | None:
@@ -156,24 +154,35 @@ class _SpanHandle:
     recording: disabled, unconfigured, or after a contained error) make every method a no-op.
     """
 
+    __slots__ = ("_span", "_token", "_entered")
+
     def __init__(self, span: SpanRecord | None) -> None:
         self._span = span
-        self._scope = _Scope()
+        self._token: Token[Context] | None = None  # the context before the ``with`` block
         self._entered = False
 
     def __enter__(self: _H) -> _H:
         self._entered = True
         if self._span is not None:
-            self._scope.attach(self._span)
+            self._token = otel_context.attach(trace.set_span_in_context(self._span))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
-            self._scope.detach()
-            if self._span is not None:
-                _end_with(self._span, exc)
+            token = self._token
+            if token is not None:
+                self._token = None
+                try:
+                    otel_context.detach(token)
+                except Exception:  # noqa: BLE001 - a context mismatch must not break user code
+                    pass
+            span = self._span
+            if span is not None:
+                if exc is not None and span.status_code is not StatusCode.ERROR:
+                    span.fail(exc)
+                span.end()
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
             contained(f"{type(self).__name__}.__exit__", err)
@@ -188,6 +197,8 @@ class _SpanHandle:
 
 class ToolCall(_SpanHandle):
     """One tool call inside a turn: ``execute_tool {name}``."""
+
+    __slots__ = ()
 
     @guarded
     def result(self, value: Any) -> None:
@@ -217,6 +228,8 @@ class ToolCall(_SpanHandle):
 
 class Generation(_SpanHandle):
     """One model generation inside a turn: ``chat {model}``."""
+
+    __slots__ = ()
 
     @guarded
     def output(
@@ -264,8 +277,12 @@ class Generation(_SpanHandle):
 class Turn(_SpanHandle):
     """One policy step: a generation, the tool calls it made, and the feedback it got."""
 
+    __slots__ = ("_record", "index")
+
     def __init__(self, record: EpisodeRecord | None, span: SpanRecord | None, index: int) -> None:
-        super().__init__(span)
+        self._span = span
+        self._token = None
+        self._entered = False
         self._record = record
         self.index = index
 
@@ -295,8 +312,9 @@ class Turn(_SpanHandle):
     def record_generation(self, content: Any = None, *, model: str | None = None,
                           messages: Any = None, provider: str | None = None, **output: Any) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
-        gen = self.generation(model, messages=messages, provider=provider)
-        gen.output(content, **output)
+        # the unguarded bodies: this call is guarded once, as a whole
+        gen = Turn.generation.__wrapped__(self, model, messages=messages, provider=provider)  # type: ignore[attr-defined]
+        Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
         return gen
 
     @guarded_or(lambda: ToolCall(None))
@@ -346,9 +364,10 @@ def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
     return int.from_bytes(digest.digest(), "big") or 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Request:
-    """What an ``Episode`` was asked to record, kept until it starts."""
+    """What an ``Episode`` was asked to record, kept until it starts (not frozen: a frozen
+    dataclass pays a setattr call per field, on every episode)."""
 
     step: int | None
     split: str

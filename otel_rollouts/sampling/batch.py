@@ -17,7 +17,7 @@ before its record arrives (another thread closed the step) gets the decision whe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
@@ -156,8 +156,9 @@ class BatchRow:
         return self.batch.split
 
 
-def rows(batch: RowBatch, indices: Sequence[int], first_seq: int) -> list[BatchRow]:
-    return [BatchRow(batch, i, first_seq + k) for k, i in enumerate(indices)]
+def rows(batch: RowBatch, indices: Sequence[int], seq: Iterator[int]) -> list[BatchRow]:
+    """Rows for ``indices`` of ``batch``, numbered in arrival order from ``seq``."""
+    return [BatchRow(batch, i, next(seq)) for i in indices]
 
 
 # --- vectorised candidates for the built-in buckets ------------------------------------------------

@@ -9,6 +9,7 @@ straight through.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -58,7 +59,7 @@ class Pipeline(SpanProcessor):
         self._closed: OrderedDict[tuple[int, str], int] = OrderedDict()  # key → kept count
         self._max_step: OrderedDict[str, int] = OrderedDict()
         self._foreign: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
-        self._seq = 0
+        self._seq = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
         self.observer: Any = None  # metrics: told of each decision and each closed step
 
@@ -77,15 +78,23 @@ class Pipeline(SpanProcessor):
 
     # --- episodes ------------------------------------------------------------------------------
     def started(self, record: EpisodeRecord) -> None:
-        with self._lock:
-            self._seq += 1
-            record.seq = self._seq
-            self._live[record.trace_id] = record
-            self._step_started(record.step, record.split, 1)
+        """An episode began. No lock unless its step is newer than any of its split (the lag
+        rule may close older steps) or steps time out: the one lock round-trip of an episode is
+        its offer to the sampler."""
+        record.seq = next(self._seq)
+        self._live[record.trace_id] = record  # one dict store: atomic
+        self.stats.step((record.step, record.split), "started")
+        previous = self._max_step.get(record.split)
+        if previous is None or record.step > previous or self.sampler.step_timeout_s is not None:
+            with self._lock:
+                self._step_advanced(record.step, record.split)
 
     def _step_started(self, step: int, split: str, n: int) -> None:
         """``n`` episodes of (step, split) started: counted; the lag and timeout rules apply."""
         self.stats.step((step, split), "started", n)
+        self._step_advanced(step, split)
+
+    def _step_advanced(self, step: int, split: str) -> None:
         previous = self._max_step.get(split)
         if previous is None or step > previous:
             self._max_step[split] = step
@@ -132,8 +141,7 @@ class Pipeline(SpanProcessor):
             find = getattr(bucket, "candidates", None)
             chosen = find(batch) if callable(find) else None
             indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
-            offered = rows(batch, indices, self._seq + 1)
-            self._seq += len(offered)
+            offered = rows(batch, indices, self._seq)
             dropped = batch.n - len(offered)  # rows never offered: dropped without an object
             kept_now: list[BatchRow] = []
             for row in offered:
@@ -161,8 +169,7 @@ class Pipeline(SpanProcessor):
         self.stats.step(key, "late", batch.n)
         kept = self._closed.get(key, 0)
         room = 0 if self._distributed() is not None else max(self.sampler.max_traces_per_step - kept, 0)
-        taken = rows(batch, range(min(room, batch.n)), self._seq + 1)
-        self._seq += len(taken)
+        taken = rows(batch, range(min(room, batch.n)), self._seq)
         if taken:
             self._closed[key] = kept + len(taken)
             self._trim_closed()
@@ -352,7 +359,7 @@ class Pipeline(SpanProcessor):
             return 0
         try:
             ended = 0
-            for record in [r for r in self._live.values() if r.state == OPEN]:
+            for record in [r for r in list(self._live.values()) if r.state == OPEN]:
                 root = record.root
                 if root is not None and root.end_ns is None:
                     root.attributes[c.RL_STATUS] = status
@@ -373,7 +380,7 @@ class Pipeline(SpanProcessor):
         """Episodes whose root ended but whose reward never came are offered as they are."""
         waiting = [
             r
-            for r in self._live.values()
+            for r in list(self._live.values())  # a copy: episodes start without the lock
             if r.state == OPEN and r.root is not None and r.root.end_ns is not None and match(r)
         ]
         for record in sorted(waiting, key=lambda r: r.seq):
@@ -458,7 +465,7 @@ class Pipeline(SpanProcessor):
 
     def open_episodes(self) -> list[EpisodeRecord]:
         with self._lock:
-            return [r for r in self._live.values() if r.state == OPEN]
+            return [r for r in list(self._live.values()) if r.state == OPEN]
 
     # --- SpanProcessor: spans of other OpenTelemetry instrumentation ---------------------------
     def on_start(self, span, parent_context=None) -> None:
