@@ -5,7 +5,8 @@
 The receiver is a real process on loopback (``tests/otlp_sink.py``: a stdlib OTLP/HTTP server
 that can sleep before answering). For each receiver state the same loop records episodes
 (prompt, turn, generation, tool call, reward; 64 per step, the sampler keeps 8) and times the
-training thread only. Side by side, the same episodes built as plain OpenTelemetry SDK spans with
+training thread only, in CPU time (``time.thread_time``: what the training thread itself spent,
+robust to other processes) and wall time. Side by side, the same episodes built as plain OpenTelemetry SDK spans with
 the stock ``BatchSpanProcessor`` (no tail sampling: every span is exported). Printed: µs per
 episode, the ratio to the healthy receiver, and how many kept episodes reached the receiver (or
 are safe in the spool) against how many were lost. Not a timed test: numbers vary with the
@@ -44,9 +45,9 @@ def otr_loop(endpoint: str, episodes: int, spool: Path) -> tuple[float, dict]:
         spool_dir=spool,
         handle_signals=False,
     )
-    samples = []
+    samples, cpu = [], []
     for step in range(episodes // PER_STEP):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         for i in range(PER_STEP):
             with otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i) as ep:
                 ep.prompt([{"role": "user", "content": f"problem {step}-{i}"}])
@@ -57,11 +58,12 @@ def otr_loop(endpoint: str, episodes: int, spool: Path) -> tuple[float, dict]:
                 ep.reward(i / PER_STEP)
         otr.end_step(step)
         samples.append((time.perf_counter() - started) / PER_STEP)
+        cpu.append((time.thread_time() - started_cpu) / PER_STEP)
     otr.flush(timeout=2)
     report = otr.stats()["delivery"]["OTLPSpanExporter"]
     kept = otr.stats()["totals"]["kept"]
     otr.shutdown(timeout=3)
-    return statistics.median(samples), {"kept": kept, **report}
+    return (statistics.median(samples), statistics.median(cpu)), {"kept": kept, **report}
 
 
 def sdk_loop(endpoint: str, episodes: int) -> tuple[float, int]:
@@ -72,9 +74,9 @@ def sdk_loop(endpoint: str, episodes: int) -> tuple[float, int]:
     provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=2)))
     tracer = provider.get_tracer("bench")
-    samples = []
+    samples, cpu = [], []
     for step in range(episodes // PER_STEP):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         for i in range(PER_STEP):
             with tracer.start_as_current_span("episode", attributes={"rl.step": step, "rl.sample.index": i}):
                 with tracer.start_as_current_span("prompt", attributes={"gen_ai.input.messages": f"problem {step}-{i}"}):
@@ -87,55 +89,77 @@ def sdk_loop(endpoint: str, episodes: int) -> tuple[float, int]:
                 with tracer.start_as_current_span("reward", attributes={"rl.reward": i / PER_STEP}):
                     pass
         samples.append((time.perf_counter() - started) / PER_STEP)
+        cpu.append((time.thread_time() - started_cpu) / PER_STEP)
     provider.force_flush(2000)
     provider.shutdown()
-    return statistics.median(samples), episodes
+    return (statistics.median(samples), statistics.median(cpu)), episodes
+
+
+def run_once(name: str, settings: dict | None, lib: str, episodes: int, tmp: Path, tag: str) -> tuple:
+    sink = OtlpSink(tmp / f"{name}-{lib}-{tag}".replace(" ", "_").replace("/", "_").replace("(", "").replace(")", ""))
+    if settings is not None:
+        sink.start(**settings)
+        endpoint = sink.endpoint
+    else:
+        endpoint = f"http://127.0.0.1:{free_port()}/v1/traces"
+    try:
+        if lib == "otel_rollouts":
+            cost, report = otr_loop(endpoint, episodes, tmp / f"spool-{name}-{tag}".replace(" ", "_").replace("/", "_"))
+            arrived = len(sink.roots()) if settings is not None else 0
+            safe = report["delivered"] + report["pending"]
+            return cost, report["kept"], arrived, safe, report["dropped"]
+        cost, sent = sdk_loop(endpoint, episodes)
+        arrived = sum(s["name"] == "episode" for s in sink.spans()) if settings is not None else 0
+        return cost, sent, arrived, arrived, None
+    finally:
+        sink.kill()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3, help="each round runs every state once, rotated")
     args = parser.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        with OtlpSink(Path(tmp) / "warmup") as warm:  # imports and first-call costs, not measured
-            otr_loop(warm.endpoint, 4 * PER_STEP, Path(tmp) / "spool-warmup")
+    names = list(STATES)
+    runs: dict[tuple[str, str], list[tuple]] = {}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        with OtlpSink(tmp / "warmup") as warm:  # imports and first-call costs, not measured
+            otr_loop(warm.endpoint, 4 * PER_STEP, tmp / "spool-warmup")
             sdk_loop(warm.endpoint, 4 * PER_STEP)
-        for name, settings in STATES.items():
-            results = {}
-            for lib in ("otel_rollouts", "sdk"):
-                sink = OtlpSink(Path(tmp) / f"{name}-{lib}".replace(" ", "_").replace("/", "_"))
-                if settings is not None:
-                    sink.start(**settings)
-                    endpoint = sink.endpoint
-                else:
-                    endpoint = f"http://127.0.0.1:{free_port()}/v1/traces"
-                try:
-                    if lib == "otel_rollouts":
-                        cost, report = otr_loop(endpoint, args.episodes, Path(tmp) / f"spool-{len(rows)}")
-                        arrived = len(sink.roots()) if settings is not None else 0
-                        safe = report["delivered"] + report["pending"]
-                        results[lib] = (cost, report["kept"], arrived, safe, report["dropped"])
-                    else:
-                        cost, sent = sdk_loop(endpoint, args.episodes)
-                        arrived = sum(s["name"] == "episode" for s in sink.spans()) if settings is not None else 0
-                        results[lib] = (cost, sent, arrived, arrived, None)
-                finally:
-                    sink.kill()
-            rows.append((name, results))
-    healthy = {lib: rows[0][1][lib][0] for lib in ("otel_rollouts", "sdk")}
-    print(f"{args.episodes} episodes, {PER_STEP}/step, otel_rollouts keeps {CAP}/step; training-thread cost")
-    header = f"{'receiver':24} {'library':14} {'µs/episode':>10} {'vs healthy':>10} {'to export':>9} {'arrived':>8} {'safe*':>6} {'dropped':>8}"
+        for r in range(args.rounds):  # states alternated: a drifting machine affects them alike
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                for lib in ("otel_rollouts", "sdk"):
+                    runs.setdefault((name, lib), []).append(
+                        run_once(name, STATES[name], lib, args.episodes, tmp, str(r)))
+
+    def med(name: str, lib: str, k: int) -> float:
+        return statistics.median(run[0][k] for run in runs[(name, lib)])
+
+    print(f"{args.episodes} episodes, {PER_STEP}/step, otel_rollouts keeps {CAP}/step; {args.rounds} rounds,"
+          " states alternated; training thread: CPU (time.thread_time) and wall, medians")
+    header = (f"{'receiver':24} {'library':14} {'CPU µs/ep':>9} {'vs healthy':>10} {'wall µs/ep':>10} "
+              f"{'vs healthy':>10} {'to export':>9} {'arrived':>8} {'safe*':>6} {'dropped':>8}")
     print(header)
     print("-" * len(header))
-    for name, results in rows:
-        for lib, (cost, exported, arrived, safe, dropped) in results.items():
+    for name in names:
+        for lib in ("otel_rollouts", "sdk"):
+            cpu, wall = med(name, lib, 1), med(name, lib, 0)
+            last = runs[(name, lib)][-1]
+            _, exported, arrived, safe, dropped = last
             print(
-                f"{name:24} {lib:14} {cost * 1e6:10.1f} {cost / healthy[lib]:10.2f} {exported:9d} {arrived:8d} "
-                f"{safe:6d} {'uncounted' if dropped is None else dropped:>8}"
+                f"{name:24} {lib:14} {cpu * 1e6:9.1f} {cpu / med(names[0], lib, 1):10.2f} {wall * 1e6:10.1f} "
+                f"{wall / med(names[0], lib, 0):10.2f} {exported:9d} {arrived:8d} {safe:6d} "
+                f"{'uncounted' if dropped is None else dropped:>8}"
             )
-    print("* safe: delivered, or in the on-disk spool to be delivered when the receiver answers")
-    print(f"otel_rollouts / raw SDK cost, healthy receiver: {healthy['otel_rollouts'] / healthy['sdk']:.2f}")
+    print("* safe: delivered, or in the on-disk spool to be delivered when the receiver answers (last round)")
+    spread = [run[0][1] for run in runs[("down (refused)", "otel_rollouts")]]
+    healthy = [run[0][1] for run in runs[(names[0], "otel_rollouts")]]
+    print("otel_rollouts training-thread CPU, down / healthy per round: "
+          + ", ".join(f"{d / h:.2f}" for d, h in zip(spread, healthy, strict=True)))
+    print(f"otel_rollouts / raw SDK training-thread CPU, healthy receiver: "
+          f"{med(names[0], 'otel_rollouts', 1) / med(names[0], 'sdk', 1):.2f}")
 
 
 if __name__ == "__main__":
