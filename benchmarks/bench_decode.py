@@ -9,11 +9,15 @@ trained here (tests/tokenizer_fixture.py, a vocabulary of ~2.6k), wrapped in Pre
                loss mask, split the sequence into loss-mask runs, ``tokenizer.decode`` each run,
                build the messages; then cap (top/bottom by reward) and record the 32 kept
                episodes with otel_rollouts' episode API.
-  lazy         ``otr.record_token_batch(...)``: tensors to the host once per batch, per-sample
-               structure only, text decoded on the export thread for the 32 kept episodes.
+  lazy         ``otr.record_token_batch(...)``: tensors to the host once per batch (a CPU batch
+               read in place), the batch's rewards offered to the sampler as columns in one
+               call, only the rows it may keep recorded as episodes (their ids copied), text
+               decoded on the export thread for the 32 kept episodes.
   api_floor    for reference, not a competitor: one bare ``otr.episode`` + ``ep.reward`` +
                ``ep.finish`` per sample and nothing else (no tokens at all) - the cost of
-               offering 4,096 episodes to the tail sampler, which any per-episode path pays.
+               offering 4,096 episodes one by one, which the batch path no longer pays: it
+               offers the batch's columns to the sampler at once and records only the rows the
+               sampler may keep.
 
 Reported per step: training-thread time (CPU time of the thread running the call(s) the training
 loop waits for, including ``otr.end_step``: robust to other processes on a shared machine; wall
@@ -181,7 +185,7 @@ def main() -> None:
           f" wall {a['wall'] / b['wall']:.1f}x")
     f = results["api_floor"]
     print(f"per sample: decode_all {a['train'] / args.samples * 1e6:.0f} us, lazy {b['train'] / args.samples * 1e6:.0f} us,"
-          f" of which the bare episode API (api_floor) is {f['train'] / args.samples * 1e6:.0f} us")
+          f" (one bare episode offered one by one, api_floor: {f['train'] / args.samples * 1e6:.0f} us)")
     print(f"peak traced memory: decode_all {a['peak'] / 2**20:.1f} MiB, lazy {b['peak'] / 2**20:.1f} MiB"
           f" ({a['peak'] / max(b['peak'], 1):.1f}x)")
 

@@ -299,3 +299,34 @@ def test_an_episode_takes_the_pipeline_lock_once_and_no_stats_lock(otr_shutdown)
     assert stats_lock.taken == 0  # counted without a lock (added up when read)
     step = otr.stats()["steps"]["0/train"]
     assert step["seen"] == step["started"] == 101
+
+
+def test_a_kept_row_has_the_tree_its_record_callback_made(otr_shutdown):
+    exporter = _batch_config(cap=2)
+    prompts = [f"question {i}" for i in range(40)]
+
+    def record(i, ep):  # the README's example
+        ep.prompt(prompts[i])
+        with ep.turn() as turn:
+            turn.record_generation(f"answer {i}", model="policy")
+            with turn.tool_call("calc", arguments={"i": i}) as call:
+                call.result(i * 2)
+
+    otr.record_batch(40, step=3, rewards=[float(i) for i in range(40)], group_ids=[f"p{i // 8}" for i in range(40)],
+                     finish_reasons=["length" if i == 39 else "stop" for i in range(40)], record=record)
+    otr.end_step(3)
+    otr.flush()
+    spans = exporter.get_finished_spans()
+    roots = {s.context.trace_id: s for s in spans if s.parent is None}
+    assert sorted(r.attributes[c.RL_SAMPLE_INDEX] for r in roots.values()) == [0, 39]
+    for root in roots.values():
+        mine = [s for s in spans if s.context.trace_id == root.context.trace_id]
+        by_id = {s.context.span_id: s for s in mine}
+        names = sorted(s.name for s in mine)
+        assert names == sorted([c.SPAN_EPISODE, c.SPAN_PROMPT, c.SPAN_TURN, "chat policy", "execute_tool calc",
+                                c.SPAN_REWARD])
+        tool = next(s for s in mine if s.name == "execute_tool calc")
+        assert by_id[tool.parent.span_id].name == c.SPAN_TURN
+        assert root.attributes[c.RL_GROUP_ID] in ("p0", "p4") and root.end_time >= root.start_time
+    last = next(r for r in roots.values() if r.attributes[c.RL_SAMPLE_INDEX] == 39)
+    assert last.attributes[c.RL_STATUS] == c.STATUS_TRUNCATED and last.attributes[c.RL_FINISH_REASON] == "length"

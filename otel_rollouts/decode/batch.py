@@ -5,12 +5,13 @@
         attention_mask=batch["attention_mask"], rewards=batch["rewards"], versions=batch["versions"],
     )
 
-Why it is cheap: each tensor leaves the device once per batch, as a compact private numpy array
-(``_token_layout``), and everything that can be vectorized over the batch is (loss-mask run
-edges, policy-version ranges over generated tokens, sequence ranges from the attention mask).
-Per sample, the training thread then only records the episode through the episode API — the
-root with its ``rl.*`` values, the reward, the finish reason — plus one ``_EpisodeBody`` span
-record holding a view of the sample's ids and its segment edges. Nothing is decoded there.
+Why it is cheap: each tensor leaves the device once per batch (a batch already on the host is
+read in place), and everything that can be vectorized over the batch is (loss-mask run edges,
+sequence ranges from the attention mask). The batch is then offered to the tail sampler as
+columns, in one call (``record.batch``): only the samples it may keep are recorded as episodes
+through the episode API — the root with its ``rl.*`` values, the reward, the finish reason —
+plus one ``_EpisodeBody`` span record holding a copy of the sample's ids and its segment edges.
+Nothing is decoded there, and a dropped sample is never an object.
 
 When the tail sampler keeps an episode, the materializer (export thread) expands its body: the
 segments are decoded with one ``batch_decode`` call, cached, and turned into the spans the
