@@ -296,7 +296,7 @@ def test_an_episode_takes_the_pipeline_lock_once_and_no_stats_lock(otr_shutdown)
                 turn.record_generation("x", model="m")
             ep.reward(float(i))
     assert pipeline._lock.taken == 100  # one round-trip each: the offer to the sampler
-    assert stats_lock.taken == 0  # counted without a lock (added up when read)
+    assert stats_lock.taken <= 2  # ~300 step counts, appended without a lock, added up in bulk
     step = otr.stats()["steps"]["0/train"]
     assert step["seen"] == step["started"] == 101
 

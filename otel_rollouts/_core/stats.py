@@ -7,7 +7,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Any
 
 _MAX_STEPS_KEPT = 4096  # per-step counters of the most recent steps
-_FOLD_AT = 4096  # step events waiting to be added up (bounds their memory)
+_FOLD_AT = 256  # step events waiting to be added up (bounds their memory: a few tens of KB)
 
 
 class Stats:
