@@ -360,12 +360,62 @@ def to_json(value: Any, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> str:
     return json.dumps(jsonable(value, max_nodes), ensure_ascii=False, separators=(",", ":"))
 
 
+_CHARS_CUT = "…["
+_CHARS_CUT_END = " chars cut]…"
+_MARKER_DIGITS = 19  # the most digits a count of characters takes
+
+
+def text_cut_marker(removed: int) -> str:
+    """What stands for ``removed`` characters cut out of the middle of a text."""
+    return f"{_CHARS_CUT}{removed}{_CHARS_CUT_END}"
+
+
+def removed_chars(text: str, start: int, end: int) -> int:
+    """How many characters ``text[start:end]`` stands for: its length, where a cut marker inside
+    it (a text cut earlier, see ``precut``) counts for what that cut removed, not for itself."""
+    removed = end - start
+    at = text.find(_CHARS_CUT, start, end)
+    while at >= 0:
+        close = text.find(_CHARS_CUT_END, at + 2, min(at + 2 + _MARKER_DIGITS + len(_CHARS_CUT_END), end))
+        digits = text[at + 2:close] if close >= 0 else ""
+        if digits.isdigit() and digits.isascii():
+            marker = close + len(_CHARS_CUT_END) - at
+            if int(digits) > marker:  # a real cut (ours remove more than their marker's length)
+                removed += int(digits) - marker
+            at = text.find(_CHARS_CUT, close, end)
+        else:
+            at = text.find(_CHARS_CUT, at + 1, end)
+    return removed
+
+
 def cut(text: str, max_chars: int) -> tuple[str, bool]:
-    """Cut ``text`` to about ``max_chars`` keeping head and tail; return (text, was_cut)."""
+    """Cut ``text`` to about ``max_chars`` keeping head and tail; return (text, was_cut).
+
+    The marker counts the characters cut out, those of a text cut earlier by ``precut`` (or
+    ``Redactor.bounded``) included.
+    """
     if max_chars <= 0 or len(text) <= max_chars:
         return text, False
     keep = max(max_chars - 40, 2)
     head = keep // 2
     tail = keep - head
-    removed = len(text) - head - tail
-    return f"{text[:head]}…[{removed} chars cut]…{text[len(text) - tail:]}", True
+    removed = removed_chars(text, head, len(text) - tail)
+    return f"{text[:head]}{text_cut_marker(removed)}{text[len(text) - tail:]}", True
+
+
+def precut(text: str, keep: int) -> str:
+    """``text`` with its middle cut out when it is longer than a later ``cut`` can show.
+
+    ``keep``: the most characters a later ``cut`` keeps of the head and of the tail. The head
+    and tail kept here are that long, so ``cut(precut(text, keep), n)`` (and the cut of a JSON
+    text holding it) is ``cut(text, n)`` for every ``n <= 2 * keep - 2``, at the cost of
+    ``keep``, not of the length of ``text``: what is encoded, redacted and copied afterwards
+    is bounded by the limits, not by the input.
+    """
+    n = len(text)
+    if keep <= 0 or n <= 2 * keep + _PRECUT_MIN:
+        return text
+    return f"{text[:keep]}{text_cut_marker(removed_chars(text, keep, n - keep))}{text[n - keep:]}"
+
+
+_PRECUT_MIN = 64  # the fewest characters worth cutting out early
