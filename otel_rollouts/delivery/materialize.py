@@ -16,7 +16,7 @@ from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import redaction
-from otel_rollouts._core.content import Deferred, cut, jsonable, to_json
+from otel_rollouts._core.content import Deferred, cut, jsonable, precut, to_json
 from otel_rollouts._core.messages import EpisodeViews, SpanView, error_type, settle
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 
@@ -24,6 +24,7 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)
 _NUMBER_CHARS = 24  # the most characters one number takes in OTLP/JSON (a double's repr)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SMALLEST_CUT = 256  # a text cut under the episode's budget still keeps this much (see _text)
 
 
 def valid_utf8(text: str) -> tuple[str, bool]:
@@ -59,12 +60,22 @@ class Materializer:
         self.max_episode_chars = max_episode_chars
         self._budget: int | None = None
         self._redacted: dict[str, str] | None = None  # per episode: text -> redacted text
+        self._redacted_whole: dict[str, str] | None = None  # the same, for text redacted uncut
+        # the most characters any cut below keeps of a text's head and of its tail (None: texts
+        # are not cut): a longer text is cut to that before it is redacted, encoded or copied
+        # into the views, so that a kept episode costs what its limits allow, not what its
+        # content weighs (cut(precut(t)) is cut(t); see content.precut and Redactor.bounded)
+        most = max(max_attribute_chars, _SMALLEST_CUT) if max_attribute_chars > 0 else 0
+        self._keep: int | None = most // 2 + 1 if most else None
+        # a Redactor reads only what the cut keeps (and a margin); another callable sees it all
+        self._bounded: Callable[[str, int], str] | None = getattr(redact, "bounded", None)
         # gen_ai.agent.name on each root: configured, else the service name
         self.views = EpisodeViews(agent_name or _service_name(resource), capture_content)
 
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
         self._budget = self.max_episode_chars
         self._redacted = {}
+        self._redacted_whole = {}
         try:
             # redacted once, here: the views are built from clean values, so their texts (which
             # repeat the episode's content several times over) need no second scan
@@ -81,6 +92,7 @@ class Materializer:
         finally:
             self._budget = None
             self._redacted = None
+            self._redacted_whole = None
         spans.extend(self.foreign(s) for s in record.foreign)
         return spans
 
@@ -178,13 +190,14 @@ class Materializer:
         return out
 
     def _clean(self, attributes: dict[str, Any]) -> dict[str, Any]:
-        """The recorded values with secrets redacted (when redacting), as values, not text.
+        """The recorded values with secrets redacted (when redacting), as values, not text, and
+        each text longer than a cut can show cut to what it can (head and tail, see ``_keep``).
 
         A container is redacted as the JSON text it renders to (patterns such as
         ``"password": "…"`` need the key beside the value) and read back only if that changed
         anything; a redacted text that is no JSON any more stays text.
         """
-        if self.redact is None:
+        if self.redact is None and self._keep is None:
             return attributes
         out: dict[str, Any] = {}
         for key, value in attributes.items():
@@ -196,14 +209,19 @@ class Materializer:
                 elif c.is_label(key) and self.redact_name is not None:
                     # a label (a tool's or model's name, an id) reads as the span name does
                     out[key] = self.redact_name(value)
+                elif _read_as_json(key, value):
+                    out[key] = self._clean_whole(value)  # the views parse it: cut, it would not
                 else:
                     out[key] = self._clean_text(value)
             else:
                 # each text inside on its own first (a secret in JSON text is escaped, and a
                 # pattern might not see it there), then the whole as JSON text
                 value = self._walk(value)
-                text = to_json(value)
-                clean = self._clean_text(text)
+                if self.redact is None:
+                    out[key] = value
+                    continue
+                text = _json(value)  # JSON-safe already (_resolved): no second copy
+                clean = self._clean_whole(text)
                 if clean is None or clean == text:
                     out[key] = value
                 else:
@@ -214,16 +232,19 @@ class Materializer:
         return out
 
     def _walk(self, value: Any, depth: int = 0) -> Any:
-        """A JSON-safe value with each text redacted, and the value of a key naming a secret."""
+        """A JSON-safe value with each text redacted (and cut, see ``_clean_text``), and the value
+        of a key naming a secret replaced; keys are redacted whole, never cut."""
         if isinstance(value, str):
             return self._clean_text(value)
         if depth > 64:
             return value
         if isinstance(value, dict):
             return {
-                self._clean_text(k) if isinstance(k, str) else k:
+                self._clean_whole(k) if isinstance(k, str) else k:
                 redaction.REPLACEMENT if isinstance(k, str) and self._secret_key(k) and isinstance(v, (str, int, float))
-                and not isinstance(v, bool) else self._walk(v, depth + 1)
+                and not isinstance(v, bool)
+                else self._clean_whole(v) if k == _ARGUMENTS and isinstance(v, str) and _may_be_json(v)
+                else self._walk(v, depth + 1)
                 for k, v in value.items()
             }
         if isinstance(value, list):
@@ -231,10 +252,30 @@ class Materializer:
         return value
 
     def _clean_text(self, text: str | None) -> str | None:
-        """``text`` redacted (once per distinct text in an episode)."""
+        """``text`` redacted (once per distinct text in an episode), and cut to what the cuts
+        below can show of it when it is longer: a Redactor then reads only that and a margin."""
+        if text is None:
+            return text
+        keep = self._keep
+        if self.redact is None:
+            return precut(text, keep) if keep is not None else text
+        cache = self._redacted
+        clean = cache.get(text) if cache is not None else None
+        if clean is None:
+            if keep is not None and self._bounded is not None:
+                clean = self._bounded(text, keep)
+            else:
+                clean = self.redact(text)
+            if cache is not None:
+                cache[text] = clean
+        return clean
+
+    def _clean_whole(self, text: str | None) -> str | None:
+        """``text`` redacted as a whole, never cut (keys; the JSON text of a container, which
+        has to stay JSON to be read back), once per distinct text in an episode."""
         if text is None or self.redact is None:
             return text
-        cache = self._redacted
+        cache = self._redacted_whole
         if cache is None:
             return self.redact(text)
         clean = cache.get(text)
@@ -320,7 +361,7 @@ class Materializer:
         for key, value in raw.items():
             if value is None:
                 continue
-            key, bad_key = valid_utf8(key)
+            key, bad_key = (key, False) if key.isascii() else valid_utf8(key)
             if self.redact_name is not None:
                 key = self.redact_name(key)
             if bad_key:
@@ -340,7 +381,7 @@ class Materializer:
                 continue
             text = value if isinstance(value, str) else _json(value)
             text, was_cut = self._text(text, limit, redact)
-            text, bad = valid_utf8(text)
+            text, bad = (text, False) if text.isascii() else valid_utf8(text)
             out[key] = text
             if was_cut:
                 truncated.append(key)
@@ -407,8 +448,10 @@ class Materializer:
         if budget is not None:
             # the episode's budget is shared by its texts, in span order; each keeps at least a
             # small head and tail so that a cut text still shows what it was
-            limit = max(min(limit, budget), 256) if limit > 0 else max(budget, 256)
-            text, was_cut = cut(text, limit)
+            limit = max(min(limit, budget), _SMALLEST_CUT) if limit > 0 else max(budget, _SMALLEST_CUT)
+            was_cut = len(text) > limit
+            if was_cut:
+                text = cut(text, limit)[0]
             self._budget = max(budget - len(text), 0)
             return text, was_cut
         return cut(text, limit)
@@ -421,6 +464,31 @@ def _json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         return to_json(value)
+
+
+# Text that the views read as JSON (messages given as JSON text, tool-call arguments given as JSON
+# text, also inside a message's tool calls) is redacted whole and never cut early: a cut could
+# make it JSON no more (or JSON at last) and change what the views make of it.
+_MESSAGES_TEXT = frozenset({c.GEN_AI_INPUT_MESSAGES, c.GEN_AI_OUTPUT_MESSAGES})
+_ARGUMENTS = "arguments"
+_JSON_LITERALS = frozenset({"true", "false", "null"})
+
+
+def _may_be_json(text: str) -> bool:
+    """Whether ``json.loads(text)`` may succeed (what the views try on tool-call arguments)."""
+    stripped = text.lstrip()
+    first = stripped[:1]
+    if first in ("[", "{", '"', "-") or first.isdigit():
+        return True
+    return first in ("t", "f", "n") and stripped.rstrip() in _JSON_LITERALS
+
+
+def _read_as_json(key: str, text: str) -> bool:
+    """Whether the views parse this recorded text as JSON (see ``messages._messages`` and
+    ``messages._arguments``)."""
+    if key in _MESSAGES_TEXT:
+        return text[:1] in ("[", "{")
+    return key == c.GEN_AI_TOOL_CALL_ARGUMENTS and _may_be_json(text)
 
 
 def _failure(s: SpanRecord) -> str | None:
