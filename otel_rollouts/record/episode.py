@@ -313,7 +313,8 @@ class Turn(_SpanHandle):
                           messages: Any = None, provider: str | None = None, **output: Any) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
         # the unguarded bodies: this call is guarded once, as a whole
-        gen = Turn.generation.__wrapped__(self, model, messages=messages, provider=provider)  # type: ignore[attr-defined]
+        gen: Generation = Turn.generation.__wrapped__(  # type: ignore[attr-defined]
+            self, model, messages=messages, provider=provider)
         Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
         return gen
 
