@@ -128,8 +128,8 @@ class SpanRecord(trace.Span):
         if self.end_ns is not None:
             return
         self.end_ns = end_time if end_time is not None else time.time_ns()
-        episode = self.episode  # EpisodeRecord.span_ended, inlined: every span ends here
-        if episode.state >= KEPT:
+        episode = self.episode  # the sink is told when the root or the reward span ends
+        if episode.state >= KEPT:  # already decided: a late span of a kept episode still goes out
             episode.sink.late_span(episode, self)
         elif self is episode.root or self is episode.reward_span:
             episode.sink.part_ended(episode)
@@ -209,13 +209,6 @@ class EpisodeRecord:
         else:
             self.spans.append(span)
         return span
-
-    def span_ended(self, span: SpanRecord) -> None:
-        if self.state >= KEPT:
-            # the episode was already decided: a late span of a kept episode still goes out
-            self.sink.late_span(self, span)
-        elif span is self.root or span is self.reward_span:
-            self.sink.part_ended(self)
 
     @property
     def complete(self) -> bool:

@@ -193,6 +193,16 @@ class RolloutMetrics:
         self.tool_errors = meter.create_counter(c.METRIC_TOOL_ERRORS, "{call}",
                                                 "Tool calls that failed")
 
+    def _step(self, key: tuple[int, str]) -> _Step:
+        """The summary of (step, split), made on first use; the oldest is forgotten past
+        ``_MAX_PENDING_STEPS`` (under ``self._lock``)."""
+        step = self._steps.get(key)
+        if step is None:
+            if len(self._steps) >= _MAX_PENDING_STEPS:
+                self._steps.pop(next(iter(self._steps)))
+            step = self._steps[key] = _Step()
+        return step
+
     # --- called by the pipeline (under its lock) --------------------------------------------------
     def dropped_rows(self, batch: Any, indices: Sequence[int], reason: str) -> None:
         """Rows of a batch (``sampling.batch.RowBatch``) dropped before their episodes were
@@ -207,11 +217,7 @@ class RolloutMetrics:
         rewards = scores[~np.isnan(scores)]
         split = self.label(batch.split) if self.label is not None else batch.split
         with self._lock:
-            step = self._steps.get((batch.step, split))
-            if step is None:
-                if len(self._steps) >= _MAX_PENDING_STEPS:
-                    self._steps.pop(next(iter(self._steps)))
-                step = self._steps[(batch.step, split)] = _Step()
+            step = self._step((batch.step, split))
             step.seen += n
             step.dropped += n
             if rewards.size:
@@ -245,11 +251,7 @@ class RolloutMetrics:
         split = self.label(record.split) if self.label is not None else record.split
         key = (record.step, split)
         with self._lock:
-            step = self._steps.get(key)
-            if step is None:
-                if len(self._steps) >= _MAX_PENDING_STEPS:
-                    self._steps.pop(next(iter(self._steps)))
-                step = self._steps[key] = _Step()
+            step = self._step(key)
             step.seen += 1
             if reason is None:
                 step.kept += 1

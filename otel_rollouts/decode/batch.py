@@ -584,13 +584,16 @@ def record_token_batch(
         n = n_list[i]
         return [0, *(edges[lo[i] : hi[i]] - ms_list[i]).tolist(), n] if n and mask is not None else []
 
+    def given_status(i: int, finish: str | None) -> Any:
+        """The status handed to ``Episode.finish``: as given, else ``truncated`` at the limit."""
+        given = None if status_col is None else status_col[i]
+        return c.STATUS_TRUNCATED if given is None and finish == FINISH_LENGTH else given
+
     def status_of(i: int) -> str | None:
+        """The ``rl.status`` the sample's episode will hold (what the sampler reads)."""
         if i in refused:
             return c.STATUS_ERROR
-        given = None if status_col is None else status_col[i]  # as build() hands it to finish()
-        if given is None:
-            return c.STATUS_TRUNCATED if finish_of(i) == FINISH_LENGTH else None
-        return status_value(given)
+        return status_value(given_status(i, finish_of(i)))
 
     def build(i: int, ep: Any) -> None:
         extra = None if attr_col is None else attr_col[i]
@@ -619,10 +622,7 @@ def record_token_batch(
                          model, finish, capture, eos_ids)
             if capture and generated:
                 root.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(body, "errors"))
-        status = None if status_col is None else status_col[i]
-        if status is None and finish == FINISH_LENGTH:
-            status = c.STATUS_TRUNCATED
-        _finish_reward(ep, i, reward_col, advantage_col, components, finish, status, None)
+        _finish_reward(ep, i, reward_col, advantage_col, components, finish, given_status(i, finish), None)
 
     versions_col: Any = per_sample_versions
     if vrange is not None:  # read for the recorded samples only
