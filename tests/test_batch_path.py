@@ -83,7 +83,7 @@ REWARDS = st.one_of(st.sampled_from([0.0, 0.5, 1.0, -1.0]), st.floats(-5, 5), st
 ROW = st.tuples(
     REWARDS,  # reward (NaN: unscored)
     st.sampled_from([None, None, None, "error", "truncated", "ok", "weird"]),  # status
-    st.integers(0, 5),  # group
+    st.one_of(st.integers(0, 5), st.none()),  # group (None: a group of one)
     st.one_of(st.none(), st.floats(-2, 2)),  # advantage
 )
 # most batches have no unscored row (the vectorised choice); some have (rows one by one)
@@ -91,6 +91,10 @@ BATCH = st.tuples(st.integers(0, 3), st.lists(ROW, max_size=30)).map(
     lambda t: t[1] if t[0] == 0 else [(0.25 if math.isnan(r[0]) else r[0], *r[1:]) for r in t[1]]
 )
 STEPS = st.lists(st.lists(BATCH, min_size=1, max_size=3), min_size=1, max_size=2)
+
+
+def _gid(group: int | None) -> str | None:
+    return None if group is None else f"g{group}"
 
 
 def _run(policy_name: str, cap: int, steps: list, *, batched: bool) -> tuple[list, dict]:
@@ -108,13 +112,13 @@ def _run(policy_name: str, cap: int, steps: list, *, batched: bool) -> tuple[lis
                     otr.record_batch(
                         len(rows), step=step,
                         rewards=[r[0] for r in rows], statuses=[r[1] for r in rows],
-                        group_ids=[f"g{r[2]}" for r in rows], advantages=[r[3] for r in rows],
+                        group_ids=[_gid(r[2]) for r in rows], advantages=[r[3] for r in rows],
                         sample_indices=ids, episode_ids=[f"e{i}" for i in ids],
                         record=lambda i, ep, rows=rows: ep.prompt(f"sample {rows[i]}"),
                     )
                     continue
                 for i, (reward, status, group, advantage) in zip(ids, rows, strict=True):
-                    with otr.episode(step=step, group_id=f"g{group}", sample_index=i, episode_id=f"e{i}") as ep:
+                    with otr.episode(step=step, group_id=_gid(group), sample_index=i, episode_id=f"e{i}") as ep:
                         ep.prompt(f"sample {(reward, status, group, advantage)}")
                         if status is not None:
                             ep.finish(status=status)
@@ -168,6 +172,34 @@ def test_only_candidates_become_records_and_content_is_built_only_for_them(otr_s
     assert step["dropped.sampled_out"] == 996
     prompts = [s for s in exporter.get_finished_spans() if s.name == c.SPAN_PROMPT]
     assert len(prompts) == 4
+
+
+def test_groups_take_a_batch_whole_and_make_objects_only_for_held_rows(otr_shutdown, monkeypatch):
+    from otel_rollouts.sampling import batch as batch_module
+
+    made = []
+    init = batch_module.BatchRow.__init__
+
+    def counting_init(self, *args):
+        made.append(args[1])
+        init(self, *args)
+
+    monkeypatch.setattr(batch_module.BatchRow, "__init__", counting_init)
+    exporter = _batch_config(cap=16, policy="groups")
+    # 125 GRPO groups of 8, in order; group g's rewards spread over g % 50 (groups 49, 99: widest)
+    rewards = [float((i % 8) * ((i // 8) % 50)) for i in range(1000)]
+    built = []
+    summary = otr.record_batch(
+        1000, step=0, rewards=rewards, group_ids=[f"g{i // 8}" for i in range(1000)],
+        record=lambda i, ep: (built.append(i), ep.prompt(f"p{i}")),
+    )
+    otr.end_step(0)
+    otr.flush()
+    assert summary.offered == 1000 and summary.recorded == len(built) == len(made) <= 64
+    kept_groups = {s.attributes[c.RL_GROUP_ID] for s in _roots(exporter)}
+    assert kept_groups == {"g49", "g99"}
+    step = otr.stats()["steps"]["0/train"]
+    assert step["kept"] == 16 and step["dropped.sampled_out"] == 984
 
 
 def test_a_failing_record_callback_is_reported_naming_the_sample(otr_shutdown):

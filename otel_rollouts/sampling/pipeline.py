@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,6 +138,9 @@ class Pipeline(SpanProcessor):
                 step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream))
             step.last_seen = time.monotonic()
             bucket = step.bucket
+            whole = getattr(bucket, "offer_batch", None)
+            if callable(whole):  # the bucket takes the batch whole (Groups: a run at a time)
+                return self._offer_whole(batch, whole)
             find = getattr(bucket, "candidates", None)
             chosen = find(batch) if callable(find) else None
             indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
@@ -162,6 +165,20 @@ class Pipeline(SpanProcessor):
             for r in kept_now:
                 self._keep(r)
             return sorted(survivors, key=lambda r: r.seq)
+
+    def _offer_whole(self, batch: RowBatch, offer: Any) -> list[BatchRow]:
+        """A bucket that is offered the batch at once: rows numbered in order as if offered one
+        by one; only the rows it still holds become objects."""
+        base = next(self._seq)
+        if batch.n > 1:
+            deque(itertools.islice(self._seq, batch.n - 1), maxlen=0)  # reserve the batch's numbers
+        released, held = offer(batch, lambda i: BatchRow(batch, i, base + i))
+        for r in released:
+            self._drop(r, "sampled_out")
+        if len(held) < batch.n:
+            alive = {r.index for r in held}
+            self._dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
+        return sorted(held, key=lambda r: r.seq)
 
     def _late_batch(self, batch: RowBatch, key: tuple[int, str]) -> list[BatchRow]:
         """The late rule for a batch: its first rows kept while the step kept fewer than the

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
@@ -606,6 +606,59 @@ class _GroupsBucket(Bucket):
             others = [h for h in self.groups.values() if h is not g] or [g]
             self._evict(min(others, key=self.priority), released)
         return released, []
+
+    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
+        """Offer every row of ``batch`` in order, a run of rows of one group at a time: the
+        same state as offering them one by one (what a run does to the count, the cap and the
+        other groups follows from its length), with an object made only for a row still held at
+        the end (``make_row(i)``). Returns the earlier records let go, and this batch's held rows.
+        """
+        import numpy as np
+
+        n = batch.n
+        col = batch.column(c.RL_GROUP_ID)
+        gids = [
+            ("episode", batch.trace_id(i)) if col is None or col[i] is None else col[i]
+            for i in range(n)
+        ]
+        starts = [0] + [i for i in range(1, n) if gids[i] != gids[i - 1]] if n else []
+        scores = batch.scores(self.policy.score)
+        lows = np.fmin.reduceat(scores, starts).tolist() if n else []
+        highs = np.fmax.reduceat(scores, starts).tolist() if n else []
+        released: list[Any] = []
+        touched: dict[Any, _Group] = {}
+        for run, start in enumerate(starts):
+            stop = starts[run + 1] if run + 1 < len(starts) else n
+            gid = gids[start]
+            if gid in self.dropped:
+                continue
+            g = self.groups.get(gid)
+            if g is None:
+                g = self.groups[gid] = _Group(gid, self.seq + 1)
+            room = self.cap - len(g.members)
+            take = min(stop - start, room)
+            g.members.extend(range(start, start + take))
+            touched[gid] = g
+            self.seq += take
+            self.count += take
+            if take == stop - start and lows[run] == lows[run]:  # not NaN: a row has a score
+                g.lo, g.hi = min(g.lo, lows[run]), max(g.hi, highs[run])
+            if self.count > self.max_held:  # the others, in the order one by one would evict them
+                for h in sorted((h for h in self.groups.values() if h is not g), key=self.priority):
+                    if self.count <= self.max_held:
+                        break
+                    self._evict(h, released)
+            if take < stop - start:  # the next row goes over the cap: the group goes whole
+                g.members.append(start + take)
+                self.seq += 1
+                self.count += 1
+                self._evict(g, released)
+        held: list[Any] = []
+        for gid, g in touched.items():
+            if self.groups.get(gid) is g:
+                g.members = [make_row(m) if type(m) is int else m for m in g.members]
+                held.extend(m for m in g.members if getattr(m, "batch", None) is batch)
+        return [r for r in released if type(r) is not int], held
 
     def _evict(self, g: _Group, released: list[Any]) -> None:
         del self.groups[g.gid]
