@@ -259,6 +259,31 @@ def test_cap_holds_per_step_and_dropped_episodes_are_never_decoded(otr_shutdown)
     assert msgs[0]["content"].startswith("<|im_start|> user what is")
 
 
+def test_a_batch_takes_the_columnar_path_content_only_for_the_samples_the_sampler_may_keep(
+        otr_shutdown, monkeypatch):
+    from otel_rollouts.record.episode import Episode
+
+    prompts = []
+    real_prompt = Episode.prompt
+
+    def counting_prompt(self, *args, **kwargs):
+        prompts.append(self)
+        return real_prompt(self, *args, **kwargs)
+
+    monkeypatch.setattr(Episode, "prompt", counting_prompt)
+    exporter = configure_memory(cap=4, policy="top_bottom")
+    batch, result, adv = make(50, tools=False)
+    batch.scores = [float((i * 37) % 100) for i in range(100)]
+    n = open_instruct.record_batch(batch, result, step=3, advantages=adv, num_samples_per_prompt=G,
+                                   tokenizer=tokenizer())
+    otr.end_step(3)
+    assert n == 100 and otr.flush()
+    kept = sorted(e["root"][c.RL_REWARD] for e in episodes(exporter).values())
+    assert kept == [0.0, 1.0, 98.0, 99.0]  # the sampler read every sample's score
+    assert len(prompts) == 4  # only the candidates had their prompt (and turns) recorded
+    assert otr.stats()["steps"]["3/train"]["dropped.sampled_out"] == 96
+
+
 def test_placeholder_model_steps_are_not_policy_versions(memory):
     batch, result, _ = make(1, tools=False)
     batch.model_steps = [-1, 3]

@@ -15,7 +15,10 @@ the fixes live here once:
 * ``generated_versions`` takes the policy version from generated tokens only (−1 placeholders
   ignored);
 * ``count`` / ``mark_partial`` / ``mark_invalid`` record what went wrong on the episode and in
-  ``otr.stats()``.
+  ``otr.stats()``;
+* ``Sample`` / ``record_samples`` record a step's samples through the batch path: what the
+  sampler reads (reward, status, group) is collected for every sample, the content only for
+  the samples it may keep.
 
 Nothing here imports a framework, torch or numpy: tensors are recognised by their methods.
 
@@ -34,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import scalar
-from otel_rollouts._core.guard import first_time
+from otel_rollouts._core.guard import InvalidValue, first_time, report
 from otel_rollouts._core.values import to_float
 
 __all__ = [
@@ -55,7 +58,10 @@ __all__ = [
     "warn_unknown",
     "mask_runs",
     "mark_partial",
+    "read_samples",
+    "record_samples",
     "replay_messages",
+    "Sample",
     "reward_total",
     "set_span_attribute",
     "split_name",
@@ -307,25 +313,105 @@ class Columns:
         return out
 
 
+@dataclasses.dataclass(slots=True)
+class Sample:
+    """One sample of a batch as an adapter read it: the root's fields and what the sampler
+    reads, and ``content(episode)``, which records its prompt and turns if it may be kept."""
+
+    content: Callable[[Any], None]
+    episode_id: str | None = None
+    group_id: Any = None
+    sample_index: int | None = None
+    dataset_name: str | None = None
+    dataset_index: Any = None
+    metadata: Mapping[str, Any] | None = None
+    reward: float | None = None
+    components: Mapping[str, Any] | None = None
+    advantage: Any = None
+    finish_reason: Any = None
+    status: str | None = None
+    missing: Sequence[str] = ()  # ragged columns that do not cover it (rl.alignment=partial)
+    problems: Sequence[str] = ()  # values refused while reading it (rl.invalid)
+
+
+def read_samples(n: int, read: Callable[[int], Sample], framework: str) -> list[Sample]:
+    """``read(i)`` for each of ``n`` samples; one that fails is reported naming it and left out,
+    and the rest go on (as one failing ``otr.episode`` would)."""
+    out: list[Sample] = []
+    for i in range(n):
+        try:
+            out.append(read(i))
+        except InvalidValue:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad sample never stops the batch
+            report(f"{framework}: sample {i}: {type(exc).__name__}", exc=exc)
+    return out
+
+
+def record_samples(samples: Sequence[Sample], *, step: int, split: str, framework: str) -> int:
+    """Record ``samples`` (one step) with ``record_batch``: the tail sampler chooses from their
+    rewards, statuses and groups in one call, and only the samples it may keep are recorded as
+    episodes. Partial and invalid ones are counted for all; returns how many were offered."""
+    from otel_rollouts.record.batch import record_batch
+
+    n = len(samples)
+    partial = sum(1 for s in samples if s.missing)
+    invalid = sum(len(s.problems) for s in samples)
+    if partial:
+        count(COUNT_PARTIAL, partial, step=step, split=split)
+    if invalid:
+        count(COUNT_INVALID, invalid, step=step, split=split)
+    names = sorted({k for s in samples if s.components for k in s.components})
+    components = {k: [None if not s.components else s.components.get(k) for s in samples] for k in names}
+
+    def record(i: int, ep: Any) -> None:
+        sample = samples[i]
+        if sample.missing:
+            _partial_attributes(ep, sample.missing)
+        for problem in sample.problems:
+            _flag_invalid(ep, problem)
+        sample.content(ep)
+
+    record_batch(
+        n, step=step, split=split, framework=framework, record=record,
+        rewards=[s.reward for s in samples], advantages=[s.advantage for s in samples],
+        reward_components=components or None,
+        group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
+        episode_ids=[s.episode_id for s in samples], statuses=[s.status for s in samples],
+        finish_reasons=[s.finish_reason for s in samples],
+        dataset_name=[s.dataset_name for s in samples],
+        dataset_indices=[s.dataset_index for s in samples], metadata=[s.metadata for s in samples],
+    )
+    return n
+
+
+def _partial_attributes(ep: Any, missing: Sequence[str]) -> None:
+    ep.set_attribute(c.RL_ALIGNMENT, "partial")
+    ep.set_attribute(c.RL_ALIGNMENT_MISSING, list(missing))
+
+
+def _flag_invalid(ep: Any, problem: str) -> bool:
+    record = getattr(ep, "_record", None)
+    if record is None or record.root is None:
+        return False
+    from otel_rollouts.record.episode import flag
+
+    flag(record.root, problem)
+    return True
+
+
 def mark_partial(ep: Any, missing: Sequence[str]) -> None:
     """Record ``rl.alignment=partial`` (and which columns) on an episode, and count it."""
     if not missing:
         return
-    ep.set_attribute(c.RL_ALIGNMENT, "partial")
-    ep.set_attribute(c.RL_ALIGNMENT_MISSING, list(missing))
+    _partial_attributes(ep, missing)
     count(COUNT_PARTIAL, step=getattr(ep, "step", None), split=getattr(ep, "split", None))
 
 
 def mark_invalid(ep: Any, problem: str | None) -> None:
     """Record a refused value on the episode root (``rl.invalid``) and count it."""
-    if not problem:
+    if not problem or not _flag_invalid(ep, problem):
         return
-    record = getattr(ep, "_record", None)
-    if record is None or record.root is None:
-        return
-    from otel_rollouts.record.episode import flag
-
-    flag(record.root, problem)
     count(COUNT_INVALID, step=getattr(ep, "step", None), split=getattr(ep, "split", None))
 
 

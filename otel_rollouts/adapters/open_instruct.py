@@ -18,7 +18,9 @@ episode (the tail sampler applies the per-step cap, not head-of-batch); ragged p
 never raise — the samples they do not cover get ``rl.alignment=partial``; ``request_info`` is
 ignored, not mis-paired, once ``mask_truncated_completions`` filtered the batch but not it;
 groups come from dataset indices (blocked ``i // n`` only for complete layouts); a batch
-without scores is still recorded.
+without scores is still recorded. The batch takes the columnar path (``otr.record_batch``): the
+sampler chooses from the scores, statuses and groups in one call, and only the samples it may
+keep get their prompt and turns recorded (and decoded).
 
 Open-Instruct is not on PyPI (git-only, with vLLM, DeepSpeed and Ray): the structures are read
 as its source defines them (``open_instruct/model_utils.py:Batch``,
@@ -73,11 +75,12 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     Columns,
+    Sample,
     group_ids,
     items,
     lazy_text,
-    mark_invalid,
-    mark_partial,
+    read_samples,
+    record_samples,
     reward_total,
     set_policy,
     set_span_attribute,
@@ -87,7 +90,6 @@ from otel_rollouts.adapters._common import (
     turns_from_mask,
     warn_unknown,
 )
-from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_batch"]
 
@@ -166,11 +168,10 @@ def record_batch(
     groups, _ = group_ids(
         n, ids=cols.columns.get("indices"), per_group=num_samples_per_prompt, complete=complete
     )
-    for i in range(n):
-        _record_sample(cols, i, step=step, split=split, group=groups[i], tokenizer=tokenizer,
-                       model=model, n_per_group=num_samples_per_prompt if complete else 0,
-                       trained_version=trained_version)
-    return n
+    samples = read_samples(n, lambda i: _sample(
+        cols, i, step=step, split=split, group=groups[i], tokenizer=tokenizer, model=model,
+        n_per_group=num_samples_per_prompt if complete else 0, trained_version=trained_version), FRAMEWORK)
+    return record_samples(samples, step=step, split=split, framework=FRAMEWORK)
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -181,10 +182,9 @@ def _get(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-@guarded
-def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str | None,
-                   tokenizer: Any, model: str | None, n_per_group: int,
-                   trained_version: int | None) -> None:
+def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, tokenizer: Any,
+            model: str | None, n_per_group: int, trained_version: int | None) -> Sample:
+    """Sample ``i``: what the sampler reads now, its prompt and turns only if it may be kept."""
     v = cols.value
     model_step = _model_step(v("model_steps", i))
     metadata: dict[str, Any] = {}
@@ -197,30 +197,21 @@ def _record_sample(cols: Columns, i: int, *, step: int, split: str, group: str |
         metadata["ground_truth"] = truth
     if group is not None and n_per_group and n_per_group > 0:
         metadata["repetition"] = i % n_per_group
-    with new_episode(
-        step=step,
-        split=split,
-        group_id=group,
-        sample_index=i,
-        episode_id=f"{split}-{step}-{i}",
-        dataset_name=v("datasets", i),
-        dataset_index=v("indices", i),
-        framework=FRAMEWORK,
-        metadata=metadata or None,
-    ) as ep:
-        mark_partial(ep, cols.missing(i))
+    finish = v("finish_reasons", i)
+    total, _, problem = reward_total(v("scores", i), f"scores[{i}]")
+
+    def content(ep: Any) -> None:
         set_policy(ep, model_step, trained_version)
         ep.prompt(_prompt(cols, i, tokenizer))
-        finish = v("finish_reasons", i)
         _turns(ep, cols, i, tokenizer, model, finish)
-        score = v("scores", i)
-        total, _, problem = reward_total(score, f"scores[{i}]")
-        mark_invalid(ep, problem)
-        components = _env_rewards(v("rollout_states", i))
-        advantage = v("advantages", i)
-        if total is not None or components or advantage is not None:
-            ep.reward(total, components=components or None, advantage=advantage)
-        ep.finish(reason=finish, status=status_for(finish))
+
+    return Sample(
+        content, episode_id=f"{split}-{step}-{i}", group_id=group, sample_index=i,
+        dataset_name=v("datasets", i), dataset_index=v("indices", i), metadata=metadata or None,
+        reward=total, components=_env_rewards(v("rollout_states", i)) or None,
+        advantage=v("advantages", i), finish_reason=finish, status=status_for(finish),
+        missing=cols.missing(i), problems=[problem] if problem else (),
+    )
 
 
 def _model_step(value: Any) -> int | None:

@@ -64,7 +64,7 @@ class Rows:
     policy_versions: Sequence[Any] | None = None
     dataset_indices: Sequence[Any] | None = None
     statuses: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
-    dataset_name: str | None = None
+    dataset_name: str | list[Any] | None = None  # one name, or one per sample
     framework: str | None = None
     metadata: Mapping[str, Any] | Sequence[Any] | None = None  # one mapping, or one per sample
 
@@ -73,13 +73,16 @@ class Rows:
         meta = self.metadata
         if meta is not None and not isinstance(meta, Mapping):
             meta = meta[i]
+        name = self.dataset_name
+        if isinstance(name, list):
+            name = name[i]
         return Episode(
             self.step, self.split,
             group_id=_at(self.group_ids, i),
             sample_index=i if _at(self.sample_indices, i) is None else _at(self.sample_indices, i),
             policy_version=_at(self.policy_versions, i),
             episode_id=episode_id,
-            dataset_name=self.dataset_name,
+            dataset_name=name,
             dataset_index=_at(self.dataset_indices, i),
             framework=self.framework,
             metadata=meta,
@@ -208,7 +211,7 @@ def record_batch(
     policy_versions: Any = None,
     statuses: Any = None,
     finish_reasons: Any = None,
-    dataset_name: str | None = None,
+    dataset_name: str | Sequence[str | None] | None = None,
     dataset_indices: Any = None,
     framework: str | None = None,
     metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
@@ -219,9 +222,11 @@ def record_batch(
 
     Each column holds one value per sample (a list, a numpy array or a tensor); None: none.
     ``reward_components``: name -> column. ``statuses``: ``ok``/``error``/``truncated``
-    (``truncated`` is also inferred from a ``length`` finish reason). ``record(i, episode)``
-    records sample ``i``'s content (``episode.prompt``, ``episode.turn()``...) and is called only
-    for the samples that may be kept; an exception from it is reported naming the sample, and
+    (``truncated`` is also inferred from a ``length`` finish reason). ``dataset_name`` and
+    ``metadata``: one for all samples, or one per sample. ``record(i, episode)`` records sample
+    ``i``'s content (``episode.prompt``, ``episode.turn()``...) and is called only for the
+    samples that may be kept, before the columns' reward and finish are recorded (the spans read
+    in the order an episode made them); an exception from it is reported naming the sample, and
     that sample is not recorded. Returns a ``BatchSummary``.
     """
     summary = BatchSummary()
@@ -244,6 +249,9 @@ def record_batch(
     meta: Any = metadata
     if metadata is not None and not isinstance(metadata, Mapping):
         meta = _column("metadata", metadata, n, problems)
+    names: Any = dataset_name
+    if isinstance(dataset_name, (list, tuple)) or hasattr(dataset_name, "tolist"):
+        names = _column("dataset_name", dataset_name, n, problems)
     for note in problems:
         report(f"record_batch: {note}")
     rows = Rows(
@@ -254,10 +262,12 @@ def record_batch(
         episode_ids=_column("episode_ids", episode_ids, n, problems),
         policy_versions=_column("policy_versions", policy_versions, n, problems),
         dataset_indices=_column("dataset_indices", dataset_indices, n, problems),
-        statuses=status_col, dataset_name=dataset_name, framework=framework, metadata=meta,
+        statuses=status_col, dataset_name=names, framework=framework, metadata=meta,
     )
 
     def build(i: int, ep: Episode) -> None:
+        if record is not None:
+            record(i, ep)
         comps = {k: col[i] for k, col in components.items() if col is not None and col[i] is not None}
         reward, advantage = _at(rewards_col, i), _at(advantages_col, i)
         if reward is not None or advantage is not None or comps:
@@ -265,8 +275,6 @@ def record_batch(
         finish, status = _at(finish_col, i), _at(status_col, i)
         if finish is not None or status is not None:
             ep.finish(reason=finish, status=status)
-        if record is not None:
-            record(i, ep)
 
     summary.offered = n
     summary.recorded, summary.failed = record_rows(rows, build)
