@@ -284,3 +284,19 @@ def test_fully_async_output_groups_carry_their_own_scheduling_step(memory):
     assert old[c.RL_GROUP_ID] == "a0" and old[c.RL_POLICY_VERSION] == 2 and old[c.RL_STALENESS] == 2
     assert fresh[c.RL_POLICY_VERSION] == 4 and fresh[c.RL_STALENESS] == 0  # on-policy: 0
     assert messages_of(memory)["a1_1"][1]["content"] == "what is 2 + 3 ?"
+
+
+def test_trajectories_take_the_columnar_path_turns_only_for_the_samples_the_sampler_may_keep(
+        otr_shutdown, monkeypatch):
+    from otel_rollouts.record.episode import Episode
+
+    prompts = []
+    real_prompt = Episode.prompt
+    monkeypatch.setattr(Episode, "prompt", lambda self, *a, **k: (prompts.append(self), real_prompt(self, *a, **k))[1])
+    mem = configure_memory(cap=1, policy="first")
+    gi, go = make(tuple(f"q{p}" for p in range(10)))
+    n = skyrl.record_generator_output(gi, go, step=3, tokenizer=tokenizer())
+    otr.end_step(3)
+    assert otr.flush() and n == 10 * N
+    assert len(episodes(mem)) == 1 and len(prompts) == 1  # one candidate: one prompt recorded
+    assert otr.stats()["steps"]["3/train"]["dropped.sampled_out"] == 10 * N - 1

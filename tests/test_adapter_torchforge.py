@@ -240,3 +240,20 @@ def test_unknown_samples_and_versions_warn_once(caplog, memory):
     assert c.RL_POLICY_VERSION not in episodes(memory)["uuid-0"]["root"]
     assert len(episodes(memory)) == 3
     assert otr.stats()["totals"]["adapters.unknown_structure"] >= 3
+
+
+def test_episodes_take_the_columnar_path_text_only_for_the_samples_the_sampler_may_keep(
+        otr_shutdown, monkeypatch):
+    from otel_rollouts.record.episode import Episode
+
+    prompts = []
+    real_prompt = Episode.prompt
+    monkeypatch.setattr(Episode, "prompt", lambda self, *a, **k: (prompts.append(self), real_prompt(self, *a, **k))[1])
+    mem = configure_memory(cap=2, policy="top_bottom")
+    batch = [make_episode(i, "the answer is 4", float((i * 7) % 40), 0.0) for i in range(40)]
+    ids = record_episodes(batch, step=4)
+    otr.end_step(4)
+    assert otr.flush() and len(ids) == 40
+    kept = sorted(e["root"][c.RL_REWARD] for e in episodes(mem).values())
+    assert kept == [0.0, 19.5]  # (math + thinking) / 2 of the lowest and highest
+    assert len(prompts) == 2  # the other 38 never had their request split or their turn recorded

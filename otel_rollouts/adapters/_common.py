@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import scalar
+from otel_rollouts._core.content import exception_text, scalar
 from otel_rollouts._core.guard import InvalidValue, first_time, report
 from otel_rollouts._core.values import to_float
 
@@ -334,17 +334,17 @@ class Sample:
     problems: Sequence[str] = ()  # values refused while reading it (rl.invalid)
 
 
-def read_samples(n: int, read: Callable[[int], Sample], framework: str) -> list[Sample]:
-    """``read(i)`` for each of ``n`` samples; one that fails is reported naming it and left out,
-    and the rest go on (as one failing ``otr.episode`` would)."""
+def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framework: str) -> list[Sample]:
+    """``read(i)`` for each sample ``i``; one that fails is reported naming it and left out, and
+    the rest go on (as one failing ``otr.episode`` would)."""
     out: list[Sample] = []
-    for i in range(n):
+    for i in indices:
         try:
             out.append(read(i))
         except InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad sample never stops the batch
-            report(f"{framework}: sample {i}: {type(exc).__name__}", exc=exc)
+            report(f"{framework} adapter: sample {i}: {exception_text(exc)}", exc=exc)
     return out
 
 

@@ -168,7 +168,7 @@ def record_batch(
     groups, _ = group_ids(
         n, ids=cols.columns.get("indices"), per_group=num_samples_per_prompt, complete=complete
     )
-    samples = read_samples(n, lambda i: _sample(
+    samples = read_samples(range(n), lambda i: _sample(
         cols, i, step=step, split=split, group=groups[i], tokenizer=tokenizer, model=model,
         n_per_group=num_samples_per_prompt if complete else 0, trained_version=trained_version), FRAMEWORK)
     return record_samples(samples, step=step, split=split, framework=FRAMEWORK)

@@ -82,14 +82,15 @@ from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     Columns,
+    Sample,
     count,
     field,
     first_occurrences,
     group_ids,
     lazy_text,
-    mark_invalid,
-    mark_partial,
     mask_runs,
+    read_samples,
+    record_samples,
     reward_total,
     set_policy,
     set_span_attribute,
@@ -101,7 +102,6 @@ from otel_rollouts.adapters._common import (
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
 from otel_rollouts.decode.toolcalls import HERMES_OPEN, tool_responses
-from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_generator_output", "record_output_group"]
 
@@ -124,6 +124,9 @@ def record_generator_output(
     model: str | None = None,
 ) -> int:
     """Record each trajectory of a SkyRL generation as one episode; returns how many.
+
+    The generation goes to the tail sampler as columns (rewards, stop reasons, groups) in one
+    call; only the trajectories it may keep get their turns recorded and decoded.
 
     * ``step``: the trainer's ``global_step`` that trains on these rollouts (``rl.step``; the
       cap's unit); with ``batch_metadata.global_step`` it gives ``rl.staleness``.
@@ -195,25 +198,27 @@ def record_generator_output(
             text = _Text(tokenizer)
         except Exception as exc:  # noqa: BLE001 - recorded without text rather than not at all
             warn_unknown(FRAMEWORK, "tokenizer", f"unusable ({type(exc).__name__}): token counts only")
-    recorded = 0
-    for number, rows in enumerate(episodes):
+    env_classes, env_extras = field(generator_input, "env_classes"), field(generator_input, "env_extras")
+
+    def read(number: int) -> Sample:
+        rows = episodes[number]
         first = rows[0]
         j = input_index.get(keys[first]) if keys[first] is not None else None
         if j is None and per_prompt is not None and not stepwise:
             j = first // per_prompt
         prompt = prompts[j] if j is not None and j < len(prompts) else None
         key = keys[first]
-        _record(
-            cols, rows, step=step, split=split, scheduled=scheduled, version=version,
+        return _sample(
+            cols, rows, scheduled=scheduled, version=version,
             trained=trained, prompt=prompt, prompt_found=j is not None and j < len(prompts),
             input_index=j,
             episode_id=key if key is not None else f"{split}-{step}-{first}",
-            group=groups[first], env_class=_at(field(generator_input, "env_classes"), j),
-            env_extras=_at(field(generator_input, "env_extras"), j), text=text,
-            model=model, sample_index=number,
+            group=groups[first], env_class=_at(env_classes, j), env_extras=_at(env_extras, j),
+            text=text, model=model, sample_index=number,
         )
-        recorded += 1
-    return recorded
+
+    samples = read_samples(range(len(episodes)), read, FRAMEWORK)
+    return record_samples(samples, step=step, split=split, framework=FRAMEWORK)
 
 
 @guarded
@@ -333,11 +338,11 @@ def _reward_by_turn(per_token: list[float], runs: list[tuple[int, int, int]]) ->
     return [float(sum(per_token[bounds[k]:bounds[k + 1]])) for k in range(len(starts))]
 
 
-@guarded
-def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled: int | None,
-            version: int | None, trained: int | None, prompt: Any, prompt_found: bool,
-            input_index: int | None, episode_id: str, group: str | None, env_class: Any,
-            env_extras: Any, text: _Text | None, model: str | None, sample_index: int) -> None:
+def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: int | None,
+            trained: int | None, prompt: Any, prompt_found: bool, input_index: int | None,
+            episode_id: str, group: str | None, env_class: Any, env_extras: Any,
+            text: _Text | None, model: str | None, sample_index: int) -> Sample:
+    """One trajectory (its rows): the reward and status now, the turns only if it may be kept."""
     v = cols.value
     last = rows[-1]
     metadata: dict[str, Any] = {"rows": len(rows)} if len(rows) > 1 else {}
@@ -363,60 +368,61 @@ def _record(cols: Columns, rows: list[int], *, step: int, split: str, scheduled:
                              f"{type(value).__name__} value not recorded (scalars only)")
     elif metrics is not None:
         warn_unknown(FRAMEWORK, "env_metrics", f"expected a dict per row, got {type(metrics).__name__}")
-    with new_episode(
-        step=step,
-        split=split,
-        group_id=group,
-        sample_index=sample_index,
-        episode_id=episode_id,
-        dataset_name=env_class,
-        framework=FRAMEWORK,
-        metadata=metadata or None,
-    ) as ep:
-        missing = [m for i in rows for m in cols.missing(i)]
-        if not prompt_found:
-            missing.append("prompts")
-        mark_partial(ep, sorted(set(missing)))
+    missing = [m for i in rows for m in cols.missing(i)]
+    if not prompt_found:
+        missing.append("prompts")
+    finish = v("stop_reasons", last)
+    total: float | None = None
+    per_turn: list[float] = []
+    problems: list[str] = []
+    turns: list[tuple[int, list[Any], list[Any], bool]] = []  # row, ids, mask, whole mask zeroed
+    for i in rows:
+        ids = to_list(v("response_ids", i)) or []
+        mask = to_list(v("loss_masks", i))
+        zeroed = False
+        if mask is None or len(mask) != len(ids):
+            if mask is not None:
+                warn_unknown(FRAMEWORK, "loss_masks", "length differs from response_ids: all tokens "
+                             "taken as generated")
+            mask = [1] * len(ids)
+        elif ids and not any(mask):
+            # SkyRL's apply_overlong_filtering zeroes the whole mask of a truncated
+            # trajectory: its turns cannot be told apart, the response is one generation
+            zeroed = True
+            mask = [1] * len(ids)
+        turns.append((i, ids, mask, zeroed))
+        reward, per_token, problem = _reward(v("rewards", i), f"rewards[{i}]")
+        if problem:
+            problems.append(problem)
+        if reward is not None:
+            total = reward if total is None else total + reward
+            if len(rows) > 1:
+                per_turn.append(reward)
+            elif per_token is not None:
+                per_turn = _reward_by_turn(per_token, _runs(mask))
+
+    def content(ep: Any) -> None:
         set_policy(ep, version, trained)
-        if not getattr(ep, "recording", True):
-            text = None  # nothing is kept: nothing to decode
-        if prompt is None and text is not None:
+        shown = prompt
+        if shown is None and text is not None:
             prompt_ids = to_list(v("prompt_token_ids", rows[0]))
             if prompt_ids:
-                prompt = messages_of(text.decode([list(prompt_ids)])[0], text.tokenizer, "user")
-        ep.prompt(prompt if prompt is not None else "")
-        finish = v("stop_reasons", last)
-        total: float | None = None
-        per_turn: list[float] = []
+                shown = messages_of(text.decode([list(prompt_ids)])[0], text.tokenizer, "user")
+        ep.prompt(shown if shown is not None else "")
         generations = 0
-        for i in rows:
-            ids = to_list(v("response_ids", i)) or []
-            mask = to_list(v("loss_masks", i))
-            if mask is None or len(mask) != len(ids):
-                if mask is not None:
-                    warn_unknown(FRAMEWORK, "loss_masks", "length differs from response_ids: all tokens "
-                                 "taken as generated")
-                mask = [1] * len(ids)
-            elif ids and not any(mask):
-                # SkyRL's apply_overlong_filtering zeroes the whole mask of a truncated
-                # trajectory: its turns cannot be told apart, the response is one generation
+        for i, ids, mask, zeroed in turns:
+            if zeroed:
                 ep.set_attribute(c.RL_METADATA_PREFIX + "loss_masked", True)
-                mask = [1] * len(ids)
-            generations += _turns(ep, ids, mask, text, model=model,
-                                  finish_reason=v("stop_reasons", i))
-            reward, per_token, problem = _reward(v("rewards", i), f"rewards[{i}]")
-            mark_invalid(ep, problem)
-            if reward is not None:
-                total = reward if total is None else total + reward
-                if len(rows) > 1:
-                    per_turn.append(reward)
-                elif per_token is not None:
-                    per_turn = _reward_by_turn(per_token, _runs(mask))
+            generations += _turns(ep, ids, mask, text, model=model, finish_reason=v("stop_reasons", i))
         ep.set_attribute(c.RL_TURN_COUNT, turn_count if turn_count is not None else generations)
-        components = {f"turn_{k}": r for k, r in enumerate(per_turn)} if len(per_turn) > 1 else None
-        if total is not None:
-            ep.reward(total, components=components)
-        ep.finish(reason=finish, status=status_for(finish))
+
+    return Sample(
+        content, episode_id=episode_id, group_id=group, sample_index=sample_index,
+        dataset_name=env_class, metadata=metadata or None, reward=total,
+        components={f"turn_{k}": r for k, r in enumerate(per_turn)} if len(per_turn) > 1 else None,
+        finish_reason=finish, status=status_for(finish), missing=sorted(set(missing)),
+        problems=problems,
+    )
 
 
 def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, model: str | None,

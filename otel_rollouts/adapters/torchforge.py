@@ -74,23 +74,23 @@ from itertools import combinations
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import exception_text
-from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.guard import guarded_or
 from otel_rollouts._core.values import to_int
 from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
+    Sample,
     as_float,
     count,
     field,
     first_occurrences,
-    mark_invalid,
+    read_samples,
+    record_samples,
     set_policy,
     status_for,
     warn_unknown,
 )
 from otel_rollouts.adapters._messages import record_assistant, token_count
 from otel_rollouts.adapters._text import assistant_message, messages_of
-from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_episodes"]
 
@@ -118,6 +118,9 @@ def record_episodes(
 ) -> list[str]:
     """Record each of ``episodes`` (``Episode`` objects or sample dicts) in training step ``step``.
 
+    The samples go to the tail sampler as columns (rewards, stop reasons, groups) in one call;
+    only the ones it may keep get their request split and their turn recorded.
+
     * ``trained_version``: optimizer steps the weights that train on these episodes have received
       (forge's ``training_step`` when it consumes them); gives ``rl.staleness``. Without it no
       staleness is recorded (it is not known where forge logs samples).
@@ -131,16 +134,11 @@ def record_episodes(
     keys = [_episode_id(s) for s in samples]
     keep, duplicates = first_occurrences(keys)
     count(COUNT_DUPLICATE, duplicates, step=step, split=split)
-    ids = []
-    for i in keep:
-        try:
-            ids.append(_record(samples[i], i, step=step, split=split, model=model,
-                               trained_version=trained_version, tokenizer=tokenizer))
-        except InvalidValue:
-            raise
-        except Exception as exc:  # noqa: BLE001 - telemetry never breaks the training loop
-            report(f"torchforge adapter: sample {i}: {exception_text(exc)}", exc=exc)
-    return ids
+    read = read_samples(keep, lambda i: _sample(samples[i], i, step=step, split=split, model=model,
+                                                trained_version=trained_version, tokenizer=tokenizer),
+                        FRAMEWORK)
+    record_samples(read, step=step, split=split, framework=FRAMEWORK)
+    return [s.episode_id for s in read if s.episode_id is not None]
 
 
 def _as_samples(episodes: Any) -> list[Any]:
@@ -221,8 +219,9 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
-            trained_version: int | None, tokenizer: Any) -> str:
+def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
+            trained_version: int | None, tokenizer: Any) -> Sample:
+    """One forge episode: its reward, terms and status now, its text only if it may be kept."""
     if not _understood(sample):
         warn_unknown(FRAMEWORK, "episode", f"{type(sample).__name__} with none of Episode's fields; "
                      "recorded as an empty episode")
@@ -249,9 +248,19 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
         metadata.update({f"completion.{k}": v for k, v in generator_metadata.items()})
     for name, value in others.items():
         metadata[str(name)] = as_float(value)[0]
+    problems = [reward_problem] if reward_problem else []
+    advantage, problem = as_float(field(sample, "advantage"), f"sample {episode_id}: advantage")
+    if problem:
+        problems.append(problem)
+    components: dict[str, float] = {}
+    for name, value in terms.items():
+        number, problem = as_float(value, f"sample {episode_id}: reward_breakdown[{name!r}]")
+        if problem:
+            problems.append(problem)
+        if number is not None:
+            components[str(name)] = number
 
-    with new_episode(step=step, split=split, group_id=_group_id(request, target), sample_index=i,
-                     episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
+    def content(ep: Any) -> None:
         set_policy(ep, version, trained_version)
         if tokenizer is not None and request is not None:
             ep.prompt(messages_of(str(request), tokenizer))
@@ -259,7 +268,7 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
             ep.prompt([{"role": "user", "content": "" if request is None else str(request)}])
         with ep.turn() as turn:
             usage: dict[str, Any] = {"input_tokens": token_count(field(completion, "prompt_ids")),
-                     "output_tokens": token_count(field(completion, "token_ids"))}
+                                     "output_tokens": token_count(field(completion, "token_ids"))}
             if tokenizer is not None:
                 message, errors = assistant_message("" if response is None else str(response), tokenizer)
                 record_assistant(turn, message, model=model, finish_reason=stop_reason, **usage)
@@ -268,16 +277,9 @@ def _record(sample: Any, i: int, *, step: int, split: str, model: str | None,
             else:
                 turn.record_generation("" if response is None else str(response), model=model,
                                        finish_reason=stop_reason, **usage)
-        mark_invalid(ep, reward_problem)
-        advantage, problem = as_float(field(sample, "advantage"), f"sample {episode_id}: advantage")
-        mark_invalid(ep, problem)
-        components: dict[str, float] = {}
-        for name, value in terms.items():
-            number, problem = as_float(value, f"sample {episode_id}: reward_breakdown[{name!r}]")
-            mark_invalid(ep, problem)
-            if number is not None:
-                components[str(name)] = number
-        if reward is not None or components or advantage is not None:
-            ep.reward(reward, components=components, advantage=advantage)
-        ep.finish(reason=stop_reason, status=status_for(stop_reason))
-    return episode_id
+
+    return Sample(
+        content, episode_id=episode_id, group_id=_group_id(request, target), sample_index=i,
+        metadata=metadata, reward=reward, components=components or None, advantage=advantage,
+        finish_reason=stop_reason, status=status_for(stop_reason), problems=problems,
+    )

@@ -16,6 +16,8 @@ the callback's own code reaches TRL) to snapshot each batch at the moment it is 
 ``global_step`` of the weights that generated it. Episodes are written at the end of the optimizer
 step (``on_step_end``; eval batches at ``on_prediction_step``), then the step is closed for the
 tail sampler (``otr.end_step``). Without those methods (another trainer) it reads ``_logs`` alone.
+A batch goes to the sampler as columns (rewards, advantages, finish reasons, groups) in one call:
+only the completions it may keep get their prompt and turns recorded.
 
 Field → attribute (one episode per completion):
 
@@ -77,12 +79,13 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.guard import InvalidValue, guarded, report
 from otel_rollouts.adapters._common import (
+    Sample,
     as_float,
     end_step,
     group_ids,
-    mark_invalid,
-    mark_partial,
     mask_runs,
+    read_samples,
+    record_samples,
     set_policy,
     set_span_attribute,
     status_for,
@@ -91,7 +94,6 @@ from otel_rollouts.adapters._common import (
 )
 from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
-from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["RolloutTraceCallback"]
 
@@ -344,7 +346,7 @@ class RolloutTraceCallback(TrainerCallback):
         tokens = batch["tokens"] or {}
         trained = batch["trained"]
         slices = batch["slices"]
-        for i in range(n):
+        def read(i: int) -> Sample:
             g = offset + i  # index in the gathered batch (the main process's samples come first)
             values = {name: column[i] for name, column in batch["columns"].items()}
             if trained is None:
@@ -355,55 +357,64 @@ class RolloutTraceCallback(TrainerCallback):
                 trained_version = trained[slices[g]]
             else:
                 trained_version = None
-            self._record_one(
+            return _sample(
                 values, batch["missing"], names, weights, model=model, tokenizer=tokenizer,
-                step=step, split=split, version=batch["version"], trained_version=trained_version,
+                version=batch["version"], trained_version=trained_version,
                 episode_id=f"{split}:{step}:{index}:{i}", group_id=groups[g],
                 sample_index=g % group_size if groups[g] and group_size else i,
                 usage=_usage(tokens, g, finish))
 
-    def _record_one(self, values: dict[str, Any], missing: list[str], names: list[str],
-                    weights: list[float], *, model: str | None, tokenizer: Any, step: int,
-                    split: str, version: int | None, trained_version: int | None, episode_id: str,
-                    group_id: str | None, sample_index: int, usage: dict[str, Any] | None) -> None:
-        metadata = {key[len("extra."):]: v for key, v in values.items()
-                    if key.startswith("extra.") and v is not None}
-        with new_episode(step=step, split=split, group_id=group_id, sample_index=sample_index,
-                         episode_id=episode_id, framework=FRAMEWORK, metadata=metadata) as ep:
-            set_policy(ep, version, trained_version)
-            mark_partial(ep, missing)
-            ep.prompt(_prompt_messages(values.get("prompt"), tokenizer))
-            turns = _turns(values.get("completion"), tokenizer)
-            reason = usage.get("finish_reason") if usage else None
-            per_turn = _turn_usage(usage, len(turns))
-            for k, (assistant, feedback) in enumerate(turns):
-                last = k == len(turns) - 1
-                with ep.turn() as turn:
-                    errors = record_assistant(turn, assistant, feedback, model=model,
-                                              finish_reason=reason if last else None,
-                                              input_tokens=per_turn[k][0],
-                                              output_tokens=per_turn[k][1])
-                    if errors:
-                        set_span_attribute(turn, c.RL_TOOL_PARSE_ERROR, errors)
-            ep.set_attribute(c.RL_TURN_COUNT, len(turns))
-            components: dict[str, float] = {}
-            total, weighted = 0.0, False
-            for k, name in enumerate(names):
-                raw = values.get("rewards." + name)
-                if raw is None or (isinstance(raw, float) and math.isnan(raw)):
-                    continue  # the function returned None: TRL leaves this sample unscored by it
-                number, problem = as_float(raw, f"sample {episode_id}: rewards[{name!r}]")
-                mark_invalid(ep, problem)
-                if number is not None:
-                    components[name] = number
-                    total += weights[k] * number
-                    weighted = True
-            advantage, problem = as_float(values.get("advantages"),
-                                          f"sample {episode_id}: advantage")
-            mark_invalid(ep, problem)
-            ep.reward(total if weighted else None, components=components, advantage=advantage)
-            ep.finish(reason, status=status_for(reason))
-        self.recorded += 1
+        samples = read_samples(range(n), read, FRAMEWORK)
+        self.recorded += record_samples(samples, step=step, split=split, framework=FRAMEWORK)
+
+
+def _sample(values: dict[str, Any], missing: list[str], names: list[str], weights: list[float], *,
+            model: str | None, tokenizer: Any, version: int | None, trained_version: int | None,
+            episode_id: str, group_id: str | None, sample_index: int,
+            usage: dict[str, Any] | None) -> Sample:
+    """One sample: its reward terms and status now, its prompt and turns only if it may be kept."""
+    metadata = {key[len("extra."):]: v for key, v in values.items()
+                if key.startswith("extra.") and v is not None}
+    reason = usage.get("finish_reason") if usage else None
+    components: dict[str, float] = {}
+    problems: list[str] = []
+    total, weighted = 0.0, False
+    for k, name in enumerate(names):
+        raw = values.get("rewards." + name)
+        if raw is None or (isinstance(raw, float) and math.isnan(raw)):
+            continue  # the function returned None: TRL leaves this sample unscored by it
+        number, problem = as_float(raw, f"sample {episode_id}: rewards[{name!r}]")
+        if problem:
+            problems.append(problem)
+        if number is not None:
+            components[name] = number
+            total += weights[k] * number
+            weighted = True
+    advantage, problem = as_float(values.get("advantages"), f"sample {episode_id}: advantage")
+    if problem:
+        problems.append(problem)
+
+    def content(ep: Any) -> None:
+        set_policy(ep, version, trained_version)
+        ep.prompt(_prompt_messages(values.get("prompt"), tokenizer))
+        turns = _turns(values.get("completion"), tokenizer)
+        per_turn = _turn_usage(usage, len(turns))
+        for k, (assistant, feedback) in enumerate(turns):
+            last = k == len(turns) - 1
+            with ep.turn() as turn:
+                errors = record_assistant(turn, assistant, feedback, model=model,
+                                          finish_reason=reason if last else None,
+                                          input_tokens=per_turn[k][0], output_tokens=per_turn[k][1])
+                if errors:
+                    set_span_attribute(turn, c.RL_TOOL_PARSE_ERROR, errors)
+        ep.set_attribute(c.RL_TURN_COUNT, len(turns))
+
+    return Sample(
+        content, episode_id=episode_id, group_id=group_id, sample_index=sample_index,
+        metadata=metadata, reward=total if weighted else None, components=components or None,
+        advantage=advantage, finish_reason=reason, status=status_for(reason),
+        missing=missing, problems=problems,
+    )
 
 
 # --- hooks ------------------------------------------------------------------------------------------
