@@ -24,6 +24,7 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)
 _NUMBER_CHARS = 24  # the most characters one number takes in OTLP/JSON (a double's repr)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_KEY_CACHE = 8192  # attribute keys remembered clean (names repeat: conventions, flattened views)
 _SMALLEST_CUT = 256  # a text cut under the episode's budget still keeps this much (see _text)
 
 
@@ -61,6 +62,7 @@ class Materializer:
         self._budget: int | None = None
         self._redacted: dict[str, str] | None = None  # per episode: text -> redacted text
         self._redacted_whole: dict[str, str] | None = None  # the same, for text redacted uncut
+        self._keys: dict[str, tuple[str, bool]] = {}  # attribute key -> (as it leaves, replaced?)
         # the most characters any cut below keeps of a text's head and of its tail (None: texts
         # are not cut): a longer text is cut to that before it is redacted, encoded or copied
         # into the views, so that a kept episode costs what its limits allow, not what its
@@ -358,15 +360,34 @@ class Materializer:
         truncated: list[str] = []
         replaced: list[str] = []
         limit = self.max_attribute_chars
+        keys = self._keys
         for key, value in raw.items():
             if value is None:
                 continue
-            key, bad_key = (key, False) if key.isascii() else valid_utf8(key)
-            if self.redact_name is not None:
-                key = self.redact_name(key)
+            known = keys.get(key)
+            if known is None:
+                clean_key, bad_key = (key, False) if key.isascii() else valid_utf8(key)
+                if self.redact_name is not None:
+                    clean_key = self.redact_name(clean_key)
+                if len(keys) >= _KEY_CACHE:
+                    keys.clear()
+                known = keys[key] = (clean_key, bad_key)
+            key, bad_key = known
             if bad_key:
                 replaced.append(key)
-            if isinstance(value, (bool, int, float)):
+            kind = type(value)
+            if kind is str and not redact and limit > 0:
+                # the common case, already clean: a short ASCII text within the budget, as is
+                size, budget = len(value), self._budget
+                if budget is None:
+                    if size <= limit and value.isascii():
+                        out[key] = value
+                        continue
+                elif 0 < size <= limit and size <= budget and value.isascii():
+                    out[key] = value
+                    self._budget = budget - size
+                    continue
+            if kind is bool or kind is int or kind is float or isinstance(value, (bool, int, float)):
                 out[key] = value
                 continue
             if isinstance(value, (list, tuple)) and value and _homogeneous(value):
