@@ -55,6 +55,44 @@ def leak(text: str) -> str:
     return f"token is {SECRET}"
 
 
+@otr.traced
+def nested(i: int, k: int) -> int:
+    return i * 100 + k
+
+
+_SYNC: dict[str, threading.Event] = {}  # set in the worker process by four_concurrent_calls
+
+
+@otr.traced(kind="tool")
+def concurrent_tool(i: int) -> int:
+    """Call 0 returns at once; the others record their nested spans only after it returned."""
+    _SYNC[f"inside{i}"].set()
+    if i > 0:
+        _SYNC["first_done"].wait(60)
+    return sum(nested(i, k) for k in range(20))
+
+
+def four_concurrent_calls(tasks: list) -> list:
+    """In a fresh (unconfigured) worker process: four calls in four threads of one process, as
+    a threaded actor runs them; the first finishes while the others are still recording."""
+    _SYNC.update({"first_done": threading.Event(), **{f"inside{i}": threading.Event() for i in range(4)}})
+    results: list = [None] * 4
+    threads = []
+    for i, task in enumerate(tasks):
+        def run(i: int = i, task=task) -> None:
+            results[i] = task(i)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        _SYNC[f"inside{i}"].wait(60)  # call 0 is inside before the others start
+        threads.append(thread)
+    threads[0].join(60)
+    _SYNC["first_done"].set()
+    for thread in threads[1:]:
+        thread.join(60)
+    return results
+
+
 # --- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
@@ -303,3 +341,24 @@ def test_secrets_in_worker_content_are_redacted(exported):
     (tool,) = [s for s in _by_trace(exported)[ep.trace_id] if s.name == "execute_tool leak"]
     result = tool.attributes[c.GEN_AI_TOOL_CALL_RESULT]
     assert "token is" in result and SECRET not in result
+
+
+def test_concurrent_calls_into_one_worker_process_lose_no_span(exported):
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        with otr.episode(step=0) as ep:
+            with ep.turn():
+                turn_id = _current_span_id()
+                tasks = [otr.with_context(concurrent_tool) for _ in range(4)]
+                results = pool.submit(four_concurrent_calls, tasks).result(timeout=120)
+                values = [otr.adopt(r) for r in results]
+            ep.reward(1.0)
+    assert values == [sum(i * 100 + k for k in range(20)) for i in range(4)]
+    otr.flush()
+    spans = _by_trace(exported)[ep.trace_id]
+    tools = [s for s in spans if s.name == "execute_tool concurrent_tool"]
+    assert len(tools) == 4 and all(t.parent.span_id == turn_id for t in tools)
+    children = [s for s in spans if s.name == "nested"]
+    assert len(children) == 80  # 20 under each call, none lost when call 0 finished first
+    tool_ids = {t.context.span_id for t in tools}
+    assert all(s.parent.span_id in tool_ids for s in children)

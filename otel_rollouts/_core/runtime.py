@@ -118,8 +118,6 @@ class ProcessSlot:
         self.last_stopped: Runtime | None = None
         self.revive: Callable[[], Runtime | None] | None = None
         self.revive_lock = threading.Lock()
-        # held while a worker task swaps in a temporary instance (``correlate.workers``)
-        self.swap_lock = threading.Lock()
         # configure() and shutdown() of this process's instances, one at a time
         self.configure_lock = threading.RLock()
         # the logging integration (``otr.instrument_logging``): a handler on the root logger,
@@ -164,7 +162,6 @@ class ProcessSlot:
         """The child drops the parent's instance (its undecided episodes and export queue stay
         the parent's) and rebuilds its own, lazily, from the same settings."""
         self.revive_lock = threading.Lock()
-        self.swap_lock = threading.Lock()
         self.configure_lock = threading.RLock()
         self.logging_lock = threading.Lock()
         rt = self.installed

@@ -158,18 +158,15 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tupl
     parent = trace.get_current_span(remote).get_span_context()
     if not parent.is_valid:
         return WorkerResult(fn(*args, **kwargs), b"", 0)
+    # an unconfigured worker records this task's spans all the same (they go back to the
+    # parent): the record below is all they need, nothing is installed in this process, so
+    # concurrent tasks (a threaded actor) never see each other's setup come and go
     installed = _runtime.installed()
-    revive = _runtime.slot().revive
-    temporary = None
-    if installed is None or not installed.enabled:
-        # an unconfigured worker: record this task's spans anyway, they go back to the parent
-        temporary = _runtime.Runtime(enabled=True, capture_content=_capture_content())
-    active = temporary if temporary is not None else installed
-    if active is None:
-        return WorkerResult(fn(*args, **kwargs), b"", 0)
+    active = installed if installed is not None and installed.enabled else None
     step = _int(baggage.get_baggage(c.RL_STEP, remote))
-    record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, active.max_spans_per_episode)
-    record.capture_content = active.capture_content
+    max_spans = active.max_spans_per_episode if active is not None else _runtime.Runtime.max_spans_per_episode
+    record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, max_spans)
+    record.capture_content = active.capture_content if active is not None else _capture_content()
     # the parent's span, as seen from here: children point at it; it is never exported. It
     # carries the episode's step and id (from baggage) for logs and onward propagation.
     anchor = SpanRecord(record, "remote parent", parent.span_id, None, c.KIND_SPAN)
@@ -179,9 +176,6 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tupl
     if episode_id is not None:
         anchor.attributes[c.RL_EPISODE_ID] = str(episode_id)
     record.root = anchor
-    with _runtime.slot().swap_lock:
-        if temporary is not None:
-            _runtime.install(temporary)
     token = otel_context.attach(trace.set_span_in_context(anchor, remote))
     try:
         value = fn(*args, **kwargs)
@@ -193,10 +187,6 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tupl
         raise
     finally:
         otel_context.detach(token)
-        with _runtime.slot().swap_lock:
-            if temporary is not None and _runtime.installed() is temporary:
-                _runtime.install(installed)
-                _runtime.slot().revive = revive
     return WorkerResult(value, _encode(record), parent.trace_id)
 
 

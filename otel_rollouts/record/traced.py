@@ -68,7 +68,8 @@ class _Call:
 
     def output(self, value: Any) -> None:
         try:
-            if not _runtime.current().capture_content:
+            span = self.span
+            if not (span.episode.capture_content if isinstance(span, SpanRecord) else _runtime.current().capture_content):
                 return
             kind = self.kind
             if kind == c.KIND_GENERATION:
@@ -157,11 +158,19 @@ def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...
 
 def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
            sig: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
-    rt = _runtime.current()
-    if not rt.enabled:
-        return None
+    current = trace.get_current_span()
+    parent = current if isinstance(current, SpanRecord) and current.episode.state < 2 else None
+    inside = parent.episode if parent is not None else None
+    if inside is None or kind == c.KIND_EPISODE:
+        rt = _runtime.current()
+        if not rt.enabled:
+            return None
+        capture = rt.capture_content
+    else:
+        # an episode's span in the context records its children, whatever is installed here: a
+        # worker process records for its parent's episode without a runtime of its own
+        capture = inside.capture_content
     arguments = _bound_args(sig, args, kwargs)
-    capture = rt.capture_content
     if kind == c.KIND_EPISODE:
         params = {k: arguments[k] for k in _EPISODE_ARGS if k in arguments}
         split = params.pop("split", "train")
@@ -176,7 +185,6 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
             root.attributes[c.INPUT_VALUE] = snapshot(arguments)
         return _Call(root, ep, False, kind)
 
-    current = trace.get_current_span()
     attributes: dict[str, Any] = {}
     if kind == c.KIND_GENERATION:
         model = _model_of(model, arguments, args)
@@ -202,13 +210,13 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         if capture and arguments:
             attributes[c.INPUT_VALUE] = arguments
 
-    if isinstance(current, SpanRecord) and current.episode.state < 2:
-        record = current.episode
+    if inside is not None:
+        record = inside
         if kind == c.KIND_TURN:
             attributes[c.RL_TURN_INDEX] = record.next_turn
             record.next_turn += 1
         attributes = {k: (snapshot(v) if not isinstance(v, str) else v) for k, v in attributes.items()}
-        child = child_span(record, span_name, kind, current, attributes)
+        child = child_span(record, span_name, kind, parent, attributes)
         return _Call(child, None, False, kind)
 
     # outside any episode: an ordinary SDK span
