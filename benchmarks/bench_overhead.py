@@ -46,6 +46,13 @@ Variants (bench tree: the same 11-span tree in each):
                   and detach themselves in the OpenTelemetry context; content is referenced,
                   never copied; the episode is dropped at its end. The least a recorder with
                   this API can do: the dropped-episode target is measured against it.
+  floor_contract  the floor plus what the episode API promises every episode, kept or not,
+                  written as plainly as it can be: a containment guard (try/except) around
+                  each call, a dict of attributes per span (labels, step, group, model, token
+                  counts), content snapshotted when it is recorded (the prompt's messages and
+                  the tool's arguments copied: the caller may change them afterwards), and one
+                  lock round-trip and one count to offer the finished episode to a sampler
+                  that drops it. What a dropped episode cannot cost less than under this API.
   raw_sdk         the tree as plain OpenTelemetry SDK spans (start_as_current_span),
                   SimpleSpanProcessor into an InMemorySpanExporter; content serialised to JSON
                   (SDK attributes must be primitives); every episode exported
@@ -101,7 +108,7 @@ from collections.abc import Callable
 from typing import Any
 
 VARIANTS = [
-    "none", "floor", "raw_sdk", "raw_sdk_nogc", "otr_dropped", "otr_kept_plain", "otr_kept",
+    "none", "floor", "floor_contract", "raw_sdk", "raw_sdk_nogc", "otr_dropped", "otr_kept_plain", "otr_kept",
     "otr_cap32", "raw_sdk_traced", "otr_traced_dropped", "otr_traced_kept", "logfire",
     "openinference", "langfuse",
 ]
@@ -109,6 +116,7 @@ VARIANTS = [
 LABELS = {
     "none": "no tracing (baseline)",
     "floor": "floor: slotted objects + ids + context, no library",
+    "floor_contract": "floor + the API's contract (guard, attributes, snapshots, one offer)",
     "raw_sdk": "raw OTel SDK spans, every episode exported",
     "raw_sdk_nogc": "raw OTel SDK spans, cyclic GC off",
     "otr_dropped": "otel_rollouts, dropped episode",
@@ -261,6 +269,113 @@ def _memory_provider() -> tuple[Any, Any]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider, exporter
+
+
+def make_floor_contract() -> tuple[RunStep, Close]:
+    import threading
+
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+
+    getrandbits = random.getrandbits
+    time_ns = time.time_ns
+    attach, detach, in_context = otel_context.attach, otel_context.detach, trace.set_span_in_context
+    lock = threading.Lock()
+    dropped = [0]
+
+    def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - the contract: nothing reaches the caller
+                return None
+        return call
+
+    class Span:
+        __slots__ = ("name", "trace_id", "span_id", "parent_id", "start", "end", "attributes", "token")
+
+        def __init__(self, spans: list[Span], name: str, trace_id: int, parent_id: int | None,
+                     attributes: dict[str, Any]) -> None:
+            self.name = name
+            self.trace_id = trace_id
+            self.span_id = getrandbits(64)
+            self.parent_id = parent_id
+            self.attributes = attributes
+            self.token: Any = None
+            self.start = time_ns()
+            self.end = 0
+            spans.append(self)
+
+        def __enter__(self) -> Span:
+            self.token = attach(in_context(self))  # type: ignore[arg-type]
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            detach(self.token)
+            self.end = time_ns()
+
+    @guarded
+    def episode(spans: list[Span], step: int, group: str, index: int) -> Span:
+        return Span(spans, "episode", getrandbits(128), None, {
+            "rl.span.kind": "episode", "rl.step": step, "rl.split": "train", "rl.group.id": group,
+            "rl.sample.index": index})
+
+    @guarded
+    def prompt(root: Span, spans: list[Span], messages: list[dict[str, str]]) -> None:
+        span = Span(spans, "prompt", root.trace_id, root.span_id, {
+            "rl.span.kind": "prompt", "gen_ai.input.messages": [dict(m) for m in messages]})
+        span.end = time_ns()
+
+    @guarded
+    def turn(root: Span, spans: list[Span], k: int) -> Span:
+        return Span(spans, "turn", root.trace_id, root.span_id, {"rl.span.kind": "turn", "rl.turn.index": k})
+
+    @guarded
+    def generation(parent: Span, spans: list[Span], content: str, model: str, output_tokens: int) -> None:
+        span = Span(spans, f"chat {model}", parent.trace_id, parent.span_id, {
+            "rl.span.kind": "generation", "gen_ai.operation.name": "chat", "gen_ai.request.model": model,
+            "gen_ai.output.messages": [{"role": "assistant", "content": content}],
+            "gen_ai.usage.output_tokens": int(output_tokens)})
+        span.end = time_ns()
+
+    @guarded
+    def tool_call(parent: Span, spans: list[Span], name: str, arguments: dict[str, Any]) -> Span:
+        return Span(spans, f"execute_tool {name}", parent.trace_id, parent.span_id, {
+            "rl.span.kind": "tool", "gen_ai.tool.name": name, "gen_ai.tool.call.arguments": dict(arguments)})
+
+    @guarded
+    def result(call: Span, value: Any) -> None:
+        call.attributes["gen_ai.tool.call.result"] = value
+
+    @guarded
+    def reward(root: Span, spans: list[Span], value: float) -> None:
+        root.attributes["rl.reward"] = float(value)
+        span = Span(spans, "reward", root.trace_id, root.span_id, {"rl.span.kind": "reward", "rl.reward": float(value)})
+        span.end = time_ns()
+
+    @guarded
+    def offer(spans: list[Span]) -> None:
+        with lock:  # the sampler decides: dropped
+            dropped[0] += 1
+
+    def run_step(step: int, n: int) -> int:
+        for i in range(n):
+            prompt_messages, completions, args, tool_result, value = sample(i)
+            spans: list[Span] = []
+            with episode(spans, step, f"g{i // 8}", i % 8) as root:
+                prompt(root, spans, prompt_messages)
+                for k in range(3):
+                    with turn(root, spans, k) as t:
+                        generation(t, spans, completions[k], "policy", 250)
+                        if k < 2:
+                            with tool_call(t, spans, "search", args) as call:
+                                result(call, tool_result)
+                reward(root, spans, value)
+            offer(spans)
+        return 0
+
+    return run_step, lambda: None
 
 
 def make_raw_sdk(traced: bool = False) -> tuple[RunStep, Close]:
@@ -486,6 +601,7 @@ def make(variant: str) -> tuple[RunStep, Close]:
     makers: dict[str, Callable[[], tuple[RunStep, Close]]] = {
         "none": make_none,
         "floor": make_floor,
+        "floor_contract": make_floor_contract,
         "raw_sdk": make_raw_sdk,
         "raw_sdk_traced": lambda: make_raw_sdk(traced=True),
         "otr_dropped": lambda: make_otr(0),
