@@ -9,7 +9,10 @@ so all ranks reach the same global choice, and each keeps its own chosen episode
 a bucket holds are a superset of what the policy could pick globally (the global top-k is within
 the union of the local top-k; the uniform policy ranks by a hash of the trace id, which merges
 exactly), so the job exports at most the cap per (step, split) and the policy holds across ranks.
-``Groups`` is exact when a group's samples are recorded on one rank.
+``Groups`` merges exactly when a group's samples are recorded on one rank and each rank's
+bucket held every group that could be chosen: the merge itself holds all candidates, but a
+rank's bucket holds ``max_held`` episodes (default ``2 × cap``) and past that lets groups go on
+their standing at the time (see ``Groups``): raise ``max_held`` when that matters.
 
 Rules: ``end_step`` is then a collective — every rank calls it for the same steps (as with any
 ``torch.distributed`` call). Steps closed without it (the lag rule, a timeout, flush/shutdown)
@@ -26,7 +29,7 @@ from typing import Any
 
 from otel_rollouts.sampling.policies import Policy
 
-__all__ = ["Coordinator", "coordinator_for"]
+__all__ = ["Coordinator", "coordinator_for", "merge"]
 
 
 def _torch_distributed():
@@ -110,18 +113,29 @@ class Coordinator:
                     f"otel_rollouts: end_step({step}) met end_step({None if other is None else other[0]})"
                     " on another rank; every rank must close the same steps in the same order"
                 )
-        keys = sorted({key for _, p in gathered for key in p})
-        out: dict[tuple[int, str], list[Any]] = {}
-        for key in keys:
-            rows = [
-                (end_ns, rank, seq, trace_id, attrs, index)
-                for rank, (_, p) in enumerate(gathered)
-                for index, (trace_id, end_ns, seq, attrs) in enumerate(p.get(key, ()))
-            ]
-            rows.sort(key=lambda row: row[:3])  # one order on every rank: first to finish first
-            bucket = policy.bucket(cap, key)
-            for _, rank, _, trace_id, attrs, index in rows:
-                bucket.offer(_Summary(trace_id, attrs, rank, index))
-            mine = candidates.get(key, [])
-            out[key] = [mine[s.index] for s in bucket.decide() if s.rank == self.rank]
-        return out
+        chosen = merge(policy, cap, [p for _, p in gathered], self.rank)
+        return {key: [candidates.get(key, [])[i] for i in indices] for key, indices in chosen.items()}
+
+
+Payload = dict[tuple[int, str], list[tuple[int, int, int, dict[str, Any]]]]
+
+
+def merge(policy: Policy, cap: int, payloads: list[Payload], rank: int) -> dict[tuple[int, str], list[int]]:
+    """The global choice over every rank's candidates, per (step, split): the indices of
+    ``rank``'s own candidates that it keeps. The same on every rank (one order: first to finish
+    first). The bucket may hold every candidate (they are all in memory already): a bucket
+    bounded by its memory rule (``Groups``' ``max_held``) would let groups go on partial
+    evidence when their members arrive interleaved, and the merge would not be exact."""
+    out: dict[tuple[int, str], list[int]] = {}
+    for key in sorted({key for p in payloads for key in p}):
+        rows = [
+            (end_ns, r, seq, trace_id, attrs, index)
+            for r, p in enumerate(payloads)
+            for index, (trace_id, end_ns, seq, attrs) in enumerate(p.get(key, ()))
+        ]
+        rows.sort(key=lambda row: row[:3])
+        bucket = policy.bucket(cap, key, margin=len(rows))
+        for _, r, _, trace_id, attrs, index in rows:
+            bucket.offer(_Summary(trace_id, attrs, r, index))
+        out[key] = [s.index for s in bucket.decide(cap) if s.rank == rank]
+    return out

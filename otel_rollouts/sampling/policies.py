@@ -525,11 +525,13 @@ class Groups(BasePolicy):
 
     Memory rule: members arrive one by one, so a bucket holds at most ``max_held`` episode
     records (default ``2 × (cap + margin)``) plus a small summary per group it holds. When a new
-    member would go over, the held group that ranks last right now is dropped whole (a group's
-    spread only grows as members arrive, so this is exact for groups that arrived whole, and a
-    heuristic for groups interleaved in more than ``max_held`` episodes). A group larger than the
-    cap can never be kept and is dropped whole. The ids of groups dropped this step are kept
-    (a few bytes each) until the step closes, so their later members are dropped too.
+    member would go over, the held group that ranks last right now is dropped whole. The choice
+    is exact while a step's episodes fit in ``max_held``; past it, a group is let go on its
+    standing at that moment: a group whose members are still arriving may rank higher later,
+    and a small low-ranked group that would have filled the cap's last places is gone (raise
+    ``max_held`` when that matters). A group larger than the cap can never be kept and is dropped
+    whole. The ids of groups dropped this step are kept (a few bytes each) until the step closes,
+    so their later members are dropped too.
     """
 
     name = "groups"
