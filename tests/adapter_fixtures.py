@@ -118,3 +118,19 @@ def counting_tensor_class():
             return super().item()
 
     return CountingTensor
+
+
+def count_prompts(monkeypatch) -> list:
+    """The episodes whose prompt gets recorded from now on (``Episode.prompt`` still runs): an
+    adapter on the batch path records content only for the samples the sampler may keep."""
+    from otel_rollouts.record.episode import Episode
+
+    prompted: list = []
+    real_prompt = Episode.prompt
+
+    def prompt(self, *args, **kwargs):
+        prompted.append(self)
+        return real_prompt(self, *args, **kwargs)
+
+    monkeypatch.setattr(Episode, "prompt", prompt)
+    return prompted

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from adapter_fixtures import configure_memory, episodes, ids, messages_of, tokenizer
+from adapter_fixtures import configure_memory, count_prompts, episodes, ids, messages_of, tokenizer
 from otr_helpers import trackio_rows
 
 import otel_rollouts as otr
@@ -261,16 +261,7 @@ def test_cap_holds_per_step_and_dropped_episodes_are_never_decoded(otr_shutdown)
 
 def test_a_batch_takes_the_columnar_path_content_only_for_the_samples_the_sampler_may_keep(
         otr_shutdown, monkeypatch):
-    from otel_rollouts.record.episode import Episode
-
-    prompts = []
-    real_prompt = Episode.prompt
-
-    def counting_prompt(self, *args, **kwargs):
-        prompts.append(self)
-        return real_prompt(self, *args, **kwargs)
-
-    monkeypatch.setattr(Episode, "prompt", counting_prompt)
+    prompts = count_prompts(monkeypatch)
     exporter = configure_memory(cap=4, policy="top_bottom")
     batch, result, adv = make(50, tools=False)
     batch.scores = [float((i * 37) % 100) for i in range(100)]

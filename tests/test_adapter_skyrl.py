@@ -7,7 +7,7 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 import pytest
-from adapter_fixtures import configure_memory, episodes, ids, messages_of, tokenizer
+from adapter_fixtures import configure_memory, count_prompts, episodes, ids, messages_of, tokenizer
 from otr_helpers import trackio_rows
 
 import otel_rollouts as otr
@@ -288,11 +288,7 @@ def test_fully_async_output_groups_carry_their_own_scheduling_step(memory):
 
 def test_trajectories_take_the_columnar_path_turns_only_for_the_samples_the_sampler_may_keep(
         otr_shutdown, monkeypatch):
-    from otel_rollouts.record.episode import Episode
-
-    prompts = []
-    real_prompt = Episode.prompt
-    monkeypatch.setattr(Episode, "prompt", lambda self, *a, **k: (prompts.append(self), real_prompt(self, *a, **k))[1])
+    prompts = count_prompts(monkeypatch)
     mem = configure_memory(cap=1, policy="first")
     gi, go = make(tuple(f"q{p}" for p in range(10)))
     n = skyrl.record_generator_output(gi, go, step=3, tokenizer=tokenizer())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from adapter_fixtures import configure_memory, episodes, messages_of
+from adapter_fixtures import configure_memory, count_prompts, episodes, messages_of
 from otr_helpers import trackio_rows
 
 import otel_rollouts as otr
@@ -244,11 +244,7 @@ def test_unknown_samples_and_versions_warn_once(caplog, memory):
 
 def test_episodes_take_the_columnar_path_text_only_for_the_samples_the_sampler_may_keep(
         otr_shutdown, monkeypatch):
-    from otel_rollouts.record.episode import Episode
-
-    prompts = []
-    real_prompt = Episode.prompt
-    monkeypatch.setattr(Episode, "prompt", lambda self, *a, **k: (prompts.append(self), real_prompt(self, *a, **k))[1])
+    prompts = count_prompts(monkeypatch)
     mem = configure_memory(cap=2, policy="top_bottom")
     batch = [make_episode(i, "the answer is 4", float((i * 7) % 40), 0.0) for i in range(40)]
     ids = record_episodes(batch, step=4)
