@@ -29,8 +29,27 @@ CHILD = textwrap.dedent(
     from otlp_sink import OtlpSink
     import otel_rollouts as otr
     from otel_rollouts.exporters import TrackioExporter
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    import logging
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter as otlp_http
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    retried = {"episodes": 0}
+    sending = threading.local()
+
+    class OTLPSpanExporter(otlp_http.OTLPSpanExporter):
+        # the stock exporter, noting how many episodes each request carries: it retries a request
+        # on a connection error by itself, within its timeout, and a request the receiver had
+        # stored before the connection broke then arrives twice, no failure reaching otel_rollouts
+        def export(self, spans):
+            sending.episodes = sum(1 for s in spans if s.name == "episode")
+            return super().export(spans)
+
+    class Retries(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Transient error"):  # the exporter's own retry
+                retried["episodes"] += getattr(sending, "episodes", 0)
+
+    logging.getLogger(otlp_http.__name__).addHandler(Retries())
 
     work = Path(sys.argv[2]); trackio_dir = Path(os.environ["TRACKIO_DIR"]); mounted = sys.argv[3] == "1"
     steps = int(os.environ.get("OTR_SOAK_STEPS", "120")); per_step = 64; cap = 8
@@ -159,7 +178,7 @@ CHILD = textwrap.dedent(
     result = {
         "user_errors": user_errors, "rss": rss, "loop_seconds": loop_seconds,
         "kept": sorted(ledger.ids), "otlp": received, "flaky": sorted(flaky.ids), "hung": sorted(hung.ids),
-        "damaged": damaged["episodes"],
+        "damaged": damaged["episodes"], "retried_by_the_exporter": retried["episodes"],
         "totals": stats["totals"], "delivery": stats["delivery"], "episodes": steps * per_step,
     }
     otr.shutdown(timeout=10)
@@ -216,9 +235,13 @@ def test_soak_with_faults_on_a_schedule(tmp_path):
     assert len(set(kept) - set(result["otlp"])) <= damaged
     assert result["delivery"]["OTLPSpanExporter"]["dropped"] == damaged
     assert totals["spool.quarantined.OTLPSpanExporter"] == 1
-    # each duplicate is an episode of a request the client counted failed and sent again
+    # each duplicate is an episode of a request sent again after a transport failure: counted
+    # failed by otel_rollouts (and retried from the spool), or retried by the OTLP exporter itself
+    # within its timeout (a connection broken after the receiver stored the request)
     duplicates = len(result["otlp"]) - len(set(result["otlp"]))
-    assert duplicates <= totals["export.failed_episodes.OTLPSpanExporter"]
+    assert duplicates <= (
+        totals.get("export.failed_episodes.OTLPSpanExporter", 0) + result["retried_by_the_exporter"]
+    )
     assert result["flaky"] == kept
     assert result["hung"] == kept  # the hung exporter's backlog went to disk and came through
     for name in ("Ledger", "Ledger#2", "Ledger#3"):
