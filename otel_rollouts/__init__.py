@@ -33,6 +33,7 @@ from otel_rollouts.correlate.propagation import (
     instrument_requests_session,
     openai_extra_headers,
 )
+from otel_rollouts.correlate.ray_calls import ray_actor, ray_remote
 from otel_rollouts.correlate.workers import (
     WorkerResult,
     adopt,
@@ -78,6 +79,8 @@ __all__ = [
     "instrument_logging",
     "instrument_requests_session",
     "openai_extra_headers",
+    "ray_actor",
+    "ray_remote",
     "submit",
     "uninstrument_logging",
     "with_context",

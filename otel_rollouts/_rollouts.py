@@ -240,6 +240,8 @@ class Rollouts(_runtime.Runtime):
         pipeline = self.sampling_pipeline
         if not self.enabled or pipeline is None:
             return
+        if self.before_close:
+            self.settle()
         pipeline.end_step(int(step), split)
         if int(step) >= self.current_step:
             self.current_step = int(step) + 1
@@ -254,6 +256,8 @@ class Rollouts(_runtime.Runtime):
         if not self.enabled or pipeline is None or self.delivery is None:
             return True
         try:
+            if self.before_close:
+                self.settle()
             pipeline.close_all()
             ok = self.metrics.flush(timeout) if self.metrics is not None else True
             return self.delivery.flush(timeout) and ok

@@ -10,6 +10,9 @@ from collections.abc import Iterator
 # whole session before anything imports trackio. Tests use their own project names.
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="otr-trackio-"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# Ray reads this when it is first imported (a framework's import may be first): with it, a local
+# Ray cluster binds and advertises 127.0.0.1 only (tests/test_ray.py checks its listeners).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 from receivers import PhoenixReceiver, require_phoenix_python  # noqa: E402

@@ -100,6 +100,20 @@ class Runtime:
     pid: int = 0  # the process that built it: a forked child must not use its parent's
     # each kind of problem is logged once per run (``_core.guard.report``); the rest are counted
     logged: set[str] = field(default_factory=set)
+    # what an integration keeps for this run (the Ray bridge's span collector), by name
+    extensions: dict[str, Any] = field(default_factory=dict)
+    # called before a step closes (end_step, flush): spans still on their way join first
+    before_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def settle(self) -> None:
+        """Run the ``before_close`` hooks; telemetry never breaks the caller."""
+        for hook in list(self.before_close):
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001
+                if self.counters is not None:
+                    self.counters.add("errors.before_close")
+                logger.debug("otel_rollouts: before-close hook failed: %s", exc)
 
     def rebuild_after_fork(self) -> Callable[[], Runtime | None] | None:
         """How a forked child builds its own instance from this one's settings (None: it can't)."""

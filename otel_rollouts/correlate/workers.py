@@ -152,42 +152,75 @@ class _Sink:
 _SINK = _Sink()
 
 
+class _Capture:
+    """One task's spans, recorded under the carried context (same trace, parent span id from the
+    carrier's ``traceparent``): entered around the task's call, sync or async."""
+
+    __slots__ = ("context", "record", "trace_id", "token")
+
+    def __init__(self, carrier: Mapping[str, str]) -> None:
+        remote = extract_context(carrier)
+        parent = trace.get_current_span(remote).get_span_context()
+        self.record: EpisodeRecord | None = None
+        self.trace_id = 0
+        self.token: object | None = None
+        self.context: otel_context.Context | None = None
+        if not parent.is_valid:
+            return
+        # an unconfigured worker records this task's spans all the same (they go back to the
+        # parent): the record below is all they need, nothing is installed in this process, so
+        # concurrent tasks (a threaded actor) never see each other's setup come and go
+        installed = _runtime.installed()
+        active = installed if installed is not None and installed.enabled else None
+        step = _int(baggage.get_baggage(c.RL_STEP, remote))
+        max_spans = active.max_spans_per_episode if active is not None else _runtime.Runtime.max_spans_per_episode
+        record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, max_spans)
+        record.capture_content = active.capture_content if active is not None else _capture_content()
+        # the parent's span, as seen from here: children point at it; it is never exported. It
+        # carries the episode's step and id (from baggage) for logs and onward propagation.
+        anchor = SpanRecord(record, "remote parent", parent.span_id, None, c.KIND_SPAN)
+        if step is not None:
+            anchor.attributes[c.RL_STEP] = step
+        episode_id = baggage.get_baggage(c.RL_EPISODE_ID, remote)
+        if episode_id is not None:
+            anchor.attributes[c.RL_EPISODE_ID] = str(episode_id)
+        record.root = anchor
+        self.record, self.trace_id = record, parent.trace_id
+        self.context = trace.set_span_in_context(anchor, remote)
+
+    def __enter__(self) -> _Capture:
+        if self.context is not None:
+            self.token = otel_context.attach(self.context)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self.token is not None:
+            otel_context.detach(self.token)  # type: ignore[arg-type]
+            self.token = None
+        if exc is not None and self.record is not None:
+            try:
+                setattr(exc, _EXC_ATTR, (_encode(self.record), self.trace_id))
+            except Exception:  # noqa: BLE001 - an exception type that refuses attributes
+                pass
+
+    def result(self, value: Any) -> WorkerResult:
+        spans = _encode(self.record) if self.record is not None else b""
+        return WorkerResult(value, spans, self.trace_id)
+
+
 def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Any:
-    remote = extract_context(carrier)
-    parent = trace.get_current_span(remote).get_span_context()
-    if not parent.is_valid:
-        return WorkerResult(fn(*args, **kwargs), b"", 0)
-    # an unconfigured worker records this task's spans all the same (they go back to the
-    # parent): the record below is all they need, nothing is installed in this process, so
-    # concurrent tasks (a threaded actor) never see each other's setup come and go
-    installed = _runtime.installed()
-    active = installed if installed is not None and installed.enabled else None
-    step = _int(baggage.get_baggage(c.RL_STEP, remote))
-    max_spans = active.max_spans_per_episode if active is not None else _runtime.Runtime.max_spans_per_episode
-    record = EpisodeRecord(parent.trace_id, step or 0, "", _SINK, max_spans)
-    record.capture_content = active.capture_content if active is not None else _capture_content()
-    # the parent's span, as seen from here: children point at it; it is never exported. It
-    # carries the episode's step and id (from baggage) for logs and onward propagation.
-    anchor = SpanRecord(record, "remote parent", parent.span_id, None, c.KIND_SPAN)
-    if step is not None:
-        anchor.attributes[c.RL_STEP] = step
-    episode_id = baggage.get_baggage(c.RL_EPISODE_ID, remote)
-    if episode_id is not None:
-        anchor.attributes[c.RL_EPISODE_ID] = str(episode_id)
-    record.root = anchor
-    token = otel_context.attach(trace.set_span_in_context(anchor, remote))
-    try:
+                  kwargs: dict[str, Any]) -> WorkerResult:
+    with _Capture(carrier) as capture:
         value = fn(*args, **kwargs)
-    except BaseException as exc:
-        try:
-            setattr(exc, _EXC_ATTR, (_encode(record), parent.trace_id))
-        except Exception:  # noqa: BLE001 - an exception type that refuses attributes
-            pass
-        raise
-    finally:
-        otel_context.detach(token)
-    return WorkerResult(value, _encode(record), parent.trace_id)
+    return capture.result(value)
+
+
+async def _run_captured_async(fn: Callable[..., Any], carrier: Mapping[str, str],
+                              args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerResult:
+    """``_run_captured`` for a coroutine function (an async actor's method)."""
+    with _Capture(carrier) as capture:
+        value = await fn(*args, **kwargs)
+    return capture.result(value)
 
 
 def _int(value: Any) -> int | None:

@@ -1,0 +1,106 @@
+"""Remote functions and actors the Ray tests call (importable by Ray's worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import otel_rollouts as otr
+
+
+@otr.traced(kind="span")
+def measure(text: str) -> int:
+    return len(text)
+
+
+@otr.ray_remote
+@otr.traced(kind="tool")
+def score(text: str) -> dict:
+    return {"length": measure(text)}
+
+
+@otr.ray_remote(num_returns=2)
+@otr.traced(kind="tool")
+def split_words(text: str) -> tuple[str, str]:
+    head, _, tail = text.partition(" ")
+    return head, tail
+
+
+@otr.ray_remote
+@otr.traced(kind="tool")
+def refuse(text: str) -> None:
+    raise ValueError(f"refused {text}")
+
+
+@otr.ray_remote
+class SyncEnv:
+    """A plain actor: one call at a time."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    @otr.traced(kind="tool")
+    def step(self, action: str) -> str:
+        self.steps += 1
+        return self._observe(action)  # a call between the actor's own methods stays plain
+
+    def _observe(self, action: str) -> str:
+        return f"obs:{action}:{measure(action)}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@otr.ray_remote(max_concurrency=8)
+class ThreadedEnv:
+    """A threaded actor: up to eight calls at once, each in its own thread."""
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self.most = 0
+        self.lock = threading.Lock()
+        self.together = threading.Barrier(4, timeout=30)
+
+    @otr.traced(kind="tool")
+    def step(self, action: str, wait_for_others: bool = False) -> str:
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        if wait_for_others:
+            self.together.wait()  # four calls in flight at once, for certain
+        try:
+            return f"{action}:{measure(action)}:{measure(action * 2)}"
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+    def most_at_once(self) -> int:
+        return self.most
+
+
+@otr.ray_remote
+class AsyncEnv:
+    """An async actor: calls interleave on one event loop."""
+
+    @otr.traced(kind="tool")
+    async def step(self, action: str) -> str:
+        await asyncio.sleep(0.001)
+        return f"{action}:{measure(action)}"
+
+
+@otr.ray_remote(max_concurrency=2)
+class Stuck:
+    """An actor whose call never finishes on its own (the test kills it)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+
+    @otr.traced(kind="tool")
+    def hang(self, action: str) -> None:
+        measure(action)
+        self.started.set()
+        threading.Event().wait()
+
+    def wait_started(self) -> bool:
+        return self.started.wait(60)

@@ -1,0 +1,228 @@
+"""Episode context across Ray calls, on a real local Ray cluster kept on loopback.
+
+Remote functions and actor methods declared with ``@otr.ray_remote`` record their
+``@otr.traced`` spans under the caller's span, and the spans come back to the episode with the
+call: kept or dropped with it, never exported from the actor.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+import ray_workloads as w
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One local Ray cluster for the module: loopback only, its auth token passed in (Ray writes
+    one under the home directory otherwise), shut down with ``ray.shutdown()``."""
+    from ray._private import ray_constants
+
+    assert ray_constants.ENABLE_RAY_CLUSTER is False, "conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"
+    saved = os.environ.get("RAY_AUTH_TOKEN")
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    paths = os.pathsep.join([str(TESTS), str(TESTS.parent)])
+    context = ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {"PYTHONPATH": paths}},
+    )
+    try:
+        yield context
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = saved
+
+
+@pytest.fixture
+def exported(cluster):
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(100, "first"), handle_signals=False)
+    yield exporter
+    otr.shutdown(timeout=10)
+
+
+def _current_span_id() -> int:
+    return trace.get_current_span().get_span_context().span_id
+
+
+def _spans(exporter: InMemorySpanExporter, trace_id: str) -> list:
+    return [s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id]
+
+
+def _children(spans: list, parent_id: int, name: str) -> list:
+    return [s for s in spans if s.name == name and s.parent is not None and s.parent.span_id == parent_id]
+
+
+# --- the cluster itself --------------------------------------------------------------------------
+def test_the_cluster_listens_on_loopback_only(cluster):
+    own = psutil.Process()
+    ray_pids = {p.pid for p in own.children(recursive=True)}
+    assert ray_pids, "ray.init started no process"
+    listening = [
+        conn for conn in psutil.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN and conn.pid in ray_pids
+    ]
+    assert listening, "no listener found for Ray's processes"
+    for conn in listening:
+        address = ipaddress.ip_address(conn.laddr.ip)
+        address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1
+        assert address.is_loopback, conn
+
+
+# --- context into remote functions and actor methods ----------------------------------------------
+def test_a_remote_function_joins_the_episode_under_the_calling_span(exported):
+    with otr.episode(step=0) as ep:
+        with ep.turn():
+            turn_id = _current_span_id()
+            result = ray.get(w.score.remote("hello"))
+        ep.reward(1.0)
+        trace_id = ep.trace_id
+    otr.end_step(0)
+    assert otr.flush(10)
+    assert result == {"length": 5}  # the caller gets the plain value
+    spans = _spans(exported, trace_id)
+    (tool,) = _children(spans, turn_id, "execute_tool score")
+    assert len(_children(spans, tool.context.span_id, "measure")) == 1
+    assert tool.attributes[c.GEN_AI_TOOL_NAME] == "score"
+    assert json.loads(tool.attributes[c.GEN_AI_TOOL_CALL_RESULT]) == {"length": 5}
+    root = next(s for s in spans if s.name == "episode")
+    assert tool.resource.attributes == root.resource.attributes  # stamped as part of this run
+    assert otr.stats()["totals"].get("dropped.ray_spans", 0) == 0
+
+
+@pytest.mark.parametrize("actor", ["SyncEnv", "ThreadedEnv", "AsyncEnv"])
+def test_an_actor_method_joins_the_episode_under_the_calling_span(exported, actor):
+    env = getattr(w, actor).remote()
+    with otr.episode(step=0) as ep:
+        with ep.turn():
+            turn_id = _current_span_id()
+            observation = ray.get(env.step.remote("look"))
+        ep.reward(0.5)
+        trace_id = ep.trace_id
+    otr.end_step(0)
+    assert otr.flush(10)
+    assert "look:4" in observation
+    spans = _spans(exported, trace_id)
+    (tool,) = _children(spans, turn_id, "execute_tool step")
+    assert _children(spans, tool.context.span_id, "measure")
+    ray.kill(env.ray_handle)
+
+
+def test_multiple_returns_and_options_keep_the_callers_refs(exported):
+    with otr.episode(step=0) as ep:
+        head_ref, tail_ref = w.split_words.options(num_cpus=1).remote("hello world")
+        assert ray.get([head_ref, tail_ref]) == ["hello", "world"]
+        trace_id = ep.trace_id
+    otr.end_step(0)
+    assert otr.flush(10)
+    assert [s.name for s in _spans(exported, trace_id) if s.name.startswith("execute_tool")] == [
+        "execute_tool split_words"
+    ]
+
+
+def test_a_failing_call_raises_for_the_caller_and_brings_its_error_span(exported):
+    with otr.episode(step=0) as ep:
+        with pytest.raises(ValueError, match="refused no"):
+            ray.get(w.refuse.remote("no"))
+        trace_id = ep.trace_id
+    otr.end_step(0)
+    assert otr.flush(10)
+    (tool,) = [s for s in _spans(exported, trace_id) if s.name == "execute_tool refuse"]
+    assert tool.status.status_code.name == "ERROR"
+
+
+def test_outside_an_episode_a_call_is_plain_ray(exported):
+    assert ray.get(w.score.remote("abc")) == {"length": 3}
+    assert otr.flush(10)
+    assert exported.get_finished_spans() == ()
+
+
+# --- kept or dropped with the episode --------------------------------------------------------------
+def test_actor_spans_are_kept_or_dropped_with_their_episode(cluster, otr_shutdown):
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(1, "top_bottom"), handle_signals=False)
+    env = w.SyncEnv.remote()
+    trace_ids = {}
+    for reward in (0.1, 0.9):
+        with otr.episode(step=0) as ep:
+            ray.get(env.step.remote(f"r{reward}"))
+            ep.reward(reward)
+            trace_ids[reward] = ep.trace_id
+    otr.end_step(0)  # spans of finished calls are in their episodes before the decision
+    assert otr.flush(10)
+    exported_traces = {f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans()}
+    kept = [r for r, t in trace_ids.items() if t in exported_traces]
+    assert len(kept) == 1
+    spans = _spans(exporter, trace_ids[kept[0]])
+    assert [s.name for s in spans if s.name == "execute_tool step"] == ["execute_tool step"]
+    assert otr.stats()["totals"].get("dropped.late_spans", 0) == 0
+    ray.kill(env.ray_handle)
+
+
+# --- concurrency and failures ---------------------------------------------------------------------
+def test_concurrent_calls_into_one_threaded_actor_lose_no_span(exported):
+    env = w.ThreadedEnv.remote()
+    results: dict[int, tuple[str, str]] = {}
+
+    def one_episode(i: int) -> None:
+        with otr.episode(step=0, sample_index=i) as ep:
+            with ep.turn():
+                observation = ray.get(env.step.remote(f"a{i}", wait_for_others=i < 4))
+                for j in range(4):
+                    ray.get(env.step.remote(f"b{i}{j}"))
+            ep.reward(float(i))
+            results[i] = (ep.trace_id, observation)
+
+    threads = [threading.Thread(target=one_episode, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    otr.end_step(0)
+    assert otr.flush(10)
+    assert ray.get(env.most_at_once.remote()) >= 4  # the calls did overlap in the actor
+    for trace_id, _ in results.values():
+        spans = _spans(exported, trace_id)
+        assert sum(s.name == "execute_tool step" for s in spans) == 5
+        assert sum(s.name == "measure" for s in spans) == 10
+    assert len(results) == 8
+    ray.kill(env.ray_handle)
+
+
+def test_an_actor_killed_mid_call_fails_the_call_not_the_episode(exported):
+    stuck = w.Stuck.remote()
+    with otr.episode(step=0) as ep:
+        ref = stuck.hang.remote("x")
+        assert ray.get(stuck.wait_started.remote(), timeout=60)
+        ray.kill(stuck.ray_handle)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(ref, timeout=60)
+        ep.reward(0.0)
+        trace_id = ep.trace_id
+    otr.end_step(0)
+    assert otr.flush(10)
+    names = [s.name for s in _spans(exported, trace_id)]
+    assert "episode" in names and "execute_tool hang" not in names
+    assert otr.stats()["totals"]["dropped.ray_spans"] == 1  # the lost spans are counted
