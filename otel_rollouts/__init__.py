@@ -64,6 +64,7 @@ from otel_rollouts.sampling.policies import (
     TopBottom,
     Uniform,
 )
+from otel_rollouts.sampling.ray_budget import RayBudget
 
 __version__ = version()
 
@@ -103,6 +104,7 @@ __all__ = [
     "Groups",
     "InvalidValue",
     "Policy",
+    "RayBudget",
     "record_token_batch",
     "record_batch",
     "set_step",

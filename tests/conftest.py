@@ -44,6 +44,41 @@ def phoenix() -> Iterator[PhoenixReceiver]:
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# A real local Ray cluster (tests/test_ray*.py): one for the session, on loopback only (the
+# environment variable above), its auth token passed in (Ray writes one under the home directory
+# otherwise), workers importing tests/ray_workloads.py, stopped with ray.shutdown().
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    import secrets
+    from pathlib import Path
+
+    import ray
+    from ray._private import ray_constants
+
+    assert ray_constants.ENABLE_RAY_CLUSTER is False, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 came too late"
+    saved = os.environ.get("RAY_AUTH_TOKEN")
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    tests = Path(__file__).resolve().parent
+    context = ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}},
+    )
+    try:
+        yield context
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = saved
+
+
 @pytest.fixture
 def otr_shutdown() -> Iterator[None]:
     import otel_rollouts as otr

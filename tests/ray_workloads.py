@@ -104,3 +104,38 @@ class Stuck:
 
     def wait_started(self) -> bool:
         return self.started.wait(60)
+
+
+class Rollouts:
+    """A rollout actor that runs whole episodes (the asynchronous-RL layout) under one budget
+    shared with the other actors: made with ``ray.remote(Rollouts)`` (the user's own actor)."""
+
+    def __init__(self, budget: str, members: int | None, policy: str, cap: int, timeout_s: float = 20.0) -> None:
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        self.exporter = InMemorySpanExporter()
+        otr.configure(
+            exporters=[self.exporter],
+            sampler=otr.TailSampler(
+                cap, policy, step_lag=None, distributed=otr.RayBudget(budget, members=members, timeout_s=timeout_s)
+            ),
+            run_id="ray-budget",
+            deterministic_ids=True,  # the same episode id gives the same trace id in every process
+            handle_signals=False,
+        )
+
+    def run_step(self, step: int, episodes: list[dict]) -> None:
+        for e in episodes:
+            with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
+                ep.reward(e["reward"])
+
+    def end_step(self, step: int) -> dict:
+        otr.end_step(step)
+        assert otr.flush(30)
+        return otr.stats()["totals"]
+
+    def kept(self) -> list[str]:
+        return sorted(f"{s.context.trace_id:032x}" for s in self.exporter.get_finished_spans() if s.name == "episode")
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import secrets
 import threading
 from pathlib import Path
 
@@ -27,32 +25,9 @@ from otel_rollouts import conventions as c
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One local Ray cluster for the module: loopback only, its auth token passed in (Ray writes
-    one under the home directory otherwise), shut down with ``ray.shutdown()``."""
-    from ray._private import ray_constants
-
-    assert ray_constants.ENABLE_RAY_CLUSTER is False, "conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"
-    saved = os.environ.get("RAY_AUTH_TOKEN")
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    paths = os.pathsep.join([str(TESTS), str(TESTS.parent)])
-    context = ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        runtime_env={"env_vars": {"PYTHONPATH": paths}},
-    )
-    try:
-        yield context
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_TOKEN", None)
-        else:
-            os.environ["RAY_AUTH_TOKEN"] = saved
+@pytest.fixture
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture

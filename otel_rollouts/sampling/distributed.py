@@ -29,7 +29,7 @@ from typing import Any
 
 from otel_rollouts.sampling.policies import Policy
 
-__all__ = ["Coordinator", "coordinator_for", "merge"]
+__all__ = ["Coordinator", "coordinator_for", "merge", "merge_all", "summaries"]
 
 
 def _torch_distributed():
@@ -46,6 +46,9 @@ def coordinator_for(setting: Any) -> Coordinator | None:
     process group; None when no distributed budget applies."""
     if setting is False or setting is None:
         return None
+    other = getattr(setting, "coordinator", None)
+    if callable(other):  # another transport (``RayBudget``): it builds its own
+        return other()  # type: ignore[no-any-return]
     dist = _torch_distributed()
     if dist is None:
         return None
@@ -92,19 +95,7 @@ class Coordinator:
         step: int,
     ) -> dict[tuple[int, str], list[Any]]:
         """This rank's records of the global choice, per (step, split). Collective."""
-        needs = sorted(policy.needs())
-        payload = {
-            key: [
-                (
-                    r.trace_id,
-                    r.root.end_ns if r.root is not None and r.root.end_ns is not None else 0,
-                    r.seq,
-                    {name: r.attribute(name) for name in needs},
-                )
-                for r in records
-            ]
-            for key, records in candidates.items()
-        }
+        payload = summaries(policy, candidates)
         gathered: list[Any] = [None] * self.world_size
         self.dist.all_gather_object(gathered, (step, payload), group=self.group)
         for other in gathered:
@@ -120,13 +111,32 @@ class Coordinator:
 Payload = dict[tuple[int, str], list[tuple[int, int, int, dict[str, Any]]]]
 
 
-def merge(policy: Policy, cap: int, payloads: list[Payload], rank: int) -> dict[tuple[int, str], list[int]]:
-    """The global choice over every rank's candidates, per (step, split): the indices of
-    ``rank``'s own candidates that it keeps. The same on every rank (one order: first to finish
-    first). The bucket may hold every candidate (they are all in memory already): a bucket
-    bounded by its memory rule (``Groups``' ``max_held``) would let groups go on partial
-    evidence when their members arrive interleaved, and the merge would not be exact."""
-    out: dict[tuple[int, str], list[int]] = {}
+def summaries(policy: Policy, candidates: dict[tuple[int, str], list[Any]]) -> Payload:
+    """What one member tells the others of its candidates, per (step, split): trace id, end
+    time, arrival order and the attributes the policy reads. Plain tuples: pickled small."""
+    needs = sorted(policy.needs())
+    return {
+        key: [
+            (
+                r.trace_id,
+                r.root.end_ns if r.root is not None and r.root.end_ns is not None else 0,
+                r.seq,
+                {name: r.attribute(name) for name in needs},
+            )
+            for r in records
+        ]
+        for key, records in candidates.items()
+    }
+
+
+def merge_all(policy: Policy, cap: int, payloads: list[Payload]) -> dict[tuple[int, str], list[list[int]]]:
+    """The global choice over every member's candidates, per (step, split): for each member (in
+    the order of ``payloads``), the indices of its own candidates that it keeps. One order for
+    all (first to finish first), so every member computing it reaches the same choice. The
+    bucket may hold every candidate (they are all in memory already): a bucket bounded by its
+    memory rule (``Groups``' ``max_held``) would let groups go on partial evidence when their
+    members arrive interleaved, and the merge would not be exact."""
+    out: dict[tuple[int, str], list[list[int]]] = {}
     for key in sorted({key for p in payloads for key in p}):
         rows = [
             (end_ns, r, seq, trace_id, attrs, index)
@@ -137,5 +147,13 @@ def merge(policy: Policy, cap: int, payloads: list[Payload], rank: int) -> dict[
         bucket = policy.bucket(cap, key, margin=len(rows))
         for _, r, _, trace_id, attrs, index in rows:
             bucket.offer(_Summary(trace_id, attrs, r, index))
-        out[key] = [s.index for s in bucket.decide(cap) if s.rank == rank]
+        kept: list[list[int]] = [[] for _ in payloads]
+        for summary in bucket.decide(cap):
+            kept[summary.rank].append(summary.index)
+        out[key] = kept
     return out
+
+
+def merge(policy: Policy, cap: int, payloads: list[Payload], rank: int) -> dict[tuple[int, str], list[int]]:
+    """``merge_all``, for one member: the indices of ``rank``'s own candidates that it keeps."""
+    return {key: kept[rank] for key, kept in merge_all(policy, cap, payloads).items()}

@@ -1,0 +1,132 @@
+"""One per-step budget across Ray actors (``otr.RayBudget``), on a real local Ray cluster.
+
+Three rollout actors record whole episodes; their union keeps exactly what one process holding
+every episode would keep, for top_bottom, uniform and groups. An actor killed mid-step and a
+coordinator killed between steps never block the others and never break the cap.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+import ray
+import ray_workloads as w
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import otel_rollouts as otr
+
+ACTORS = 3
+CAP = 8
+PER_ACTOR = 12  # three groups of four per actor and step
+RolloutActor = ray.remote(w.Rollouts)
+
+
+def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
+    """Each actor's episodes of ``step``: distinct rewards, groups of four recorded on one actor."""
+    rng = random.Random(seed * 1000 + step)
+    rewards = rng.sample(range(10_000), actors * PER_ACTOR)
+    out: list[list[dict]] = [[] for _ in range(actors)]
+    for a in range(actors):
+        for i in range(PER_ACTOR):
+            out[a].append({
+                "id": f"s{step}-a{a}-e{i}", "group": f"s{step}-a{a}-g{i // 4}", "index": i % 4,
+                "reward": rewards[a * PER_ACTOR + i] / 100,
+            })
+    return out
+
+
+def _reference(policy: str, episodes: list[dict], step: int) -> list[str]:
+    """What one process holding every episode of the step keeps (no distributed budget; a
+    Groups bucket large enough to hold every group, as the merge does)."""
+    exporter = InMemorySpanExporter()
+    chosen = otr.Groups(max_held=1000) if policy == "groups" else policy
+    otr.configure(
+        exporters=[exporter], sampler=otr.TailSampler(CAP, chosen, distributed=False),
+        run_id="ray-budget", deterministic_ids=True, handle_signals=False,
+    )
+    try:
+        for e in sorted(episodes, key=lambda e: e["id"]):
+            with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
+                ep.reward(e["reward"])
+        otr.end_step(step)
+        assert otr.flush(10)
+        return sorted(f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans() if s.name == "episode")
+    finally:
+        otr.shutdown(timeout=10)
+
+
+def _step(actors: list, step: int, batches: list[list[dict]]) -> list[dict]:
+    ray.get([a.run_step.remote(step, batch) for a, batch in zip(actors, batches, strict=True)])
+    return ray.get([a.end_step.remote(step) for a in actors], timeout=120)
+
+
+def _kept(actors: list) -> set[str]:
+    return {t for kept in ray.get([a.kept.remote() for a in actors]) for t in kept}
+
+
+def _coordinator(name: str):
+    return ray.get_actor(name, namespace="otel_rollouts")
+
+
+@pytest.mark.parametrize("policy", ["top_bottom", "uniform", "groups"])
+def test_three_rollout_actors_keep_exactly_the_global_choice(ray_cluster, policy):
+    name = f"budget-{uuid.uuid4().hex[:8]}"
+    actors = [RolloutActor.remote(name, ACTORS, policy, CAP) for _ in range(ACTORS)]
+    expected: set[str] = set()
+    for step in range(2):
+        batches = _episodes(step, ACTORS, seed=7)
+        _step(actors, step, batches)
+        reference = _reference(policy, [e for b in batches for e in b], step)
+        assert len(reference) == CAP
+        expected |= set(reference)
+    kept = _kept(actors)
+    assert kept == expected  # the cap held globally, and the policy's choice is the global one
+    for a in actors:
+        ray.kill(a)
+
+
+def test_an_actor_killed_mid_step_is_left_out_and_not_waited_for_again(ray_cluster):
+    name = f"budget-{uuid.uuid4().hex[:8]}"
+    actors = [RolloutActor.remote(name, None, "top_bottom", CAP, 3.0) for _ in range(ACTORS)]
+    _step(actors, 0, _episodes(0, ACTORS, seed=3))  # every member is known from here on
+    before = _kept(actors)
+    assert len(before) <= CAP
+    # step 1: the third actor dies with its episodes recorded, before end_step
+    batches = _episodes(1, ACTORS, seed=3)
+    ray.get([a.run_step.remote(1, b) for a, b in zip(actors, batches, strict=True)])
+    ray.kill(actors[2])
+    ray.get([a.end_step.remote(1) for a in actors[:2]], timeout=60)  # decided at the deadline
+    assert ray.get(_coordinator(name).state.remote())["absent"] == 1
+    step1 = _kept(actors[:2]) - before
+    assert step1 == set(_reference("top_bottom", batches[0] + batches[1], 1))
+    # step 2: the dead actor is not waited for; the two survivors share the whole cap
+    batches = _episodes(2, 2, seed=3)
+    _step(actors[:2], 2, batches)
+    step2 = _kept(actors[:2]) - before - step1
+    assert step2 == set(_reference("top_bottom", batches[0] + batches[1], 2))
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["killed", "restarted"])
+def test_a_dead_coordinator_never_blocks_and_never_breaks_the_cap(ray_cluster, restart):
+    name = f"budget-{uuid.uuid4().hex[:8]}"
+    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 5.0) for _ in range(ACTORS)]
+    _step(actors, 0, _episodes(0, ACTORS, seed=5))
+    before = _kept(actors)
+    ray.kill(_coordinator(name), no_restart=not restart)
+    batches = _episodes(1, ACTORS, seed=5)
+    totals = _step(actors, 1, batches)  # returns: nobody waits on the dead coordinator for long
+    step1 = _kept(actors) - before
+    assert len(step1) <= CAP
+    fallbacks = sum(t.get("budget.local_fallback", 0) for t in totals)
+    if not restart:  # the handle met a dead actor: each member decided alone, within cap // members
+        assert fallbacks == ACTORS
+        assert len(step1) == ACTORS * (CAP // ACTORS)
+    # the next step finds a coordinator (the restarted one, or a new one) and is exact again
+    batches = _episodes(2, ACTORS, seed=5)
+    _step(actors, 2, batches)
+    step2 = _kept(actors) - before - step1
+    assert step2 == set(_reference("top_bottom", [e for b in batches for e in b], 2))
+    for a in actors:
+        ray.kill(a)
