@@ -304,6 +304,8 @@ class Rollouts(_runtime.Runtime):
                 return True
             self._stopped = True
             deadline = time.monotonic() + timeout
+            if self.before_close:
+                self.settle()  # spans of finished remote calls join before the last decisions
             pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
             self.enabled = False
             closed = pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)

@@ -461,3 +461,51 @@ def test_trackio_trace_url_opens_the_trace_in_phoenix(
     _wait(browser, lambda d: all(x in d.find_element(By.TAG_NAME, "body").text for x in expected),
           f"{sorted(expected)} in Phoenix's trace page")
     save_screenshot(browser, tmp_path / "phoenix-trace.png")
+
+
+def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, ray_cluster, tmp_path: Path) -> None:
+    """Env steps in a Ray actor and a tool in a Ray task, decorated with ``@otr.traced`` and
+    declared with ``@otr.ray_remote``: a researcher opening step 40's worst episode in Trackio
+    sees them inside its turn, with their own children."""
+    import ray
+    import ray_workloads as w
+    from selenium.webdriver.common.by import By
+
+    import otel_rollouts as otr
+    from otel_rollouts.exporters import TrackioExporter
+
+    project = "browser-ray"
+    otr.configure(exporters=[TrackioExporter(project, run="ray")], sampler=otr.TailSampler(2, "top_bottom"),
+                  handle_signals=False)
+    env = w.ThreadedEnv.remote()
+    try:
+        for i, reward in enumerate([0.1, 0.8, 0.5]):
+            with otr.episode(step=40, sample_index=i) as ep:
+                ep.prompt([{"role": "user", "content": f"Move the box to cell {i}."}])
+                with ep.turn() as turn:
+                    turn.record_generation(f"move {i}", model=MODEL)
+                    ray.get(env.step.remote(f"move {i}"))
+                    ray.get(w.score.remote(f"cell {i}"))
+                ep.reward(reward)
+        otr.end_step(40)
+    finally:
+        assert otr.shutdown(60)
+        ray.kill(env.ray_handle)
+    expected = [(0, "episode"), (1, "prompt"), (1, "turn"), (2, f"chat {MODEL}"), (2, "execute_tool step"),
+                (3, "measure"), (3, "measure"), (2, "execute_tool score"), (3, "measure"), (1, "reward")]
+    with _serve(Path(os.environ["TRACKIO_DIR"]), tmp_path / "dashboard.log") as base:
+        browser.get(f"{base}/traces?project={project}")
+        rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
+                     and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
+        worst = next(r for r in rows if "cell 0" in r.text)
+        expanded = _expand(browser, worst)
+        _wait(browser, lambda d: len(expanded.find_elements(
+            By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(expected), "the execution tree")
+        span_rows = expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
+        tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
+        save_screenshot(browser, tmp_path / "ray-episode.png")
+        _expect(browser, tree == expected, f"tree {tree}")
+        panel = _select_span(browser, expanded, "execute_tool step")
+        _wait(browser, lambda d: "move 0" in _io(panel)["input"], "the env step's action in its panel")
+        _wait(browser, lambda d: "move 0:6:12" in _io(panel)["output"], "the env step's observation")
+        save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "ray-step-panel.png")
