@@ -137,5 +137,21 @@ class Rollouts:
     def kept(self) -> list[str]:
         return sorted(f"{s.context.trace_id:032x}" for s in self.exporter.get_finished_spans() if s.name == "episode")
 
+    def kept_rewards(self) -> list[float]:
+        return [s.attributes[otr.conventions.RL_REWARD] for s in self.exporter.get_finished_spans() if s.name == "episode"]
+
     def pid(self) -> int:
         return os.getpid()
+
+
+class AsyncRollouts(Rollouts):
+    """``Rollouts`` as an async actor: its methods run on the actor's event loop."""
+
+    async def run_step(self, step: int, episodes: list[dict]) -> None:  # type: ignore[override]
+        Rollouts.run_step(self, step, episodes)
+
+    async def end_step(self, step: int) -> dict:  # type: ignore[override]
+        return Rollouts.end_step(self, step)
+
+    async def kept(self) -> list[str]:  # type: ignore[override]
+        return Rollouts.kept(self)

@@ -21,6 +21,11 @@ ACTORS = 3
 CAP = 8
 PER_ACTOR = 12  # three groups of four per actor and step
 RolloutActor = ray.remote(w.Rollouts)
+KINDS = {
+    "plain": RolloutActor,
+    "threaded": ray.remote(max_concurrency=4)(w.Rollouts),
+    "async": ray.remote(w.AsyncRollouts),
+}
 
 
 def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
@@ -66,14 +71,21 @@ def _kept(actors: list) -> set[str]:
     return {t for kept in ray.get([a.kept.remote() for a in actors]) for t in kept}
 
 
+def _late_rewards(actor) -> list[float]:
+    return sorted(ray.get(actor.kept_rewards.remote()))
+
+
 def _coordinator(name: str):
     return ray.get_actor(name, namespace="otel_rollouts")
 
 
-@pytest.mark.parametrize("policy", ["top_bottom", "uniform", "groups"])
-def test_three_rollout_actors_keep_exactly_the_global_choice(ray_cluster, policy):
+@pytest.mark.parametrize(("policy", "kind"), [
+    ("top_bottom", "plain"), ("uniform", "plain"), ("groups", "plain"),
+    ("top_bottom", "threaded"), ("groups", "async"),
+])
+def test_three_rollout_actors_keep_exactly_the_global_choice(ray_cluster, policy, kind):
     name = f"budget-{uuid.uuid4().hex[:8]}"
-    actors = [RolloutActor.remote(name, ACTORS, policy, CAP) for _ in range(ACTORS)]
+    actors = [KINDS[kind].remote(name, ACTORS, policy, CAP) for _ in range(ACTORS)]
     expected: set[str] = set()
     for step in range(2):
         batches = _episodes(step, ACTORS, seed=7)
@@ -128,5 +140,25 @@ def test_a_dead_coordinator_never_blocks_and_never_breaks_the_cap(ray_cluster, r
     _step(actors, 2, batches)
     step2 = _kept(actors) - before - step1
     assert step2 == set(_reference("top_bottom", [e for b in batches for e in b], 2))
+    for a in actors:
+        ray.kill(a)
+
+
+def test_a_member_arriving_after_the_deadline_keeps_only_what_the_cap_has_left(ray_cluster):
+    name = f"budget-{uuid.uuid4().hex[:8]}"
+    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 2.0) for _ in range(ACTORS)]
+    batches = _episodes(0, ACTORS, seed=11)
+    batches[0], batches[1] = batches[0][:2], batches[1][:1]  # on time: 3 episodes, under the cap
+    ray.get([a.run_step.remote(0, b) for a, b in zip(actors, batches, strict=True)])
+    ray.get([a.end_step.remote(0) for a in actors[:2]], timeout=60)  # decided at the deadline
+    on_time = _kept(actors[:2])
+    assert len(on_time) == 3
+    totals = ray.get(actors[2].end_step.remote(0), timeout=60)  # the late member
+    late = _kept(actors[2:])
+    assert totals["budget.late_steps"] == 1
+    assert len(late) == CAP - 3  # what the step had left of the cap, not the whole cap
+    # and the best of its own by the policy: the same as one process keeping CAP - 3 of them
+    rewards = sorted(e["reward"] for e in batches[2])
+    assert _late_rewards(actors[2]) == sorted(rewards[:2] + rewards[-3:])
     for a in actors:
         ray.kill(a)
