@@ -67,17 +67,22 @@ def test_the_cluster_listens_on_loopback_only(cluster):
 
 
 # --- context into remote functions and actor methods ----------------------------------------------
-def test_a_remote_function_joins_the_episode_under_the_calling_span(exported):
+def _in_a_turn(exporter: InMemorySpanExporter, call) -> tuple[object, list, int]:
+    """``call()`` inside the turn of a finished, kept episode: its value, the episode's exported
+    spans and the turn's span id."""
     with otr.episode(step=0) as ep:
         with ep.turn():
             turn_id = _current_span_id()
-            result = ray.get(w.score.remote("hello"))
+            value = call()
         ep.reward(1.0)
-        trace_id = ep.trace_id
     otr.end_step(0)
     assert otr.flush(10)
+    return value, _spans(exporter, ep.trace_id), turn_id
+
+
+def test_a_remote_function_joins_the_episode_under_the_calling_span(exported):
+    result, spans, turn_id = _in_a_turn(exported, lambda: ray.get(w.score.remote("hello")))
     assert result == {"length": 5}  # the caller gets the plain value
-    spans = _spans(exported, trace_id)
     (tool,) = _children(spans, turn_id, "execute_tool score")
     assert len(_children(spans, tool.context.span_id, "measure")) == 1
     assert tool.attributes[c.GEN_AI_TOOL_NAME] == "score"
@@ -90,16 +95,8 @@ def test_a_remote_function_joins_the_episode_under_the_calling_span(exported):
 @pytest.mark.parametrize("actor", ["SyncEnv", "ThreadedEnv", "AsyncEnv"])
 def test_an_actor_method_joins_the_episode_under_the_calling_span(exported, actor):
     env = getattr(w, actor).remote()
-    with otr.episode(step=0) as ep:
-        with ep.turn():
-            turn_id = _current_span_id()
-            observation = ray.get(env.step.remote("look"))
-        ep.reward(0.5)
-        trace_id = ep.trace_id
-    otr.end_step(0)
-    assert otr.flush(10)
+    observation, spans, turn_id = _in_a_turn(exported, lambda: ray.get(env.step.remote("look")))
     assert "look:4" in observation
-    spans = _spans(exported, trace_id)
     (tool,) = _children(spans, turn_id, "execute_tool step")
     assert _children(spans, tool.context.span_id, "measure")
     ray.kill(env.ray_handle)
