@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -51,10 +52,23 @@ def _children(spans: list, parent_id: int, name: str) -> list:
 
 
 # --- the cluster itself --------------------------------------------------------------------------
+def _ray_processes() -> set[int]:
+    """This session's Ray processes (gcs_server, raylet, Ray's Python helpers, ``ray::`` workers),
+    not the other servers tests start (Phoenix's gRPC binds all interfaces: a known pitfall)."""
+    package = os.path.dirname(ray.__file__)
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.name().startswith("ray::") or any(package in arg for arg in proc.cmdline()):
+                found.add(proc.pid)
+        except psutil.Error:  # ended meanwhile
+            continue
+    return found
+
+
 def test_the_cluster_listens_on_loopback_only(cluster):
-    own = psutil.Process()
-    ray_pids = {p.pid for p in own.children(recursive=True)}
-    assert ray_pids, "ray.init started no process"
+    ray_pids = _ray_processes()
+    assert {"gcs_server", "raylet"} <= {psutil.Process(pid).name() for pid in ray_pids}
     listening = [
         conn for conn in psutil.net_connections(kind="inet")
         if conn.status == psutil.CONN_LISTEN and conn.pid in ray_pids
