@@ -101,7 +101,7 @@ def test_three_rollout_actors_keep_exactly_the_global_choice(ray_cluster, policy
 
 def test_an_actor_killed_mid_step_is_left_out_and_not_waited_for_again(ray_cluster):
     name = f"budget-{uuid.uuid4().hex[:8]}"
-    actors = [RolloutActor.remote(name, None, "top_bottom", CAP, 3.0) for _ in range(ACTORS)]
+    actors = [RolloutActor.remote(name, None, "top_bottom", CAP, 6.0) for _ in range(ACTORS)]
     _step(actors, 0, _episodes(0, ACTORS, seed=3))  # every member is known from here on
     before = _kept(actors)
     assert len(before) <= CAP
@@ -146,7 +146,7 @@ def test_a_dead_coordinator_never_blocks_and_never_breaks_the_cap(ray_cluster, r
 
 def test_a_member_arriving_after_the_deadline_keeps_only_what_the_cap_has_left(ray_cluster):
     name = f"budget-{uuid.uuid4().hex[:8]}"
-    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 2.0) for _ in range(ACTORS)]
+    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 6.0) for _ in range(ACTORS)]
     batches = _episodes(0, ACTORS, seed=11)
     batches[0], batches[1] = batches[0][:2], batches[1][:1]  # on time: 3 episodes, under the cap
     ray.get([a.run_step.remote(0, b) for a, b in zip(actors, batches, strict=True)])
