@@ -226,6 +226,60 @@ def test_sender_with_a_spool_survives_a_failing_exporter_and_delivers_later(tmp_
         sender.shutdown()
 
 
+class FailsOnceWhenReleased(Failing):
+    """Its first call waits until released, then fails; later calls store."""
+
+    def __init__(self) -> None:
+        super().__init__(failures=1)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.calls == 0:
+            self.entered.set()
+            self.release.wait(30)
+        return super().export(spans)
+
+
+def test_a_batch_spilled_to_disk_while_the_caller_makes_room_is_spooled_once(tmp_path, monkeypatch):
+    """After a failure the sender moves the memory buffer to disk while the render thread keeps
+    offering: both once wrote the same batch (the render thread making room took it while the
+    sender was writing it), which was then delivered twice with no failure to account for it."""
+    from otel_rollouts.delivery import spool as spool_module
+
+    pushing, go = threading.Event(), threading.Event()
+    pushes = {"sender": 0}
+    original = spool_module.Spool.push
+
+    def push(self, data, episodes):
+        if threading.current_thread().name.startswith("otel-rollouts-send"):
+            pushes["sender"] += 1
+            if pushes["sender"] == 2:  # the failed batch went first; now the buffer's head
+                pushing.set()
+                go.wait(30)
+        return original(self, data, episodes)
+
+    monkeypatch.setattr(spool_module.Spool, "push", push)
+    inner = otr.CountingExporter(FailsOnceWhenReleased())
+    sender = otr.SpoolingSender(inner, inner.counts, max_pending=2, spool_dir=tmp_path / "spool")
+    try:
+        sender.export(_batch(1, start=1))  # A: the sender takes it; the exporter holds it
+        assert inner.exporter.entered.wait(10)
+        sender.export(_batch(1, start=2))  # B and C wait in memory, which is now full
+        sender.export(_batch(1, start=3))
+        inner.exporter.release.set()  # A fails: to disk, then the buffer after it
+        assert pushing.wait(10)  # the sender is writing the buffer's head to disk
+        sender.export(_batch(1, start=4))  # D: the buffer is full, room is made
+        go.set()
+        assert sender.wait_idle(time.monotonic() + 60, through_outage=True)
+        roots = [s.context.trace_id for s in inner.exporter.stored if s.parent is None]
+        assert sorted(roots) == [0xABC000 + i for i in range(1, 5)]  # each once, in order
+        assert inner.counts.total("delivered") == 4
+    finally:
+        go.set()
+        sender.shutdown()
+
+
 def test_sender_without_a_spool_counts_what_a_failing_exporter_loses():
     inner = otr.CountingExporter(Failing(failures=10**6))
     sender = otr.SpoolingSender(inner)  # counts where the layer below counts

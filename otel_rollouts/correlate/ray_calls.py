@@ -291,6 +291,9 @@ class RaySpans:
         self.ray = ray
         self.limit = limit
         self.lock = threading.Lock()
+        # held while popping finished calls and adopting their spans: ``settle`` waits for the
+        # thread's batch under way, so a call the thread took is in its episode when settle returns
+        self.adopting = threading.Lock()
         self.wake = threading.Event()
         self.pending: dict[Any, EpisodeRecord | None] = {}
         self.thread: threading.Thread | None = None
@@ -327,16 +330,21 @@ class RaySpans:
 
     def settle(self) -> None:
         """Adopt the spans of every call whose task has finished (run before a step closes)."""
-        self._adopt(self._ready(0))
+        with self.adopting:
+            self._adopt(self._take(self._finished(0)))
 
-    def _ready(self, timeout: float) -> list[tuple[Any, EpisodeRecord | None]]:
+    def _finished(self, timeout: float) -> list[Any]:
+        """The pending calls whose task has finished (waiting up to ``timeout`` for one)."""
         with self.lock:
             refs = list(self.pending)
         if not refs:
             return []
         ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=True)
+        return list(ready)
+
+    def _take(self, refs: list[Any]) -> list[tuple[Any, EpisodeRecord | None]]:
         with self.lock:
-            return [(ref, self.pending.pop(ref)) for ref in ready if ref in self.pending]
+            return [(ref, self.pending.pop(ref)) for ref in refs if ref in self.pending]
 
     def _adopt(self, items: list[tuple[Any, EpisodeRecord | None]]) -> None:
         for ref, record in items:
@@ -359,7 +367,9 @@ class RaySpans:
                 self.wake.clear()
                 continue
             try:
-                self._adopt(self._ready(0.2))
+                finished = self._finished(0.2)
+                with self.adopting:
+                    self._adopt(self._take(finished))
             except Exception as exc:  # noqa: BLE001 - a Ray shut down under us: stop waiting
                 _report(f"ray spans: {exception_text(exc)}")
                 with self.lock:

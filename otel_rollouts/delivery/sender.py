@@ -91,6 +91,7 @@ class SpoolingSender(SpanExporter):
         self._wake = threading.Event()  # cut a backoff short (flush, stop)
         self._attempts = 0  # export attempts finished
         self._inflight = 0  # episodes in the export call under way
+        self._spilling = 0  # episodes taken from memory and being written to the spool
         self._last_ok = True
         self._head_strikes: dict[Any, int] = {}  # spool head -> times a later batch went through instead
         if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
@@ -113,7 +114,7 @@ class SpoolingSender(SpanExporter):
                 while self._pending and (
                     len(self._pending) >= self.max_pending or self._pending_bytes + size > self.max_pending_bytes
                 ):
-                    spill.append(self._take_head())
+                    spill.append(self._take_for_spool())
                 if size <= self.max_pending_bytes:
                     self._pending.append(batch)
                     self._sizes[id(batch)] = size
@@ -121,7 +122,7 @@ class SpoolingSender(SpanExporter):
                     spans = None
                 self._cond.notify()
         for oldest in spill:
-            self._to_spool(oldest)
+            self._spill(oldest)
         if spans is not None:
             # an outage is going on, or the batch alone is over the memory bound: keep it on disk
             self._to_spool(spans)
@@ -187,15 +188,16 @@ class SpoolingSender(SpanExporter):
     # --- status ----------------------------------------------------------------------------
     def pending_episodes(self) -> int:
         with self._cond:
-            in_memory = sum(count_episodes(b) for b in self._pending) + self._inflight
+            in_memory = sum(count_episodes(b) for b in self._pending) + self._inflight + self._spilling
         return in_memory + (self._spool.episodes if self._spool is not None else 0)
 
     def idle(self) -> bool:
         with self._cond:
-            return not self._pending and not self._busy and (self._spool is None or len(self._spool) == 0)
+            return self._idle_locked()
 
     def _idle_locked(self) -> bool:
-        return not self._pending and not self._busy and (self._spool is None or len(self._spool) == 0)
+        return (not self._pending and not self._busy and not self._spilling
+                and (self._spool is None or len(self._spool) == 0))
 
     def wait_idle(self, deadline: float, *, through_outage: bool = False) -> bool:
         """Wait until all is delivered. Unless ``through_outage``, stop waiting (returning
@@ -274,17 +276,30 @@ class SpoolingSender(SpanExporter):
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
 
     def _spill_pending(self) -> None:
-        """Move the memory buffer to disk, oldest first; each batch is on disk before it leaves
-        memory, so ``pending_episodes`` never undercounts."""
+        """Move the memory buffer to disk, oldest first."""
         while True:
             with self._cond:
                 if not self._pending:
                     return
-                item = self._pending[0]
-            self._to_spool(item)
+                item = self._take_for_spool()
+            self._spill(item)
+
+    def _take_for_spool(self) -> list[ReadableSpan]:
+        """Take the oldest batch out of memory for the spool (caller holds ``_cond``): taken, so
+        that no other thread spools it too (the render thread making room, the sender spilling
+        after a failure: both once wrote the same batch, which was then delivered twice), and
+        counted in ``_spilling`` until it is on disk, so ``pending_episodes`` never undercounts."""
+        batch = self._take_head()
+        self._spilling += count_episodes(batch)
+        return batch
+
+    def _spill(self, batch: list[ReadableSpan]) -> None:
+        try:
+            self._to_spool(batch)
+        finally:
             with self._cond:
-                if self._pending and self._pending[0] is item:
-                    self._take_head()
+                self._spilling -= count_episodes(batch)
+                self._cond.notify_all()
 
     def _send_spooled(self, spool: Spool, failures: int) -> bool:
         if failures == 0 and len(spool) > 1:
