@@ -43,22 +43,22 @@ def columns(n: int, step: int, member: int) -> dict[str, Any]:
 
 
 def timed_exchange(samples: list[dict[str, float]]) -> None:
-    """Wrap both transports' ``choose`` so that each call records its bytes and wall time."""
-    from otel_rollouts.sampling import distributed, ray_budget
+    """Wrap the budget's ``choose`` (both transports) so that each call records its bytes and
+    wall time."""
+    from otel_rollouts.sampling import distributed
 
-    for cls in (distributed.Coordinator, ray_budget.RayMember):
-        original = cls.choose
+    original = distributed.Member.choose
 
-        def choose(self: Any, policy: Any, cap: int, candidates: Any, *, step: int, _original: Any = original) -> Any:
-            start = time.perf_counter()
-            payload = distributed.summaries(policy, candidates)
-            size = len(pickle.dumps((step, payload)))
-            out = _original(self, policy, cap, candidates, step=step)
-            samples.append({"bytes": size, "seconds": time.perf_counter() - start,
-                            "rows": sum(len(v) for v in payload.values())})
-            return out
+    def choose(self: Any, policy: Any, cap: int, candidates: Any, *, step: int) -> Any:
+        start = time.perf_counter()
+        payload = distributed.summaries(policy, candidates)
+        size = len(pickle.dumps((step, payload)))
+        out = original(self, policy, cap, candidates, step=step)
+        samples.append({"bytes": size, "seconds": time.perf_counter() - start,
+                        "rows": sum(len(v) for v in payload.values())})
+        return out
 
-        cls.choose = choose  # type: ignore[method-assign]
+    distributed.Member.choose = choose  # type: ignore[method-assign]
 
 
 def run_member(member: int, episodes: int, steps: int, cap: int, policy: str, distributed: Any) -> list[dict[str, float]]:

@@ -240,8 +240,7 @@ class Rollouts(_runtime.Runtime):
         pipeline = self.sampling_pipeline
         if not self.enabled or pipeline is None:
             return
-        if self.before_close:
-            self.settle()
+        self.settle()
         pipeline.end_step(int(step), split)
         if int(step) >= self.current_step:
             self.current_step = int(step) + 1
@@ -256,8 +255,7 @@ class Rollouts(_runtime.Runtime):
         if not self.enabled or pipeline is None or self.delivery is None:
             return True
         try:
-            if self.before_close:
-                self.settle()
+            self.settle()
             pipeline.close_all()
             ok = self.metrics.flush(timeout) if self.metrics is not None else True
             return self.delivery.flush(timeout) and ok
@@ -304,8 +302,7 @@ class Rollouts(_runtime.Runtime):
                 return True
             self._stopped = True
             deadline = time.monotonic() + timeout
-            if self.before_close:
-                self.settle()  # spans of finished remote calls join before the last decisions
+            self.settle()  # spans of finished remote calls join before the last decisions
             pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
             self.enabled = False
             closed = pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)

@@ -116,6 +116,17 @@ def test_an_actor_method_joins_the_episode_under_the_calling_span(exported, acto
     ray.kill(env.ray_handle)
 
 
+def test_a_handle_from_get_actor_wrapped_with_ray_actor_joins_the_episode(exported):
+    name = f"env-{os.getpid()}-{threading.get_ident()}"
+    env = w.SyncEnv.options(name=name).remote()
+    plain = ray.get_actor(name)  # Ray's own handle: its calls would carry no context
+    traced = otr.ray_actor(plain, w.SyncEnv)
+    observation, spans, turn_id = _in_a_turn(exported, lambda: ray.get(traced.step.remote("peek")))
+    assert "peek:4" in observation
+    assert len(_children(spans, turn_id, "execute_tool step")) == 1
+    ray.kill(env.ray_handle)
+
+
 def test_multiple_returns_and_options_keep_the_callers_refs(exported):
     with otr.episode(step=0) as ep:
         head_ref, tail_ref = w.split_words.options(num_cpus=1).remote("hello world")

@@ -189,8 +189,7 @@ class TracedRemoteFunction:
     def options(self, **options: Any) -> TracedRemoteFunction:
         n = _returns(options, self._n)
         built = self._remote_function().options(**{**options, "num_returns": n + 1})
-        clone = TracedRemoteFunction(self._fn, {**self._options, **options}, built)
-        return clone
+        return TracedRemoteFunction(self._fn, {**self._options, **options}, built)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         carrier, record = _outgoing()

@@ -29,7 +29,7 @@ from typing import Any
 
 from otel_rollouts.sampling.policies import Policy
 
-__all__ = ["Coordinator", "coordinator_for", "merge", "merge_all", "summaries"]
+__all__ = ["Coordinator", "Member", "coordinator_for", "merge", "merge_all", "summaries"]
 
 
 def _torch_distributed():
@@ -40,7 +40,7 @@ def _torch_distributed():
     return dist
 
 
-def coordinator_for(setting: Any) -> Coordinator | None:
+def coordinator_for(setting: Any) -> Member | None:
     """A coordinator for ``TailSampler(distributed=...)``: ``"auto"`` (the default group when
     torch.distributed is initialised with more than one rank), ``True`` (the same), or a
     process group; None when no distributed budget applies."""
@@ -70,21 +70,23 @@ class _Summary:
         return self.attrs.get(key)
 
 
-class Coordinator:
-    """Runs the policy globally over every rank's candidates of a step."""
+class Member:
+    """One member of a budget shared by several processes, as the pipeline sees it at
+    ``end_step``. A transport says how the summaries reach the others (``exchange``) and how many
+    members share the cap (``members``); the rest is the same for all."""
 
-    def __init__(self, dist: Any, group: Any = None) -> None:
-        self.dist = dist
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+    members = 1
 
     def usable(self) -> bool:
-        return _torch_distributed() is self.dist
+        raise NotImplementedError
 
     def local_share(self, cap: int) -> int:
-        """What one rank may keep of a step closed without agreement."""
-        return cap // self.world_size
+        """What one member may keep of a step closed without agreement."""
+        return cap // max(self.members, 1)
+
+    def exchange(self, policy: Policy, cap: int, payload: Payload, step: int) -> dict[tuple[int, str], list[int]]:
+        """Send this member's summaries; the indices of its own candidates that it keeps."""
+        raise NotImplementedError
 
     def choose(
         self,
@@ -94,9 +96,26 @@ class Coordinator:
         *,
         step: int,
     ) -> dict[tuple[int, str], list[Any]]:
-        """This rank's records of the global choice, per (step, split). Collective."""
-        payload = summaries(policy, candidates)
-        gathered: list[Any] = [None] * self.world_size
+        """This member's records of the global choice, per (step, split)."""
+        keep = self.exchange(policy, cap, summaries(policy, candidates), step)
+        return {key: [candidates[key][i] for i in indices] for key, indices in keep.items() if key in candidates}
+
+
+class Coordinator(Member):
+    """Runs the policy globally over every rank's candidates of a step: one ``all_gather_object``,
+    then every rank merges the same union (a collective)."""
+
+    def __init__(self, dist: Any, group: Any = None) -> None:
+        self.dist = dist
+        self.group = group
+        self.members = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def usable(self) -> bool:
+        return _torch_distributed() is self.dist
+
+    def exchange(self, policy: Policy, cap: int, payload: Payload, step: int) -> dict[tuple[int, str], list[int]]:
+        gathered: list[Any] = [None] * self.members
         self.dist.all_gather_object(gathered, (step, payload), group=self.group)
         for other in gathered:
             if other is None or other[0] != step:
@@ -104,8 +123,7 @@ class Coordinator:
                     f"otel_rollouts: end_step({step}) met end_step({None if other is None else other[0]})"
                     " on another rank; every rank must close the same steps in the same order"
                 )
-        chosen = merge(policy, cap, [p for _, p in gathered], self.rank)
-        return {key: [candidates.get(key, [])[i] for i in indices] for key, indices in chosen.items()}
+        return merge(policy, cap, [p for _, p in gathered], self.rank)
 
 
 Payload = dict[tuple[int, str], list[tuple[int, int, int, dict[str, Any]]]]

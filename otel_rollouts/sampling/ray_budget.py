@@ -79,9 +79,8 @@ class RayBudget:
         return f"RayBudget(name={self.name!r}, members={self.members}, timeout_s={self.timeout_s})"
 
 
-class RayMember:
-    """A member of a ``RayBudget``: the pipeline's coordinator (``usable``, ``local_share``,
-    ``choose``), talking to the coordinator actor."""
+class RayMember(distributed.Member):
+    """A member of a ``RayBudget``: its summaries go to the coordinator actor in one call."""
 
     def __init__(self, budget: RayBudget, ray: Any) -> None:
         self.budget = budget
@@ -93,10 +92,6 @@ class RayMember:
 
     def usable(self) -> bool:
         return bool(self.ray.is_initialized())
-
-    def local_share(self, cap: int) -> int:
-        """What one member may keep of a step closed without agreement."""
-        return cap // max(self.members, 1)
 
     def _coordinator(self) -> Any:
         if self.handle is None:
@@ -111,16 +106,9 @@ class RayMember:
             self.handle = actor.remote()
         return self.handle
 
-    def choose(
-        self,
-        policy: Policy,
-        cap: int,
-        candidates: dict[tuple[int, str], list[Any]],
-        *,
-        step: int,
-    ) -> dict[tuple[int, str], list[Any]]:
-        """This member's records of the global choice, per (step, split)."""
-        payload = distributed.summaries(policy, candidates)
+    def exchange(
+        self, policy: Policy, cap: int, payload: distributed.Payload, step: int
+    ) -> dict[tuple[int, str], list[int]]:
         try:
             ref = self._coordinator().submit.remote(
                 self.member_id, step, payload, policy, cap, self.budget.members, self.budget.timeout_s
@@ -128,17 +116,19 @@ class RayMember:
             reply = self.ray.get(ref, timeout=self.budget.timeout_s + _MARGIN_S)
         except Exception:
             self.handle = None  # looked up again next step (a restarted coordinator)
-            rt = _runtime.installed()
-            if rt is not None and rt.counters is not None:
-                rt.counters.add("budget.local_fallback")
+            _count("budget.local_fallback")
             raise
         self.members = max(int(reply["members"]), 1)
         if reply["late"]:
-            rt = _runtime.installed()
-            if rt is not None and rt.counters is not None:
-                rt.counters.add("budget.late_steps")
+            _count("budget.late_steps")
         keep: dict[tuple[int, str], list[int]] = reply["keep"]
-        return {key: [candidates[key][i] for i in indices] for key, indices in keep.items() if key in candidates}
+        return keep
+
+
+def _count(name: str) -> None:
+    rt = _runtime.installed()
+    if rt is not None and rt.counters is not None:
+        rt.counters.add(name)
 
 
 class _Step:
