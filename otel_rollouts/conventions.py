@@ -205,6 +205,19 @@ OPERATION_OF = {
     KIND_TOOL: OP_EXECUTE_TOOL,
 }
 
+
+def kind_attributes(kind: str) -> dict[str, str]:
+    """What a span of ``kind`` says about itself in each convention: ``rl.span.kind``,
+    ``openinference.span.kind``, and ``gen_ai.operation.name`` where GenAI names one.
+
+    Added when a span is rendered, not when it is recorded: a dropped span never needs them.
+    Returns a new dict."""
+    attrs = {RL_SPAN_KIND: kind, OPENINFERENCE_SPAN_KIND: OPENINFERENCE_KIND_OF.get(kind, OI_CHAIN)}
+    op = OPERATION_OF.get(kind)
+    if op is not None:
+        attrs[GEN_AI_OPERATION_NAME] = op
+    return attrs
+
 # --- what capture_content=False keeps ------------------------------------------------------
 # With content capture off, a text value on our spans is kept only under one of these keys (or
 # rl.metadata.*): names, ids, statuses and enumerations the library writes itself. Any other text

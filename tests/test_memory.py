@@ -88,3 +88,44 @@ def test_what_a_dropped_episode_held_is_released_at_once(otr_shutdown):
     otr.end_step(0)
     otr.flush()
     assert sorted(root(s).attributes[c.RL_REWARD] for s in traces(exporter).values()) == [0.0, 9.0]
+
+
+def _full_episode(step: int, i: int) -> None:
+    """The benchmarks' tree: prompt, three turns (a generation each, two tool calls), reward."""
+    with otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i % 8) as ep:
+        ep.prompt([{"role": "user", "content": f"question {i}"}])
+        for k in range(3):
+            with ep.turn() as turn:
+                turn.record_generation(f"answer {k}", model="policy", output_tokens=3)
+                if k < 2:
+                    with turn.tool_call("search", arguments={"q": i}) as call:
+                        call.result(f"result {k}")
+        ep.reward(float(i))
+
+
+def test_a_decided_episode_leaves_no_cycle_of_its_tree_for_the_garbage_collector(otr_shutdown):
+    """A dropped episode is freed by reference counting the moment it is dropped; a kept one,
+    once rendered, leaves at most its record, root and reward span (a late reward still updates
+    them) for the cyclic GC. Before, each was a cycle of its whole tree (spans point at their
+    record, the record at its spans and at the user's handle, which points back): the cyclic
+    GC's passes over them cost a dropped episode more than recording it did."""
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "top_bottom", step_lag=None))
+    for i in range(20):  # warm: first-use caches
+        _full_episode(0, i)
+    otr.end_step(0)
+    assert otr.flush()
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(200):
+            _full_episode(1, i)
+        otr.end_step(1)
+        assert otr.flush()
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert len(traces(exporter)) == 20  # 10 per step
+    # 190 dropped episodes leave nothing; 10 kept ones a few objects each (record, root and
+    # reward span, their attribute dicts); the whole tree of any one episode is ~80 objects
+    assert found <= 10 * 8, found

@@ -9,6 +9,7 @@ what is kept, for every default pattern, at every offset, across the cut include
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import re
@@ -266,7 +267,8 @@ def test_a_kept_episode_with_a_huge_message_renders_as_before(redact: bool, json
     original = Materializer.episode
 
     def capture(self: Materializer, record: Any) -> Any:
-        captured.append((self, record))
+        # a copy: delivery lets go of a rendered episode's spans (the copy keeps the list)
+        captured.append((self, copy.copy(record)))
         return original(self, record)
 
     monkeypatch.setattr(Materializer, "episode", capture)

@@ -210,6 +210,20 @@ class EpisodeRecord:
             self.spans.append(span)
         return span
 
+    def release(self, *, keep_root: bool = False) -> None:
+        """Let go of what the episode held once it is decided: its spans (rendered, or dropped)
+        and the user's handle. Its spans point back at it, and the user's ``Episode`` handle and
+        this record point at each other: without this every episode would be a reference cycle
+        that only Python's cyclic GC frees, which cost a dropped episode more than recording it
+        did. ``keep_root``: a kept episode keeps its root and reward span, which a late reward
+        still updates (a cycle of three objects, not of the whole tree)."""
+        self.spans = []
+        self.foreign = []
+        self.handle = None
+        if not keep_root:
+            self.root = None
+            self.reward_span = None
+
     @property
     def complete(self) -> bool:
         root = self.root

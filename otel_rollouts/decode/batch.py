@@ -291,13 +291,8 @@ class _EpisodeBody(SpanRecord):
     def _span(self, out: list[SpanRecord], name: str, kind: str, parent_id: int | None,
               attrs: dict[str, Any]) -> SpanRecord:
         """A finished span like ``episode.child_span`` makes (never ``end()``: not a late span)."""
-        base = {c.RL_SPAN_KIND: kind, c.OPENINFERENCE_SPAN_KIND: c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)}
-        op = c.OPERATION_OF.get(kind)
-        if op is not None:
-            base[c.GEN_AI_OPERATION_NAME] = op
-        base.update(attrs)
         start = self.start_ns + len(out)  # keeps the recorded order when sorted by start time
-        span = SpanRecord(self.episode, name, _runtime.new_id64(), parent_id, kind, base, start)
+        span = SpanRecord(self.episode, name, _runtime.new_id64(), parent_id, kind, dict(attrs), start)
         span.end_ns = max(self.end_ns or start, start)
         out.append(span)
         return span

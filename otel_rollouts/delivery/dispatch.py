@@ -271,6 +271,7 @@ class Delivery:
         try:
             if kind == "episode":
                 spans = self.materializer.episode(payload)
+                payload.release(keep_root=True)
                 self.stats.add("exported.episodes")
             elif kind == "late":
                 trace_id, span = payload

@@ -81,7 +81,7 @@ class Materializer:
         try:
             # redacted once, here: the views are built from clean values, so their texts (which
             # repeat the episode's content several times over) need no second scan
-            records = [(s, self._clean(self._content(_resolved(s.attributes)))) for s in _expanded(record.spans)]
+            records = [(s, self._clean(self._content(_resolved(s)))) for s in _expanded(record.spans)]
             views = self.views.views([
                 (s.span_id, s.parent_id, s.kind, attrs, self._clean_text(_failure(s))) for s, attrs in records
             ])
@@ -131,7 +131,7 @@ class Materializer:
 
     def span(self, trace_id: int, s: SpanRecord) -> ReadableSpan:
         """One span on its own (a late span of a kept episode): no conversation to read."""
-        attrs = self._content(_resolved(s.attributes))
+        attrs = self._content(_resolved(s))
         view = self.views.views([(s.span_id, s.parent_id, s.kind, attrs, _failure(s))]).get(s.span_id)
         attributes, truncated = self._main(s, attrs, view)
         return self._build(trace_id, s, attributes, truncated, view)
@@ -519,12 +519,13 @@ def _failure(s: SpanRecord) -> str | None:
     return s.status_message or c.ERROR_TYPE_OTHER
 
 
-def _resolved(attributes: dict[str, Any]) -> dict[str, Any]:
-    """The recorded attributes with every deferred value computed, once (decoding runs here,
-    for kept episodes only); containers become their JSON-safe copies."""
-    return {
-        k: jsonable(v) if isinstance(v, (Deferred, list, tuple, dict)) else v for k, v in attributes.items()
-    }
+def _resolved(s: SpanRecord) -> dict[str, Any]:
+    """The span's kind attributes and its recorded ones, every deferred value computed once
+    (decoding runs here, for kept episodes only); containers become their JSON-safe copies."""
+    attributes = c.kind_attributes(s.kind)
+    for k, v in s.attributes.items():
+        attributes[k] = jsonable(v) if isinstance(v, (Deferred, list, tuple, dict)) else v
+    return attributes
 
 
 def _expanded(spans):

@@ -76,17 +76,6 @@ def _message(copied: Any, role: str) -> dict[str, Any]:
     return copied if isinstance(copied, dict) else {"role": role, "content": copied}
 
 
-def _base_attrs(kind: str) -> dict[str, Any]:
-    attrs = {c.RL_SPAN_KIND: kind, c.OPENINFERENCE_SPAN_KIND: c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)}
-    op = c.OPERATION_OF.get(kind)
-    if op is not None:
-        attrs[c.GEN_AI_OPERATION_NAME] = op
-    return attrs
-
-
-_BASE_ATTRS: dict[str, dict[str, Any]] = {}  # per span kind, built once (hot path)
-
-
 def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord | None = None,
                attributes: dict[str, Any] | None = None) -> SpanRecord:
     """A new span of ``record`` under ``parent`` (default: the current span of this episode)."""
@@ -97,11 +86,9 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
             if isinstance(current, SpanRecord) and current.episode is record
             else record.root
         )
-    base = _BASE_ATTRS.get(kind)
-    if base is None:
-        base = _BASE_ATTRS[kind] = _base_attrs(kind)
-    attrs = {**base, **attributes} if attributes else base.copy()
-    span = SpanRecord(record, name, _runtime.new_id64(), parent.span_id if parent else None, kind, attrs)
+    # the kind's own attributes (rl.span.kind...) are added when the span is rendered
+    span = SpanRecord(record, name, _runtime.new_id64(), parent.span_id if parent else None, kind,
+                      attributes)
     if len(record.spans) + len(record.foreign) < record.max_spans:  # EpisodeRecord.add, inlined
         record.spans.append(span)
     else:
@@ -468,9 +455,6 @@ class Episode:
         record.handle = self
         record.capture_content = rt.capture_content
         attrs: dict[str, Any] = {
-            c.RL_SPAN_KIND: c.KIND_EPISODE,
-            c.OPENINFERENCE_SPAN_KIND: c.OI_AGENT,
-            c.GEN_AI_OPERATION_NAME: c.OP_INVOKE_AGENT,
             c.RL_STEP: step_value,
             c.RL_SPLIT: split,
             c.RL_EPISODE_ID: episode_id,

@@ -222,11 +222,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     # outside any episode: an ordinary SDK span
     if rt.tracer is None:
         return None
-    attributes[c.RL_SPAN_KIND] = kind
-    attributes[c.OPENINFERENCE_SPAN_KIND] = c.OPENINFERENCE_KIND_OF.get(kind, c.OI_CHAIN)
-    op = c.OPERATION_OF.get(kind)
-    if op:
-        attributes[c.GEN_AI_OPERATION_NAME] = op
+    attributes.update(c.kind_attributes(kind))
     from otel_rollouts._core.content import cut, to_json
 
     sdk_attrs = {

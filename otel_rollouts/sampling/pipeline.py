@@ -310,9 +310,7 @@ class Pipeline(SpanProcessor):
         if reason is not None:
             self.stats.step((record.step, record.split), "dropped." + reason)
             self._observe("decided", record, reason)
-        # free what it held at once
-        record.spans = []
-        record.foreign = []
+        record.release()
 
     # --- closing steps -----------------------------------------------------------------------
     def end_step(self, step: int, split: str | None = None) -> None:
