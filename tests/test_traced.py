@@ -323,3 +323,32 @@ def test_disabled_sdk_is_a_cheap_noop(otr_shutdown, monkeypatch):
 def test_unknown_kind_is_refused_at_decoration():
     with pytest.raises(ValueError, match="kind must be one of"):
         otr.traced(kind="banana")
+
+
+def _sig_plain(self, messages, k=3, *, temperature=0.7, stop=None): ...
+def _sig_required_kw(prompt, *, model, n=1): ...
+def _sig_var(a, *rest, b=2, **extra): ...
+def _sig_positional_only(a, b=1, /, c=2): ...
+def _sig_none(): ...
+
+
+@pytest.mark.parametrize("fn", [_sig_plain, _sig_required_kw, _sig_var, _sig_positional_only, _sig_none])
+def test_a_traced_call_names_its_arguments_as_inspect_binds_them(fn) -> None:
+    """The traced wrapper binds a call's arguments without inspect where the signature is plain:
+    for every call shape (too many, missing, unknown, doubled) the result is inspect's, or its
+    fallback where inspect refuses the call."""
+    import inspect
+
+    from otel_rollouts.record.traced import _bound_args, _Params
+
+    params = _Params(inspect.signature(fn))
+    calls = [
+        ((), {}), ((1,), {}), ((1, 2), {}), ((1, 2, 3), {}), ((1, 2, 3, 4, 5), {}),
+        ((1,), {"messages": 2}), ((1,), {"k": 9, "temperature": 0.1}), ((), {"self": 0, "messages": 1}),
+        ((1, 2), {"k": 4}), ((1,), {"unknown": 1}), (("p",), {"model": "m"}), ((), {"prompt": "p", "n": 2}),
+        ((1,), {"b": 5, "z": 6}), ((1, 2), {"c": 3}), ((1,), {"a": 1}), ((), {"a": 1, "b": 2, "c": 3}),
+    ]
+    for args, kwargs in calls:
+        assert params.bind(args, kwargs) == _bound_args(params.sig, args, kwargs), (fn.__name__, args, kwargs)
+        assert list(params.bind(args, kwargs)) == list(_bound_args(params.sig, args, kwargs))
+    assert params.plain is not None if fn in (_sig_plain, _sig_required_kw, _sig_none) else params.plain is None

@@ -117,6 +117,55 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
+_PLAIN_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class _Params:
+    """A traced callable's parameters, read once when it is decorated.
+
+    ``bind`` names a call's arguments as ``inspect``'s ``bind_partial`` + ``apply_defaults``
+    would (in the signature's order, defaults filled in, ``self``/``cls`` left out), without
+    calling it when the signature is plain (no ``*args``, ``**kwargs`` or positional-only
+    parameters) and the call fits it: inspect's binding cost each call more than its span."""
+
+    __slots__ = ("sig", "plain", "positional")
+
+    def __init__(self, sig: inspect.Signature | None) -> None:
+        self.sig = sig
+        self.plain: tuple[tuple[str, Any], ...] | None = None
+        self.positional = 0
+        if sig is not None and all(p.kind in _PLAIN_KINDS for p in sig.parameters.values()):
+            self.plain = tuple((name, p.default) for name, p in sig.parameters.items())
+            self.positional = sum(
+                p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        plain = self.plain
+        n = len(args)
+        if plain is None or n > self.positional:
+            return _bound_args(self.sig, args, kwargs)
+        out: dict[str, Any] = {}
+        used = 0
+        empty = inspect.Parameter.empty
+        for i, (name, default) in enumerate(plain):
+            if i < n:
+                if name in kwargs:  # given twice: inspect says how
+                    return _bound_args(self.sig, args, kwargs)
+                value = args[i]
+            elif name in kwargs:
+                value = kwargs[name]
+                used += 1
+            elif default is not empty:
+                value = default
+            else:
+                continue
+            if name != "self" and name != "cls":
+                out[name] = value
+        if used != len(kwargs):  # a keyword the signature does not have
+            return _bound_args(self.sig, args, kwargs)
+        return out
+
+
 def _bound_args(sig: inspect.Signature | None, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> dict[str, Any]:
     if sig is None:
@@ -157,7 +206,7 @@ def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...
 
 
 def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
-           sig: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
+           params: _Params, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
     current = trace.get_current_span()
     parent = current if isinstance(current, SpanRecord) and current.episode.state < 2 else None
     inside = parent.episode if parent is not None else None
@@ -170,7 +219,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         # an episode's span in the context records its children, whatever is installed here: a
         # worker process records for its parent's episode without a runtime of its own
         capture = inside.capture_content
-    arguments = _bound_args(sig, args, kwargs)
+    arguments = params.bind(args, kwargs)
     if kind == c.KIND_EPISODE:
         params = {k: arguments[k] for k in _EPISODE_ARGS if k in arguments}
         split = params.pop("split", "train")
@@ -242,7 +291,7 @@ def _safe_start(*a: Any) -> _Call | None:
 
 
 def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None) -> Callable[..., Any]:
-    sig = _signature(fn)
+    params = _Params(_signature(fn))
     short_name = getattr(fn, "__name__", "call")
     fn_name = getattr(fn, "__qualname__", short_name)
 
@@ -250,7 +299,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
             agen = fn(*args, **kwargs)
             if call is None:
                 async for item in agen:
@@ -290,7 +339,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
             gen = fn(*args, **kwargs)
             if call is None:
                 return (yield from gen)
@@ -328,7 +377,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
             if call is None:
                 return await fn(*args, **kwargs)
             token = call.attach()
@@ -348,7 +397,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call = _safe_start(fn_name, short_name, name, kind, model, sig, args, kwargs)
+        call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
         if call is None:
             return fn(*args, **kwargs)
         token = call.attach()
