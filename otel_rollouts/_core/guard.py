@@ -70,6 +70,18 @@ def contained(where: str, exc: BaseException) -> None:
     report(f"{where}: {exception_text(exc)}", exc=exc, may_raise=False)
 
 
+def failed(where: str, exc: Exception) -> None:
+    """A guarded body raised ``exc``: a value refused in strict mode goes on to the caller,
+    anything else is reported (raised in strict mode) and the caller returns its fallback.
+
+    The rule of ``guarded``; the per-span calls of the episode API write it inline
+    (``try: ... except Exception as exc: failed(...)``) to spare a wrapper's call on every span.
+    """
+    if isinstance(exc, InvalidValue):
+        raise exc
+    report(f"{where}: {exception_text(exc)}", exc=exc)
+
+
 def guarded_or(
     fallback: Callable[[], F],
 ) -> Callable[[Callable[P, R]], Callable[P, R | F]]:
@@ -80,14 +92,14 @@ def guarded_or(
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | F]:
+        where = getattr(fn, "__qualname__", "call")
+
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | F:
             try:
                 return fn(*args, **kwargs)
-            except InvalidValue:
-                raise
             except Exception as exc:  # noqa: BLE001 - containment is the point
-                report(f"{getattr(fn, '__qualname__', 'call')}: {exception_text(exc)}", exc=exc)
+                failed(where, exc)
                 return fallback()
 
         return wrapper

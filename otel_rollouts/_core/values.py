@@ -27,6 +27,8 @@ def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
     Accepts ints, floats, bools, numpy/torch scalars and numeric strings (legacy loggers
     formatted rewards as text). NaN and infinities are refused with a reason naming ``field``.
     """
+    if type(value) is float and math.isfinite(value):  # the common case, first
+        return value, None
     value = scalar(value)
     if isinstance(value, bool):
         return float(value), None
@@ -48,6 +50,8 @@ def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
 
 def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
     """Coerce an index/step-like value to int; refuse floats with a fraction and non-numbers."""
+    if type(value) is int:  # the common case, first
+        return value, None
     value = scalar(value)
     if isinstance(value, bool):
         return int(value), None

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from contextvars import Token
 from dataclasses import dataclass
+from random import getrandbits as _getrandbits
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ from opentelemetry.trace.status import StatusCode
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, snapshot, text
-from otel_rollouts._core.guard import contained, guarded, guarded_or, report
+from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
 from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, EpisodeRecord, SpanRecord
 from otel_rollouts._core.values import refused, to_float, to_int
 
@@ -58,8 +59,6 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]] | Def
         return messages
     if isinstance(messages, str):
         return [{"role": role, "content": messages}]
-    if isinstance(messages, Mapping):
-        return [_message(snapshot(messages), role)]
     if isinstance(messages, (list, tuple)):
         out = []
         for m in snapshot(messages):  # one copy of the whole list: shared parts copied once
@@ -68,6 +67,8 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]] | Def
             else:
                 out.append({"role": role, "content": m if isinstance(m, str) else text(m)})
         return out
+    if isinstance(messages, Mapping):
+        return [_message(snapshot(messages), role)]
     return [{"role": role, "content": text(messages)}]
 
 
@@ -83,12 +84,12 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
         current = trace.get_current_span()
         parent = (
             current
-            if isinstance(current, SpanRecord) and current.episode is record
+            if (type(current) is SpanRecord or isinstance(current, SpanRecord)) and current.episode is record
             else record.root
         )
     # the kind's own attributes (rl.span.kind...) are added when the span is rendered
-    span = SpanRecord(record, name, _runtime.new_id64(), parent.span_id if parent else None, kind,
-                      attributes)
+    span = SpanRecord(record, name, _getrandbits(64) or _runtime.new_id64(),
+                      parent.span_id if parent else None, kind, attributes)
     if len(record.spans) + len(record.foreign) < record.max_spans:  # EpisodeRecord.add, inlined
         record.spans.append(span)
     else:
@@ -187,16 +188,18 @@ class ToolCall(_SpanHandle):
 
     __slots__ = ()
 
-    @guarded
     def result(self, value: Any) -> None:
         """Record the tool's result (ends the call unless used as a ``with`` block)."""
-        span = self._span
-        if span is None:
-            return
-        if span.episode.capture_content:
-            span.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
-        if not self._entered:
-            span.end()
+        try:
+            span = self._span
+            if span is None:
+                return
+            if span.episode.capture_content:
+                span.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
+            if not self._entered:
+                span.end()
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("ToolCall.result", exc)
 
     @guarded
     def error(self, error: BaseException | str) -> None:
@@ -238,7 +241,9 @@ class Generation(_SpanHandle):
             span.name = c.chat_span_name(text(model))
         if span.episode.capture_content:
             message: Deferred | dict[str, Any]
-            if isinstance(content, Deferred):  # the whole message, rendered only if kept
+            if type(content) is str:  # the common case, first
+                message = {"role": "assistant", "content": content}
+            elif isinstance(content, Deferred):  # the whole message, rendered only if kept
                 message = content
             elif isinstance(content, Mapping):
                 message = _message(snapshot(content), "assistant")
@@ -295,28 +300,34 @@ class Turn(_SpanHandle):
         span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
         return Generation(span)
 
-    @guarded_or(lambda: Generation(None))
     def record_generation(self, content: Any = None, *, model: str | None = None,
                           messages: Any = None, provider: str | None = None, **output: Any) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
-        # the unguarded bodies: this call is guarded once, as a whole
-        gen: Generation = Turn.generation.__wrapped__(  # type: ignore[attr-defined]
-            self, model, messages=messages, provider=provider)
-        Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
-        return gen
+        try:
+            # the unguarded bodies: this call is guarded once, as a whole
+            gen: Generation = Turn.generation.__wrapped__(  # type: ignore[attr-defined]
+                self, model, messages=messages, provider=provider)
+            Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
+            return gen
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Turn.record_generation", exc)
+            return Generation(None)
 
-    @guarded_or(lambda: ToolCall(None))
     def tool_call(self, name: str, arguments: Any = None, call_id: str | None = None) -> ToolCall:
         """Start a tool call span; end it with ``with`` or with ``.result()`` / ``.error()``."""
-        if self._record is None:
+        try:
+            if self._record is None:
+                return ToolCall(None)
+            attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: text(name)}
+            if call_id is not None:
+                attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
+            if arguments is not None and self._record.capture_content:
+                attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
+            span = child_span(self._record, c.tool_span_name(text(name)), c.KIND_TOOL, self._span, attrs)
+            return ToolCall(span)
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Turn.tool_call", exc)
             return ToolCall(None)
-        attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: text(name)}
-        if call_id is not None:
-            attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
-        if arguments is not None and self._record.capture_content:
-            attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
-        span = child_span(self._record, c.tool_span_name(text(name)), c.KIND_TOOL, self._span, attrs)
-        return ToolCall(span)
 
     @guarded
     def feedback(self, content: Any, role: str = "environment") -> None:
@@ -404,17 +415,20 @@ class Episode:
         self.split: str = split
 
     # --- lifecycle -----------------------------------------------------------------------------
-    @guarded
     def start(self) -> Episode:
         """Start recording (``with`` does this); returns self."""
-        if self._record is not None:
+        try:
+            if self._record is not None:
+                return self
+            rt = self._runtime if self._runtime is not None else _runtime.current()
+            if not rt.enabled or rt.pipeline is None:
+                return self
+            record = self._begin(rt, None)
+            rt.pipeline.started(record)
             return self
-        rt = self._runtime if self._runtime is not None else _runtime.current()
-        if not rt.enabled or rt.pipeline is None:
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Episode.start", exc)
             return self
-        record = self._begin(rt, None)
-        rt.pipeline.started(record)
-        return self
 
     def begin_offered(self, rt: _runtime.Runtime, trace_id: int) -> EpisodeRecord | None:
         """Record this episode for a batch row the sampler was already offered (its trace id
@@ -520,8 +534,8 @@ class Episode:
                         tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
 
-    @guarded
     def _close(self, exc: BaseException | None) -> None:
+        # not guarded itself: its callers, __exit__ and end(), are
         record = self._record
         if record is None or record.root is None or record.root.end_ns is not None:
             return
@@ -560,7 +574,6 @@ class Episode:
         decorators, which annotate it."""
         return None if self._record is None else self._record.root
 
-    @guarded
     def prompt(self, messages: Any, *, system_instructions: Any = None) -> None:
         """Record the initial messages (a list of OpenAI-style messages or plain text).
 
@@ -568,29 +581,34 @@ class Episode:
         (``gen_ai.system_instructions``); a system message inside ``messages`` stays there, as
         the GenAI conventions ask.
         """
-        record = self._record
-        if record is None:
-            return
-        attrs = {}
-        if record.capture_content:
-            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
-            if system_instructions is not None:
-                attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)
-        span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
-        span.end(span.start_ns)
+        try:
+            record = self._record
+            if record is None:
+                return
+            attrs = {}
+            if record.capture_content:
+                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+                if system_instructions is not None:
+                    attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)
+            span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
+            span.end(span.start_ns)
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Episode.prompt", exc)
 
-    @guarded_or(lambda: Turn(None, None, -1))
     def turn(self) -> Turn:
         """Start the next turn (its index auto-increments from 0)."""
-        record = self._record
-        if record is None:
+        try:
+            record = self._record
+            if record is None:
+                return Turn(None, None, -1)
+            index = record.next_turn
+            record.next_turn += 1
+            span = child_span(record, c.SPAN_TURN, c.KIND_TURN, None, {c.RL_TURN_INDEX: index})
+            return Turn(record, span, index)
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Episode.turn", exc)
             return Turn(None, None, -1)
-        index = record.next_turn
-        record.next_turn += 1
-        span = child_span(record, c.SPAN_TURN, c.KIND_TURN, None, {c.RL_TURN_INDEX: index})
-        return Turn(record, span, index)
 
-    @guarded
     def reward(
         self,
         value: Any = None,
@@ -599,40 +617,43 @@ class Episode:
         advantage: Any = None,
     ) -> None:
         """Record the reward (and its components, and the advantage): numbers, never text."""
-        record = self._record
-        if record is None or record.root is None:
-            return
-        if record.state == DROPPED:
-            return  # the sampler already let this episode go: nothing of it is exported
-        root = record.root
-        span = record.reward_span
-        if span is None or record.state == KEPT:  # first reward, or a late one after the decision
-            span = child_span(record, c.SPAN_REWARD, c.KIND_REWARD, root)
-            if record.reward_span is None:
-                record.reward_span = span
-        values: dict[str, Any] = {}
-        if value is not None:
-            number = _number(span, value, "reward")
-            if number is not None:
-                values[c.RL_REWARD] = number
-        if components:
-            if isinstance(components, Mapping):
-                for key, comp in components.items():
-                    number = _number(span, comp, f"reward.{key}")
-                    if number is not None:
-                        values[c.RL_REWARD_PREFIX + text(key)] = number
-            else:
-                flag(span, f"components: expected a mapping, got {type(components).__name__}")
-        if advantage is not None:
-            number = _number(span, advantage, "advantage")
-            if number is not None:
-                values[c.RL_ADVANTAGE] = number
-        span.attributes.update(values)
-        root.attributes.update(values)
-        if span.end_ns is None:
-            span.end()
-        elif record.state < KEPT:
-            record.sink.part_ended(record)
+        try:
+            record = self._record
+            if record is None or record.root is None:
+                return
+            if record.state == DROPPED:
+                return  # the sampler already let this episode go: nothing of it is exported
+            root = record.root
+            span = record.reward_span
+            if span is None or record.state == KEPT:  # first reward, or a late one after the decision
+                span = child_span(record, c.SPAN_REWARD, c.KIND_REWARD, root)
+                if record.reward_span is None:
+                    record.reward_span = span
+            values: dict[str, Any] = {}
+            if value is not None:
+                number = _number(span, value, "reward")
+                if number is not None:
+                    values[c.RL_REWARD] = number
+            if components:
+                if isinstance(components, Mapping):
+                    for key, comp in components.items():
+                        number = _number(span, comp, f"reward.{key}")
+                        if number is not None:
+                            values[c.RL_REWARD_PREFIX + text(key)] = number
+                else:
+                    flag(span, f"components: expected a mapping, got {type(components).__name__}")
+            if advantage is not None:
+                number = _number(span, advantage, "advantage")
+                if number is not None:
+                    values[c.RL_ADVANTAGE] = number
+            span.attributes.update(values)
+            root.attributes.update(values)
+            if span.end_ns is None:
+                span.end()
+            elif record.state < KEPT:
+                record.sink.part_ended(record)
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Episode.reward", exc)
 
     @guarded
     def finish(self, reason: str | None = None, status: str | None = None) -> None:

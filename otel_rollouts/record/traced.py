@@ -29,6 +29,7 @@ from otel_rollouts.record.episode import Episode, as_messages, child_span
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_CALL_ARGUMENTS = (c.INPUT_VALUE, c.GEN_AI_TOOL_CALL_ARGUMENTS)
 _EPISODE_ARGS = ("step", "split", "group_id", "sample_index", "policy_version", "episode_id")
 
 
@@ -264,7 +265,9 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         if kind == c.KIND_TURN:
             attributes[c.RL_TURN_INDEX] = record.next_turn
             record.next_turn += 1
-        attributes = {k: (snapshot(v) if not isinstance(v, str) else v) for k, v in attributes.items()}
+        for key in _CALL_ARGUMENTS:  # the call's own arguments are copied (messages already are)
+            if key in attributes:
+                attributes[key] = snapshot(attributes[key])
         child = child_span(record, span_name, kind, parent, attributes)
         return _Call(child, None, False, kind)
 
