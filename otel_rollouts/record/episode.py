@@ -125,6 +125,8 @@ def _number(span: SpanRecord, value: Any, field: str) -> float | None:
 
 
 def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
+    if type(value) is int:
+        return value
     number, problem = to_int(value, field)
     if problem is not None:
         flag(span, problem)
@@ -318,12 +320,13 @@ class Turn(_SpanHandle):
         try:
             if self._record is None:
                 return ToolCall(None)
-            attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: text(name)}
+            tool = text(name)
+            attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: tool}
             if call_id is not None:
                 attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
             if arguments is not None and self._record.capture_content:
                 attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
-            span = child_span(self._record, c.tool_span_name(text(name)), c.KIND_TOOL, self._span, attrs)
+            span = child_span(self._record, c.tool_span_name(tool), c.KIND_TOOL, self._span, attrs)
             return ToolCall(span)
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.tool_call", exc)
