@@ -357,3 +357,58 @@ def test_a_metrics_sink_raising_system_exit_does_not_stop_step_summaries(otr_shu
     assert otr.flush(timeout=10)
     assert exporter.logged == [0, 1, 2]  # the thread went on after the first call raised
     assert otr.stats()["totals"]["errors.log_metrics._MetricsExitOnce"] == 1
+
+
+class _LibraryBug(RuntimeError):
+    """Stands for a defect of the library itself, raised deep inside a recording call."""
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_library_failure_inside_each_per_span_call_is_contained(otr_shutdown, monkeypatch, strict):
+    """The per-span calls guard inline (no wrapper): a failure inside any of them is counted and
+    gives back a handle the caller can go on with; in strict mode it reaches the caller."""
+    from otel_rollouts.record import episode as episode_module
+
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], strict=strict)
+
+    def broken(*args, **kwargs):
+        raise _LibraryBug("inside the library")
+
+    calls = {
+        "start": lambda: otr.episode(step=0).start(),
+        "prompt": lambda ep, turn: ep.prompt("hi"),
+        "turn": lambda ep, turn: ep.turn(),
+        "record_generation": lambda ep, turn: turn.record_generation("x", model="m"),
+        "tool_call": lambda ep, turn: turn.tool_call("search", arguments={"q": 1}),
+        "reward": lambda ep, turn: ep.reward(1.0),
+    }
+    for name, call in calls.items():
+        before = otr.stats()["totals"].get("errors.library", 0)
+        with monkeypatch.context() as m:
+            if name == "start":
+                m.setattr(episode_module.Episode, "_begin", broken)
+                if strict:
+                    with pytest.raises(_LibraryBug):
+                        call()
+                    continue
+                ep = call()
+                assert isinstance(ep, otr.Episode) and not ep.recording  # usable, not recording
+                ep.reward(1.0)
+                ep.end()
+            else:
+                ep = otr.episode(step=0).start()
+                turn = ep.turn()  # made before the defect
+                before = otr.stats()["totals"].get("errors.library", 0)
+                m.setattr(episode_module, "child_span", broken)
+                if name == "reward":
+                    m.setattr(episode_module, "_number", broken)
+                if strict:
+                    with pytest.raises(_LibraryBug):
+                        call(ep, turn)
+                    continue
+                handle = call(ep, turn)
+                if handle is not None:  # a no-op handle the caller goes on with
+                    with handle as h:
+                        getattr(h, "result", getattr(h, "output", lambda *a: None))("value")
+        assert otr.stats()["totals"].get("errors.library", 0) == before + 1, name
