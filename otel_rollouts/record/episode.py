@@ -20,7 +20,6 @@ import hashlib
 import time
 from collections.abc import Mapping
 from contextvars import Token
-from dataclasses import dataclass
 from random import getrandbits as _getrandbits
 from types import TracebackType
 from typing import Any, TypeVar
@@ -95,26 +94,6 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
     else:
         record.dropped_spans += 1
     return span
-
-
-class _Scope:
-    """Makes a span the current one in the OpenTelemetry context for a ``with`` block."""
-
-    __slots__ = ("_token",)
-
-    def __init__(self) -> None:
-        self._token: Token[Context] | None = None
-
-    def attach(self, span: SpanRecord) -> None:
-        self._token = otel_context.attach(trace.set_span_in_context(span))
-
-    def detach(self) -> None:
-        if self._token is not None:
-            token, self._token = self._token, None
-            try:
-                otel_context.detach(token)
-            except Exception:  # noqa: BLE001 - a context mismatch must not break user code
-                pass
 
 
 def _number(span: SpanRecord, value: Any, field: str) -> float | None:
@@ -347,7 +326,7 @@ class Turn(_SpanHandle):
 
 def new_episode_id(step: int) -> str:
     """An episode id when none is given: the step and 64 random bits."""
-    return f"{step}-{_runtime.new_id64():016x}"
+    return f"{step}-{_getrandbits(64):016x}"
 
 
 def status_value(status: Any) -> str | None:
@@ -364,24 +343,6 @@ def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
     """A deterministic 128-bit trace id for (run, step, episode id): find a trace from data."""
     digest = hashlib.blake2b(f"{run_id}\x1f{step}\x1f{episode_id}".encode(), digest_size=16)
     return int.from_bytes(digest.digest(), "big") or 1
-
-
-@dataclass(slots=True)
-class _Request:
-    """What an ``Episode`` was asked to record, kept until it starts (not frozen: a frozen
-    dataclass pays a setattr call per field, on every episode)."""
-
-    step: int | None
-    split: str
-    group_id: Any
-    sample_index: int | None
-    policy_version: int | None
-    episode_id: str | None
-    dataset_name: str | None
-    dataset_index: Any
-    framework: str | None
-    metadata: Mapping[str, Any] | None
-    name: str
 
 
 class Episode:
@@ -408,11 +369,12 @@ class Episode:
         name: str = c.SPAN_EPISODE,
         runtime: _runtime.Runtime | None = None,
     ) -> None:
-        self._request = _Request(step, split, group_id, sample_index, policy_version, episode_id,
-                                 dataset_name, dataset_index, framework, metadata, name)
+        # what it was asked to record, kept until it starts (a tuple: one object, no __init__)
+        self._request = (step, split, group_id, sample_index, policy_version, episode_id,
+                         dataset_name, dataset_index, framework, metadata, name)
         self._runtime = runtime  # None: the installed instance, when the episode starts
         self._record: EpisodeRecord | None = None
-        self._scope = _Scope()
+        self._token: Token[Context] | None = None  # the context before the ``with`` block
         self.episode_id: str | None = episode_id
         self.step: int | None = None
         self.split: str = split
@@ -444,13 +406,12 @@ class Episode:
         return record
 
     def _begin(self, rt: _runtime.Runtime, trace_id: int | None) -> EpisodeRecord:
-        request = self._request
-        step, split, episode_id = request.step, request.split, request.episode_id
-        group_id, sample_index, policy_version = request.group_id, request.sample_index, request.policy_version
-        dataset_name, dataset_index = request.dataset_name, request.dataset_index
-        framework, metadata, name = request.framework, request.metadata, request.name
+        (step, split, group_id, sample_index, policy_version, episode_id, dataset_name, dataset_index,
+         framework, metadata, name) = self._request
         problems: list[str] = []
-        if step is None:
+        if type(step) is int and step >= 0:  # the common case, first
+            step_value = step
+        elif step is None:
             step_value = rt.current_step
         else:
             parsed, problem = to_int(step, "step")
@@ -460,13 +421,16 @@ class Episode:
                 step_value = rt.current_step
             elif step_value < 0:
                 problems.append(f"step: negative ({step_value})")
-        split = text(split) if split is not None else "train"
+        if type(split) is not str:
+            split = text(split) if split is not None else "train"
         if episode_id is None:
             episode_id = new_episode_id(step_value)
-        episode_id = text(episode_id)
+        elif type(episode_id) is not str:
+            episode_id = text(episode_id)
         if trace_id is None:
             trace_id = (
-                trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids else _runtime.new_id128()
+                trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids
+                else _getrandbits(128) or _runtime.new_id128()
             )
         record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
         record.handle = self
@@ -479,11 +443,12 @@ class Episode:
         }
         if rt.run_id:
             attrs[c.RL_RUN_ID] = rt.run_id
-        root = SpanRecord(record, text(name), _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
+        root = SpanRecord(record, name if type(name) is str else text(name), _getrandbits(64) or _runtime.new_id64(),
+                          None, c.KIND_EPISODE, attrs)
         record.root = root
         record.add(root)
         if group_id is not None:
-            attrs[c.RL_GROUP_ID] = text(group_id)
+            attrs[c.RL_GROUP_ID] = group_id if type(group_id) is str else text(group_id)
         if sample_index is not None:
             attrs[c.RL_SAMPLE_INDEX] = _integer(root, sample_index, "sample_index")
         if policy_version is not None:
@@ -516,15 +481,22 @@ class Episode:
 
     def __enter__(self) -> Episode:
         self.start()
-        if self._record is not None and self._record.root is not None:
-            self._scope.attach(self._record.root)
+        record = self._record
+        if record is not None and record.root is not None:
+            self._token = otel_context.attach(trace.set_span_in_context(record.root))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
-            self._scope.detach()
+            token = self._token
+            if token is not None:
+                self._token = None
+                try:
+                    otel_context.detach(token)
+                except Exception:  # noqa: BLE001 - a context mismatch must not break user code
+                    pass
             self._close(exc)
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)

@@ -309,7 +309,8 @@ class Pipeline(SpanProcessor):
         self._live.pop(record.trace_id, None)
         if reason is not None:
             self.stats.step((record.step, record.split), "dropped." + reason)
-            self._observe("decided", record, reason)
+            if self.observer is not None:
+                self._observe("decided", record, reason)
         record.release()
 
     # --- closing steps -----------------------------------------------------------------------
