@@ -96,6 +96,15 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
     return span
 
 
+def _leave(token: Token[Context] | None) -> None:
+    """The context before a ``with`` block, back (a token from another context is let be)."""
+    if token is not None:
+        try:
+            otel_context.detach(token)
+        except Exception:  # noqa: BLE001 - a context mismatch must not break user code
+            pass
+
+
 def _number(span: SpanRecord, value: Any, field: str) -> float | None:
     number, problem = to_float(value, field)
     if problem is not None:
@@ -140,13 +149,8 @@ class _SpanHandle:
                  tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
-            token = self._token
-            if token is not None:
-                self._token = None
-                try:
-                    otel_context.detach(token)
-                except Exception:  # noqa: BLE001 - a context mismatch must not break user code
-                    pass
+            token, self._token = self._token, None
+            _leave(token)
             span = self._span
             if span is not None:
                 if exc is not None and span.status_code is not StatusCode.ERROR:
@@ -490,13 +494,8 @@ class Episode:
                  tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
-            token = self._token
-            if token is not None:
-                self._token = None
-                try:
-                    otel_context.detach(token)
-                except Exception:  # noqa: BLE001 - a context mismatch must not break user code
-                    pass
+            token, self._token = self._token, None
+            _leave(token)
             self._close(exc)
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
