@@ -207,7 +207,7 @@ def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...
 
 
 def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
-           params: _Params, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
+           binder: _Params, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
     current = trace.get_current_span()
     parent = current if isinstance(current, SpanRecord) and current.episode.state < 2 else None
     inside = parent.episode if parent is not None else None
@@ -220,7 +220,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         # an episode's span in the context records its children, whatever is installed here: a
         # worker process records for its parent's episode without a runtime of its own
         capture = inside.capture_content
-    arguments = params.bind(args, kwargs)
+    arguments = binder.bind(args, kwargs)
     if kind == c.KIND_EPISODE:
         params = {k: arguments[k] for k in _EPISODE_ARGS if k in arguments}
         split = params.pop("split", "train")
@@ -294,7 +294,7 @@ def _safe_start(*a: Any) -> _Call | None:
 
 
 def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None) -> Callable[..., Any]:
-    params = _Params(_signature(fn))
+    binder = _Params(_signature(fn))
     short_name = getattr(fn, "__name__", "call")
     fn_name = getattr(fn, "__qualname__", short_name)
 
@@ -302,7 +302,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
             agen = fn(*args, **kwargs)
             if call is None:
                 async for item in agen:
@@ -342,7 +342,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
             gen = fn(*args, **kwargs)
             if call is None:
                 return (yield from gen)
@@ -380,7 +380,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
             if call is None:
                 return await fn(*args, **kwargs)
             token = call.attach()
@@ -400,7 +400,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call = _safe_start(fn_name, short_name, name, kind, model, params, args, kwargs)
+        call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
         if call is None:
             return fn(*args, **kwargs)
         token = call.attach()
