@@ -131,12 +131,8 @@ class SpanRecord(trace.Span):
         episode = self.episode  # the sink is told when the root or the reward span ends
         if episode.state >= KEPT:  # already decided: a late span of a kept episode still goes out
             episode.sink.late_span(episode, self)
-        elif self is episode.root:
+        elif self is episode.root or self is episode.reward_span:
             episode.sink.part_ended(episode)
-        elif self is episode.reward_span:
-            root = episode.root  # the reward's end matters once the root has ended: else the root's will
-            if root is not None and root.end_ns is not None:
-                episode.sink.part_ended(episode)
 
     # --- helpers -----------------------------------------------------------------------------
     def fail(self, exception: BaseException | None = None, message: str | None = None) -> None:

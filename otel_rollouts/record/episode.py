@@ -96,7 +96,7 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
     return span
 
 
-def _leave(token: Token[Context] | None) -> None:
+def leave_context(token: Token[Context] | None) -> None:
     """The context before a ``with`` block, back (a token from another context is let be)."""
     if token is not None:
         try:
@@ -113,8 +113,6 @@ def _number(span: SpanRecord, value: Any, field: str) -> float | None:
 
 
 def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
-    if type(value) is int:
-        return value
     number, problem = to_int(value, field)
     if problem is not None:
         flag(span, problem)
@@ -150,7 +148,7 @@ class _SpanHandle:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
             token, self._token = self._token, None
-            _leave(token)
+            leave_context(token)
             span = self._span
             if span is not None:
                 if exc is not None and span.status_code is not StatusCode.ERROR:
@@ -413,9 +411,7 @@ class Episode:
         (step, split, group_id, sample_index, policy_version, episode_id, dataset_name, dataset_index,
          framework, metadata, name) = self._request
         problems: list[str] = []
-        if type(step) is int and step >= 0:  # the common case, first
-            step_value = step
-        elif step is None:
+        if step is None:
             step_value = rt.current_step
         else:
             parsed, problem = to_int(step, "step")
@@ -425,12 +421,8 @@ class Episode:
                 step_value = rt.current_step
             elif step_value < 0:
                 problems.append(f"step: negative ({step_value})")
-        if type(split) is not str:
-            split = text(split) if split is not None else "train"
-        if episode_id is None:
-            episode_id = new_episode_id(step_value)
-        elif type(episode_id) is not str:
-            episode_id = text(episode_id)
+        split = text(split) if split is not None else "train"
+        episode_id = new_episode_id(step_value) if episode_id is None else text(episode_id)
         if trace_id is None:
             trace_id = (
                 trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids
@@ -447,12 +439,11 @@ class Episode:
         }
         if rt.run_id:
             attrs[c.RL_RUN_ID] = rt.run_id
-        root = SpanRecord(record, name if type(name) is str else text(name), _getrandbits(64) or _runtime.new_id64(),
-                          None, c.KIND_EPISODE, attrs)
+        root = SpanRecord(record, text(name), _getrandbits(64) or _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
         record.root = root
         record.add(root)
         if group_id is not None:
-            attrs[c.RL_GROUP_ID] = group_id if type(group_id) is str else text(group_id)
+            attrs[c.RL_GROUP_ID] = text(group_id)
         if sample_index is not None:
             attrs[c.RL_SAMPLE_INDEX] = _integer(root, sample_index, "sample_index")
         if policy_version is not None:
@@ -495,7 +486,7 @@ class Episode:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
             token, self._token = self._token, None
-            _leave(token)
+            leave_context(token)
             self._close(exc)
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)

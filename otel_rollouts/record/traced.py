@@ -25,7 +25,7 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import call_user, exception_text, snapshot
 from otel_rollouts._core.guard import report
 from otel_rollouts._core.spans import SpanRecord, exception_attributes
-from otel_rollouts.record.episode import Episode, as_messages, child_span
+from otel_rollouts.record.episode import Episode, as_messages, child_span, leave_context
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,10 +49,7 @@ class _Call:
 
     @staticmethod
     def detach(token: Token[Context]) -> None:
-        try:
-            otel_context.detach(token)
-        except Exception:  # noqa: BLE001
-            pass
+        leave_context(token)
 
     def fail(self, exc: BaseException) -> None:
         try:

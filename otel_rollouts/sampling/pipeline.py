@@ -309,8 +309,7 @@ class Pipeline(SpanProcessor):
         self._live.pop(record.trace_id, None)
         if reason is not None:
             self.stats.step((record.step, record.split), "dropped." + reason)
-            if self.observer is not None:
-                self._observe("decided", record, reason)
+            self._observe("decided", record, reason)
         record.release()
 
     # --- closing steps -----------------------------------------------------------------------
