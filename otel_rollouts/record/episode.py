@@ -83,7 +83,7 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
         current = trace.get_current_span()
         parent = (
             current
-            if (type(current) is SpanRecord or isinstance(current, SpanRecord)) and current.episode is record
+            if isinstance(current, SpanRecord) and current.episode is record
             else record.root
         )
     # the kind's own attributes (rl.span.kind...) are added when the span is rendered

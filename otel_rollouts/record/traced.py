@@ -47,10 +47,6 @@ class _Call:
     def attach(self) -> Token[Context]:
         return otel_context.attach(trace.set_span_in_context(self.span))
 
-    @staticmethod
-    def detach(token: Token[Context]) -> None:
-        leave_context(token)
-
     def fail(self, exc: BaseException) -> None:
         try:
             if self.sdk:
@@ -322,7 +318,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                             call.fail(exc)
                         raise
                     finally:
-                        call.detach(token)
+                        leave_context(token)
                     try:
                         to_send, to_throw = (yield item), None
                     except GeneratorExit:
@@ -360,7 +356,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                         call.fail(exc)
                         raise
                     finally:
-                        call.detach(token)
+                        leave_context(token)
                     try:
                         to_send, to_throw = (yield item), None
                     except GeneratorExit:
@@ -390,7 +386,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                 call.output(result)
                 return result
             finally:
-                call.detach(token)
+                leave_context(token)
                 call.end()
 
         return async_wrapper
@@ -410,7 +406,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
             call.output(result)
             return result
         finally:
-            call.detach(token)
+            leave_context(token)
             call.end()
 
     return wrapper
