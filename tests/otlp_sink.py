@@ -7,7 +7,12 @@ Phoenix (``receivers.py``) is the realistic receiver, but it takes 10-15 s to st
 * ``status``: answer every request with this HTTP status (e.g. 503, what an overloaded Phoenix
   or collector answers) without keeping the spans;
 * ``max_body``: refuse requests larger than this many bytes with 413 (a collector's
-  message-size limit).
+  message-size limit);
+* ``script``: a list of answers, one taken per trace request before the settings above apply:
+  ``"ok"``, an HTTP status (``413``, ``400``, ``503``...: nothing kept), ``"reject_all"`` (200
+  with a ``partial_success`` rejecting every span, nothing kept), ``"reject_half"`` (the first
+  half of the spans kept, the rest rejected in ``partial_success``), ``"hang"`` (answer only
+  after ``hang_s`` seconds, keeping the spans: a collector that stored them too late).
 
 Every accepted span is appended to a JSON-lines file, so what was received survives a restart
 (``kill()`` then ``start()`` on the same port simulates a collector crash). Also records the
@@ -57,7 +62,8 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
     )
 
     state: dict[str, Any] = {"delay": 0.0, "status": None, "max_body": None, "requests": 0,
-                             "accepted": 0, "refused": 0, "authorization": [], "sizes": []}
+                             "accepted": 0, "refused": 0, "authorization": [], "sizes": [], "script": [],
+                             "hang_s": 5.0}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -93,6 +99,27 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 if auth is not None:
                     state["authorization"].append(auth)
                 delay, status, max_body = state["delay"], state["status"], state["max_body"]
+                action = state["script"].pop(0) if state["script"] and self.path == "/v1/traces" else None
+            if action is not None and action != "ok":
+                if isinstance(action, int):
+                    with lock:
+                        state["refused"] += 1
+                    self._reply(action, b"scripted refusal", "text/plain")
+                    return
+                if action == "hang":
+                    time.sleep(state["hang_s"])
+                    self._store(data, 0, 0)
+                    return
+                if action in ("reject_all", "reject_half"):
+                    request = ExportTraceServiceRequest()
+                    request.ParseFromString(data)
+                    total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                    keep = 0 if action == "reject_all" else total // 2
+                    self._store(data, keep, total - keep)
+                    return
+            elif action == "ok":
+                self._store(data, None, 0)
+                return
             if delay:
                 time.sleep(delay)
             if max_body is not None and length > max_body:
@@ -108,6 +135,11 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
             if self.path == "/v1/logs":
                 self._logs(data)
                 return
+            self._store(data, None, 0)
+
+        def _store(self, data: bytes, keep: int | None, rejected: int) -> None:
+            """Keep the request's first ``keep`` spans (None: all) and answer, saying how many
+            were rejected in ``partial_success``."""
             request = ExportTraceServiceRequest()
             request.ParseFromString(data)
             lines = []
@@ -128,11 +160,17 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                             "resource": resource,
                             "scope": ss.scope.name,
                         }))
+            if keep is not None:
+                lines = lines[:keep]
             with lock:
                 state["accepted"] += 1
                 with open(out, "a", encoding="utf-8") as fh:
                     fh.write("".join(line + "\n" for line in lines))
-            self._reply(200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
+            response = ExportTraceServiceResponse()
+            if rejected:
+                response.partial_success.rejected_spans = rejected
+                response.partial_success.error_message = "scripted rejection"
+            self._reply(200, response.SerializeToString(), "application/x-protobuf")
 
         def _logs(self, data: bytes) -> None:
             """OTLP/HTTP logs: each record is appended to ``logs.jsonl`` beside the spans."""

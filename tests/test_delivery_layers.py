@@ -251,13 +251,13 @@ def test_a_batch_spilled_to_disk_while_the_caller_makes_room_is_spooled_once(tmp
     pushes = {"sender": 0}
     original = spool_module.Spool.push
 
-    def push(self, data, episodes):
+    def push(self, data, episodes, *rest):
         if threading.current_thread().name.startswith("otel-rollouts-send"):
             pushes["sender"] += 1
             if pushes["sender"] == 2:  # the failed batch went first; now the buffer's head
                 pushing.set()
                 go.wait(30)
-        return original(self, data, episodes)
+        return original(self, data, episodes, *rest)
 
     monkeypatch.setattr(spool_module.Spool, "push", push)
     inner = otr.CountingExporter(FailsOnceWhenReleased())

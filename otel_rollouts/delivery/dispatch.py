@@ -1,9 +1,13 @@
 """Delivery: kept episodes leave the training thread and reach every exporter, or are counted.
 
+Every kept episode enters the ``Ledger`` here, when it is handed over, and leaves it exactly
+once per exporter: delivered (confirmed stored) or dropped under a named reason.
+
 Three stages, none of which the training thread waits on:
 
-1. the training thread only ``put_nowait``s a kept episode record into a bounded queue (sized
-   from the sampler's cap); a full queue drops the item, counts it and warns once per interval;
+1. the training thread only ``put_nowait``s a kept episode record into a queue bounded in items
+   and in bytes (``max_queue_bytes``); a full queue drops the item, counts it and warns once
+   per interval;
 2. one render thread turns records into SDK spans (``Materializer``) and hands each batch to one
    stack of delivery layers per exporter (``delivery.layers``; never blocking: the sender's memory
    buffer is bounded too);
@@ -14,8 +18,9 @@ Three stages, none of which the training thread waits on:
    when it is full the oldest batches go first, counted.
 
 ``force_flush()`` of an exporter is never trusted as proof of delivery (the stock batch
-processor returns True after dropping spans): an episode counts as delivered only when an
-``export`` call that carried its root span returned ``SUCCESS``.
+processor returns True after dropping spans): an episode counts as delivered only when ``export``
+calls that carried every one of its spans returned ``SUCCESS`` and nothing said otherwise (OTLP
+``partial_success``, the exporter's ``take_not_stored``).
 
 OTLP requests are split so that none is larger than the collector's message-size limit
 (``max_request_bytes``): a batch is halved by span until every part fits.
@@ -28,6 +33,7 @@ import os
 import queue
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -52,6 +58,7 @@ from otel_rollouts.delivery.layers import (
     request_limit,
     warn,
 )
+from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.sender import SpoolingSender
 
@@ -60,6 +67,38 @@ __all__ = ["Delivery"]
 logger = logging.getLogger("otel_rollouts")
 
 _STOP = object()
+
+
+_BASE_BYTES = 256  # a span's own objects (ids, times, dicts), about
+
+
+def _value_bytes(value: Any, depth: int = 0) -> int:
+    """Memory held by one attribute value: strings at their real size (``sys.getsizeof``: a
+    text with one non-Latin-1 character takes 2 or 4 bytes a character), containers walked."""
+    if isinstance(value, str):
+        return sys.getsizeof(value)
+    if isinstance(value, (bytes, bytearray)):
+        return sys.getsizeof(value)
+    if depth < 6:
+        if isinstance(value, dict):
+            return 64 + sum(_value_bytes(k, depth + 1) + _value_bytes(v, depth + 1) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return 56 + sum(_value_bytes(v, depth + 1) for v in value)
+    return 32
+
+
+def record_bytes(record: EpisodeRecord) -> int:
+    """About how much memory a kept episode's record holds until it is rendered."""
+    total = 0
+    for span in record.spans:
+        total += _BASE_BYTES + sys.getsizeof(span.name)
+        for key, value in span.attributes.items():
+            total += sys.getsizeof(key) + _value_bytes(value)
+        for event in span.events or ():
+            total += _BASE_BYTES + _value_bytes(event[1])
+        if span.status_message:
+            total += sys.getsizeof(span.status_message)
+    return total + _BASE_BYTES * len(record.foreign)
 
 
 class _Marker:
@@ -84,8 +123,12 @@ class Delivery:
         spool_max_bytes: int = 256 * 1024 * 1024,
         max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
         max_pending_bytes: int = 64 * 1024 * 1024,
+        max_queue_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.exporters = list(exporters)
+        self.max_queue_bytes = max_queue_bytes
+        self._queued_bytes = 0  # memory of the records waiting for the render thread
+        self._bytes_lock = threading.Lock()
         self.materializer = materializer
         self.stats = stats
         self.warner = Warner()
@@ -95,11 +138,15 @@ class Delivery:
         self.spool_root = Path(spool_dir) if spool_dir is not None else None
         self.senders: list[SpoolingSender] = []
         seen: dict[str, int] = {}
-        for i, exporter in enumerate(self.exporters):
+        names = []
+        for exporter in self.exporters:
             base = exporter_name(exporter)
             seen[base] = seen.get(base, 0) + 1
-            name = base if seen[base] == 1 else f"{base}#{seen[base]}"
-            counts = DeliveryCounts(stats, name, self.warner)
+            names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+        self.ledger = Ledger(stats, names)
+        for i, (exporter, name) in enumerate(zip(self.exporters, names, strict=True)):
+            base = exporter_name(exporter)
+            counts = DeliveryCounts(stats, name, self.warner, self.ledger)
             limit = request_limit(exporter, max_request_bytes)
             stack = SplittingExporter(CountingExporter(exporter, counts), limit, counts)
             sender = SpoolingSender(
@@ -124,29 +171,60 @@ class Delivery:
 
     # --- called from the training side -------------------------------------------------------
     def episode(self, record: EpisodeRecord) -> None:
-        self._put(("episode", record), "episodes")
+        """A kept episode: it enters the ledger (pending for every exporter) and the queue."""
+        key = (record.step, record.split)
+        if self.closed:  # kept as the run was being shut down or reconfigured
+            self.stats.add("dropped.after_shutdown.episodes")
+            self.ledger.dropped_unentered(key, "after_shutdown")
+            return
+        if not self.ledger.enter(record.trace_id, key):
+            # another episode with this trace id is still being delivered (ids made from a seed
+            # that repeats): exporting both would merge two episodes into one trace
+            self.stats.add("dropped.duplicate_trace_id")
+            self.ledger.dropped_unentered(key, "duplicate_trace_id")
+            return
+        size = record_bytes(record)
+        if not self._put(("episode", record, size), "episodes", size):
+            self.ledger.dropped_traces(None, (record.trace_id,), "queue_full")
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
-        self._put(("late", (record.trace_id, span)), "spans")
+        self._put(("late", (record.trace_id, span), 0), "spans", 0)
 
     def spans(self, spans: list[ReadableSpan]) -> None:
-        self._put(("spans", spans), "spans")
+        self._put(("spans", spans, 0), "spans", 0)
 
-    def _put(self, item: Any, what: str) -> None:
+    def _put(self, item: Any, what: str, size: int) -> bool:
+        """Queue ``item`` (``size`` bytes of memory); False (counted) when it cannot be."""
         if self.closed:  # a span of an episode begun before shutdown or reconfiguration
             self.stats.add(f"dropped.after_shutdown.{what}")
-            return
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.stats.add(f"dropped.queue_full.{what}")
-            self.warner.warn(
-                f"queue_full.{what}",
-                "export queue full (%d items); dropping %s. Total dropped: %s (otr.stats())",
-                self._queue.maxsize,
-                what,
-                self.stats.total(f"dropped.queue_full.{what}"),
-            )
+            return False
+        with self._bytes_lock:
+            fits = self._queued_bytes + size <= self.max_queue_bytes or self._queued_bytes == 0
+            if fits:
+                self._queued_bytes += size
+        if fits:
+            try:
+                self._queue.put_nowait(item)
+                return True
+            except queue.Full:
+                with self._bytes_lock:
+                    self._queued_bytes -= size
+        self.stats.add(f"dropped.queue_full.{what}")
+        self.warner.warn(
+            f"queue_full.{what}",
+            "export queue full (%d items, %d of %d bytes); dropping %s. Total dropped: %s (otr.stats())",
+            self._queue.maxsize,
+            self._queued_bytes,
+            self.max_queue_bytes,
+            what,
+            self.stats.total(f"dropped.queue_full.{what}"),
+        )
+        return False
+
+    @property
+    def queued_bytes(self) -> int:
+        """Memory held by the records waiting for the render thread (estimated in bytes)."""
+        return self._queued_bytes
 
     # --- flush / shutdown ----------------------------------------------------------------------
     def flush(self, timeout: float, *, through_outage: bool = False) -> bool:
@@ -206,28 +284,32 @@ class Delivery:
         return flushed and not self._thread.is_alive() and not closer.is_alive()
 
     def _report_leftovers(self) -> None:
+        """Decide every episode still pending (the ledger's end): left in a persistent spool for
+        the next process, or lost under ``undelivered_at_exit`` (a private spool dies with the
+        process; an ``export`` still hung at the deadline never confirmed anything)."""
         own = self._own_spool_root
+        left: dict[str, set[int]] = {}
         for sender in self.senders:
-            episodes, directory = sender.leftover()
-            if not episodes:
-                continue
-            if own:
-                # a private temporary spool dies with the process: say so, and count the loss
-                self.stats.add(f"dropped.undelivered_at_exit.{sender.name}", episodes)
+            _, directory = sender.leftover()
+            left[sender.name] = set() if own else sender.spooled_traces()
+        lost = self.ledger.close(left_in_spool=lambda name: left.get(name, set()))
+        for sender in self.senders:
+            if lost.get(sender.name):
                 logger.warning(
                     "otel_rollouts: %s: %d kept episode(s) could not be delivered before exit and are "
-                    "lost (pass configure(spool_dir=...) to keep them for the next run)",
+                    "lost%s",
                     sender.name,
-                    episodes,
+                    lost[sender.name],
+                    " (pass configure(spool_dir=...) to keep them for the next run)" if own else "",
                 )
-            else:
-                self.stats.add(f"undelivered_at_exit.{sender.name}", episodes)
+            kept = len(left.get(sender.name, ()))
+            if kept:
                 logger.warning(
                     "otel_rollouts: %s: %d kept episode(s) not delivered yet; they stay in %s and are "
                     "sent by the next process configured with this spool_dir",
                     sender.name,
-                    episodes,
-                    directory,
+                    kept,
+                    sender.spool_directory(),
                 )
         root = self.spool_root
         if own and root is not None and root.is_dir():
@@ -238,14 +320,15 @@ class Delivery:
             self._call(sender, "shutdown")
 
     def report(self) -> dict[str, dict[str, int]]:
-        """Per exporter: episodes delivered, spooled to disk, pending, dropped."""
+        """Per exporter: episodes delivered, spooled to disk, pending (the ledger's), dropped."""
         out = {}
+        pending = self.ledger.report()
         for sender in self.senders:
             counts = sender.counts
             out[sender.name] = {
                 "delivered": counts.total("delivered"),
                 "spooled": counts.total("spooled"),
-                "pending": sender.pending_episodes(),
+                "pending": pending[sender.name]["pending"],
                 "dropped": counts.dropped_episodes(),  # episodes only: dropped spans are not added
                 "failures": counts.total("export.failures"),
             }
@@ -267,11 +350,15 @@ class Delivery:
 
     def _render(self, item: Any) -> None:
         """Materialise one queued item and offer it to every sender; failures are counted."""
-        kind, payload = item
+        kind, payload, size = item
+        if size:
+            with self._bytes_lock:
+                self._queued_bytes -= size
         try:
             if kind == "episode":
                 spans = self.materializer.episode(payload)
                 payload.release(keep_root=True)
+                self.ledger.rendered(payload.trace_id, spans)
                 self.stats.add("exported.episodes")
             elif kind == "late":
                 trace_id, span = payload
@@ -282,6 +369,7 @@ class Delivery:
             self.stats.add("errors.materialize")
             if kind == "episode":
                 self.stats.add("dropped.render_error")
+                self.ledger.dropped_traces(None, (payload.trace_id,), "render_error")
             else:
                 self.stats.add("dropped.render_error_spans", len(payload) if kind == "spans" else 1)
             self._log_once("materialize", exc)
@@ -292,6 +380,7 @@ class Delivery:
             except BaseException as exc:  # noqa: BLE001
                 self.stats.add(f"errors.offer.{sender.name}")
                 self._log_once(f"{sender.name}.offer", exc)
+                sender.counts.dropped("offer_error", spans)
 
     def _call(self, sender: SpoolingSender, method: str, *args: Any) -> Any:
         try:

@@ -17,16 +17,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel_rollouts import conventions as c
 from otel_rollouts._core.codec import count_episodes
 from otel_rollouts._core.content import exception_text, type_name
 from otel_rollouts._core.guard import first_time
 from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.ledger import Ledger
+from otel_rollouts.delivery.otlp_probe import OtlpProbe
 
 __all__ = [
     "CountingExporter",
@@ -101,19 +104,26 @@ class DeliveryCounts:
     """The typed counters of one exporter's delivery, behind ``otr.stats()``.
 
     Every count of the delivery layers goes through a method here, so the keys (``delivered.
-    <exporter>``, ``dropped.<reason>.<exporter>``...) are written in one place."""
+    <exporter>``, ``dropped.<reason>.<exporter>``...) are written in one place. What happened to
+    episodes is decided by the ``Ledger`` from what happened to their spans; without one (a layer
+    used on its own, in front of a user's exporter), a private ledger counts episodes by their
+    root spans."""
 
-    def __init__(self, stats: Stats, name: str, warner: Warner | None = None) -> None:
+    def __init__(self, stats: Stats, name: str, warner: Warner | None = None,
+                 ledger: Ledger | None = None) -> None:
         self.stats = stats
         self.name = name
         self.warner = warner or Warner()
+        self.ledger = ledger if ledger is not None else Ledger(stats, [name])
+        self.ledger.add_drop_listener(name, self._warn_drop)
 
     # the keys, per exporter
     def key(self, what: str) -> str:
         return f"{what}.{self.name}"
 
-    def delivered(self, episodes: int) -> None:
-        self.stats.add(self.key("delivered"), episodes)
+    def stored(self, spans: Sequence[ReadableSpan]) -> None:
+        """The exporter confirmed it stored ``spans``."""
+        self.ledger.stored(self.name, spans)
 
     def spooled(self, episodes: int) -> None:
         self.stats.add(self.key("spooled"), episodes)
@@ -124,6 +134,11 @@ class DeliveryCounts:
         once, and the duplicates are bounded by ``export.failed_episodes``."""
         self.stats.add(self.key("export.failures"))
         self.stats.add(self.key("export.failed_episodes"), episodes)
+
+    def refused(self, episodes: int) -> None:
+        """A request the collector refused for good (it is split, or dropped)."""
+        self.stats.add(self.key("export.refused"))
+        self.stats.add(self.key("export.refused_episodes"), episodes)
 
     def error(self, where: str) -> None:
         """An exception contained in ``where`` (export, sender, spool)."""
@@ -138,11 +153,19 @@ class DeliveryCounts:
     def quarantined(self) -> None:
         self.stats.add(self.key("spool.quarantined"))
 
-    def dropped(self, reason: str, episodes: int) -> None:
-        """Episodes lost for ``reason``: counted per exporter and in all, warned at most once
-        per interval."""
-        self.stats.add(f"dropped.{reason}.{self.name}", episodes)
-        self.stats.add(f"dropped.{reason}", episodes)
+    def dropped(self, reason: str, spans: Sequence[ReadableSpan]) -> int:
+        """``spans`` given up for ``reason``: the episodes they belong to are lost (the ledger
+        counts each once, per exporter and in all, and a warning goes out at most once per
+        interval). Returns the episodes dropped."""
+        return self.ledger.dropped(self.name, spans, reason)
+
+    def dropped_traces(self, reason: str, trace_ids: Iterable[int], unknown: int = 0) -> int:
+        """Episodes known by trace id given up for ``reason``; ``unknown``: episodes of a batch
+        this process did not write (a previous run's spool), counted by number."""
+        return self.ledger.dropped_traces(self.name, trace_ids, reason) + self.ledger.dropped_count(
+            self.name, reason, unknown)
+
+    def _warn_drop(self, reason: str, episodes: int) -> None:
         self.warner.warn(
             f"{reason}.{self.name}",
             "%s: dropped %d episode(s) (%s); total so far %d (counted in otr.stats())",
@@ -159,6 +182,7 @@ class DeliveryCounts:
         return sum(
             v for k, v in totals.items()
             if k.startswith("dropped.") and k.endswith(suffix) and k != self.key("dropped.oversize_spans")
+            and not k.startswith("dropped.adopted.")
         )
 
     def total(self, what: str) -> int:
@@ -170,42 +194,91 @@ class DeliveryCounts:
         warn("otel_rollouts: exporter %s: %s (logged once; counted in otr.stats())", self.name, message)
 
 
+OK, FAILED, REFUSED = "ok", "failed", "refused"  # what one request came to (CountingExporter.send)
+
+
 class CountingExporter(SpanExporter):
-    """Counts what ``exporter`` stored, failed and took without storing; contains its errors.
+    """Reports to the ledger what ``exporter`` stored and did not; contains its errors.
 
     An exception from the exporter (even ``SystemExit``) is a failed export, never a dead
-    thread. An exporter may implement ``take_not_stored() -> {reason: episodes}``: episodes it
-    took but did not store (Trackio skips a trace it cannot write) are counted lost, not
-    delivered."""
+    thread. A ``SUCCESS`` is confirmed, not trusted: spans a collector rejected in its
+    ``partial_success`` (a stock OTLP exporter, read through ``OtlpProbe``) and episodes the
+    exporter says it took without storing (``take_not_stored() -> {reason: [trace ids]}``:
+    Trackio checks its write) are dropped under that reason, not delivered."""
 
     def __init__(self, exporter: SpanExporter, counts: DeliveryCounts | None = None) -> None:
         self.exporter = exporter
         self.counts = counts if counts is not None else DeliveryCounts(Stats(), exporter_name(exporter))
+        self.probe = OtlpProbe.attach(exporter)
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def send(self, spans: Sequence[ReadableSpan]) -> str:
+        """Export ``spans`` once: ``OK`` (what was stored is reported, the rest dropped),
+        ``FAILED`` (retry later) or ``REFUSED`` (the collector refuses this request for good:
+        split it or drop it; retrying it as it is would fail again)."""
+        probe = self.probe
+        if probe is not None:
+            probe.begin()
         try:
             result = self.exporter.export(spans)
         except BaseException as exc:  # noqa: BLE001 - an exporter bug never kills the sender
             self.counts.error("export")
             self.counts.log_once(f"export.{type_name(exc)}", f"export raised {exception_text(exc)}")
             result = SpanExportResult.FAILURE
-        if result is SpanExportResult.FAILURE:
+        answer = probe.answer() if probe is not None else None
+        if result is not SpanExportResult.SUCCESS:
+            if answer is not None and answer.refused:
+                self.counts.refused(count_episodes(spans))
+                self.counts.log_once(f"export.refused.{answer.code}",
+                                     f"the collector refused a request ({answer.code} {answer.message}); "
+                                     "it is split and what is still refused is dropped")
+                return REFUSED
             self.counts.failure(count_episodes(spans))
             self.counts.log_once("export.FAILURE", "export returned FAILURE (will retry from the spool)")
-            return SpanExportResult.FAILURE
-        lost = self._not_stored()
-        self.counts.delivered(max(count_episodes(spans) - sum(lost.values()), 0))
-        for reason, episodes in lost.items():
-            self.counts.dropped(reason, episodes)
-        return SpanExportResult.SUCCESS
+            return FAILED
+        if answer is not None and answer.rejected_spans > 0:
+            # the collector says how many spans it rejected, not which: no episode of this
+            # request is confirmed stored
+            reason = "rejected" if answer.rejected_spans >= len(spans) else "partially_rejected"
+            self.counts.log_once(f"export.{reason}",
+                                 f"the collector rejected {answer.rejected_spans} of {len(spans)} spans "
+                                 f"({answer.message}); their episodes are counted dropped ({reason})")
+            self.counts.dropped(reason, spans)
+            return OK
+        lost = self._not_stored(spans)
+        if lost:
+            gone = set().union(*lost.values())
+            self.counts.stored([s for s in spans if s.context is None or s.context.trace_id not in gone])
+            for reason, traces in lost.items():
+                self.counts.dropped(reason, [s for s in spans if s.context is not None
+                                             and s.context.trace_id in traces])
+        else:
+            self.counts.stored(spans)
+        return OK
 
-    def _not_stored(self) -> dict[str, int]:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS if self.send(spans) == OK else SpanExportResult.FAILURE
+
+    def _not_stored(self, spans: Sequence[ReadableSpan]) -> dict[str, set[int]]:
+        """What the exporter says it took without storing: reason -> trace ids. A count instead
+        of ids (an older exporter) is taken as that many of the batch's episodes, in order."""
         take = getattr(self.exporter, "take_not_stored", None)
         if not callable(take):
             return {}
         try:
             lost = take()
-            return {str(k): int(v) for k, v in dict(lost or {}).items() if int(v) > 0}
+            out: dict[str, set[int]] = {}
+            roots = None
+            for reason, value in dict(lost or {}).items():
+                if isinstance(value, int):
+                    if roots is None:
+                        roots = [s.context.trace_id for s in spans if s.context is not None
+                                 and (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE]
+                    ids, roots = roots[:value], roots[value:]
+                else:
+                    ids = [int(t) for t in value]
+                if ids:
+                    out.setdefault(str(reason), set()).update(ids)
+            return out
         except BaseException as exc:  # noqa: BLE001 - an exporter bug never kills the sender
             self.counts.log_once("take_not_stored", f"take_not_stored raised {exception_text(exc)}")
             return {}
@@ -231,10 +304,33 @@ class SplittingExporter(SpanExporter):
     def export_parts(self, spans: Sequence[ReadableSpan]) -> list[list[ReadableSpan]]:
         parts = self.split(list(spans)) if self.max_request_bytes else [list(spans)]
         failed: list[list[ReadableSpan]] = []
-        for part in parts:
-            if part and self.exporter.export(part) is SpanExportResult.FAILURE:
+        while parts:
+            part = parts.pop()
+            if not part:
+                continue
+            outcome = self._send(part)
+            if outcome == FAILED:
                 failed.append(part)
+            elif outcome == REFUSED:
+                # refused for good: halve it (whole episodes first) until what is refused is one
+                # span, which is dropped with its episode; the rest goes on
+                if len(part) > 1:
+                    ordered = sorted(part, key=lambda s: s.context.trace_id if s.context else 0)
+                    half = len(ordered) // 2
+                    parts.append(ordered[half:])
+                    parts.append(ordered[:half])
+                    if self.counts is not None:
+                        self.counts.split_requests(1)
+                elif self.counts is not None:
+                    self.counts.dropped("refused", part)
+        failed.reverse()
         return failed
+
+    def _send(self, part: list[ReadableSpan]) -> str:
+        send = getattr(self.exporter, "send", None)
+        if callable(send):
+            return str(send(part))
+        return OK if self.exporter.export(part) is SpanExportResult.SUCCESS else FAILED
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         return SpanExportResult.FAILURE if self.export_parts(spans) else SpanExportResult.SUCCESS
@@ -252,7 +348,7 @@ class SplittingExporter(SpanExporter):
             elif len(part) == 1:
                 if self.counts is not None:
                     self.counts.oversize_span()
-                    self.counts.dropped("oversize", count_episodes(part))
+                    self.counts.dropped("oversize", part)
             else:
                 half = len(part) // 2
                 stack.append(part[half:])

@@ -23,6 +23,8 @@ __all__ = ["SpoolingSender", "approx_bytes"]
 _BACKOFF_MIN_S = 0.25
 _BACKOFF_MAX_S = 15.0
 _POISON_AFTER = 3  # consecutive failures of one batch before checking whether only it fails
+_HURRY_MAX_S = 1.0  # backoff cap while shutdown waits (tries, not a busy loop: ~1 a second)
+_PROBE_LATER = 4  # later spooled batches tried to tell a refused head from a dead exporter
 _DRAIN_BATCHES = 64  # spooled batches sent together once the exporter takes them again
 _DRAIN_BYTES = 2 * 1024 * 1024
 
@@ -93,6 +95,7 @@ class SpoolingSender(SpanExporter):
         self._inflight = 0  # episodes in the export call under way
         self._spilling = 0  # episodes taken from memory and being written to the spool
         self._last_ok = True
+        self._hurry = False  # shutdown: backoff capped at _HURRY_MAX_S (a few tries before the deadline)
         self._head_strikes: dict[Any, int] = {}  # spool head -> times a later batch went through instead
         if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
             self._open_spool()  # batches a previous process left behind go first
@@ -155,35 +158,40 @@ class SpoolingSender(SpanExporter):
                     f"spools to {self._spool.directory} (adopted by the next process once this one ends)",
                 )
             if self._spool.dropped_at_open:
-                self._dropped("spool_full", self._spool.dropped_at_open)
+                self.counts.dropped_traces("spool_full", (), unknown=self._spool.dropped_at_open)
         return self._spool
 
-    def _quarantined(self, name: str, episodes: int, reason: str) -> None:
-        """A spool file that is not a batch was moved aside: count what it claimed to hold."""
+    def _quarantined(self, name: str, episodes: int, reason: str, traces: tuple[int, ...] | None) -> None:
+        """A spool file that is not a batch was moved aside: count what it held (by trace id when
+        this process wrote it, else what its name claims)."""
         self.counts.quarantined()
         self._log_once("spool.quarantine", f"spool file {name} moved to quarantine/: {reason}")
-        if episodes:
-            self._dropped("spool_damaged", episodes)
+        self._dropped_batches("spool_damaged", [(episodes, traces)])
+
+    def _dropped_batches(self, reason: str, batches: list[tuple[int, tuple[int, ...] | None]]) -> None:
+        for episodes, traces in batches:
+            if traces is None:
+                self.counts.dropped_traces(reason, (), unknown=episodes)
+            else:
+                self.counts.dropped_traces(reason, traces)
 
     def _to_spool(self, spans: list[ReadableSpan]) -> None:
         episodes = count_episodes(spans)
         spool = self._open_spool()
         if spool is None:
-            self._dropped("spool_unavailable", episodes)
+            self.counts.dropped("spool_unavailable", spans)
             return
+        traces = tuple({s.context.trace_id: None for s in spans if s.context is not None})
         try:
-            dropped = spool.push(encode(spans), episodes)
+            dropped = spool.push(encode(spans), episodes, traces)
         except BaseException as exc:  # noqa: BLE001 - a full disk must not stop delivery
             self.counts.error("spool")
             self._log_once("spool.write", f"spool write failed: {exception_text(exc)}")
-            self._dropped("spool_error", episodes)
+            self.counts.dropped("spool_error", spans)
             return
         self.counts.spooled(episodes)
         if dropped:
-            self._dropped("spool_full", dropped)
-
-    def _dropped(self, reason: str, episodes: int) -> None:
-        self.counts.dropped(reason, episodes)
+            self._dropped_batches("spool_full", dropped)
 
     # --- status ----------------------------------------------------------------------------
     def pending_episodes(self) -> int:
@@ -214,9 +222,8 @@ class SpoolingSender(SpanExporter):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                if through_outage and self._attempts > start and not self._wake.is_set():
-                    start = self._attempts
-                    self._wake.set()  # at shutdown, retry promptly instead of backing off
+                if through_outage:
+                    self._hurry = True  # at shutdown, retry sooner, but still backing off
                 self._cond.wait(min(remaining, 0.05))
             return True
 
@@ -260,7 +267,7 @@ class SpoolingSender(SpanExporter):
                 ok = False
                 self.counts.error("sender")
                 if batch is not None:
-                    self._dropped("sender_error", count_episodes(batch))
+                    self.counts.dropped("sender_error", batch)
                 self._log_once(f"sender.{type_name(exc)}", f"delivery error: {exception_text(exc)}")
             finally:
                 with self._cond:
@@ -273,7 +280,8 @@ class SpoolingSender(SpanExporter):
                 backoff, failures = 0.0, 0
             else:
                 failures += 1
-                backoff = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
+                backoff = min(_HURRY_MAX_S if self._hurry else _BACKOFF_MAX_S,
+                              _BACKOFF_MIN_S * (2 ** min(failures - 1, 10)))
 
     def _spill_pending(self) -> None:
         """Move the memory buffer to disk, oldest first."""
@@ -330,17 +338,24 @@ class SpoolingSender(SpanExporter):
             # this batch, or the exporter? try the next one: if it goes through, the exporter
             # works. The head is dropped (counted) only after it failed that way _POISON_AFTER
             # times: once may be a receiver that was still starting up when the head was sent
-            second = spool.peek(1)
-            if second is not None and not self._send(second[1]):
-                spool.remove(second[0])
-                strikes = self._head_strikes.get(path, 0) + 1
-                if strikes >= _POISON_AFTER:
-                    self._head_strikes.pop(path, None)
-                    spool.remove(path)
-                    self._dropped("rejected", count_episodes(spans))
-                else:
-                    self._head_strikes = {path: strikes}
-                return True
+            # (several later ones: two refused batches in a row once stopped all delivery)
+            for index in range(1, _PROBE_LATER + 1):
+                later = spool.peek(index)
+                if later is None:
+                    return False
+                if not self._send(later[1]):
+                    spool.remove(later[0])
+                    break
+            else:
+                return False
+            strikes = self._head_strikes.get(path, 0) + 1
+            if strikes >= _POISON_AFTER:
+                self._head_strikes.pop(path, None)
+                spool.remove(path)
+                self.counts.dropped("rejected", spans)
+            else:
+                self._head_strikes = {path: strikes}
+            return True
         return False
 
     def _send(self, spans: list[ReadableSpan]) -> list[list[ReadableSpan]]:
@@ -367,8 +382,9 @@ class SpoolingSender(SpanExporter):
         if rest and self._spool_max_bytes > 0:
             for batch in rest:
                 self._to_spool(batch)
-        elif rest:
-            self._dropped("shutdown", sum(count_episodes(b) for b in rest))
+        else:
+            for batch in rest:
+                self.counts.dropped("shutdown", batch)
 
     def leftover(self) -> tuple[int, Path | None]:
         """(episodes left undelivered on disk, spool directory) after stop()."""
@@ -377,6 +393,15 @@ class SpoolingSender(SpanExporter):
             return 0, None
         spool.close()  # the lock goes; the files stay for the next process
         return spool.episodes, spool.directory
+
+    def spooled_traces(self) -> set[int]:
+        """Trace ids of the episodes this process left in the spool."""
+        spool = self._spool
+        return spool.trace_ids() if spool is not None else set()
+
+    def spool_directory(self) -> Path | None:
+        spool = self._spool
+        return spool.directory if spool is not None else self._spool_dir
 
     def _log_once(self, what: str, message: str) -> None:
         self.counts.log_once(what, message)

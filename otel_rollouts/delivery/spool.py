@@ -44,7 +44,9 @@ _QUARANTINE = "quarantine"
 _QUARANTINE_KEEP = 64
 _OWN_PREFIX = "pid-"
 
-Quarantine = Callable[[str, int, str], None]  # (file name, episodes it held, reason)
+Quarantine = Callable[[str, int, str, "tuple[int, ...] | None"], None]
+# (file name, episodes it held, reason, trace ids when this process wrote it)
+Dropped = list[tuple[int, "tuple[int, ...] | None"]]  # (episodes, their trace ids if known) per batch
 
 
 class SpoolFileError(Exception):
@@ -138,6 +140,7 @@ class Spool:
         self.on_quarantine = on_quarantine
         self._lock = threading.Lock()
         self._files: deque[tuple[Path, int, int]] = deque()  # (path, bytes, episodes)
+        self._traces: dict[Path, tuple[int, ...]] = {}  # trace ids of the batches this process wrote
         self._bytes = 0
         self._seq = 0
         self.dropped_at_open = 0  # episodes of adopted batches that did not fit under the cap
@@ -213,18 +216,20 @@ class Spool:
                     pass
             finally:
                 os.close(fd)
-        self.dropped_at_open += self._trim()
+        self.dropped_at_open += sum(n for n, _ in self._trim())
 
-    def _trim(self) -> int:
-        dropped = 0
+    def _trim(self) -> Dropped:
+        """Drop the oldest batches until the cap holds; (episodes, trace ids) of each."""
+        dropped: Dropped = []
         while self._files and self._bytes > self.max_bytes:
             path, size, episodes = self._files.popleft()
             path.unlink(missing_ok=True)
             self._bytes -= size
-            dropped += episodes
+            dropped.append((episodes, self._traces.pop(path, None)))
         return dropped
 
-    def _quarantine(self, path: Path, episodes: int, reason: str) -> None:
+    def _quarantine(self, path: Path, episodes: int, reason: str,
+                    traces: tuple[int, ...] | None = None) -> None:
         """Move a file that is not a batch aside (or delete it) and report it."""
         place = self.directory / _QUARANTINE
         try:
@@ -238,8 +243,9 @@ class Spool:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
+        traces = self._traces.pop(path, traces)
         if self.on_quarantine is not None:
-            self.on_quarantine(path.name, episodes, reason)
+            self.on_quarantine(path.name, episodes, reason, traces)
 
     def close(self) -> None:
         """Release the directory lock (the files stay for the next process)."""
@@ -264,12 +270,18 @@ class Spool:
         with self._lock:
             return sum(e for _, _, e in self._files)
 
+    def trace_ids(self) -> set[int]:
+        """Trace ids of the batches this process wrote that are still here."""
+        with self._lock:
+            return {t for traces in self._traces.values() for t in traces}
+
     # --- writing ---------------------------------------------------------------------------
-    def push(self, data: builtins.bytes, episodes: int) -> int:
-        """Store one encoded batch; return the number of episodes dropped to make room."""
+    def push(self, data: builtins.bytes, episodes: int, traces: tuple[int, ...] | None = None) -> Dropped:
+        """Store one encoded batch (holding ``traces``); return the batches dropped to make room
+        (this one, if it is larger than the whole cap)."""
         size = len(data)
         if size > self.max_bytes:
-            return episodes
+            return [(episodes, traces)]
         with self._lock:
             self._bytes += size
             dropped = self._trim()
@@ -286,6 +298,8 @@ class Spool:
                 raise
             os.replace(tmp, path)
             self._files.append((path, size, episodes))
+            if traces is not None:
+                self._traces[path] = traces
             self._bytes += size
         return dropped
 
@@ -299,6 +313,7 @@ class Spool:
             for i, (p, size, _) in enumerate(self._files):
                 if p == path:
                     del self._files[i]
+                    self._traces.pop(path, None)
                     self._bytes -= size
                     return True
         return False
@@ -306,13 +321,17 @@ class Spool:
     def _load(self, entry: tuple[Path, int, int]) -> list[ReadableSpan] | None:
         """Spans of one entry; None (and the entry forgotten, quarantined when bad) otherwise."""
         path, _, episodes = entry
+        traces = self._traces.get(path)
         try:
             return read_batch(path, self.max_bytes)
         except SpoolFileError as exc:
             if self._forget(path):
-                self._quarantine(path, episodes, str(exc))
-        except OSError:  # removed behind our back (dropped to make room): forget it
-            self._forget(path)
+                self._quarantine(path, episodes, str(exc), traces)
+        except OSError as exc:
+            # dropped to make room meanwhile (no longer listed: counted then), or removed or
+            # made unreadable behind our back: what it held is lost, and said so
+            if self._forget(path) and self.on_quarantine is not None:
+                self.on_quarantine(path.name, episodes, f"unreadable: {exc}", traces)
         return None
 
     def peek(self, index: int = 0) -> tuple[Path, list[ReadableSpan], int] | None:
