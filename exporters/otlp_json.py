@@ -15,7 +15,9 @@ Field names are lowerCamelCase and 64-bit integers are JSON strings (``"startTim
 format of the OpenTelemetry Collector's file exporter, so ``otel-rollouts replay`` (or any
 OTLP/JSON tool) can send the file to Trackio or a collector later.
 
-The file is private (mode 0600: it holds prompts and completions), opened with ``O_APPEND`` and
+The file is private (mode 0600: it holds prompts and completions) and opened as the spool opens
+its files (``otel_rollouts._core.files.open_private``: a symbolic link is not followed, another
+user's file or a hard-linked one is refused, the export returns FAILURE), with ``O_APPEND`` and
 written with one ``write`` per line under a lock, so threads of one process append whole lines
 and a reader tailing the file sees only complete lines (a line without its newline is still
 being written). It rotates by size like ``logging.handlers.RotatingFileHandler``: ``path`` →
@@ -38,6 +40,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from otel_rollouts._core.files import open_private
 
 __all__ = [
     "OtlpJsonFileExporter",
@@ -218,12 +222,9 @@ class OtlpJsonFileExporter(SpanExporter):
     def _open(self) -> int:
         if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-            self._fd = os.open(self.path, flags, _FILE_MODE)
-            try:
-                os.fchmod(self._fd, _FILE_MODE)  # a file that existed keeps no wider mode
-            except OSError:
-                pass
+            # as the spool opens its files: no symbolic link followed, a regular file of this
+            # user only, mode 0600 (a planted link or another user's 0666 file gets nothing)
+            self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _FILE_MODE)
             self._size = os.fstat(self._fd).st_size
         return self._fd
 

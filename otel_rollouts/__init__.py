@@ -12,9 +12,16 @@
     otr.shutdown()
 """
 
-from otel_rollouts import conventions
-from otel_rollouts._core.guard import InvalidValue
-from otel_rollouts._rollouts import (
+# Before anything imports the OpenTelemetry SDK: it reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT & co at
+# import and raises on an invalid value. check_environment() warns once about such a value and
+# removes it, so that `import otel_rollouts` never fails on the environment (it never raises).
+from otel_rollouts._core.settings import check_environment as _check_environment
+
+_check_environment()
+
+from otel_rollouts import conventions  # noqa: E402
+from otel_rollouts._core.guard import InvalidValue  # noqa: E402
+from otel_rollouts._rollouts import (  # noqa: E402
     Rollouts,
     configure,
     end_step,
@@ -25,27 +32,27 @@ from otel_rollouts._rollouts import (
     tracer_provider,
     version,
 )
-from otel_rollouts.correlate.logs import instrument_logging, uninstrument_logging
-from otel_rollouts.correlate.propagation import (
+from otel_rollouts.correlate.logs import instrument_logging, uninstrument_logging  # noqa: E402
+from otel_rollouts.correlate.propagation import (  # noqa: E402
     extract_context,
     httpx_event_hooks,
     inject_headers,
     instrument_requests_session,
     openai_extra_headers,
 )
-from otel_rollouts.correlate.ray_calls import ray_actor, ray_remote
-from otel_rollouts.correlate.workers import (
+from otel_rollouts.correlate.ray_calls import ray_actor, ray_remote  # noqa: E402
+from otel_rollouts.correlate.workers import (  # noqa: E402
     WorkerResult,
     adopt,
     context_carrier,
     submit,
     with_context,
 )
-from otel_rollouts.decode.batch import TokenBatchSummary, record_token_batch
-from otel_rollouts.delivery.layers import CountingExporter, DeliveryCounts, SplittingExporter
-from otel_rollouts.delivery.sender import SpoolingSender
-from otel_rollouts.record.batch import BatchSummary, record_batch
-from otel_rollouts.record.episode import (
+from otel_rollouts.decode.batch import TokenBatchSummary, record_token_batch  # noqa: E402
+from otel_rollouts.delivery.layers import CountingExporter, DeliveryCounts, SplittingExporter  # noqa: E402
+from otel_rollouts.delivery.sender import SpoolingSender  # noqa: E402
+from otel_rollouts.record.batch import BatchSummary, record_batch  # noqa: E402
+from otel_rollouts.record.episode import (  # noqa: E402
     Episode,
     Generation,
     ToolCall,
@@ -53,8 +60,8 @@ from otel_rollouts.record.episode import (
     current_episode,
     episode,
 )
-from otel_rollouts.record.traced import traced
-from otel_rollouts.sampling.policies import (
+from otel_rollouts.record.traced import traced  # noqa: E402
+from otel_rollouts.sampling.policies import (  # noqa: E402
     Compose,
     Errors,
     First,
@@ -64,7 +71,7 @@ from otel_rollouts.sampling.policies import (
     TopBottom,
     Uniform,
 )
-from otel_rollouts.sampling.ray_budget import RayBudget
+from otel_rollouts.sampling.ray_budget import RayBudget  # noqa: E402
 
 __version__ = version()
 

@@ -46,7 +46,15 @@ from typing import Any
 
 from otel_rollouts._core.content import removed_chars, reraise_interrupt, text_cut_marker
 
-__all__ = ["DEFAULT_PATTERNS", "PLACEHOLDER_PREFIX", "REPLACEMENT", "RedactingLogFilter", "Redactor"]
+__all__ = [
+    "DEFAULT_PATTERNS",
+    "PLACEHOLDER_PREFIX",
+    "REPLACEMENT",
+    "RedactingLogFilter",
+    "Redactor",
+    "SdkLogFilter",
+    "redact_sdk_logs",
+]
 
 REPLACEMENT = "[REDACTED]"
 # a secret in a span name, an attribute key or an event name becomes "[REDACTED:<8 hex>]": the
@@ -428,6 +436,60 @@ class RedactingLogFilter(logging.Filter):
         # the formatter prints exc_text as it is and formats exc_info only when exc_text is empty
         record.exc_info, record.exc_text = None, trace
         return True
+
+
+# The OpenTelemetry SDK's own log lines (logger names ``opentelemetry.*``) quote what it was
+# given: the gRPC exporter prints its endpoint without the scheme (``user:password@host:4317``,
+# which DEFAULT_PATTERNS' URL pattern does not see), and a mistyped OTEL_EXPORTER_OTLP_HEADERS
+# item is printed whole by ``opentelemetry.util.re``.
+SDK_LOGGER = "opentelemetry"
+_HEADER_LOGGER = "opentelemetry.util.re"
+_USERINFO = re.compile(r"(?<![\w.+\-])(?P<user>[^\s/:@'\"\[\]]+):(?P<secret>[^\s/@'\"]+)@(?=[\w.\-\[])")
+
+
+def _userinfo_out(text: str) -> str:
+    return _USERINFO.sub(lambda m: f"{m.group('user')}:{REPLACEMENT}@", text)
+
+
+class SdkLogFilter(RedactingLogFilter):
+    """``RedactingLogFilter`` for the OpenTelemetry SDK's loggers: the run's redactor, plus the
+    password of a scheme-less ``user:password@host`` (how the gRPC exporter prints its
+    endpoint), and the header text of ``opentelemetry.util.re``'s warnings left out whole (a
+    header in OTEL_EXPORTER_OTLP_HEADERS is a credential whatever its shape)."""
+
+    def __init__(self, redactor: Callable[[str], str]) -> None:
+        super().__init__(lambda text: _userinfo_out(redactor(text)))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == _HEADER_LOGGER and record.args:
+            try:
+                record.args = tuple(REPLACEMENT for _ in record.args) if isinstance(record.args, tuple) else None
+            except Exception:  # noqa: BLE001 - never stop a log record
+                record.args = None
+        return super().filter(record)
+
+
+def _sdk_loggers() -> list[logging.Logger]:
+    names = [name for name in list(logging.Logger.manager.loggerDict)
+             if name == SDK_LOGGER or name.startswith(SDK_LOGGER + ".")]
+    return [logging.getLogger(name) for name in [SDK_LOGGER, *names]]
+
+
+def redact_sdk_logs(redactor: Callable[[str], str] | None) -> None:
+    """Pass the OpenTelemetry SDK's log records through ``redactor`` (``SdkLogFilter`` on the
+    ``opentelemetry`` logger and every ``opentelemetry.*`` logger that exists now: a filter on a
+    parent logger does not see its children's records); ``None`` removes ours. Call it when a
+    run is installed (after its exporters are built, so that their modules' loggers exist) and
+    with ``None`` at shutdown. A logger first created later (a module imported after
+    ``configure()``) is covered from the next call. Never raises."""
+    try:
+        for log in _sdk_loggers():
+            for old in [f for f in log.filters if isinstance(f, SdkLogFilter)]:
+                log.removeFilter(old)
+            if redactor is not None:
+                log.addFilter(SdkLogFilter(redactor))
+    except Exception:  # noqa: BLE001 - logging set-up must not stop configure() or shutdown()
+        pass
 
 
 def make_redactor(

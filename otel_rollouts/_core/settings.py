@@ -4,13 +4,23 @@
 ``Settings`` of option groups, each value from its argument or else from its environment
 variable or else its default. The instance keeps the result, so that a forked child rebuilds
 the same run from it.
+
+``ENV_VARIABLES`` is the one table of the environment variables: every ``OTEL_*`` and
+``OTEL_ROLLOUTS_*`` variable that the library or the OpenTelemetry SDK reads, with how its text
+is checked and the default used instead of a bad value. ``check_environment()`` runs it at
+``import otel_rollouts`` and at every ``configure()``: configuration never crashes training (a
+bad value gives one warning naming the variable and the default, and is removed from
+``os.environ`` so that the SDK, which raises on it, reads its default; see there why).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Callable, Mapping
+import re
+import urllib.parse
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -23,10 +33,12 @@ __all__ = [
     "ContentSettings",
     "DeliverySettings",
     "ENV_TABLE",
+    "ENV_VARIABLES",
     "EnvOption",
     "LimitSettings",
     "SamplingSettings",
     "Settings",
+    "check_environment",
     "env_flag",
 ]
 
@@ -42,32 +54,122 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None
     value = (os.environ if environ is None else environ).get(name)
     if value is None or not value.strip():
         return None
-    word = value.strip().lower()
+    try:
+        return _flag(value)
+    except ValueError:
+        _warn(name, value, "is not a boolean (true/false)", "the default", secret=False)
+        return None
+
+
+# --- parsers: the text of one variable -> its value; ValueError (the reason) when invalid -----
+def _flag(text: str) -> bool:
+    word = text.strip().lower()
     if word in _TRUE:
         return True
     if word in _FALSE:
         return False
-    logger.warning("otel_rollouts: %s=%r is not a boolean (true/false); ignored", name, value)
-    return None
+    raise ValueError("is not a boolean (true/false)")
 
 
-def _env_int(name: str, environ: Mapping[str, str]) -> int | None:
-    value = environ.get(name, "").strip()
-    if not value:
-        return None
+def _positive_int(text: str) -> int:
     try:
-        number = int(value)
+        number = int(text.strip())
     except ValueError:
-        number = -1
+        raise ValueError("is not a positive integer") from None
     if number <= 0:
-        logger.warning("otel_rollouts: %s=%r is not a positive integer; ignored", name, value)
-        return None
+        raise ValueError("is not a positive integer")
     return number
 
 
-def _env_text(name: str, environ: Mapping[str, str]) -> str | None:
-    value = environ.get(name, "").strip()
-    return value or None
+def _limit(text: str) -> int | None:
+    # the SDK's span limits: a non-negative integer, or "unset" (no limit)
+    word = text.strip().lower()
+    if word == "unset":
+        return None
+    try:
+        number = int(word)
+    except ValueError:
+        raise ValueError("is not a non-negative integer") from None
+    if number < 0:
+        raise ValueError("is not a non-negative integer")
+    return number
+
+
+def _positive_float(text: str) -> float:
+    try:
+        number = float(text.strip())
+    except ValueError:
+        raise ValueError("is not a positive number") from None
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError("is not a positive number")
+    return number
+
+
+def _text(text: str) -> str:
+    return text.strip()
+
+
+def _one_of(*words: str) -> Callable[[str], str]:
+    def read(text: str) -> str:
+        word = text.strip().lower()
+        if word not in words:
+            raise ValueError("is not one of " + ", ".join(words))
+        return word
+
+    return read
+
+
+# the OpenTelemetry SDK's liberal header grammar (opentelemetry.util.re): name=value, comma separated
+_HEADER = re.compile(r"[ \t]*[\x21\x23-\x27\x2a\x2b\x2d\x2e\x30-\x39\x41-\x5a\x5e-\x7a\x7c\x7e]+[ \t]*=[ \t]*"
+                     r"[\x20\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*[ \t]*")
+
+
+def _headers(text: str) -> str:
+    for item in re.split(r"[ \t]*,[ \t]*", text.strip()):
+        if item and not _HEADER.fullmatch(item):
+            raise ValueError("is not a comma separated list of name=value (URL encoded)")
+    return text.strip()
+
+
+def _endpoint(text: str) -> str:
+    value = text.strip()
+    if any(ch.isspace() or ord(ch) < 0x20 for ch in value):
+        raise ValueError("is not a URL (it holds white space)")
+    try:
+        parsed = urllib.parse.urlsplit(value if "://" in value else "//" + value)
+        _ = parsed.port  # ValueError on a port that is not a number in range
+    except ValueError:
+        raise ValueError("is not a URL") from None
+    if not parsed.hostname:
+        raise ValueError("is not a URL (no host)")
+    return value
+
+
+def _propagators(text: str) -> str:
+    # opentelemetry.propagate (imported by the OpenTelemetry instrumentations) raises at import
+    # on a name that no installed package provides
+    from importlib.metadata import entry_points
+
+    known = {point.name for point in entry_points(group="opentelemetry_propagator")} | {"none"}
+    for name in text.split(","):
+        if name.strip() and name.strip().lower() not in known:
+            raise ValueError(f"names a propagator that is not installed ({name.strip()!r})")
+    return text.strip()
+
+
+def _key_values(text: str) -> str:
+    for item in text.split(","):
+        if item.strip() and "=" not in item:
+            raise ValueError("is not a comma separated list of key=value")
+    return text.strip()
+
+
+def _warn(variable: str, value: str, reason: str, default: str, secret: bool) -> None:
+    """The warning about an invalid value: the variable, why, and the default used; the value of
+    a variable that may hold credentials (headers, endpoints) is not shown. Given once per value:
+    ``check_environment`` removes the value it warned about, so no later reader sees it."""
+    shown = f"<{len(value)} characters, not shown>" if secret else repr(value)
+    logger.warning("otel_rollouts: %s=%s %s; using %s instead", variable, shown, reason, default)
 
 
 @dataclass(frozen=True)
@@ -100,6 +202,7 @@ class DeliverySettings:
     spool_max_bytes: int = 256 * 1024 * 1024
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
     max_pending_bytes: int = 64 * 1024 * 1024
+    max_queue_bytes: int = 64 * 1024 * 1024
     handle_signals: bool = True
     exit_timeout: float = 10.0
 
@@ -142,24 +245,129 @@ class Settings:
 
 @dataclass(frozen=True)
 class EnvOption:
-    """One environment variable: the option it sets (``group.field``, or a field of Settings)
-    and how its text is read. An argument given to ``configure()`` always wins."""
+    """One environment variable that the library or the OpenTelemetry SDK reads.
+
+    ``parse`` turns its text into a value or raises ``ValueError`` (the reason); ``default``
+    says, for the warning, what is used instead of a value that does not parse. ``option`` is
+    the ``configure()`` option it sets (``group.field``, or a field of Settings; an argument
+    given to ``configure()`` always wins), empty for a variable only validated here (read by
+    the SDK, an exporter or the CLI). ``secret``: the value may hold credentials and is never
+    printed.
+    """
 
     variable: str
     option: str
-    read: Callable[[str, Mapping[str, str]], Any]
+    parse: Callable[[str], Any]
+    default: str
+    secret: bool = False
+
+    def read(self, name: str, environ: Mapping[str, str]) -> Any:
+        """This variable's value in ``environ`` (None when unset, empty or invalid: the latter
+        warned about once, naming the variable and the default)."""
+        text = environ.get(name)
+        if text is None or not text.strip():
+            return None
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            _warn(name, text, str(exc), self.default, self.secret)
+            return None
 
 
-# The one table of the environment variables configure() reads (the exporters read their own
-# OTEL_EXPORTER_OTLP_* variables; the resource reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES).
-ENV_TABLE: tuple[EnvOption, ...] = (
-    EnvOption(c.ENV_SDK_DISABLED, "disabled", env_flag),
-    EnvOption(c.ENV_CAPTURE_CONTENT, "content.capture_content", env_flag),
-    EnvOption(c.ENV_TRACKIO_PROJECT, "trackio_project", _env_text),
-    EnvOption(c.ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, "content.max_attribute_chars", _env_int),
-    EnvOption(c.ENV_SPAN_ATTRIBUTE_COUNT_LIMIT, "limits.max_attributes_per_span", _env_int),
-    EnvOption(c.ENV_SPOOL_DIR, "delivery.spool_dir", _env_text),
+def _otlp(signal: str, what: str) -> str:
+    return f"OTEL_EXPORTER_OTLP_{signal}{what}"
+
+
+_SDK_DEFAULT = "the OpenTelemetry SDK's default"
+
+# THE table: every OTEL_* / OTEL_ROLLOUTS_* variable the library or the OpenTelemetry SDK reads
+# on our behalf, validated before either reads it (``check_environment``). Like Pydantic
+# Logfire's settings table: one place to read what the environment can change.
+ENV_VARIABLES: tuple[EnvOption, ...] = (
+    # configure() options
+    EnvOption(c.ENV_SDK_DISABLED, "disabled", _flag, "false (enabled)"),
+    EnvOption(c.ENV_CAPTURE_CONTENT, "content.capture_content", _flag, "true (content captured)"),
+    EnvOption(c.ENV_TRACKIO_PROJECT, "trackio_project", _text, "the project otel-rollouts"),
+    EnvOption(c.ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, "content.max_attribute_chars",
+              _positive_int, f"{ContentSettings.max_attribute_chars} characters"),
+    EnvOption(c.ENV_SPAN_ATTRIBUTE_COUNT_LIMIT, "limits.max_attributes_per_span", _positive_int,
+              f"{LimitSettings.max_attributes_per_span} attributes"),
+    EnvOption(c.ENV_SPOOL_DIR, "delivery.spool_dir", _text, "the default spool directory"),
+    # the library's own, read elsewhere
+    EnvOption(c.ENV_TRACE_UI_URL, "", _endpoint, "no trace link"),
+    EnvOption("OTEL_ROLLOUTS_DEBUG", "", _flag, "false"),
+    EnvOption(c.ENV_SERVICE_NAME, "", _text, "the service name otel-rollouts"),
+    EnvOption("OTEL_RESOURCE_ATTRIBUTES", "", _key_values, "no resource attributes from the environment",
+              secret=True),
+    EnvOption(c.ENV_METRICS_EXPORTER, "", _text, "no metrics exporter from the environment"),
+    EnvOption(c.ENV_LOGS_EXPORTER, "", _text, "no logs exporter from the environment"),
+    EnvOption("OTEL_PROPAGATORS", "", _propagators, "tracecontext,baggage"),
+    # the SDK's limits (the SDK raises on an invalid one, even at import)
+    *(EnvOption(name, "", _limit, _SDK_DEFAULT) for name in (
+        "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_SPAN_EVENT_COUNT_LIMIT", "OTEL_SPAN_LINK_COUNT_LIMIT",
+        "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_LOGRECORD_ATTRIBUTE_COUNT_LIMIT", "OTEL_LOGRECORD_ATTRIBUTE_VALUE_LENGTH_LIMIT")),
+    # the SDK's batch processors and metric reader
+    *(EnvOption(name, "", _positive_int, _SDK_DEFAULT) for name in (
+        "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BLRP_SCHEDULE_DELAY", "OTEL_BLRP_EXPORT_TIMEOUT",
+        "OTEL_BLRP_MAX_QUEUE_SIZE", "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE",
+        "OTEL_METRIC_EXPORT_INTERVAL", "OTEL_METRIC_EXPORT_TIMEOUT")),
+    # the OTLP exporters, for every signal and for all of them
+    *(option for signal in ("", "TRACES_", "METRICS_", "LOGS_") for option in (
+        EnvOption(_otlp(signal, "ENDPOINT"), "", _endpoint, "no OTLP endpoint" if not signal
+                  else "OTEL_EXPORTER_OTLP_ENDPOINT or the SDK's default", secret=True),
+        EnvOption(_otlp(signal, "HEADERS"), "", _headers, "no headers", secret=True),
+        EnvOption(_otlp(signal, "TIMEOUT"), "", _positive_float, "the default timeout"),
+        EnvOption(_otlp(signal, "COMPRESSION"), "", _one_of("gzip", "deflate", "none"),
+                  "no compression"),
+        EnvOption(_otlp(signal, "PROTOCOL"), "", _one_of("grpc", "http/protobuf", "http/json"),
+                  "grpc" if not signal else "OTEL_EXPORTER_OTLP_PROTOCOL or grpc"),
+        EnvOption(_otlp(signal, "INSECURE"), "", _flag, "false"),
+    )),
 )
+
+# the variables that set configure() options (a view of ENV_VARIABLES, which is the one table)
+ENV_TABLE: tuple[EnvOption, ...] = tuple(entry for entry in ENV_VARIABLES if entry.option)
+
+
+def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """Validate every variable of ``ENV_VARIABLES`` in ``environ`` (``os.environ`` by default)
+    before the library or the OpenTelemetry SDK reads it; the valid ones' values, by name.
+
+    A value that does not parse gives one warning (the variable, the reason, the default used)
+    and is **removed** from ``environ``, as is an empty one (the specification's "unset"). Why
+    removed rather than masked for a while: the SDK reads these variables itself, at import
+    (span limits), in every constructor (TracerProvider, batch processors, OTLP exporters, the
+    metric reader) and in objects built after ``configure()`` returns (a log exporter, a Ray
+    worker's import, the user's own exporters); raising ``ValueError`` on a bad value in each of
+    them. Masking ``os.environ`` for the duration of ``configure()`` would not cover the later
+    readers and would race other threads reading the environment. Only invalid or empty
+    values are removed; a valid one is never touched. Never raises.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for entry in ENV_VARIABLES:
+        try:
+            text = environ.get(entry.variable)
+            if text is None:
+                continue
+            if text.strip():
+                value = entry.read(entry.variable, environ)
+                if value is not None:
+                    values[entry.variable] = value
+                    continue
+                try:
+                    entry.parse(text)
+                    continue  # a valid value that means "none" ("unset" for a limit)
+                except ValueError:
+                    pass
+            environ.pop(entry.variable, None)
+        except Exception:  # noqa: BLE001 - an odd mapping must not stop configure()
+            continue
+    return values
+
 
 _GROUPS = {"content": ContentSettings, "limits": LimitSettings, "delivery": DeliverySettings,
            "sampling": SamplingSettings}
@@ -169,6 +377,7 @@ def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = No
     """Settings from ``configure()``'s flat keyword arguments (None or absent: not given) and
     the environment, through ``ENV_TABLE``."""
     environ = os.environ if environ is None else environ
+    checked = check_environment(environ) if isinstance(environ, MutableMapping) else {}
     values: dict[str, Any] = dict(arguments)
     for entry in ENV_TABLE:
         # None is "not given" for the options the environment may set; elsewhere None is a
@@ -177,7 +386,8 @@ def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = No
         if values.get(name) is not None:
             continue
         values.pop(name, None)
-        value = entry.read(entry.variable, environ)
+        value = (checked.get(entry.variable) if entry.variable in checked
+                 else entry.read(entry.variable, environ))
         if value is not None:
             values[name] = value
     groups: dict[str, Any] = {}

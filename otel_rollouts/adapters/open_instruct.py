@@ -52,6 +52,7 @@ lines) / ``queries[i]``
 ``tool_runtimes``, ``ground_truths``
 ==============================================  ==============================================
 
+``rl.metadata.ground_truth`` (the answer) is recorded only with content capture on.
 Not recorded: ``logprobs``, ``token_statistics`` (batch totals), ``active_tools``,
 ``rollout_states[i]`` other than its rewards. A structure not shaped as above is reported once
 with ``warn_unknown`` and recorded as far as understood.
@@ -182,6 +183,12 @@ def _get(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
+def _captures_content(ep: Any) -> bool:
+    """Whether episode ``ep`` records content (``capture_content``): an answer field is content."""
+    root = getattr(ep, "root", None)
+    return root is not None and bool(root.episode.capture_content)
+
+
 def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, tokenizer: Any,
             model: str | None, n_per_group: int, trained_version: int | None) -> Sample:
     """Sample ``i``: what the sampler reads now, its prompt and turns only if it may be kept."""
@@ -193,8 +200,6 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
         if value not in (None, "", [], 0, False):
             metadata[name] = value
     truth = v("ground_truths", i)
-    if isinstance(truth, (str, int, float)):
-        metadata["ground_truth"] = truth
     if group is not None and n_per_group and n_per_group > 0:
         metadata["repetition"] = i % n_per_group
     finish = v("finish_reasons", i)
@@ -202,6 +207,10 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
 
     def content(ep: Any) -> None:
         set_policy(ep, model_step, trained_version)
+        if isinstance(truth, (str, int, float)) and _captures_content(ep):
+            # the dataset's answer is content, as the prompt is: an ``rl.metadata.*`` label
+            # would keep it with capture off, so it is recorded only when content is captured
+            ep.set_attribute(f"{c.RL_METADATA_PREFIX}ground_truth", truth)
         ep.prompt(_prompt(cols, i, tokenizer))
         _turns(ep, cols, i, tokenizer, model, finish)
 

@@ -44,6 +44,7 @@ breakdown columns                      reward's terms (the reward is their mean 
 =====================================  =========================================================
 
 Not recorded: ``ref_logprobs``, ``pad_id``, ``completion.logprobs``.
+``rl.metadata.target`` (the answer) only with content capture on.
 
 Policy version and staleness (the one definition in ``conventions``): ``generator_version`` is
 the version of the weights the generator held; ``continuous_training`` pushes them as
@@ -219,6 +220,12 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
+def _captures_content(ep: Any) -> bool:
+    """Whether episode ``ep`` records content (``capture_content``): an answer field is content."""
+    root = getattr(ep, "root", None)
+    return root is not None and bool(root.episode.capture_content)
+
+
 def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
             trained_version: int | None, tokenizer: Any) -> Sample:
     """One forge episode: its reward, terms and status now, its text only if it may be kept."""
@@ -237,8 +244,6 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
     terms, others = _breakdown(sample, reward)
 
     metadata: dict[str, Any] = {}
-    if target is not None:
-        metadata["target"] = str(target)
     for name in ("request_len", "response_len"):  # padded maxima, not real lengths
         value = field(sample, name)
         if value is not None:
@@ -262,6 +267,10 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
 
     def content(ep: Any) -> None:
         set_policy(ep, version, trained_version)
+        if target is not None and _captures_content(ep):
+            # the answer is content, as the prompt is: an ``rl.metadata.*`` label would keep it
+            # with capture off, so it is recorded only when content is captured
+            ep.set_attribute(f"{c.RL_METADATA_PREFIX}target", str(target))
         if tokenizer is not None and request is not None:
             ep.prompt(messages_of(str(request), tokenizer))
         else:

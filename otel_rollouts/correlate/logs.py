@@ -32,6 +32,7 @@ from otel_rollouts._core.content import type_name
 from otel_rollouts._core.env import uses_http
 from otel_rollouts._core.redaction import Redactor
 from otel_rollouts._core.runtime import Redacting
+from otel_rollouts._core.settings import check_environment
 from otel_rollouts._core.spans import SpanRecord
 
 __all__ = ["EpisodeLogFilter", "LoggingIntegration", "instrument_logging", "uninstrument_logging"]
@@ -228,6 +229,7 @@ def instrument_logging(
             target.addFilter(filter_)
         handler = None
         if otlp is None:
+            check_environment()
             wanted = os.environ.get(c.ENV_LOGS_EXPORTER, "").lower().split(",")
             otlp = "otlp" in [w.strip() for w in wanted]
         if exporter is not None or otlp:
@@ -248,6 +250,9 @@ def _logger_provider(exporter: Any) -> Any:
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 
+    # the SDK reads OTEL_BLRP_* and OTEL_EXPORTER_OTLP_* here and raises on an invalid value:
+    # validated first (one warning naming the variable, the default used; see settings)
+    check_environment()
     rt = _runtime.installed()
     if rt is not None and rt.provider is not None:
         resource = rt.provider.resource

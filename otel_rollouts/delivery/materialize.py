@@ -164,12 +164,12 @@ class Materializer:
         return out
 
     def _status_text(self, message: str, events: Any) -> str:
-        """A failure's description: with content capture off, an exception's type stands for
-        its message (which may quote content); otherwise the redacted message."""
+        """A failure's description: with content capture off, the exception's type stands for
+        it, else ``_OTHER``: a description is free text (``ToolCall.error("...")``, the
+        OpenTelemetry API's ``set_status``, other instrumentation's) and may quote content.
+        Otherwise the redacted message. Every exporter sees this render (the one place)."""
         if not self.capture_content:
-            kind = error_type(events)
-            if kind != c.ERROR_TYPE_OTHER:
-                return self._text_out(kind)
+            return self._text_out(error_type(events))
         return self._text_out(message)
 
     def _content(self, attributes: dict[str, Any]) -> dict[str, Any]:

@@ -53,12 +53,21 @@ class _Call:
                 # not the SDK's record_exception: it calls the exception's __str__ unguarded
                 self.span.add_event(c.EVENT_EXCEPTION, exception_attributes(exc))
                 self.span.set_status(StatusCode.ERROR, exception_text(exc))
+            elif self.episode is not None:
+                # the rule of ``with otr.episode()`` (Episode.__exit__), from the one place that
+                # holds it: cut short (sys.exit, Ctrl-C, an abandoned generator) is truncated,
+                # any other exception an error; the episode ends here
+                self.episode._close(exc)
             else:
                 self.span.fail(exc)
-                if self.episode is not None:
-                    self.span.attributes[c.RL_STATUS] = c.STATUS_ERROR
         except Exception as err:  # noqa: BLE001
             report(f"traced: {exception_text(err)}", exc=err)
+
+    def abandoned(self, exc: GeneratorExit) -> None:
+        """A traced generator closed before its end (the consumer gave up): an episode is cut
+        short (truncated, as ``with otr.episode()`` records it); another span just ends."""
+        if self.episode is not None:
+            self.fail(exc)
 
     def output(self, value: Any) -> None:
         try:
@@ -321,8 +330,11 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                         leave_context(token)
                     try:
                         to_send, to_throw = (yield item), None
-                    except GeneratorExit:
-                        await agen.aclose()
+                    except GeneratorExit as exc:
+                        try:
+                            await agen.aclose()  # its own clean-up still inside the episode
+                        finally:
+                            call.abandoned(exc)
                         raise
                     except BaseException as exc:  # thrown in by the caller
                         to_send, to_throw = None, exc
@@ -359,8 +371,11 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                         leave_context(token)
                     try:
                         to_send, to_throw = (yield item), None
-                    except GeneratorExit:
-                        gen.close()
+                    except GeneratorExit as exc:
+                        try:
+                            gen.close()  # its own clean-up still inside the episode
+                        finally:
+                            call.abandoned(exc)
                         raise
                     except BaseException as exc:
                         to_send, to_throw = None, exc
