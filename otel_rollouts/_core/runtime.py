@@ -59,6 +59,11 @@ class EpisodeSink(Protocol):
     def adopt(self, spans: list[ReadableSpan], record: EpisodeRecord | None = None) -> None:
         """Finished spans made in another process for an episode held here."""
 
+    def claim_trace_id(self, trace_id: int, key: tuple[int, str],
+                       derive: Callable[[int], int]) -> tuple[int, int]:
+        """A deterministic trace id claimed for an episode of step ``key``: (the id to use,
+        occurrence: 0 the first time; a repeat gets ``derive(occurrence)``)."""
+
     def offer_batch(self, batch: Any) -> list[Any] | None:
         """Offer the rows of a ``sampling.batch.RowBatch`` at once: the rows to record as
         episodes, or None when every row must be recorded as an episode."""
@@ -90,6 +95,7 @@ class Runtime:
     counters: Stats | None = None  # behind otr.stats()
     capture_content: bool = True
     max_spans_per_episode: int = 1024
+    max_attributes_per_span: int = 1024
     max_attribute_chars: int = 16_384
     strict: bool = False
     run_id: str = ""

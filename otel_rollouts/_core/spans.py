@@ -9,6 +9,7 @@ turned into SDK ``ReadableSpan`` objects, with the same ids, on the export threa
 
 from __future__ import annotations
 
+import hashlib
 import time
 import traceback
 from collections.abc import Mapping
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+# Budgets for attribute names other instrumentation or the user chose (metadata keys, reward
+# components, set_attribute): without them one episode could carry 100k attributes or a 2 MB
+# key, a root span larger than any OTLP request, past every value budget.
+MAX_KEY_CHARS = 256  # an attribute key longer than this is cut (a hash keeps cut keys apart)
+MAX_ATTRIBUTES = 1024  # attributes per span (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT, when configured)
+ATTRIBUTE_RESERVE = 64  # of those, kept for the library's own attributes (added at render too)
+_MAX_INVALID = 32  # rl.invalid notes per span: the flags themselves stay bounded
+# the library's own attribute names (conventions): never counted against the user's share
+_OWN_KEYS = frozenset(v for k, v in vars(c).items() if k.isupper() and isinstance(v, str))
 
 # Episode record states
 OPEN = 0  # root not ended or reward pending: undecided
@@ -49,6 +60,7 @@ class SpanRecord(trace.Span):
         "status_code",
         "status_message",
         "episode",
+        "held",
         "_context",
     )
 
@@ -74,6 +86,11 @@ class SpanRecord(trace.Span):
         self.links: list[trace.Link] | None = None
         self.status_code = StatusCode.UNSET
         self.status_message: str | None = None
+        # where this span goes out: True, in its episode's tree (rendered with the episode, never
+        # as a late span: a span is exported exactly once); False, cut by the span limit (never
+        # exported, counted); None, not part of the tree (made after the episode was decided, or
+        # by hand): a late span of a kept episode
+        self.held: bool | None = None
         self._context: SpanContext | None = None
 
     # --- the OpenTelemetry API Span interface ------------------------------------------------
@@ -89,10 +106,14 @@ class SpanRecord(trace.Span):
         return self.end_ns is None
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
+        if type(key) is str and key in _OWN_KEYS:  # the library's own: bounded by design
+            self.attributes[key] = value
+        else:
+            put_attribute(self, key, value, "attributes")
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        self.attributes.update(attributes)
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
 
     def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
         if self.events is None:
@@ -130,7 +151,9 @@ class SpanRecord(trace.Span):
         self.end_ns = end_time if end_time is not None else time.time_ns()
         episode = self.episode  # the sink is told when the root or the reward span ends
         if episode.state >= KEPT:  # already decided: a late span of a kept episode still goes out
-            episode.sink.late_span(episode, self)
+            if self.held is None or episode.state != KEPT:
+                episode.sink.late_span(episode, self)
+            # held: it is in the kept tree, which goes out (or went out) once, with it in it
         elif self is episode.root or self is episode.reward_span:
             episode.sink.part_ended(episode)
 
@@ -142,6 +165,74 @@ class SpanRecord(trace.Span):
             message = message or exception_text(exception)
         self.status_code = StatusCode.ERROR
         self.status_message = message
+
+
+def put_attribute(span: SpanRecord, key: Any, value: Any, field: str) -> bool:
+    """Set a user-named attribute on ``span`` within the key and count budgets.
+
+    A key longer than ``MAX_KEY_CHARS`` is cut (its head and a hash of the whole: two cut keys
+    stay apart); once the span holds its share of attributes (its episode's limit less
+    ``ATTRIBUTE_RESERVE`` for the library's own), a new key is left out. Either is flagged once
+    per span in ``rl.invalid`` naming ``field`` and the key, and counted in ``otr.stats()``
+    (``cut.attribute_keys``, ``dropped.attributes``). Returns whether the value was set."""
+    key = bounded_key(span, key, field)
+    if not has_room(span, key, field):
+        return False
+    span.attributes[key] = value
+    return True
+
+
+def bounded_key(span: SpanRecord, key: Any, field: str, *, prefix: str = "") -> str:
+    """``key`` as text, cut (flagged, counted) when ``prefix + key`` is over ``MAX_KEY_CHARS``:
+    its head and a hash of the whole, so that two cut keys stay apart."""
+    if type(key) is not str:
+        key = text(key)
+    most = MAX_KEY_CHARS - len(prefix)
+    if len(key) > most:
+        digest = hashlib.blake2b(key.encode("utf-8", "replace"), digest_size=8).hexdigest()
+        _note(span, f"{field}: key {key[:48]!r}... is {len(prefix) + len(key)} chars, over "
+              f"{MAX_KEY_CHARS}: cut", "cut.attribute_keys", f"{field}: key ")
+        key = key[: max(most - 17, 0)] + "~" + digest
+    return key
+
+
+def has_room(span: SpanRecord, key: str, field: str, *, left_out: int = 1) -> bool:
+    """Whether ``span`` may take the new attribute ``key`` (its share of the limit not used up);
+    if not, ``left_out`` attributes (this one and those the caller will not try) are counted
+    and the cut flagged once."""
+    attrs = span.attributes
+    if key in attrs:
+        return True
+    if len(attrs) < max(span.episode.max_attributes - ATTRIBUTE_RESERVE, 0):
+        return True
+    left_out_attributes(span, key, field, left_out)
+    return False
+
+
+def left_out_attributes(span: SpanRecord, key: str, field: str, n: int) -> None:
+    """``n`` attributes of ``field``, from ``key`` on, left out of ``span`` (over its share of
+    the attribute limit): counted, and flagged once in ``rl.invalid``."""
+    _note(span, f"{field}: over {span.episode.max_attributes} attributes on span {span.name[:64]!r}; "
+          f"{key[:48]!r} and later ones left out", "dropped.attributes", f"{field}: over ", n)
+
+
+def _note(span: SpanRecord, message: str, counter: str, kind: str, n: int = 1) -> None:
+    """Count ``n`` cuts in ``otr.stats()``; flag it in ``rl.invalid`` the first time per kind
+    and span (a span with 100k cut keys carries one note, not 100k)."""
+    stats = getattr(span.episode.sink, "stats", None)
+    if stats is not None:
+        stats.add(counter, n)
+    invalid = span.attributes.get(c.RL_INVALID_FIELDS)
+    if invalid is None:
+        span.attributes[c.RL_INVALID_FIELDS] = [message]
+        return
+    if not isinstance(invalid, list):  # set by hand to a tuple or a text: a list from now on
+        invalid = span.attributes[c.RL_INVALID_FIELDS] = (
+            list(invalid) if isinstance(invalid, tuple) else [invalid])
+    if len(invalid) < _MAX_INVALID and not any(
+        isinstance(m, str) and m.startswith(kind) for m in invalid
+    ):
+        invalid.append(message)
 
 
 def exception_attributes(exception: BaseException) -> dict[str, str]:
@@ -183,6 +274,7 @@ class EpisodeRecord:
         "max_spans",
         "handle",
         "capture_content",
+        "max_attributes",
         "__weakref__",
     )
 
@@ -201,13 +293,21 @@ class EpisodeRecord:
         self.sink = sink  # the pipeline: told when the root or the reward span ends
         self.dropped_spans = 0
         self.max_spans = max_spans
+        self.max_attributes = MAX_ATTRIBUTES  # per span; user-named keys get all but a reserve
         self.handle: Any = None  # the user-facing Episode object
 
     def add(self, span: SpanRecord) -> SpanRecord:
+        """Put ``span`` in this episode's tree, or count it cut by the span limit. A span made
+        after the episode was decided is not put in the tree: it goes out as a late span (kept
+        episodes) when it ends, once."""
+        if self.state >= KEPT:
+            return span
         if len(self.spans) + len(self.foreign) >= self.max_spans:
             self.dropped_spans += 1
+            span.held = False
         else:
             self.spans.append(span)
+            span.held = True
         return span
 
     def release(self, *, keep_root: bool = False) -> None:

@@ -18,17 +18,25 @@ are counted in one update. What is kept is exactly what the per-episode API woul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import text
+from otel_rollouts._core.content import exception_text, text, type_name
 from otel_rollouts._core.guard import InvalidValue, guarded_or, report
 from otel_rollouts._core.spans import EpisodeRecord
 from otel_rollouts._core.values import to_float, to_int
-from otel_rollouts.record.episode import Episode, new_episode_id, status_value, trace_id_for
+from otel_rollouts.record.episode import (
+    Episode,
+    claim_trace_id,
+    flag,
+    new_episode_id,
+    repeated_note,
+    status_value,
+    trace_id_for,
+)
 from otel_rollouts.sampling.batch import BatchRow, RowBatch
 
 __all__ = ["record_batch", "BatchSummary", "Rows"]
@@ -115,13 +123,21 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
     if rows.episode_ids is not None:
         episode_ids = [None if v is None else text(v) for v in rows.episode_ids]
 
+    repeated: dict[int, str] = {}  # sample -> its rl.invalid note (a repeated episode id)
+
     def trace_id_of(i: int) -> int:
         if not rt.deterministic_ids:
             return _runtime.new_id128()
         episode_id = episode_ids[i]
         if episode_id is None:
             episode_id = episode_ids[i] = new_episode_id(step)
-        return trace_id_for(rt.run_id, step, episode_id)
+        trace_id, n = claim_trace_id(
+            rt, trace_id_for(rt.run_id, step, episode_id), (step, split),
+            lambda n: trace_id_for(rt.run_id, step, f"{episode_id}#{n}"),
+        )
+        if n:
+            repeated[i] = repeated_note(episode_id, step, n)
+        return trace_id
 
     columns: dict[str, Any] = {}
     if rows.rewards is not None:
@@ -147,16 +163,27 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
                     recorded += 1
         return recorded, failed
     recorded_rows: list[tuple[BatchRow, EpisodeRecord | None]] = []
-    for row in chosen:
-        ep = rows.episode(row.index, episode_ids[row.index])
-        record = ep.begin_offered(rt, row.trace_id)
-        if record is not None and record.root is not None:
-            if not _build(build, row.index, ep, failed):
-                record = None
-            else:
-                ep.end()
-        recorded_rows.append((row, record))
-    pipeline.attach(recorded_rows)
+    try:
+        for row in chosen:
+            ep = rows.episode(row.index, episode_ids[row.index])
+            record = ep.begin_offered(rt, row.trace_id)
+            if record is not None and record.root is not None:
+                note = repeated.get(row.index)
+                if note is not None:
+                    flag(record.root, note)
+                if not _build(build, row.index, ep, failed):
+                    record = None
+                else:
+                    ep.end()
+            recorded_rows.append((row, record))
+    finally:
+        # the user's own KeyboardInterrupt / SystemExit from ``build`` goes on to the user, but
+        # first every row the sampler holds or kept gets its end: the rows recorded so far are
+        # attached as usual, the rest as failed (dropped under ``batch_record_failed`` if
+        # chosen), so no row is left held for an episode that will never come
+        if len(recorded_rows) < len(chosen):
+            recorded_rows.extend((row, None) for row in chosen[len(recorded_rows):])
+        pipeline.attach(recorded_rows)
     return sum(1 for _, r in recorded_rows if r is not None), failed
 
 
@@ -167,9 +194,12 @@ def _build(build: Callable[[int, Episode], None], i: int, ep: Episode, failed: l
     except InvalidValue:
         raise
     except Exception as exc:  # noqa: BLE001 - one bad sample never stops the batch
-        reason = f"sample {i}: {type(exc).__name__}: {exc}"
+        # the message may quote the sample's content: left out when content is not captured
+        record = ep._record
+        shown = record is None or record.capture_content
+        reason = f"sample {i}: {type_name(exc)}" + (f": {exception_text(exc)}" if shown else "")
         failed.append((i, reason))
-        report(f"record_batch: {reason}", exc=exc)
+        report(f"record_batch: {reason}", exc=exc if shown else None)  # no traceback text either
         return False
 
 
@@ -185,11 +215,17 @@ def _statuses(rows: Rows) -> Callable[[], list[Any]]:
 
 def _column(name: str, value: Any, size: int, problems: list[str]) -> list[Any] | None:
     """A per-sample column aligned to the batch: a short or long one is cut or padded with
-    None, and noted."""
+    None, and noted. A single value (a 0-d tensor or array, a number, a string: anything that
+    is not a sequence of values) is the same for every sample: broadcast, and noted, never a
+    reason to lose the batch."""
     if value is None:
         return None
     tolist = getattr(value, "tolist", None)  # numpy arrays, torch tensors: plain values
-    column = list(tolist() if callable(tolist) else value)
+    plain = tolist() if callable(tolist) else value
+    if isinstance(plain, (str, bytes, Mapping)) or not isinstance(plain, Iterable):
+        problems.append(f"{name}: one value for {size} samples (a 0-d or scalar column), broadcast")
+        return [plain] * size
+    column = list(plain)
     if len(column) != size:
         problems.append(f"{name}: {len(column)} values for {size} samples (alignment partial)")
         column = (column + [None] * size)[:size]
@@ -228,6 +264,15 @@ def record_batch(
     samples that may be kept, before the columns' reward and finish are recorded (the spans read
     in the order an episode made them); an exception from it is reported naming the sample, and
     that sample is not recorded. Returns a ``BatchSummary``.
+
+    Every sample ends counted, per step: kept, or dropped under a named reason (a sample whose
+    ``record`` raised is ``dropped.batch_record_failed`` if the sampler chose it). A
+    ``KeyboardInterrupt`` or ``SystemExit`` raised by ``record`` is the user's own and goes on
+    to the caller, after the batch was settled: the samples recorded so far are kept or dropped
+    as usual, the rest dropped under ``batch_record_failed``; nothing is left held. A column
+    given as one value (a 0-d tensor, a number) is broadcast to every sample, and noted in
+    ``problems``. With ``deterministic_ids``, a repeated episode id gets its own trace id
+    (counted ``duplicate_id``, flagged in ``rl.invalid``).
     """
     summary = BatchSummary()
     n, problem = to_int(size, "size")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import Token
 from random import getrandbits as _getrandbits
 from types import TracebackType
@@ -33,8 +33,18 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
-from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, EpisodeRecord, SpanRecord
-from otel_rollouts._core.values import refused, to_float, to_int
+from otel_rollouts._core.spans import (
+    ATTRIBUTE_RESERVE,
+    DROPPED,
+    KEPT,
+    OFFERED,
+    EpisodeRecord,
+    SpanRecord,
+    bounded_key,
+    left_out_attributes,
+    put_attribute,
+)
+from otel_rollouts._core.values import fits_int64, refused, storable_number, to_float, to_int
 
 __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
 
@@ -89,10 +99,14 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
     # the kind's own attributes (rl.span.kind...) are added when the span is rendered
     span = SpanRecord(record, name, _getrandbits(64) or _runtime.new_id64(),
                       parent.span_id if parent else None, kind, attributes)
-    if len(record.spans) + len(record.foreign) < record.max_spans:  # EpisodeRecord.add, inlined
+    if record.state >= KEPT:  # EpisodeRecord.add, inlined
+        return span  # made after the decision: a late span (sent once, when it ends)
+    if len(record.spans) + len(record.foreign) < record.max_spans:
         record.spans.append(span)
+        span.held = True
     else:
         record.dropped_spans += 1
+        span.held = False
     return span
 
 
@@ -326,6 +340,25 @@ class Turn(_SpanHandle):
 
 
 
+def bounded_metadata(root: SpanRecord, metadata: Any) -> Any:
+    """``metadata`` within the root span's budgets: keys cut to ``MAX_KEY_CHARS`` with their
+    prefix, at most what the span's attribute share still holds (the rest counted and flagged
+    once in ``rl.invalid``, never copied one by one). A non-mapping is passed on as it is (it is
+    refused, named, by ``_metadata``)."""
+    if not isinstance(metadata, Mapping):
+        return metadata
+    room = max(root.episode.max_attributes - ATTRIBUTE_RESERVE - len(root.attributes), 0)
+    out: dict[str, Any] = {}
+    total = len(metadata)
+    for key, value in metadata.items():
+        name = bounded_key(root, key, "metadata", prefix=c.RL_METADATA_PREFIX)
+        if len(out) >= room and name not in out:
+            left_out_attributes(root, c.RL_METADATA_PREFIX + name, "metadata", total - len(out))
+            break
+        out[name] = value
+    return out
+
+
 def new_episode_id(step: int) -> str:
     """An episode id when none is given: the step and 64 random bits."""
     return f"{step}-{_getrandbits(64):016x}"
@@ -339,6 +372,24 @@ def status_value(status: Any) -> str | None:
     if status in c.STATUSES:
         return status
     return c.STATUS_ERROR if status == "failed" else None
+
+
+def repeated_note(episode_id: str, step: int, occurrence: int) -> str:
+    """The ``rl.invalid`` note of an episode whose id an earlier episode of its step had
+    (``deterministic_ids``): it keeps its ``rl.episode.id`` and gets its own trace id."""
+    return (f"episode_id: {text(episode_id)[:64]!r} repeated in step {step}; occurrence "
+            f"{occurrence}, traced under its own trace id")
+
+
+def claim_trace_id(rt: _runtime.Runtime, trace_id: int, key: tuple[int, str],
+                   derive: Callable[[int], int]) -> tuple[int, int]:
+    """``trace_id`` for a new episode of ``key``, or ``derive(n)`` when an episode had it
+    already (``Pipeline.claim_trace_id``); (trace id, occurrence: 0 for the first)."""
+    claim = getattr(rt.pipeline, "claim_trace_id", None)  # a sink without it: ids as they are
+    if claim is None:
+        return trace_id, 0
+    claimed: tuple[int, int] = claim(trace_id, key, derive)
+    return claimed
 
 
 def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
@@ -372,8 +423,9 @@ class Episode:
         runtime: _runtime.Runtime | None = None,
     ) -> None:
         # what it was asked to record, kept until it starts (a tuple: one object, no __init__)
-        self._request = (step, split, group_id, sample_index, policy_version, episode_id,
-                         dataset_name, dataset_index, framework, metadata, name)
+        self._request: tuple[Any, ...] | None = (
+            step, split, group_id, sample_index, policy_version, episode_id,
+            dataset_name, dataset_index, framework, metadata, name)
         self._runtime = runtime  # None: the installed instance, when the episode starts
         self._record: EpisodeRecord | None = None
         self._token: Token[Context] | None = None  # the context before the ``with`` block
@@ -408,8 +460,11 @@ class Episode:
         return record
 
     def _begin(self, rt: _runtime.Runtime, trace_id: int | None) -> EpisodeRecord:
+        request = self._request
+        if request is None:  # begun already (its request let go): callers check _record first
+            raise RuntimeError("episode already begun")
         (step, split, group_id, sample_index, policy_version, episode_id, dataset_name, dataset_index,
-         framework, metadata, name) = self._request
+         framework, metadata, name) = request
         problems: list[str] = []
         if step is None:
             step_value = rt.current_step
@@ -424,13 +479,21 @@ class Episode:
         split = text(split) if split is not None else "train"
         episode_id = new_episode_id(step_value) if episode_id is None else text(episode_id)
         if trace_id is None:
-            trace_id = (
-                trace_id_for(rt.run_id, step_value, episode_id) if rt.deterministic_ids
-                else _getrandbits(128) or _runtime.new_id128()
-            )
+            if rt.deterministic_ids:
+                # a repeated id gets its own trace id, counted and flagged: two episodes under
+                # one trace id are one trace to every backend (one of them lost, uncounted)
+                trace_id, occurrence = claim_trace_id(
+                    rt, trace_id_for(rt.run_id, step_value, episode_id), (step_value, split),
+                    lambda n: trace_id_for(rt.run_id, step_value, f"{episode_id}#{n}"),
+                )
+                if occurrence:
+                    problems.append(repeated_note(episode_id, step_value, occurrence))
+            else:
+                trace_id = _getrandbits(128) or _runtime.new_id128()
         record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
         record.handle = self
         record.capture_content = rt.capture_content
+        record.max_attributes = rt.max_attributes_per_span
         attrs: dict[str, Any] = {
             c.RL_STEP: step_value,
             c.RL_SPLIT: split,
@@ -451,15 +514,21 @@ class Episode:
         if dataset_name is not None:
             attrs[c.RL_DATASET_NAME] = text(dataset_name)
         if dataset_index is not None:
-            attrs[c.RL_DATASET_INDEX] = dataset_index if isinstance(dataset_index, (int, str)) else text(dataset_index)
+            # an index beyond 64 bits is kept exact as text (no backend stores such an integer)
+            attrs[c.RL_DATASET_INDEX] = (
+                dataset_index if isinstance(dataset_index, str)
+                or (isinstance(dataset_index, int) and fits_int64(dataset_index)) else text(dataset_index))
         if framework is not None:
             attrs[c.RL_FRAMEWORK] = text(framework)
         if metadata:
-            self._metadata(root, metadata)
+            self._metadata(root, bounded_metadata(root, metadata))
         for problem in problems:
             flag(root, problem)
         self._record = record
         self.episode_id, self.step, self.split = episode_id, step_value, split
+        # what was asked is recorded now: the user's objects (a metadata mapping of any size)
+        # are not held any longer, while the episode waits for its decision
+        self._request = None
         return record
 
     def _metadata(self, root: SpanRecord, metadata: Any) -> None:
@@ -470,6 +539,11 @@ class Episode:
         for key, value in metadata.items():
             name = c.RL_METADATA_PREFIX + text(key)
             if isinstance(value, (bool, int, float)) or value is None:
+                if isinstance(value, int) and not isinstance(value, bool):
+                    # an int beyond 64 bits: converted (and said so), never lost downstream
+                    value, problem = storable_number(value, name)
+                    if problem is not None:
+                        flag(root, problem)
                 root.attributes[name] = value
             elif isinstance(value, str) or capture:
                 root.attributes[name] = snapshot(value)
@@ -611,8 +685,9 @@ class Episode:
                 number = _number(span, advantage, "advantage")
                 if number is not None:
                     values[c.RL_ADVANTAGE] = number
-            span.attributes.update(values)
-            root.attributes.update(values)
+            for key, number in values.items():  # component names are the user's: bounded
+                put_attribute(span, key, number, "components")
+                put_attribute(root, key, number, "components")
             if span.end_ns is None:
                 span.end()
             elif record.state < KEPT:
@@ -643,7 +718,7 @@ class Episode:
         """Set an extra attribute on the episode root span."""
         root = self.root
         if root is not None:
-            root.attributes[text(key)] = snapshot(value)
+            put_attribute(root, key, snapshot(value), "attributes")
 
 
 def episode(

@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -29,6 +29,8 @@ from otel_rollouts.sampling.policies import Bucket, TailSampler
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
 _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule), least recent forgotten
+
+_MAX_CLAIMED = 16_384  # deterministic trace ids remembered to tell a repeated episode id (~2 MB)
 
 _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
 
@@ -62,6 +64,34 @@ class Pipeline(SpanProcessor):
         self._seq = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
         self.observer: Any = None  # metrics: told of each decision and each closed step
+        # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
+        self._claimed: OrderedDict[int, None] = OrderedDict()
+        self._claim_lock = threading.Lock()
+
+    # --- deterministic ids ---------------------------------------------------------------------
+    def claim_trace_id(
+        self, trace_id: int, key: tuple[int, str], derive: Callable[[int], int]
+    ) -> tuple[int, int]:
+        """A deterministic trace id for an episode of ``key``: ``trace_id`` itself, or, when an
+        episode already had it (its episode id repeated), ``derive(n)`` for the first
+        occurrence number ``n >= 2`` still free, counted ``duplicate_id`` for the step.
+
+        Two episodes under one trace id would be one trace to every backend (one of them
+        overwritten or merged: an episode counted kept that nobody can see). Returns the trace
+        id and the occurrence (0: the first). Remembers the last ``_MAX_CLAIMED`` ids: a repeat
+        further apart than that is not told (bounded memory)."""
+        with self._claim_lock:
+            claimed = self._claimed
+            n = 0
+            while trace_id in claimed:
+                n = 2 if n == 0 else n + 1
+                trace_id = derive(n)
+            claimed[trace_id] = None
+            if len(claimed) > _MAX_CLAIMED:
+                claimed.popitem(last=False)
+        if n:
+            self.stats.step(key, "duplicate_id")
+        return trace_id, n
 
     # --- distributed budget --------------------------------------------------------------------
     def _distributed(self):
@@ -214,7 +244,7 @@ class Pipeline(SpanProcessor):
                 row.built = True
                 if record is None:
                     if row.decision == KEEP:
-                        self.stats.add("dropped.batch_record_failed")
+                        self._record_failed(row)
                     continue
                 record.seq = row.seq
                 record.state = OFFERED
@@ -224,9 +254,32 @@ class Pipeline(SpanProcessor):
                 elif row.decision == DROP:
                     self._drop(record, None)
 
+    def _record_failed(self, row: BatchRow) -> None:
+        """A row chosen to keep whose episode could not be recorded (its callback raised, or
+        was interrupted): dropped under ``batch_record_failed``, per step and in totals (its
+        ``seen`` is counted per step: so must its end be)."""
+        self.stats.step(row.batch.key, "dropped.batch_record_failed")
+        self._observe("dropped_rows", row.batch, [row.index], "batch_record_failed")
+
     def part_ended(self, record: EpisodeRecord) -> None:
-        """The root or the reward span ended: offer the episode once it is complete."""
-        if record.state == OPEN and record.complete:
+        """The root or the reward span ended: offer the episode once it is complete.
+
+        An episode whose root ended without a reward waits for one while its step is open (the
+        step's close offers it as it is). If its step is closed already, nothing would ever
+        close it again (``step_lag=None``, no timeout): it is offered now, under the late rule
+        (which compares nothing, so the missing reward changes nothing), and a reward recorded
+        later goes out as a late span of a kept episode. Memory never holds it past its step."""
+        if record.state != OPEN:
+            return
+        if record.complete:
+            with self._lock:
+                if record.state == OPEN:
+                    self._offer(record)
+            return
+        root = record.root
+        # the lock-free check first (a dict lookup): a step closing meanwhile offers it itself,
+        # since its root's end is set before this is called
+        if root is not None and root.end_ns is not None and self._is_closed((record.step, record.split)):
             with self._lock:
                 if record.state == OPEN:
                     self._offer(record)
@@ -283,7 +336,7 @@ class Pipeline(SpanProcessor):
             row = record
             if row.record is None:  # decided before its episode was recorded: kept on arrival
                 if row.built:  # its recording failed: nothing to keep
-                    self.stats.add("dropped.batch_record_failed")
+                    self._record_failed(row)
                 row.decision = KEEP
                 return
             record = row.record
