@@ -21,7 +21,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.guard import guarded
-from otel_rollouts._core.redaction import RedactingLogFilter, Redactor, make_redactor
+from otel_rollouts._core.redaction import RedactingLogFilter, Redactor, make_redactor, redact_sdk_logs
 from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, resolve
 from otel_rollouts._core.stats import Stats
@@ -79,6 +79,9 @@ def _redact_own_logs(redactor: Redacting | None) -> None:
         own.removeFilter(old)
     if redactor is not None:
         own.addFilter(RedactingLogFilter(redactor))
+    # the OpenTelemetry SDK's own loggers print endpoints and header values: redacted too (its
+    # password and header rules hold even with redaction off)
+    redact_sdk_logs(redactor if redactor is not None else str)
 
 
 class Rollouts(_runtime.Runtime):
@@ -139,6 +142,7 @@ class Rollouts(_runtime.Runtime):
             spool_max_bytes=delivery_settings.spool_max_bytes,
             max_request_bytes=delivery_settings.max_request_bytes,
             max_pending_bytes=delivery_settings.max_pending_bytes,
+            max_queue_bytes=delivery_settings.max_queue_bytes,
         )
         pipeline = Pipeline(sampler, delivery, stats, episode_timeout_s=limits.episode_timeout_s)
         provider = TracerProvider(
@@ -158,6 +162,7 @@ class Rollouts(_runtime.Runtime):
         self.counters = stats
         self.capture_content = content.capture_content
         self.max_spans_per_episode = limits.max_spans_per_episode
+        self.max_attributes_per_span = limits.max_attributes_per_span
         self.max_attribute_chars = content.max_attribute_chars
         self.strict = s.strict
         self.run_id = run_id
@@ -181,7 +186,8 @@ class Rollouts(_runtime.Runtime):
             old = slot.installed
             if old is not None and old is not self and old.pid == os.getpid():
                 if isinstance(old, Rollouts):
-                    old.shutdown(timeout=10.0)
+                    # bounded by the old run's exit_timeout; its retries back off meanwhile
+                    old.shutdown(timeout=old.settings.delivery.exit_timeout)
             slot.last_stopped = None  # a new run: otr.stats() counts from zero
             slot.install(self)
             if not self.enabled:
@@ -281,6 +287,7 @@ class Rollouts(_runtime.Runtime):
             if slot.installed is self:
                 slot.install(None)
                 slot.last_stopped = self
+                redact_sdk_logs(None)
             return ok
         finally:
             if locked:
@@ -357,6 +364,7 @@ def configure(
     agent_name: str | None = None,
     episode_timeout_s: float | None = None,
     max_pending_bytes: int = 64 * 1024 * 1024,
+    max_queue_bytes: int = 64 * 1024 * 1024,
     install: bool = True,
 ) -> Rollouts:
     """Set up tracing of episodes for this process and return the run (``otr.Rollouts``).
@@ -391,8 +399,11 @@ def configure(
     * ``agent_name``: ``gen_ai.agent.name`` on every episode root (default: the service name).
     * ``episode_timeout_s``: an episode still open after this long is ended as truncated
       (``rl.timed_out``), decided and counted (``episodes.timed_out``); default None: never.
-    * ``max_pending_bytes``: per exporter, the bytes of batches waiting in memory for it; past
-      that the oldest go to the spool (or are dropped, counted, without one).
+    * ``max_pending_bytes``: per exporter, the bytes (real sizes, not characters) of batches
+      waiting in memory for it; past that the oldest go to the spool (or are dropped, counted,
+      without one).
+    * ``max_queue_bytes``: the bytes of kept episodes waiting to be rendered; past that a kept
+      episode is dropped, counted (``dropped.queue_full``), never waited for.
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
       ``otel_rollouts.correlate.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.

@@ -114,7 +114,7 @@ class DeliveryCounts:
         self.stats = stats
         self.name = name
         self.warner = warner or Warner()
-        self.ledger = ledger if ledger is not None else Ledger(stats, [name])
+        self.ledger = ledger if ledger is not None else Ledger(stats, [name], auto_enter=True)
         self.ledger.add_drop_listener(name, self._warn_drop)
 
     # the keys, per exporter
@@ -158,6 +158,11 @@ class DeliveryCounts:
         counts each once, per exporter and in all, and a warning goes out at most once per
         interval). Returns the episodes dropped."""
         return self.ledger.dropped(self.name, spans, reason)
+
+    def adopt(self, spans: Sequence[ReadableSpan]) -> None:
+        """A batch a previous run left in the spool: its episodes enter the ledger."""
+        if not self.ledger.auto_enter:
+            self.ledger.adopt(self.name, spans)
 
     def dropped_traces(self, reason: str, trace_ids: Iterable[int], unknown: int = 0) -> int:
         """Episodes known by trace id given up for ``reason``; ``unknown``: episodes of a batch

@@ -13,10 +13,12 @@ spans belong to. An episode leaves ``pending`` for an exporter exactly once:
   error, oversize, refused by the collector, spool full, exit deadline...). Spans of it that are
   stored later change nothing.
 
-Reports about an episode that is no longer pending (a retried request the receiver had stored
-after all, a hung ``export`` that returns after shutdown counted it lost) are ignored: no
-episode is counted twice. Episodes this process did not enter (a previous run's spool adopted
-from ``spool_dir``) are counted by their root spans under the same keys, flagged ``adopted``.
+Reports about an episode that is not pending (a retried request the receiver had stored after
+all, a hung ``export`` that returns after shutdown counted it lost) are ignored: no episode is
+counted twice. Episodes a previous run left in a ``spool_dir`` enter when this process first
+reads their batch (``adopt``: ``ledger.adopted.<exporter>``, in the step their root names).
+A ledger made for one layer used on its own (``auto_enter``) has nobody to enter episodes: it
+counts the roots it sees instead, as the layers did before the ledger.
 
 Memory: one small entry per *pending* episode (its step, a map of its span ids to bits, and one
 int per exporter: the bits still outstanding); a decided episode leaves nothing behind.
@@ -74,7 +76,7 @@ class Ledger:
         lock: the layers warn from it)."""
         self._listeners[exporter] = listener
 
-    def __init__(self, stats: Stats, exporters: Sequence[str]) -> None:
+    def __init__(self, stats: Stats, exporters: Sequence[str], *, auto_enter: bool = False) -> None:
         self.stats = stats
         self.exporters = list(exporters)
         self._index = {name: i for i, name in enumerate(self.exporters)}
@@ -82,6 +84,7 @@ class Ledger:
         self._pending = [0] * len(self.exporters)
         self._lock = threading.Lock()
         self._listeners: dict[str, Callable[[str, int], None]] = {}
+        self.auto_enter = auto_enter
         self.closed_reason: str | None = None  # set at the end: later entries are refused
 
     # --- entering ----------------------------------------------------------------------------
@@ -104,6 +107,39 @@ class Ledger:
         for name in self.exporters:
             self.stats.step(key, f"ledger.entered.{name}")
         self._count_dropped([(i, key) for i in range(len(self.exporters))], reason)
+
+    def adopt(self, exporter: str, spans: Sequence[ReadableSpan]) -> int:
+        """Episodes of a batch a previous run left in the spool: each root whose trace is not
+        pending enters, pending for ``exporter`` only, in the step its root names; it must
+        confirm the spans of that trace in this batch. Returns the episodes entered."""
+        i = self._index.get(exporter)
+        if i is None:
+            return 0
+        by_trace: dict[int, list[int]] = {}
+        for span in spans:
+            if span.context is not None:
+                by_trace.setdefault(span.context.trace_id, []).append(span.context.span_id)
+        keys: list[StepKey] = []
+        with self._lock:
+            for span in spans:
+                attrs = span.attributes
+                ctx = span.context
+                if not attrs or attrs.get(c.RL_SPAN_KIND) != c.KIND_EPISODE or ctx is None:
+                    continue
+                if ctx.trace_id in self._entries:
+                    continue
+                step = attrs.get(c.RL_STEP)
+                key = (step if isinstance(step, int) else -1, str(attrs.get(c.RL_SPLIT, "")))
+                entry = _Entry(key, len(self.exporters))
+                entry.bits = {sid: 1 << n for n, sid in enumerate(dict.fromkeys(by_trace[ctx.trace_id]))}
+                entry.outstanding = [None] * len(self.exporters)
+                entry.outstanding[i] = (1 << len(entry.bits)) - 1
+                self._entries[ctx.trace_id] = entry
+                self._pending[i] += 1
+                keys.append(key)
+        for key in keys:
+            self.stats.step(key, f"ledger.adopted.{exporter}")
+        return len(keys)
 
     def rendered(self, trace_id: int, spans: Sequence[ReadableSpan]) -> None:
         """The spans the episode was rendered with: each exporter must confirm every one."""
@@ -137,9 +173,10 @@ class Ledger:
                     continue
                 entry = entries.get(ctx.trace_id)
                 if entry is None:
-                    attrs = span.attributes
-                    if attrs and attrs.get(c.RL_SPAN_KIND) == c.KIND_EPISODE:
-                        adopted += 1  # a root of an episode this process did not enter
+                    if self.auto_enter:
+                        attrs = span.attributes
+                        if attrs and attrs.get(c.RL_SPAN_KIND) == c.KIND_EPISODE:
+                            adopted += 1  # nobody enters episodes here: count the roots
                     continue
                 out = entry.outstanding[i]
                 if out is None or out == -1 or entry.bits is None:
@@ -168,7 +205,7 @@ class Ledger:
             if span.context is not None:
                 traces[span.context.trace_id] = None
         with self._lock:
-            adopted = [t for t in _roots(spans) if t not in self._entries]
+            adopted = [t for t in _roots(spans) if t not in self._entries] if self.auto_enter else []
         return self.dropped_traces(exporter, traces, reason) + self._count_adopted(
             exporter, reason, len(adopted))
 

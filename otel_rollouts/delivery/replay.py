@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from otel_rollouts._core.codec import spans_from_request
 from otel_rollouts._core.content import exception_text
 
-__all__ = ["ReplayResult", "main", "replay", "spans_from_request", "spans_from_file"]
+__all__ = ["ReplayResult", "main", "replay", "spans_from_file", "spans_from_request", "take_not_stored"]
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -87,10 +87,43 @@ class ReplayResult:
     traces: int = 0
     failed_batches: int = 0
     errors: list[str] = field(default_factory=list)
+    # reason -> trace ids the exporter accepted but did not store (``take_not_stored``)
+    not_stored: dict[str, set[int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.failed_batches == 0 and not self.errors
+        """Everything read was stored: no batch failed, no line was unreadable, and the exporter
+        stored every trace it accepted."""
+        return self.failed_batches == 0 and not self.errors and not self.not_stored
+
+
+def take_not_stored(exporter: SpanExporter) -> dict[str, set[int]]:
+    """What ``exporter`` accepted in its last export but did not store: reason -> trace ids.
+
+    An exporter that can take a batch and still leave episodes out (``TrackioExporter``: a value
+    Trackio cannot store, a directory it can never write) says so through ``take_not_stored()``
+    (``{reason: [trace id, ...]}``); any other exporter stored everything it accepted. What
+    the method raises, or an answer of another shape, is not trusted: its reason maps to no ids
+    and is reported under ``"take_not_stored"``.
+    """
+    take = getattr(exporter, "take_not_stored", None)
+    if not callable(take):
+        return {}
+    try:
+        taken = take()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a hostile exporter: the loss is reported
+        return {f"take_not_stored raised {exception_text(exc)}": set()}
+    out: dict[str, set[int]] = {}
+    if not isinstance(taken, dict):
+        return out
+    for reason, ids in taken.items():
+        if isinstance(ids, (list, tuple, set, frozenset)):
+            out.setdefault(str(reason), set()).update(i for i in ids if isinstance(i, int))
+        elif isinstance(ids, int) and ids > 0:  # an older exporter: a count without ids
+            out.setdefault(str(reason), set())
+    return out
 
 
 def replay(
@@ -130,6 +163,8 @@ def replay(
             return
         ok, exc = export([span for _, _, spans in lines for span in spans])
         if ok:
+            for reason, ids in take_not_stored(exporter).items():
+                result.not_stored.setdefault(reason, set()).update(ids)
             return
         if exc is None or len(lines) == 1:
             result.failed_batches += 1
@@ -141,6 +176,9 @@ def replay(
         # the others go through and the bad ones are named
         for one in lines:
             ok, exc = export(one[2])
+            if ok:
+                for reason, ids in take_not_stored(exporter).items():
+                    result.not_stored.setdefault(reason, set()).update(ids)
             if not ok:
                 result.failed_batches += 1
                 if exc is not None:
@@ -238,7 +276,8 @@ class _Counting(SpanExporter):
     """Wraps the target exporter to count what it accepted and what it refused, for the summary.
 
     A failed ``force_flush``/``shutdown`` (Trackio writes at flush) turns what was accepted into
-    "not confirmed", reported as failed.
+    "not confirmed", reported as failed. Traces the exporter accepted but did not store (its
+    ``take_not_stored()``) are failed, never delivered; they are passed on to ``replay``.
     """
 
     def __init__(self, exporter: SpanExporter) -> None:
@@ -248,6 +287,8 @@ class _Counting(SpanExporter):
         self.sent_traces: set[int] = set()
         self.failed_traces: set[int] = set()
         self.flush_error: str | None = None
+        self.not_stored: dict[str, set[int]] = {}  # reason -> trace ids, for the summary
+        self._taken: dict[str, set[int]] = {}  # what replay() has not taken yet
 
     def _count(self, ok: bool, spans: Sequence[ReadableSpan]) -> None:
         self.batches += 1
@@ -267,7 +308,22 @@ class _Counting(SpanExporter):
             self._count(False, spans)
             raise  # replay() logs it and counts the batch
         self._count(outcome is SpanExportResult.SUCCESS, spans)
+        if outcome is SpanExportResult.SUCCESS:
+            lost: set[int] = set()
+            for reason, ids in take_not_stored(self.exporter).items():
+                self.not_stored.setdefault(reason, set()).update(ids)
+                self._taken.setdefault(reason, set()).update(ids)
+                lost |= ids
+            if lost:  # their spans were not delivered either
+                moved = sum(1 for s in spans if s.context.trace_id in lost)
+                self.sent_spans -= moved
+                self.failed_spans += moved
         return outcome
+
+    def take_not_stored(self) -> dict[str, list[int]]:
+        """The target's not-stored traces since the last call (reason -> trace ids)."""
+        taken, self._taken = self._taken, {}
+        return {reason: sorted(ids) for reason, ids in taken.items()}
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:
@@ -284,13 +340,21 @@ class _Counting(SpanExporter):
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             self.flush_error = self.flush_error or f"shutdown failed: {exc}"
 
+    def not_stored_count(self) -> int:
+        """Traces accepted but not stored (a reason without ids counts one)."""
+        return sum(len(ids) or 1 for ids in self.not_stored.values())
+
     def totals(self) -> tuple[int, int, int, int]:
-        """(delivered traces, delivered spans, failed traces, failed spans)."""
+        """(delivered traces, delivered spans, failed traces, failed spans); a trace the target
+        accepted but did not store is failed (its spans are not counted again)."""
         if self.flush_error:
             failed = self.sent_traces | self.failed_traces
             return 0, 0, len(failed), self.sent_spans + self.failed_spans
-        return (len(self.sent_traces - self.failed_traces), self.sent_spans,
-                len(self.failed_traces), self.failed_spans)
+        lost: set[int] = set().union(*self.not_stored.values()) if self.not_stored else set()
+        unknown = sum(1 for ids in self.not_stored.values() if not ids)
+        delivered = self.sent_traces - self.failed_traces - lost
+        failed_traces = len(self.failed_traces | (lost & self.sent_traces)) + unknown
+        return len(delivered), self.sent_spans, failed_traces, self.failed_spans
 
 
 def _input_problem(path: str) -> str | None:
@@ -337,8 +401,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"replayed {result.traces} traces ({result.spans} spans) from {args.file} to "
               f"{args.to}: {delivered} traces delivered, 0 failed{unreadable}", file=sys.stderr)
     else:
-        why = counting.flush_error or (
-            f"{counting.failed_batches} of {counting.batches} batches refused by {args.to}")
+        reasons = [f"{len(ids) or 1} not stored: {reason}" for reason, ids in sorted(counting.not_stored.items())]
+        refused = [f"{counting.failed_batches} of {counting.batches} batches refused by {args.to}"
+                   ] if counting.failed_batches or not reasons else []
+        why = counting.flush_error or "; ".join(refused + reasons)
         print(f"{prog}: delivery failed: {delivered} traces ({delivered_spans} spans) delivered, "
               f"{failed} traces ({failed_spans} spans) failed, of {result.traces} traces read "
               f"from {args.file} ({why}){unreadable}", file=sys.stderr)

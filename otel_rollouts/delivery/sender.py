@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -30,21 +31,29 @@ _DRAIN_BYTES = 2 * 1024 * 1024
 
 
 def approx_bytes(spans: Sequence[ReadableSpan]) -> int:
-    """About how many bytes a batch holds: its texts plus a fixed cost per value (the bound on
-    memory waiting for an exporter is kept in these units)."""
+    """About how much memory a batch holds, in bytes: texts at their real size (``sys.getsizeof``:
+    a text holding one character beyond Latin-1 takes 2 or 4 bytes a character, which counting
+    characters missed), plus a fixed cost per span, value and event (the bound on memory waiting
+    for an exporter is kept in these units)."""
     total = 0
+    size = sys.getsizeof
     for span in spans:
-        total += 200 + len(span.name)
+        total += 400 + size(span.name)
         for key, value in (span.attributes or {}).items():
-            total += len(key) + 16
+            total += size(key) + 16
             if isinstance(value, str):
-                total += len(value)
+                total += size(value)
             elif isinstance(value, (tuple, list)):
-                total += sum(len(v) if isinstance(v, str) else 8 for v in value)
+                total += 56 + sum(size(v) if isinstance(v, str) else 24 for v in value)
+            else:
+                total += 24
         for event in span.events or ():
-            total += 64 + len(event.name)
+            total += 200 + size(event.name)
             for key, value in (event.attributes or {}).items():
-                total += len(key) + 16 + (len(value) if isinstance(value, str) else 8)
+                total += size(key) + 16 + (size(value) if isinstance(value, str) else 24)
+        status = span.status
+        if status is not None and status.description:
+            total += size(status.description)
     return total
 
 
@@ -96,6 +105,7 @@ class SpoolingSender(SpanExporter):
         self._spilling = 0  # episodes taken from memory and being written to the spool
         self._last_ok = True
         self._hurry = False  # shutdown: backoff capped at _HURRY_MAX_S (a few tries before the deadline)
+        self._adopted: set[Path] = set()  # spool files of a previous run, entered in the ledger
         self._head_strikes: dict[Any, int] = {}  # spool head -> times a later batch went through instead
         if spool_dir is not None and spool_dir.is_dir() and any(spool_dir.glob("*.otlp")):
             self._open_spool()  # batches a previous process left behind go first
@@ -313,6 +323,8 @@ class SpoolingSender(SpanExporter):
         if failures == 0 and len(spool) > 1:
             # the exporter is taking batches: drain several spooled ones per request
             many = spool.peek_many(_DRAIN_BATCHES, _DRAIN_BYTES)
+            for path, batch, _ in many:
+                self._adopt(spool, path, batch)
             spans = [span for _, batch, _ in many for span in batch]
             failed = self._send(spans)
             if not failed or sum(len(p) for p in failed) < len(spans):
@@ -325,6 +337,7 @@ class SpoolingSender(SpanExporter):
         if head is None:
             return True
         path, spans, _ = head
+        self._adopt(spool, path, spans)
         failed = self._send(spans)
         if not failed:
             spool.remove(path)
@@ -343,6 +356,7 @@ class SpoolingSender(SpanExporter):
                 later = spool.peek(index)
                 if later is None:
                     return False
+                self._adopt(spool, later[0], later[1])
                 if not self._send(later[1]):
                     spool.remove(later[0])
                     break
@@ -357,6 +371,13 @@ class SpoolingSender(SpanExporter):
                 self._head_strikes = {path: strikes}
             return True
         return False
+
+    def _adopt(self, spool: Spool, path: Path, spans: list[ReadableSpan]) -> None:
+        """A batch a previous run left behind enters the ledger the first time it is read."""
+        if path in self._adopted or spool.is_own(path):
+            return
+        self._adopted.add(path)
+        self.counts.adopt(spans)
 
     def _send(self, spans: list[ReadableSpan]) -> list[list[ReadableSpan]]:
         """Export ``spans`` through the layers below; return the parts that failed."""

@@ -270,6 +270,11 @@ class Spool:
         with self._lock:
             return sum(e for _, _, e in self._files)
 
+    def is_own(self, path: Path) -> bool:
+        """Whether this process wrote the batch at ``path`` (else a previous run left it)."""
+        with self._lock:
+            return path in self._traces
+
     def trace_ids(self) -> set[int]:
         """Trace ids of the batches this process wrote that are still here."""
         with self._lock:
