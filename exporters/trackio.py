@@ -28,12 +28,17 @@ What Trackio 0.43's Traces page derives from a trace (``frontend/src/lib/traceUt
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import sqlite3
 import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -41,6 +46,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from otel_rollouts import conventions as c
 from otel_rollouts._core.messages import as_text, attach_tool_call, to_openai
 from otel_rollouts._core.redaction import Redactor
+from otel_rollouts._core.values import fits_int64
 from otel_rollouts.exporters._tree import (
     by_trace,
     duration_ms,
@@ -297,12 +303,180 @@ def _number(value: Any) -> float | int | None:
 
 
 def _unstorable(messages: Any, metadata: Any, spans: Any) -> str | None:
-    """Why Trackio could not store a trace with these parts (its storage is UTF-8 JSON), or None."""
+    """Why Trackio could not store a trace with these parts, or None.
+
+    Checked with Trackio's own serializer (``trackio.utils.serialize_values`` then ``orjson``):
+    orjson refuses what ``json`` accepts, an int beyond 64 bits first of all, and Trackio then
+    skips the *whole key* of the log, every episode of the step with it. Its storage is UTF-8.
+    """
+    try:
+        import orjson
+        from trackio import utils as trackio_utils
+
+        serialize: Any = trackio_utils.serialize_values  # untyped in Trackio
+        orjson.dumps(serialize([messages, metadata, spans]))
+    except ImportError:  # a Trackio without them: the standard library's check
+        pass
+    except Exception as exc:  # noqa: BLE001 - orjson's JSONEncodeError and whatever a value raises
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
     try:
         json.dumps([messages, metadata, spans], ensure_ascii=False, default=str).encode("utf-8")
     except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as exc:
         return f"{type(exc).__name__}: {str(exc)[:120]}"
     return None
+
+
+# Why an episode the exporter took was not stored (the reasons of ``take_not_stored``)
+NOT_STORED_UNSTORABLE = "unstorable"  # a value Trackio cannot store (see ``_unstorable``)
+NOT_STORED_DIR_UNUSABLE = "trackio_dir_unusable"  # TRACKIO_DIR (or a parent) is a file: never writable
+NOT_STORED_READ_ONLY = "trackio_read_only"  # TRACKIO_DIR or the database cannot be written
+NOT_STORED_WRITE_FAILED = "trackio_write_failed"  # the write left it out, for no reason we could name
+# (a locked database and a full disk are transient: the export fails and is retried instead)
+# what makes trackio.init log to a remote server instead of the local database
+_TRACKIO_REMOTE_ENV = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")
+_PROBE_TIMEOUT_S = 0.25  # how long the lock probe waits on SQLite's lock (a write takes milliseconds)
+_PROCESS_LOCK_WAIT_S = 1.0  # and on Trackio's per-project process lock
+
+
+class _WriteProblem(NamedTuple):
+    """Why a Trackio write cannot (or did not) happen: a ``reason`` for ``take_not_stored``, and
+    whether retrying the export later makes sense (``transient``: a lock, a full disk)."""
+
+    reason: str
+    transient: bool
+    detail: str
+
+
+class _Episode(NamedTuple):
+    """One episode of an export, ready for Trackio."""
+
+    trace_id: int
+    step: int
+    key: str
+    trace: Any  # trackio.Trace
+    row: dict[str, Any]
+
+
+def _first_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _probe_process_lock(lock_path: Path) -> bool:
+    """Whether Trackio's per-project process lock (an ``flock`` on ``<project>.lock``) can be
+    taken within ``_PROCESS_LOCK_WAIT_S``: another process holding it for longer makes every
+    Trackio write wait 10 s and then fail. Released at once."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: Trackio uses msvcrt there; not probed
+        return True
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return True  # no lock file yet (or unreadable): nothing to wait for, the write tells
+    try:
+        waiter = threading.Event()
+        deadline = _PROCESS_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                if deadline <= 0:
+                    return False
+                waiter.wait(0.05)  # polling another process's lock: nothing to wait on
+                deadline -= 0.05
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+    finally:
+        os.close(fd)
+
+
+def _classify(exc: BaseException) -> _WriteProblem:
+    """A failed write's ``_WriteProblem`` from its exception."""
+    detail = f"{type(exc).__name__}: {str(exc)[:160]}"
+    text = str(exc).lower()
+    code = getattr(exc, "errno", None)
+    if code == errno.ENOSPC or "disk is full" in text or "no space" in text:
+        return _WriteProblem(NOT_STORED_WRITE_FAILED, True, f"disk full ({detail})")
+    if "locked" in text or "busy" in text:
+        return _WriteProblem(NOT_STORED_WRITE_FAILED, True, f"database locked ({detail})")
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        return _WriteProblem(NOT_STORED_DIR_UNUSABLE, False, detail)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "readonly" in text or "read-only" in text:
+        return _WriteProblem(NOT_STORED_READ_ONLY, False, detail)
+    return _WriteProblem(NOT_STORED_WRITE_FAILED, False, detail)
+
+
+def diagnose(db_path: Path, lock_path: Path | None = None) -> _WriteProblem | None:
+    """Why a write to Trackio's database at ``db_path`` cannot succeed now, or None when nothing
+    is seen to stop it. Cheap enough to run before every write, and again after a write that
+    stored less than it was given, to name why:
+
+    * ``TRACKIO_DIR`` (or a parent) is a file: never writable, not transient;
+    * another process holds Trackio's process lock or an exclusive SQLite lock: transient;
+    * the filesystem has no space left: transient (space may be freed; the export is retried);
+    * the directory or the database is read-only: not transient.
+    """
+    directory = db_path.parent
+    existing = _first_existing(directory)
+    if not existing.is_dir():
+        return _WriteProblem(NOT_STORED_DIR_UNUSABLE, False, f"TRACKIO_DIR {str(directory)!r} is not a directory "
+                             f"({str(existing)!r} is a file)")
+    if existing == directory and not os.access(directory, os.W_OK | os.X_OK):
+        return _WriteProblem(NOT_STORED_READ_ONLY, False, f"TRACKIO_DIR {str(directory)!r} is not writable")
+    try:
+        stat = os.statvfs(existing)
+        if stat.f_bavail == 0 and os.geteuid() != 0 or stat.f_bfree == 0:
+            return _WriteProblem(NOT_STORED_WRITE_FAILED, True, f"no space left under {str(existing)!r}")
+    except (OSError, AttributeError):
+        pass
+    if lock_path is not None and not _probe_process_lock(lock_path):
+        return _WriteProblem(NOT_STORED_WRITE_FAILED, True, f"another process holds {str(lock_path)!r}")
+    if not db_path.exists():
+        return None  # Trackio creates it
+    try:
+        conn = sqlite3.connect(str(db_path), timeout=_PROBE_TIMEOUT_S, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the lock a write takes first; released at once
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return _classify(exc)
+    return None
+
+
+def stored_trace_ids(db_path: Path, run_name: str, since: str) -> set[str]:
+    """The OpenTelemetry trace ids (32 hex digits, from each trace's metadata) of the traces
+    Trackio stored for ``run_name`` at or after ``since`` (an ISO timestamp in UTC, the format
+    Trackio stamps rows with): what a write really stored. Read-only; raises ``sqlite3.Error``
+    when the database cannot be read."""
+    if not db_path.exists():
+        return set()
+    conn = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+    try:
+        rows = conn.execute(
+            "SELECT metadata FROM traces WHERE run_name = ? AND timestamp >= ?", (run_name, since)
+        ).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return set()
+        raise
+    finally:
+        conn.close()
+    found: set[str] = set()
+    for (metadata,) in rows:
+        try:
+            value = json.loads(metadata)
+        except (TypeError, ValueError):
+            continue
+        trace_id = value.get(META_TRACE_ID) if isinstance(value, dict) else None
+        if isinstance(trace_id, str):
+            found.add(trace_id)
+    return found
 
 
 def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
@@ -362,8 +536,11 @@ class TrackioExporter(SpanExporter):
         self.skipped_fragments = 0
         self.tables_logged = 0
         self.table_failures = 0
-        self._not_stored: dict[str, int] = {}
+        self.metrics_skipped = 0  # steps whose scalars could not be written (log_metrics)
+        self._not_stored: dict[str, list[int]] = {}  # reason -> trace ids (take_not_stored)
+        self._not_stored_lock = threading.Lock()
         self._warned_unstorable = False
+        self._warned_problems: set[str] = set()
 
     def _trackio_run(self) -> Any:
         if self._run is None:
@@ -407,9 +584,25 @@ class TrackioExporter(SpanExporter):
         return f"{key}/{TABLE_SUFFIX}"
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Write each episode (trace) of ``spans`` to Trackio, and confirm what got stored.
+
+        Trackio's ``run.log`` only queues: its writer thread writes a batch every half second and
+        merely *warns* when the write fails (a locked database, a full disk, ``TRACKIO_DIR`` a
+        file), dropping the batch. So, with Trackio's local SQLite storage, the export waits for
+        the write and reads back which of its episodes were stored:
+
+        * ``SUCCESS``: every episode was stored, except those ``take_not_stored()`` returns by
+          reason (a value Trackio cannot store, a directory that can never be written...);
+        * ``FAILURE``: nothing was stored and retrying later makes sense (a lock another process
+          holds, a full disk): nothing is half-written, so a retry sends no episode twice.
+
+        A Space (or a Trackio in its JSONL mode) cannot be read back from here: its failures are
+        those Trackio reports when the run is finished (``force_flush``).
+        """
         import trackio
 
-        episodes: list[tuple[int, str, str, Any, dict[str, Any]]] = []  # step, key, trace id, trace, row
+        episodes: list[_Episode] = []
+        unstorable: list[int] = []  # reported only when the export succeeds (a retry finds them again)
         for trace_id, group in by_trace(spans).items():
             root = root_of(group)
             if root is None:
@@ -421,40 +614,161 @@ class TrackioExporter(SpanExporter):
             split = str(attrs.get(c.RL_SPLIT) or "train")
             key = self.trace_key if split == "train" else f"{split}/{self.trace_key}"
             url = self.trace_url(trace_id)
-            messages, metadata, tree = episode_messages(group), episode_metadata(root, url, group), episode_spans(group)
-            problem = _unstorable(messages, metadata, tree)
-            if problem is not None:
+            try:
+                messages, metadata = episode_messages(group), episode_metadata(root, url, group)
+                tree = episode_spans(group)
+                problem = _unstorable(messages, metadata, tree)
+                if problem is None and not fits_int64(step):
+                    problem = f"step {step} is beyond 64-bit integer range"
+                trace = None if problem is not None else trackio.Trace(messages=messages, metadata=metadata,
+                                                                       spans=tree)
+                row = table_row(group, url)
+            except Exception as exc:  # noqa: BLE001 - one episode's odd value never loses the others
+                problem, trace = f"{type(exc).__name__}: {str(exc)[:120]}", None
+            if problem is not None or trace is None:
                 # Trackio would skip the whole step's traces with a warning of its own: leave this
                 # one out, and say so (counted lost, never delivered)
-                self._not_stored["unstorable"] = self._not_stored.get("unstorable", 0) + 1
+                unstorable.append(trace_id)
                 if not self._warned_unstorable:
                     self._warned_unstorable = True
                     logger.warning("otel_rollouts: TrackioExporter: trace %s cannot be stored by Trackio (%s); "
                                    "counted lost in otr.stats()", hex_id(trace_id, 32), problem)
                 continue
-            trace = trackio.Trace(messages=messages, metadata=metadata, spans=tree)
-            episodes.append((step, key, hex_id(trace_id, 32), trace, table_row(group, url)))
+            episodes.append(_Episode(trace_id, step, key, trace, row))
+        result = self._write(episodes)
+        if result is SpanExportResult.SUCCESS and unstorable:
+            self._not_stored_add(NOT_STORED_UNSTORABLE, unstorable)
+        return result
+
+    def _write(self, episodes: list[_Episode]) -> SpanExportResult:
+        """Log ``episodes`` to Trackio and confirm them (see ``export``)."""
         if not episodes:
             return SpanExportResult.SUCCESS
-        by_step: dict[tuple[int, str], list[Any]] = defaultdict(list)
-        for step, key, _, trace, _ in episodes:
-            by_step[(step, key)].append(trace)
         with self._lock:
+            problem = self._cannot_write()
+            if problem is not None:
+                return self._not_written(problem, episodes)
             run = self._trackio_run()
+            confirm = self._confirmable(run)
+            since = datetime.now(timezone.utc).isoformat()
+            by_step: dict[tuple[int, str], list[Any]] = defaultdict(list)
+            for episode in episodes:
+                by_step[(episode.step, episode.key)].append(episode.trace)
             # one log per (step, key): Trackio's trace ids are "<run id>:<log id>:<key>:<index>"
             for (step, key), traces in sorted(by_step.items()):
                 run.log({key: traces}, step=step)
-                self.exported += len(traces)
+            stored = episodes
+            if confirm:
+                outcome = self._confirm(run, episodes, since)
+                if isinstance(outcome, SpanExportResult):
+                    return outcome
+                stored = outcome
+            self.exported += len(stored)
             if self.table:
-                for step, key, hex_trace_id, _, row in episodes:
-                    self._rows[(step, f"{key}/{TABLE_SUFFIX}")][hex_trace_id] = row
-            # the steps before the latest one here are over: their tables can be logged
-            self._log_tables(before=max(e[0] for e in episodes))
+                for episode in stored:
+                    self._rows[(episode.step, f"{episode.key}/{TABLE_SUFFIX}")][hex_id(episode.trace_id, 32)] = \
+                        episode.row
+            if stored:
+                # the steps before the latest one here are over: their tables can be logged
+                self._log_tables(before=max(e.step for e in stored))
         return SpanExportResult.SUCCESS
 
-    def take_not_stored(self) -> dict[str, int]:
-        """Episodes of the last exports that were not stored, by reason (then forgotten)."""
-        out, self._not_stored = self._not_stored, {}
+    def _cannot_write(self) -> _WriteProblem | None:
+        """Why a write to the local database cannot succeed now (``diagnose``), checked before
+        anything is handed to Trackio, whose writer (and ``trackio.init`` itself) waits 30 s on a
+        locked database and then drops the batch; None when it can, or when Trackio logs to a
+        Space or a server (nothing local to check)."""
+        if self._run is not None:
+            local = self._confirmable(self._run)
+        else:
+            local = self.space_id is None and not any(os.environ.get(name) for name in _TRACKIO_REMOTE_ENV)
+        return diagnose(self._db_path(), self._lock_path()) if local else None
+
+    def _confirmable(self, run: Any) -> bool:
+        """Whether this run's writes can be read back here: Trackio's local SQLite storage."""
+        return bool(getattr(run, "_is_local", self.space_id is None)) and getattr(
+            run, "_storage_mode", "sqlite") == "sqlite"
+
+    def _db_path(self) -> Path:
+        """The project's SQLite file, as Trackio names it (under ``TRACKIO_DIR``)."""
+        from trackio.sqlite_storage import SQLiteStorage
+
+        return Path(SQLiteStorage.get_project_db_path(self.project))
+
+    def _lock_path(self) -> Path | None:
+        """Trackio's per-project process lock file (None when this Trackio has none we know)."""
+        try:
+            from trackio.utils import canonical_project_name
+
+            return self._db_path().parent / f"{canonical_project_name(self.project)}.lock"
+        except ImportError:
+            return None
+
+    def _confirm(self, run: Any, episodes: list[_Episode], since: str) -> SpanExportResult | list[_Episode]:
+        """Wait for Trackio's write of ``episodes`` and read back which were stored.
+
+        Returns the stored episodes (the others are added to ``take_not_stored`` under the reason
+        the diagnosis names), or ``FAILURE`` when none was stored and the cause is transient.
+        """
+        self._write_now(run)
+        try:
+            found = stored_trace_ids(self._db_path(), run.name, since)
+        except sqlite3.Error as exc:
+            # what was written cannot be read: the write met the same fault (a lock taken since)
+            return self._not_written(_classify(exc), episodes)
+        stored = [e for e in episodes if hex_id(e.trace_id, 32) in found]
+        if len(stored) == len(episodes):
+            return stored
+        missing = [e for e in episodes if hex_id(e.trace_id, 32) not in found]
+        problem = diagnose(self._db_path(), self._lock_path()) or _WriteProblem(
+            NOT_STORED_WRITE_FAILED, False, f"Trackio did not store it ({', '.join(_persist_failures(run)) or 'no warning'})")
+        if not stored:
+            return self._not_written(problem, episodes)
+        # part of the write went through: a retry would send the stored ones twice
+        self._not_written(problem._replace(transient=False), missing)
+        return stored
+
+    def _write_now(self, run: Any) -> None:
+        """Make Trackio write what ``run.log`` queued, now, on this thread: what its writer thread
+        does every half second (under the same lock, so never concurrently with it). A Trackio
+        without these internals is finished instead (``join``s its writer) and resumed by name on
+        the next export."""
+        client_lock = getattr(run, "_client_lock", None)
+        flush = getattr(run, "_flush_queues_inline", None)
+        if client_lock is not None and callable(flush):
+            with client_lock:
+                flush()
+            return
+        self._run = None
+        self.run_name = run.name
+        run.finish()
+
+    def _not_written(self, problem: _WriteProblem, episodes: list[_Episode]) -> SpanExportResult:
+        """``episodes`` were not stored for ``problem``: ``FAILURE`` when it is transient (the
+        export is retried), else counted under its reason in ``take_not_stored`` (``SUCCESS``)."""
+        first = problem.reason not in self._warned_problems
+        self._warned_problems.add(problem.reason)
+        if problem.transient:
+            if first:
+                logger.warning("otel_rollouts: TrackioExporter: Trackio cannot write now (%s); the export "
+                               "fails and is retried", problem.detail)
+            return SpanExportResult.FAILURE
+        if first:
+            logger.warning("otel_rollouts: TrackioExporter: %d episode(s) not stored by Trackio (%s: %s); "
+                           "counted lost in otr.stats()", len(episodes), problem.reason, problem.detail)
+        self._not_stored_add(problem.reason, [e.trace_id for e in episodes])
+        return SpanExportResult.SUCCESS
+
+    def _not_stored_add(self, reason: str, trace_ids: list[int]) -> None:
+        with self._not_stored_lock:
+            self._not_stored.setdefault(reason, []).extend(trace_ids)
+
+    def take_not_stored(self) -> dict[str, list[int]]:
+        """The episodes of the last exports that were not stored: reason -> their OpenTelemetry
+        trace ids (then forgotten). Called by the delivery layer right after an export returned
+        ``SUCCESS``: those episodes are dropped under ``reason``, the batch's others delivered."""
+        with self._not_stored_lock:
+            out, self._not_stored = self._not_stored, {}
         return out
 
     def _log_tables(self, before: int | None = None) -> None:
@@ -484,9 +798,16 @@ class TrackioExporter(SpanExporter):
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
         as its traces). Handed down by the pipeline's metrics when the step closes."""
-        if not values:
-            return
+        if not values or not fits_int64(int(step)):
+            return  # a step Trackio's storage cannot hold would lose the whole batch of its write
         with self._lock:
+            problem = self._cannot_write()
+            if problem is not None:  # scalars are a view of the step: skipped, said once
+                self.metrics_skipped += 1
+                if self.metrics_skipped == 1:
+                    logger.warning("otel_rollouts: TrackioExporter: step %d scalars not logged (%s)",
+                                   step, problem.detail)
+                return
             self._trackio_run().log(dict(values), step=int(step))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -508,10 +829,17 @@ class TrackioExporter(SpanExporter):
             if self._run is not None:
                 run, self._run = self._run, None
                 self.run_name = run.name
+                confirmed = self._confirmable(run)
                 run.finish()
                 # Trackio writes on its own thread and only *warns* when a write fails (read-only
-                # or full directory, locked database): turn that into an error the delivery
-                # layer counts and logs once, instead of a silent loss
+                # or full directory, locked database). Episodes written to local storage were
+                # confirmed by their export (what is left here are step tables and scalars, views
+                # of them); elsewhere (a Space) turn the warning into an error the delivery layer
+                # counts and logs once, instead of a silent loss
                 failed = _persist_failures(run)
-                if failed:
+                if failed and not confirmed:
                     raise OSError(f"trackio could not persist run {run.name!r} ({', '.join(failed)})")
+                if failed and "finish" not in self._warned_problems:
+                    self._warned_problems.add("finish")
+                    logger.warning("otel_rollouts: TrackioExporter: Trackio could not write everything of run "
+                                   "%r (%s); stored episodes are not affected", run.name, ", ".join(failed))

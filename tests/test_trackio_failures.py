@@ -65,17 +65,26 @@ def _run(tmp_path: Path, trackio_dir: Path, timeout: float = 120, **env: str) ->
         capture_output=True, text=True, env=full_env, timeout=timeout,
     )
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+    # Trackio prints its own lines (at shutdown, after ours): the result is the JSON line
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1]), done.stderr
 
 
-def _assert_contained(result: dict, stderr: str) -> None:
+def _assert_contained(result: dict, stderr: str, dropped_as: str | None = None) -> None:
+    """Training saw nothing, the other exporter got everything, and Trackio's failure is counted:
+    as failed exports (retried: a lock, a full disk, an unreachable Space) or, with
+    ``dropped_as``, as every episode dropped under that reason. Never as delivered."""
     assert result["user_errors"] == []  # training never saw an exception
     assert result["kept"] == 12
     assert result["memory_roots"] == 12  # the other exporter received every kept episode
     assert result["delivery"]["InMemorySpanExporter"]["delivered"] == 12
+    assert result["delivery"]["TrackioExporter"]["delivered"] == 0  # nothing was stored
     totals = result["totals"]
-    failures = sum(v for k, v in totals.items() if k.endswith(".TrackioExporter") and k.startswith("errors."))
-    assert failures >= 1, totals  # counted
+    if dropped_as is not None:
+        assert totals.get(f"dropped.{dropped_as}.TrackioExporter") == 12, totals  # counted, by name
+    else:
+        failures = sum(v for k, v in totals.items() if k.endswith(".TrackioExporter")
+                       and k.startswith(("errors.", "export.failures.")))
+        assert failures >= 1, (totals, result["delivery"])  # counted
     ours = [line for line in stderr.splitlines() if line.startswith("otel_rollouts|") and "Trackio" in line]
     assert ours, stderr
     assert len(ours) == len(set(ours)), ours  # each problem logged once, not per episode
@@ -108,8 +117,8 @@ def test_read_only_trackio_directory(tmp_path):
             _umount(trackio_dir)
         else:
             trackio_dir.chmod(0o755)
-    _assert_contained(result, stderr)
-    assert result["flushed"] is False  # and flush() says that not everything got through
+    # not transient: every episode dropped under a named reason (retrying cannot help)
+    _assert_contained(result, stderr, dropped_as="trackio_read_only")
 
 
 def test_full_trackio_directory(tmp_path):
@@ -141,6 +150,46 @@ def test_locked_trackio_database(tmp_path):
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         result, stderr = _run(tmp_path, trackio_dir, OTR_FLUSH="25")
     _assert_contained(result, stderr)
+    assert result["flushed"] is False  # and flush() says that not everything got through
+
+
+HOLD_SQLITE_LOCK = textwrap.dedent(
+    """
+    import sqlite3, sys
+    db = sqlite3.connect(sys.argv[1], isolation_level=None)
+    db.execute("PRAGMA journal_mode = WAL")  # as Trackio made it
+    db.execute("CREATE TABLE IF NOT EXISTS held (x)")
+    db.execute("BEGIN EXCLUSIVE")
+    print("locked", flush=True)
+    sys.stdin.readline()  # held until the test says so
+    db.execute("ROLLBACK")
+    """
+)
+
+
+def test_sqlite_database_locked_by_another_process(tmp_path):
+    trackio_dir = tmp_path / "sqlite-locked"
+    trackio_dir.mkdir()
+    # another process holds an exclusive SQLite lock on the project's database for the whole run
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SQLITE_LOCK, str(trackio_dir / "proj.db")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        result, stderr = _run(tmp_path, trackio_dir, OTR_FLUSH="5")
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    _assert_contained(result, stderr)
+    assert result["flushed"] is False  # retried, not stored: flush() says so
+
+
+def test_trackio_dir_that_is_a_file(tmp_path):
+    trackio_dir = tmp_path / "a-file"
+    trackio_dir.write_text("not a directory")
+    result, stderr = _run(tmp_path, trackio_dir)
+    _assert_contained(result, stderr, dropped_as="trackio_dir_unusable")
 
 
 def test_unreachable_trackio_space_fails_fast(tmp_path):

@@ -9,7 +9,17 @@ from typing import Any
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import call_user, scalar, short_repr, type_name
 
-__all__ = ["refused", "to_float", "to_int"]
+__all__ = ["INT64_MAX", "INT64_MIN", "fits_int64", "refused", "storable_number", "to_float", "to_int"]
+
+# Backends store integers as signed 64-bit (OTLP's int_value, SQLite's INTEGER, Trackio's orjson):
+# a Python int beyond these bounds cannot be stored as an integer anywhere downstream
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+def fits_int64(value: int) -> bool:
+    """Whether an int is a signed 64-bit integer (what every backend can store as one)."""
+    return INT64_MIN <= value <= INT64_MAX
 
 
 def refused(value: Any) -> str:
@@ -48,8 +58,36 @@ def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
     return number, None
 
 
+def storable_number(value: int | float, field: str) -> tuple[int | float | str, str | None]:
+    """A metadata number every backend can store: an int beyond signed 64 bits becomes the
+    nearest float (its magnitude kept, its low digits not), with a reason naming ``field`` for
+    ``rl.invalid``; any other number is returned as it is. Without this an exporter whose storage
+    is 64-bit (Trackio, OTLP) would lose the value, or the whole episode with it."""
+    if type(value) is bool or not isinstance(value, int) or fits_int64(value):
+        return value, None
+    try:
+        number = float(value)
+    except OverflowError:  # beyond a float too: exact as text (hex past Python's str() digit limit)
+        try:
+            text = str(value)
+        except ValueError:
+            text = hex(value)
+        return text, f"{field}: beyond 64-bit integer range, stored as text: {refused(value)}"
+    return number, f"{field}: beyond 64-bit integer range, stored as float: {refused(value)}"
+
+
 def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
-    """Coerce an index/step-like value to int; refuse floats with a fraction and non-numbers."""
+    """Coerce an index/step-like value to a signed 64-bit int; refuse floats with a fraction,
+    non-numbers and integers beyond 64 bits (no backend stores them as integers: a step or index
+    is a key, so it is refused with a reason rather than rounded)."""
+    number, problem = _to_int(value, field)
+    if number is not None and not fits_int64(number):
+        return None, f"{field}: beyond 64-bit integer range: {refused(value)}"
+    return number, problem
+
+
+def _to_int(value: Any, field: str) -> tuple[int | None, str | None]:
+    """``to_int`` without the 64-bit bound."""
     if type(value) is int:  # the common case, first
         return value, None
     value = scalar(value)
