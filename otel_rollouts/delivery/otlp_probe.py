@@ -78,7 +78,7 @@ class OtlpProbe:
         try:
             client = getattr(exporter, "_client", None)
             transport = getattr(client, "_transport", None)
-            if transport is not None and callable(getattr(transport, "request", None)):
+            if client is not None and transport is not None and callable(getattr(transport, "request", None)):
                 client._transport = _HttpTransport(transport, probe)  # noqa: SLF001
                 return probe
             stub = getattr(exporter, "_stub", None)
