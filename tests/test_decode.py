@@ -436,3 +436,19 @@ def test_the_tokenizer_cache_is_weakly_keyed_and_bounded():
     for t in kept[1:]:
         cache.get(t)
     assert len(cache) == 2  # the oldest by-id entry made room
+
+
+def test_a_0d_tensor_column_is_given_to_every_sample_and_the_batch_recorded(tok, memory):
+    """A 0-d tensor (or one number, one text) where a per-sample column goes: every sample gets
+    it and the summary says so. It once raised inside the library and lost the whole batch."""
+    samples = [single_turn(tok, "Say hi.", "hi", version=1), single_turn(tok, "Say yo.", "yo", version=1)]
+    batch = padded(samples, tok.pad_token_id)
+    summary, got = record(tok, memory, batch["input_ids"], attention_mask=batch["attention_mask"],
+                          loss_mask=batch["loss_mask"], rewards=torch.tensor(1.0),
+                          advantages=torch.tensor(0.5), group_ids="g0")
+    assert summary.recorded == 2
+    assert any(p.startswith("rewards: one value for 2 samples") for p in summary.problems)
+    assert sorted(got) == [0, 1]
+    for ep in got.values():
+        assert ep["root"][c.RL_REWARD] == 1.0 and ep["root"][c.RL_ADVANTAGE] == 0.5
+        assert ep["root"][c.RL_GROUP_ID] == "g0"

@@ -384,6 +384,15 @@ def _per_sample(name: str, value: Any, batch: int, summary: TokenBatchSummary) -
     """A per-sample column aligned to the batch: short columns leave ``None`` and are noted."""
     from otel_rollouts.decode.layout import host_column
 
+    if value is None:
+        return None
+    shape = getattr(value, "shape", None)
+    if (shape is not None and len(shape) == 0) or isinstance(value, (int, float, str, bytes)):
+        # one value for the whole batch (a 0-d tensor, a number, a text): given to every sample,
+        # and said so; it once lost the whole batch
+        one = host_column(value.reshape(1)) if shape is not None else [value]
+        summary.problems.append(f"{name}: one value for {batch} samples (given to each)")
+        return list(one or [None]) * batch
     column = host_column(value)
     if column is None:
         return None
