@@ -21,7 +21,12 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.guard import guarded
-from otel_rollouts._core.redaction import RedactingLogFilter, Redactor, make_redactor, redact_sdk_logs
+from otel_rollouts._core.redaction import (
+    RedactingLogFilter,
+    Redactor,
+    make_redactor,
+    redact_sdk_logs,
+)
 from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, resolve
 from otel_rollouts._core.stats import Stats
