@@ -360,3 +360,33 @@ def test_the_property_covers_every_fault_kind():
     edited down to the easy ones)."""
     assert {413, 400, 503, "reject_all", "reject_half", "hang"} <= set(HTTP_FAULTS)
     assert {"failure", "raise", "exit", "interrupt", "hang"} <= set(PY_FAULTS)
+
+
+def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_disk(tmp_path):
+    """The same property against Trackio's real SQLite storage, with another process holding the
+    database's lock and the filesystem full (a 16 MB tmpfs, filled), for a step or past shutdown.
+    Run in a child process: Trackio reads TRACKIO_DIR at import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    small = tmp_path / "trackio"
+    small.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], capture_output=True).returncode == 0
+    if not mounted:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root: mounting a small tmpfs must work")
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        env = dict(os.environ, TRACKIO_DIR=str(small), PYTHONPATH=os.pathsep.join(
+            filter(None, [str(here.parent), os.environ.get("PYTHONPATH")])))
+        done = subprocess.run(
+            [sys.executable, str(here / "ledger_trackio_property.py"), os.environ.get("OTR_LEDGER_TRACKIO_EXAMPLES", "6")],
+            capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "examples: " in done.stdout
+    assert int(done.stdout.rsplit("examples: ", 1)[1].split()[0]) >= 6
