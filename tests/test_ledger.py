@@ -222,10 +222,15 @@ def test_an_episode_inside_a_hung_export_at_shutdown_is_counted_lost_once(otr_sh
     returns after all, nothing is counted a second time."""
     hung = Hostile(["hang"])
     healthy = InMemorySpanExporter()
-    otr.configure(exporters=[hung, healthy], sampler=otr.TailSampler(100, "first"), handle_signals=False)
+    otr.configure(exporters=[healthy, hung], sampler=otr.TailSampler(100, "first"), handle_signals=False)
     _episodes(0, 4)
     otr.end_step(0)
     assert hung.hanging.wait(30)
+    # flush waits for the healthy exporter (first) to be idle, then gives up on the hung one
+    assert otr.flush(timeout=2) is False
+    pending = otr.stats()["delivery"]
+    assert pending["Hostile"]["pending"] == 4 and pending["Hostile"]["pending_steps"] == {"0/train": 4}
+    assert pending["InMemorySpanExporter"]["pending"] == 0
     assert otr.shutdown(timeout=1.0) is False  # it could not deliver everything in time
     totals = otr.stats()["totals"]
     assert totals["dropped.undelivered_at_exit.Hostile"] == 4, totals

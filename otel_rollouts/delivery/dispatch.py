@@ -319,9 +319,10 @@ class Delivery:
         for sender in self.senders:
             self._call(sender, "shutdown")
 
-    def report(self) -> dict[str, dict[str, int]]:
-        """Per exporter: episodes delivered, spooled to disk, pending (the ledger's), dropped."""
-        out = {}
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Per exporter: episodes delivered, spooled to disk, pending (the ledger's: in all and
+        per ``"step/split"``), dropped."""
+        out: dict[str, dict[str, Any]] = {}
         pending = self.ledger.report()
         for sender in self.senders:
             counts = sender.counts
@@ -329,6 +330,7 @@ class Delivery:
                 "delivered": counts.total("delivered"),
                 "spooled": counts.total("spooled"),
                 "pending": pending[sender.name]["pending"],
+                "pending_steps": pending[sender.name]["pending_steps"],
                 "dropped": counts.dropped_episodes(),  # episodes only: dropped spans are not added
                 "failures": counts.total("export.failures"),
             }

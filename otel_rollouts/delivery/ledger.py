@@ -305,6 +305,14 @@ class Ledger:
             return trace_id in self._entries
 
     def report(self) -> dict[str, Any]:
-        """Per exporter: pending now (the rest is in the ``delivered``/``dropped`` counters)."""
+        """Per exporter: episodes pending now, and how many of them per ``"step/split"`` (the
+        rest of the books is in the ``delivered``/``dropped`` counters)."""
         with self._lock:
-            return {name: {"pending": self._pending[i]} for i, name in enumerate(self.exporters)}
+            by_step: list[dict[str, int]] = [{} for _ in self.exporters]
+            for entry in self._entries.values():
+                label = f"{entry.key[0]}/{entry.key[1]}"
+                for i, out in enumerate(entry.outstanding):
+                    if out is not None:
+                        by_step[i][label] = by_step[i].get(label, 0) + 1
+            return {name: {"pending": self._pending[i], "pending_steps": by_step[i]}
+                    for i, name in enumerate(self.exporters)}
