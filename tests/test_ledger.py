@@ -146,6 +146,55 @@ def test_refused_requests_in_a_row_never_stop_later_delivery(otr_shutdown, sink,
     assert sink.state()["script"] == []  # every scripted refusal was met
 
 
+def _grpc_server(service: object) -> tuple[object, int]:
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_a_grpc_ok_whose_partial_success_rejects_every_span_is_not_delivered(otr_shutdown):
+    """gRPC OK with ``partial_success.rejected_spans``: the first request's episode is dropped
+    (``rejected``), the next stored and delivered."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    answers = ["reject_all"]
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 - the service's own name
+            response = trace_service_pb2.ExportTraceServiceResponse()
+            if answers and answers.pop(0) == "reject_all":
+                response.partial_success.rejected_spans = sum(
+                    len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                response.partial_success.error_message = "scripted rejection"
+            return response
+
+    server, port = _grpc_server(Service())
+    try:
+        otr.configure(exporters=[GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5)],
+                      sampler=otr.TailSampler(100, "first"), handle_signals=False)
+        _episodes(0, 1)
+        otr.end_step(0)
+        assert otr.flush(timeout=30)
+        _episodes(1, 1)
+        otr.end_step(1)
+        assert otr.shutdown(timeout=30)
+    finally:
+        server.stop(None)  # type: ignore[attr-defined]
+    books = _books("OTLPSpanExporter")
+    assert books["0/train"]["delivered"] == 0 and books["0/train"]["dropped"] == 1
+    assert books["1/train"]["delivered"] == 1
+    assert otr.stats()["totals"]["dropped.rejected.OTLPSpanExporter"] == 1
+    _assert_balanced("OTLPSpanExporter")
+
+
 def test_a_grpc_invalid_argument_is_split_and_never_stops_delivery(otr_shutdown):
     grpc = pytest.importorskip("grpc")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
