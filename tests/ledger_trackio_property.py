@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 import sys
-import textwrap
 import uuid
 from collections import Counter
 from pathlib import Path
 
+from disk_faults import LockHolder, fill
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -30,16 +29,6 @@ from otel_rollouts.exporters import TrackioExporter
 
 TRACKIO_DIR = Path(os.environ["TRACKIO_DIR"])
 FAULTS = ["ok", "ok", "lock", "full", "lock_forever", "full_forever"]
-HOLD_LOCK = textwrap.dedent(
-    """
-    import sqlite3, sys
-    db = sqlite3.connect(sys.argv[1], isolation_level=None)
-    db.execute("BEGIN EXCLUSIVE")
-    print("locked", flush=True)
-    sys.stdin.readline()
-    db.execute("ROLLBACK")
-    """
-)
 examples = 0
 
 
@@ -48,36 +37,14 @@ class Fault:
     database, or a file filling what the filesystem has left."""
 
     def __init__(self, kind: str, db: Path) -> None:
-        self.kind = kind
-        self.holder: subprocess.Popen[str] | None = None
-        self.filler = TRACKIO_DIR / f"filler-{uuid.uuid4().hex[:8]}"
-        if kind.startswith("lock"):
-            if not db.exists():  # the lock needs the database: make it as Trackio would
-                sqlite3.connect(db).close()
-            self.holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(db)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            assert self.holder.stdout is not None and self.holder.stdout.readline().strip() == "locked"
-        elif kind.startswith("full"):
-            fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                while True:
-                    os.write(fd, b"\0" * 65536)
-            except OSError:
-                pass
-            try:
-                while True:
-                    os.write(fd, b"\0" * 512)
-            except OSError:
-                pass
-            os.close(fd)
+        self.holder = LockHolder(db) if kind.startswith("lock") else None
+        self.filler = fill(TRACKIO_DIR, f"filler-{uuid.uuid4().hex[:8]}") if kind.startswith("full") else None
 
     def off(self) -> None:
-        if self.holder is not None and self.holder.stdin is not None:
-            self.holder.stdin.write("\n")
-            self.holder.stdin.close()
-            self.holder.wait(30)
-            self.holder = None
-        self.filler.unlink(missing_ok=True)
+        if self.holder is not None:
+            self.holder.release()
+        if self.filler is not None:
+            self.filler.unlink(missing_ok=True)
 
 
 def stored(db: Path) -> Counter:

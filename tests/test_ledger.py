@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from concurrent import futures
 
 import pytest
+from disk_faults import mount_tmpfs, umount
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -217,10 +218,7 @@ def test_a_grpc_invalid_argument_is_split_and_never_stops_delivery(otr_shutdown)
                                          for kv in span.attributes))
             return trace_service_pb2.ExportTraceServiceResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = _grpc_server(Service())
     try:
         otr.configure(exporters=[GrpcExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5)],
                       sampler=otr.TailSampler(100, "first"), handle_signals=False)
@@ -232,7 +230,7 @@ def test_a_grpc_invalid_argument_is_split_and_never_stops_delivery(otr_shutdown)
         assert otr.flush(timeout=30)
         assert otr.shutdown(timeout=30)
     finally:
-        server.stop(None)
+        server.stop(None)  # type: ignore[attr-defined]
     books = _assert_balanced("OTLPSpanExporter")
     assert refusals[0] == 0
     assert books["delivered"] == len(set(stored)) >= 20
@@ -426,10 +424,7 @@ def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_dis
 
     here = Path(__file__).resolve().parent
     small = tmp_path / "trackio"
-    small.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], capture_output=True).returncode == 0
-    if not mounted:
+    if not mount_tmpfs(small, "size=16m"):
         if os.environ.get("CI"):
             pytest.fail("CI runs as root: mounting a small tmpfs must work")
         pytest.skip("needs root to mount a small tmpfs")
@@ -440,7 +435,7 @@ def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_dis
             [sys.executable, str(here / "ledger_trackio_property.py"), os.environ.get("OTR_LEDGER_TRACKIO_EXAMPLES", "6")],
             capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     finally:
-        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+        umount(small)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "examples: " in done.stdout
     assert int(done.stdout.rsplit("examples: ", 1)[1].split()[0]) >= 6

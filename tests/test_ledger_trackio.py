@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disk_faults import fill, locked, mount_tmpfs, umount
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
@@ -80,18 +81,6 @@ def _root(spans: list[ReadableSpan]) -> ReadableSpan:
 
 
 # --- a lock another process holds -----------------------------------------------------------------
-HOLD_LOCK = textwrap.dedent(
-    """
-    import sqlite3, sys
-    db = sqlite3.connect(sys.argv[1], isolation_level=None)
-    db.execute("BEGIN EXCLUSIVE")
-    print("locked", flush=True)
-    sys.stdin.readline()  # held until the test says so
-    db.execute("ROLLBACK")
-    """
-)
-
-
 def test_a_database_another_process_locks_fails_the_export_and_nothing_is_reported_stored(memory):
     project = _project()
     exporter = TrackioExporter(project, run="r", table=False)
@@ -100,18 +89,10 @@ def test_a_database_another_process_locks_fails_the_export_and_nothing_is_report
         assert exporter.export(episodes["before"]) is SpanExportResult.SUCCESS
         assert exporter.take_not_stored() == {}
         assert _stored_ids(project) == [_hex(episodes["before"])]
-        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(_db(project))],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with locked(_db(project)):
             # transient: the export fails (the delivery layer retries it), nothing half-written
             assert exporter.export(episodes["during"]) is SpanExportResult.FAILURE
             assert exporter.take_not_stored() == {}
-        finally:
-            assert holder.stdin is not None
-            holder.stdin.write("\n")
-            holder.stdin.close()
-            holder.wait(timeout=30)
         assert _stored_ids(project) == [_hex(episodes["before"])]
         # the lock is gone: the retry stores it, once
         assert exporter.export(episodes["during"]) is SpanExportResult.SUCCESS
@@ -183,22 +164,13 @@ def test_a_trackio_dir_that_is_a_file_drops_every_episode_under_a_named_reason(t
 
 def test_a_full_disk_fails_the_export_and_nothing_is_reported_stored(tmp_path):
     trackio_dir = tmp_path / "full"
-    trackio_dir.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(trackio_dir)],
-                                           capture_output=True).returncode != 0:
+    if not mount_tmpfs(trackio_dir, "size=256k"):
         pytest.skip("needs root to mount a small tmpfs")
     try:
-        fd = os.open(trackio_dir / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill(trackio_dir)
         out = _child(tmp_path, trackio_dir)
     finally:
-        subprocess.run(["umount", "-l", str(trackio_dir)], capture_output=True)
+        umount(trackio_dir)
     # transient (space may be freed): failed exports, retried by the delivery layer; none stored
     assert out["results"] == ["FAILURE", "FAILURE"]
     assert out["not_stored"] == {}

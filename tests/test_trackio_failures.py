@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from disk_faults import fill, mount_tmpfs, umount
 from otlp_sink import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,21 +91,11 @@ def _assert_contained(result: dict, stderr: str, dropped_as: str | None = None) 
     assert len(ours) == len(set(ours)), ours  # each problem logged once, not per episode
 
 
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    return done.returncode == 0
-
-
-def _umount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def test_read_only_trackio_directory(tmp_path):
     trackio_dir = tmp_path / "ro"
-    mounted = _mount_tmpfs(trackio_dir, "ro,size=1m")
+    mounted = mount_tmpfs(trackio_dir, "ro,size=1m")
     if not mounted:
         trackio_dir.mkdir(exist_ok=True)
         trackio_dir.chmod(0o555)
@@ -114,7 +105,7 @@ def test_read_only_trackio_directory(tmp_path):
         result, stderr = _run(tmp_path, trackio_dir)
     finally:
         if mounted:
-            _umount(trackio_dir)
+            umount(trackio_dir)
         else:
             trackio_dir.chmod(0o755)
     # not transient: every episode dropped under a named reason (retrying cannot help)
@@ -123,21 +114,13 @@ def test_read_only_trackio_directory(tmp_path):
 
 def test_full_trackio_directory(tmp_path):
     trackio_dir = tmp_path / "full"
-    if not _mount_tmpfs(trackio_dir, "size=256k"):
+    if not mount_tmpfs(trackio_dir, "size=256k"):
         pytest.skip("needs root to mount a small tmpfs")
     try:
-        # fill the filesystem to the last byte
-        fd = os.open(trackio_dir / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill(trackio_dir)  # the filesystem full to the last byte
         result, stderr = _run(tmp_path, trackio_dir)
     finally:
-        _umount(trackio_dir)
+        umount(trackio_dir)
     _assert_contained(result, stderr)
 
 
