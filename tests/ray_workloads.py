@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 
@@ -106,21 +107,53 @@ class Stuck:
         return self.started.wait(60)
 
 
+class Warnings(logging.Handler):
+    """The library's log records in this process (``otel_rollouts`` logger), kept as text."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger("otel_rollouts").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+@otr.ray_remote
+class Unconfigured:
+    """An actor that never calls ``configure()`` (its spans go back with each call); it keeps
+    what the library logs in its process."""
+
+    def __init__(self) -> None:
+        self.log = Warnings()
+
+    @otr.traced(kind="tool")
+    def step(self, action: str) -> str:
+        return f"{action}:{measure(action)}"
+
+    def logged(self) -> list[str]:
+        return self.log.lines
+
+
 class Rollouts:
     """A rollout actor that runs whole episodes (the asynchronous-RL layout) under one budget
-    shared with the other actors: made with ``ray.remote(Rollouts)`` (the user's own actor)."""
+    shared with the other actors: made with ``ray.remote(Rollouts)`` (the user's own actor).
+    ``run_id=None`` configures it without one (the unnamed run of the Ray job)."""
 
-    def __init__(self, budget: str, members: int | None, policy: str, cap: int, timeout_s: float = 20.0) -> None:
+    def __init__(self, budget: str, members: int | None, policy: str, cap: int, timeout_s: float = 20.0,
+                 run_id: str | None = "ray-budget") -> None:
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+        self.log = Warnings()
         self.exporter = InMemorySpanExporter()
         otr.configure(
             exporters=[self.exporter],
             sampler=otr.TailSampler(
                 cap, policy, step_lag=None, distributed=otr.RayBudget(budget, members=members, timeout_s=timeout_s)
             ),
-            run_id="ray-budget",
-            deterministic_ids=True,  # the same episode id gives the same trace id in every process
+            run_id=run_id,
+            # the same episode id gives the same trace id in every process (with a shared run_id)
+            deterministic_ids=run_id is not None,
             handle_signals=False,
         )
 
@@ -139,6 +172,23 @@ class Rollouts:
 
     def kept_rewards(self) -> list[float]:
         return [s.attributes[otr.conventions.RL_REWARD] for s in self.exporter.get_finished_spans() if s.name == "episode"]
+
+    def logged(self) -> list[str]:
+        return self.log.lines
+
+    def coordinator_state(self, name: str) -> dict | None:
+        """The budget coordinator's state as this process reaches it now (None: it is dead).
+        A call from this process also brings this process's view of the actor up to date
+        (restarted at a new address, or dead) before its own ``end_step`` uses it."""
+        import ray
+
+        try:
+            return ray.get(ray.get_actor(name, namespace="otel_rollouts").state.remote(), timeout=120)
+        except (ValueError, ray.exceptions.RayActorError):
+            return None
+
+    def shutdown(self) -> None:
+        otr.shutdown(timeout=10)
 
     def pid(self) -> int:
         return os.getpid()

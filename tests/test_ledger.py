@@ -351,6 +351,49 @@ def test_kept_episodes_waiting_for_a_slow_exporter_are_bounded_in_bytes(otr_shut
     _assert_balanced("Hostile")
 
 
+def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(otr_shutdown):
+    """The render thread held (a deferred prompt that blocks): 40 kept episodes of ~1 MB each
+    (distinct texts beyond Latin-1) are offered to the render queue; what it holds stays near
+    ``max_queue_bytes`` (8 MiB here), measured with tracemalloc, the rest is dropped under
+    ``queue_full``, counted, and the books balance (it held all 40, 1,024 items being the only
+    bound)."""
+    from otel_rollouts._core.content import Deferred
+
+    memory = InMemorySpanExporter()
+    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"), handle_signals=False,
+                  max_queue_bytes=8 * 1024 * 1024)
+    gate, rendering = threading.Event(), threading.Event()
+
+    def blocked() -> list:
+        rendering.set()
+        gate.wait(60)
+        return [{"role": "user", "content": "hello"}]
+
+    with otr.episode(step=0) as first:
+        first.prompt(Deferred(blocked))
+        first.reward(1.0)
+    assert rendering.wait(30)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(40):
+            with otr.episode(step=0, sample_index=i) as ep:
+                ep.prompt(f"{i} " + "€" * 500_000)  # ~1 MB in memory, a new text each time
+                ep.reward(float(i))
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        gate.set()
+    otr.end_step(0)
+    assert otr.shutdown(timeout=60)
+    assert held < 16 * 1024 * 1024, f"{held / 2**20:.1f} MiB held for 40 x 1 MB episodes"
+    dropped = otr.stats()["totals"]["dropped.queue_full.InMemorySpanExporter"]
+    assert 25 <= dropped < 40
+    books = _assert_balanced("InMemorySpanExporter")
+    assert books["delivered"] == 41 - dropped
+
+
 # --- the property: random faults at every exporter boundary --------------------------------------
 
 HTTP_FAULTS = ["ok", "ok", 413, 400, 503, "reject_all", "reject_half", "hang"]

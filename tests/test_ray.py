@@ -223,3 +223,20 @@ def test_an_actor_killed_mid_call_fails_the_call_not_the_episode(exported):
     names = [s.name for s in _spans(exported, trace_id)]
     assert "episode" in names and "execute_tool hang" not in names
     assert otr.stats()["totals"]["dropped.ray_spans"] == 1  # the lost spans are counted
+
+
+# --- what an unconfigured worker says --------------------------------------------------------------
+def test_an_unconfigured_worker_says_its_spans_travel_with_the_call(exported):
+    # a worker process of its own (a runtime_env of its own): what it logs is from this test only
+    fresh = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+                          "OTR_TEST_WORKER": f"{os.getpid()}-{threading.get_ident()}"}}
+    env = w.Unconfigured.options(runtime_env=fresh).remote()
+    assert ray.get(env.step.remote("out")) == "out:3"  # outside an episode first: not recorded
+    observation, spans, turn_id = _in_a_turn(exported, lambda: ray.get(env.step.remote("in")))
+    assert observation == "in:2"
+    assert len(_children(spans, turn_id, "execute_tool step")) == 1  # recorded, and back with the call
+    logged = ray.get(env.logged.remote())
+    assert not [line for line in logged if "nothing is recorded" in line], logged
+    (said,) = [line for line in logged if line.startswith("WARNING") and "not configured" in line]
+    assert "travel back with the call" in said
+    ray.kill(env.ray_handle)

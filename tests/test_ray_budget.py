@@ -120,21 +120,58 @@ def test_an_actor_killed_mid_step_is_left_out_and_not_waited_for_again(ray_clust
     assert step2 == set(_reference("top_bottom", batches[0] + batches[1], 2))
 
 
+def _until_dead(coordinator) -> None:
+    """Return once the killed coordinator refuses calls (synchronised on its state, not on a
+    clock: ``ray.kill`` returns before the actor is gone)."""
+    while True:
+        try:
+            ray.get(coordinator.state.remote(), timeout=120)
+        except ray.exceptions.RayActorError:
+            return
+
+
+def _until_restarted(coordinator) -> None:
+    """Return once Ray restarted the killed coordinator: the instance answering has forgotten
+    every step (calls made meanwhile wait for it, or reach the old one before it is gone)."""
+    while True:
+        try:
+            if not ray.get(coordinator.state.remote(), timeout=120)["steps"]:
+                return
+        except ray.exceptions.RayActorError:  # the call reached the old one as it went
+            continue
+
+
 @pytest.mark.parametrize("restart", [False, True], ids=["killed", "restarted"])
 def test_a_dead_coordinator_never_blocks_and_never_breaks_the_cap(ray_cluster, restart):
+    # every step waits for its three members, so a decision never depends on a deadline that a
+    # loaded machine could miss; the long timeout_s only bounds a wait that never happens here
     name = f"budget-{uuid.uuid4().hex[:8]}"
-    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 5.0) for _ in range(ACTORS)]
+    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 60.0) for _ in range(ACTORS)]
     _step(actors, 0, _episodes(0, ACTORS, seed=5))
     before = _kept(actors)
-    ray.kill(_coordinator(name), no_restart=not restart)
+    coordinator = _coordinator(name)
+    ray.kill(coordinator, no_restart=not restart)
+    if restart:
+        _until_restarted(coordinator)
+    else:
+        _until_dead(coordinator)
+    # each member's own process has met the coordinator as it is now (dead, or restarted)
+    seen = ray.get([a.coordinator_state.remote(name) for a in actors], timeout=300)
+    if restart:
+        assert all(s is not None and s["steps"] == [] for s in seen)
+    else:
+        assert seen == [None] * ACTORS
     batches = _episodes(1, ACTORS, seed=5)
-    totals = _step(actors, 1, batches)  # returns: nobody waits on the dead coordinator for long
+    totals = _step(actors, 1, batches)  # returns: nobody waits on a dead coordinator
     step1 = _kept(actors) - before
     assert len(step1) <= CAP
     fallbacks = sum(t.get("budget.local_fallback", 0) for t in totals)
     if not restart:  # the handle met a dead actor: each member decided alone, within cap // members
         assert fallbacks == ACTORS
         assert len(step1) == ACTORS * (CAP // ACTORS)
+    else:  # the restarted coordinator forgot step 0 and decides step 1 from what comes in: exact
+        assert fallbacks == 0
+        assert step1 == set(_reference("top_bottom", [e for b in batches for e in b], 1))
     # the next step finds a coordinator (the restarted one, or a new one) and is exact again
     batches = _episodes(2, ACTORS, seed=5)
     _step(actors, 2, batches)
@@ -146,7 +183,9 @@ def test_a_dead_coordinator_never_blocks_and_never_breaks_the_cap(ray_cluster, r
 
 def test_a_member_arriving_after_the_deadline_keeps_only_what_the_cap_has_left(ray_cluster):
     name = f"budget-{uuid.uuid4().hex[:8]}"
-    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, 6.0) for _ in range(ACTORS)]
+    # the step's deadline is the first sender's timeout_s (6 s); the late member's own, long one
+    # only bounds how long it waits for its answer, which a loaded machine may delay
+    actors = [RolloutActor.remote(name, ACTORS, "top_bottom", CAP, t) for t in (6.0, 6.0, 60.0)]
     batches = _episodes(0, ACTORS, seed=11)
     batches[0], batches[1] = batches[0][:2], batches[1][:1]  # on time: 3 episodes, under the cap
     ray.get([a.run_step.remote(0, b) for a, b in zip(actors, batches, strict=True)])

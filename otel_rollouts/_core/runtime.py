@@ -147,6 +147,15 @@ class ProcessSlot:
         self.warned_unconfigured = False
         self.logged_unconfigured: set[str] = set()  # log-once kinds before any configure()
 
+    def claim_unconfigured_note(self) -> bool:
+        """True the first time in this process: the caller says, once, why little is recorded
+        here (the generic "not configured" warning then stays quiet)."""
+        with self.logging_lock:
+            if self.warned_unconfigured:
+                return False
+            self.warned_unconfigured = True
+            return True
+
     def current(self) -> Runtime:
         """The active instance; a disabled one (with a one-time warning) before configure()."""
         rt = self.installed

@@ -33,6 +33,7 @@ lazily, on first use, from the same ``configure()`` arguments.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 _EXC_ATTR = "_otel_rollouts_worker_spans"
+
+logger = logging.getLogger("otel_rollouts")
 
 
 def context_carrier() -> dict[str, str]:
@@ -208,8 +211,28 @@ class _Capture:
         return WorkerResult(value, spans, self.trace_id)
 
 
+def _note_unconfigured() -> None:
+    """Before a worker task's first call in a process with no ``configure()``: say, once, what
+    is and is not recorded here. The generic "not configured, nothing is recorded" would be
+    false: the task's spans *are* recorded, under the caller's episode, and travel back with the
+    call. What such a process records on its own (its own episodes, calls made outside an
+    episode) is not, which is still worth a warning."""
+    slot = _runtime.slot()
+    if slot.warned_unconfigured or slot.installed is not None or slot.revive is not None:
+        return
+    if not slot.claim_unconfigured_note():  # the generic warning would contradict this one
+        return
+    logger.warning(
+        "otel_rollouts: not configured in this worker process (pid %d): the spans of calls made from"
+        " an episode are recorded here and travel back with the call to that episode; episodes started"
+        " here and calls made outside an episode are not recorded (call otel_rollouts.configure() in"
+        " this process to record them)", os.getpid(),
+    )
+
+
 def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> WorkerResult:
+    _note_unconfigured()
     with _Capture(carrier) as capture:
         value = fn(*args, **kwargs)
     return capture.result(value)
@@ -218,6 +241,7 @@ def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tupl
 async def _run_captured_async(fn: Callable[..., Any], carrier: Mapping[str, str],
                               args: tuple[Any, ...], kwargs: dict[str, Any]) -> WorkerResult:
     """``_run_captured`` for a coroutine function (an async actor's method)."""
+    _note_unconfigured()
     with _Capture(carrier) as capture:
         value = await fn(*args, **kwargs)
     return capture.result(value)

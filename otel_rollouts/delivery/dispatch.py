@@ -6,8 +6,9 @@ once per exporter: delivered (confirmed stored) or dropped under a named reason.
 Three stages, none of which the training thread waits on:
 
 1. the training thread only ``put_nowait``s a kept episode record into a queue bounded in items
-   and in bytes (``max_queue_bytes``); a full queue drops the item, counts it and warns once
-   per interval;
+   and in bytes (``max_queue_bytes``, plus at most two records queued while the render thread
+   kept up, which are not sized); a full queue drops the item, counts it and warns once per
+   interval;
 2. one render thread turns records into SDK spans (``Materializer``) and hands each batch to one
    stack of delivery layers per exporter (``delivery.layers``; never blocking: the sender's memory
    buffer is bounded too);
@@ -70,34 +71,48 @@ _STOP = object()
 
 
 _BASE_BYTES = 256  # a span's own objects (ids, times, dicts), about
+_MAX_NODES = 100_000  # nodes of one value walked to size it
+_SCALARS = (int, float, bool, type(None))
+_SIZE_FROM = 2  # queued items from which a kept record is sized (see Delivery.episode)
 
 
-def _value_bytes(value: Any, depth: int = 0) -> int:
+def _value_bytes(value: Any) -> int:
     """Memory held by one attribute value: strings at their real size (``sys.getsizeof``: a
-    text with one non-Latin-1 character takes 2 or 4 bytes a character), containers walked."""
-    if isinstance(value, str):
-        return sys.getsizeof(value)
-    if isinstance(value, (bytes, bytearray)):
-        return sys.getsizeof(value)
-    if depth < 6:
-        if isinstance(value, dict):
-            return 64 + sum(_value_bytes(k, depth + 1) + _value_bytes(v, depth + 1) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return 56 + sum(_value_bytes(v, depth + 1) for v in value)
-    return 32
+    text with one non-Latin-1 character takes 2 or 4 bytes a character), containers walked (at
+    most ``_MAX_NODES`` nodes: a recorded value is a bounded snapshot already)."""
+    size = sys.getsizeof
+    total = 0
+    stack = [value]
+    nodes = 0
+    while stack and nodes < _MAX_NODES:
+        v = stack.pop()
+        nodes += 1
+        t = type(v)
+        if t is str or t is bytes:
+            total += size(v)
+        elif t is dict:
+            total += 64 + 16 * len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif t is list or t is tuple:
+            total += 56 + 8 * len(v)
+            stack.extend(v)
+        else:
+            total += 32
+    return total
 
 
 def record_bytes(record: EpisodeRecord) -> int:
     """About how much memory a kept episode's record holds until it is rendered."""
+    size = sys.getsizeof
     total = 0
     for span in record.spans:
-        total += _BASE_BYTES + sys.getsizeof(span.name)
+        total += _BASE_BYTES
         for key, value in span.attributes.items():
-            total += sys.getsizeof(key) + _value_bytes(value)
+            total += size(key) + (size(value) if type(value) is str else
+                                  32 if type(value) in _SCALARS else _value_bytes(value))
         for event in span.events or ():
             total += _BASE_BYTES + _value_bytes(event[1])
-        if span.status_message:
-            total += sys.getsizeof(span.status_message)
     return total + _BASE_BYTES * len(record.foreign)
 
 
@@ -176,16 +191,21 @@ class Delivery:
         if self.closed:  # kept as the run was being shut down or reconfigured
             self.stats.add("dropped.after_shutdown.episodes")
             self.ledger.dropped_unentered(key, "after_shutdown")
+            record.release(keep_root=True)
             return
         if not self.ledger.enter(record.trace_id, key):
             # another episode with this trace id is still being delivered (ids made from a seed
             # that repeats): exporting both would merge two episodes into one trace
             self.stats.add("dropped.duplicate_trace_id")
             self.ledger.dropped_unentered(key, "duplicate_trace_id")
+            record.release(keep_root=True)
             return
-        size = record_bytes(record)
+        # sized only while the render thread is behind (two items or more waiting): then at most
+        # two unsized records are ever queued, and a render thread that keeps up costs nothing
+        size = record_bytes(record) if len(self._queue.queue) >= _SIZE_FROM else 0
         if not self._put(("episode", record, size), "episodes", size):
             self.ledger.dropped_traces(None, (record.trace_id,), "queue_full")
+            record.release(keep_root=True)  # freed now, not by the cyclic GC
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)
@@ -372,6 +392,7 @@ class Delivery:
             if kind == "episode":
                 self.stats.add("dropped.render_error")
                 self.ledger.dropped_traces(None, (payload.trace_id,), "render_error")
+                payload.release(keep_root=True)
             else:
                 self.stats.add("dropped.render_error_spans", len(payload) if kind == "spans" else 1)
             self._log_once("materialize", exc)

@@ -81,7 +81,6 @@ class Ledger:
         self.exporters = list(exporters)
         self._index = {name: i for i, name in enumerate(self.exporters)}
         self._entries: dict[int, _Entry] = {}
-        self._pending = [0] * len(self.exporters)
         self._lock = threading.Lock()
         self._listeners: dict[str, Callable[[str, int], None]] = {}
         self.auto_enter = auto_enter
@@ -91,12 +90,11 @@ class Ledger:
     def enter(self, trace_id: int, key: StepKey) -> bool:
         """A kept episode, decided: pending for every exporter. False (and nothing entered) when
         an episode with this trace id is already pending: the caller drops the newcomer."""
-        with self._lock:
-            if trace_id in self._entries:
-                return False
-            self._entries[trace_id] = _Entry(key, len(self.exporters))
-            for i in range(len(self._pending)):
-                self._pending[i] += 1
+        # no lock: on the training thread, and one dict operation is atomic (a lock here made the
+        # training thread wait for the render thread holding it)
+        entry = _Entry(key, len(self.exporters))
+        if self._entries.setdefault(trace_id, entry) is not entry:
+            return False
         for name in self.exporters:
             self.stats.step(key, f"ledger.entered.{name}")
         return True
@@ -135,7 +133,6 @@ class Ledger:
                 entry.outstanding = [None] * len(self.exporters)
                 entry.outstanding[i] = (1 << len(entry.bits)) - 1
                 self._entries[ctx.trace_id] = entry
-                self._pending[i] += 1
                 keys.append(key)
         for key in keys:
             self.stats.step(key, f"ledger.adopted.{exporter}")
@@ -188,7 +185,6 @@ class Ledger:
                 entry.outstanding[i] = out
                 if out == 0:
                     entry.outstanding[i] = None
-                    self._pending[i] -= 1
                     delivered.append(entry.key)
                     self._forget_if_done(ctx.trace_id, entry)
         for key in delivered:  # (a step's count adds to the total too)
@@ -227,7 +223,6 @@ class Ledger:
                     if i is None or entry.outstanding[i] is None:
                         continue
                     entry.outstanding[i] = None
-                    self._pending[i] -= 1
                     dropped.append((i, entry.key))
                 self._forget_if_done(trace_id, entry)
         return dropped
@@ -282,7 +277,8 @@ class Ledger:
         for name in self.exporters:
             spooled = left_in_spool(name) if left_in_spool is not None else set()
             with self._lock:
-                pending = [t for t, e in self._entries.items() if e.outstanding[self._index[name]] is not None]
+                pending = [t for t, e in list(self._entries.items())
+                           if e.outstanding[self._index[name]] is not None]
             keep = [t for t in pending if t in spooled]
             gone = [t for t in pending if t not in spooled]
             for _, key in self._decide(name, keep):
@@ -292,27 +288,30 @@ class Ledger:
         return lost
 
     # --- reading -----------------------------------------------------------------------------
+    def _outstanding(self) -> list[_Entry]:
+        return list(self._entries.values())  # one C-level copy: safe beside a lock-free enter
+
     def pending(self, exporter: str | None = None) -> int:
         """Episodes still pending for ``exporter`` (None: for any exporter)."""
         with self._lock:
+            entries = self._outstanding()
             if exporter is None:
-                return len(self._entries)
+                return len(entries)
             i = self._index.get(exporter)
-            return self._pending[i] if i is not None else 0
+            return 0 if i is None else sum(1 for e in entries if e.outstanding[i] is not None)
 
     def is_pending(self, trace_id: int) -> bool:
-        with self._lock:
-            return trace_id in self._entries
+        return trace_id in self._entries
 
     def report(self) -> dict[str, Any]:
         """Per exporter: episodes pending now, and how many of them per ``"step/split"`` (the
         rest of the books is in the ``delivered``/``dropped`` counters)."""
         with self._lock:
             by_step: list[dict[str, int]] = [{} for _ in self.exporters]
-            for entry in self._entries.values():
+            for entry in self._outstanding():
                 label = f"{entry.key[0]}/{entry.key[1]}"
                 for i, out in enumerate(entry.outstanding):
                     if out is not None:
                         by_step[i][label] = by_step[i].get(label, 0) + 1
-            return {name: {"pending": self._pending[i], "pending_steps": by_step[i]}
+            return {name: {"pending": sum(by_step[i].values()), "pending_steps": by_step[i]}
                     for i, name in enumerate(self.exporters)}

@@ -10,7 +10,22 @@ actors, and the job keeps at most the cap per (step, split).
 
 The coordinator is one named, detached actor per budget (``lifetime="detached"``: owned by none
 of the user's actors, so no actor's death takes it along; ``max_restarts=-1``: Ray restarts it).
-It needs no CPU (``num_cpus=0``) and keeps the decisions of the last ``_REMEMBERED_STEPS`` steps.
+It needs no CPU (``num_cpus=0``) and keeps the decisions of the last ``_REMEMBERED_STEPS`` steps
+of each of the last ``_REMEMBERED_RUNS`` runs.
+
+Budgets are per *run*, never shared by two runs of one Ray job (a second run whose steps restart
+at 0 must not find them spent by the first): the coordinator keys its steps by (run, step).
+
+* A member configured with ``configure(run_id=...)`` belongs to that run: give every member of a
+  run the same ``run_id`` (as ``rl.run.id`` joins their traces) and each run its own. Exact.
+* A member configured without ``run_id`` belongs to the job's *unnamed* run. A member that was
+  never seen before and whose first step was already decided in the unnamed run and is older
+  than the newest step decided there is taken for the first member of a new run (steps restarting
+  at 0 after the earlier run ended): it starts a new unnamed run, which every member seen after it
+  joins; members already seen stay in theirs. With ``members=N``, a newcomer while the run has
+  seen fewer than N members is one of them (late), never a new run. (Without it, a member of the
+  same run that starts more than a step behind the others is taken for a new run too: pass
+  ``run_id``, or ``members``, where that can happen.)
 
 Rules (README, "Running on Ray"):
 
@@ -28,12 +43,18 @@ Rules (README, "Running on Ray"):
   coordinator up again at the next step; a restarted coordinator has forgotten its state and
   rebuilds it from the summaries that come in (a step it sees partly is decided on what it saw,
   the rest is late).
+* A member whose summaries arrive late and find the step's cap spent (or partly spent) logs a
+  warning, at most once per ``_WARN_INTERVAL_S`` per member (with how many more it held back),
+  on top of the counter ``budget.late_steps``; the counter ``budget.spent`` counts late steps
+  that kept nothing. A member that gets no answer and decides alone warns the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -45,7 +66,13 @@ from otel_rollouts.sampling.policies import Policy
 
 __all__ = ["BudgetCoordinator", "RayBudget"]
 
+logger = logging.getLogger("otel_rollouts")
+
 _REMEMBERED_STEPS = 256
+_REMEMBERED_RUNS = 64
+_REMEMBERED_MEMBERS = 65_536  # which unnamed run a member is in (bounded: members are uuids)
+_WARN_INTERVAL_S = 60.0
+_UNNAMED = "unnamed:"
 _NAMESPACE = "otel_rollouts"
 _MARGIN_S = 5.0  # beyond timeout_s: the call itself (a coordinator busy restarting)
 
@@ -54,7 +81,9 @@ class RayBudget:
     """``TailSampler(distributed=otr.RayBudget())``: one budget per (step, split) across every
     Ray actor and driver configured with the same ``name``.
 
-    ``name``: the coordinator actor's name (default: one per Ray job). ``members``: how many
+    Budgets are per run (the coordinator keys its steps by run and step; see the module's
+    rules): two runs of one Ray job never share one, so give every member of a run the same
+    ``configure(run_id=...)``. ``name``: the coordinator actor's name (default: one per Ray job). ``members``: how many
     members each step waits for (default: those seen; see the module's rules). ``timeout_s``:
     how long a step waits for its members after the first one sent it.
     """
@@ -89,6 +118,9 @@ class RayMember(distributed.Member):
         self.members = budget.members or 1  # last count the coordinator told
         self.handle: Any = None
         self.name = budget.name or f"otel_rollouts-budget-{ray.get_runtime_context().get_job_id()}"
+        self.warn_lock = threading.Lock()
+        # per kind of warning: when it was last logged, and how many were not logged since
+        self.warned: dict[str, tuple[float, int]] = {}
 
     def usable(self) -> bool:
         return bool(self.ray.is_initialized())
@@ -111,18 +143,62 @@ class RayMember(distributed.Member):
     ) -> dict[tuple[int, str], list[int]]:
         try:
             ref = self._coordinator().submit.remote(
-                self.member_id, step, payload, policy, cap, self.budget.members, self.budget.timeout_s
+                self.member_id, step, payload, policy, cap, self.budget.members, self.budget.timeout_s, _run_id()
             )
             reply = self.ray.get(ref, timeout=self.budget.timeout_s + _MARGIN_S)
-        except Exception:
+        except Exception as exc:
             self.handle = None  # looked up again next step (a restarted coordinator)
             _count("budget.local_fallback")
+            self._warn(
+                "fallback", "otel_rollouts: RayBudget %r: no answer from the coordinator for step %s (%s);"
+                " this member decides it alone, within cap // members = %d (budget.local_fallback)%s",
+                self.name, step, type(exc).__name__, self.local_share(cap),
+            )
             raise
         self.members = max(int(reply["members"]), 1)
+        keep: dict[tuple[int, str], list[int]] = reply["keep"]
+        if reply.get("new_run"):
+            logger.info(
+                "otel_rollouts: RayBudget %r: step %s starts a new run's budgets (configured without run_id;"
+                " the steps of the run before it were already decided)", self.name, step,
+            )
         if reply["late"]:
             _count("budget.late_steps")
-        keep: dict[tuple[int, str], list[int]] = reply["keep"]
+            offered = sum(len(rows) for rows in payload.values())
+            kept = sum(len(indices) for indices in keep.values())
+            if offered and not kept:
+                _count("budget.spent")
+            if kept < offered:
+                self._warn(
+                    "late", "otel_rollouts: RayBudget %r: step %s was decided before this member's summaries"
+                    " arrived; it kept %d of its %d candidates, what the step had left of the cap"
+                    " (budget.late_steps, budget.spent). A member too slow for timeout_s=%s, or a second run"
+                    " sharing the budget (give each run its own configure(run_id=...))%s",
+                    self.name, step, kept, offered, self.budget.timeout_s,
+                )
         return keep
+
+    def _warn(self, kind: str, message: str, *args: Any) -> None:
+        """Log a warning of ``kind`` at most once per ``_WARN_INTERVAL_S``; the ones held back
+        meanwhile are told in the next (``message`` ends with a ``%s`` for that). So a member
+        whose steps lose episodes says so in its log, not only in a counter, without flooding it."""
+        now = time.monotonic()
+        with self.warn_lock:
+            last = self.warned.get(kind)
+            if last is not None and now - last[0] < _WARN_INTERVAL_S:
+                self.warned[kind] = (last[0], last[1] + 1)
+                return
+            self.warned[kind] = (now, 0)
+        more = last[1] if last is not None else 0
+        logger.warning(message, *args, f"; {more} more since the last such warning" if more else "")
+
+
+def _run_id() -> str | None:
+    """The ``run_id`` the installed instance (the one closing the step) was configured with;
+    None when it was not given."""
+    rt = _runtime.installed()
+    run = getattr(getattr(rt, "settings", None), "run_id", None)
+    return str(run) if run else None
 
 
 def _count(name: str) -> None:
@@ -145,16 +221,65 @@ class _Step:
         self.event = asyncio.Event()
 
 
-class BudgetCoordinator:
-    """The coordinator actor (async: members wait on one event loop, never on a thread each)."""
+class _Run:
+    """One run's members and steps, as the coordinator knows them."""
+
+    __slots__ = ("members", "absent", "steps", "newest")
 
     def __init__(self) -> None:
         self.members: set[str] = set()
         self.absent: set[str] = set()
         self.steps: OrderedDict[int, _Step] = OrderedDict()
+        self.newest: int | None = None  # the newest step decided
 
-    def _expected(self, wanted: int | None) -> int:
+    def expected(self, wanted: int | None) -> int:
         return wanted if wanted is not None else max(len(self.members - self.absent), 1)
+
+    def restarts_at(self, step: int, wanted: int | None) -> bool:
+        """Whether a member never seen before, sending ``step`` first, starts a new run: the
+        step was decided already and is older than the newest one decided, and the run is not
+        still short of the ``members=N`` it waits for (then the newcomer is one of them, late)."""
+        if wanted is not None and len(self.members) < wanted:
+            return False
+        state = self.steps.get(step)
+        return state is not None and state.decided and self.newest is not None and step < self.newest
+
+
+class BudgetCoordinator:
+    """The coordinator actor (async: members wait on one event loop, never on a thread each)."""
+
+    def __init__(self) -> None:
+        self.runs: OrderedDict[str, _Run] = OrderedDict()
+        self.unnamed: OrderedDict[str, str] = OrderedDict()  # member → its unnamed run's key
+        self.generation = 0  # the unnamed runs started so far, less one
+
+    def _run_of(self, member: str, run: str | None, step: int, wanted: int | None) -> tuple[_Run, bool]:
+        """The run ``member`` records for, and whether its ``step`` just started a new one."""
+        new_run = False
+        if run is not None:
+            key = "run:" + run
+        else:
+            known = self.unnamed.get(member)
+            if known is not None:
+                key = known
+                self.unnamed.move_to_end(member)
+            else:
+                key = f"{_UNNAMED}{self.generation}"
+                current = self.runs.get(key)
+                if current is not None and current.restarts_at(step, wanted):
+                    self.generation += 1
+                    key, new_run = f"{_UNNAMED}{self.generation}", True
+                self.unnamed[member] = key
+                while len(self.unnamed) > _REMEMBERED_MEMBERS:
+                    self.unnamed.popitem(last=False)
+        state = self.runs.get(key)
+        if state is None:
+            state = self.runs[key] = _Run()
+            while len(self.runs) > _REMEMBERED_RUNS:
+                self.runs.popitem(last=False)
+        else:
+            self.runs.move_to_end(key)
+        return state, new_run
 
     async def submit(
         self,
@@ -165,29 +290,32 @@ class BudgetCoordinator:
         cap: int,
         wanted: int | None,
         timeout_s: float,
+        run: str | None = None,
     ) -> dict[str, Any]:
-        self.members.add(member)
-        self.absent.discard(member)
-        state = self.steps.get(step)
+        runs, new_run = self._run_of(member, run, step, wanted)
+        runs.members.add(member)
+        runs.absent.discard(member)
+        state = runs.steps.get(step)
         if state is None:
-            state = self.steps[step] = _Step(time.monotonic() + timeout_s, policy, cap)
-            while len(self.steps) > _REMEMBERED_STEPS:
-                self.steps.popitem(last=False)
+            state = runs.steps[step] = _Step(time.monotonic() + timeout_s, policy, cap)
+            while len(runs.steps) > _REMEMBERED_STEPS:
+                runs.steps.popitem(last=False)
         if state.decided:
-            return self._late(state, member, payload)
+            return {**self._late(runs, state, payload), "new_run": new_run}
         state.payloads[member] = payload
-        if len(state.payloads) >= self._expected(wanted):
-            self._decide(state)
+        if len(state.payloads) >= runs.expected(wanted):
+            self._decide(runs, step, state)
         else:
             try:
                 await asyncio.wait_for(state.event.wait(), max(state.deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
                 if not state.decided:
-                    self.absent |= self.members - set(state.payloads)
-                    self._decide(state)
-        return {"keep": state.keep.get(member, {}), "members": self._expected(wanted), "late": False}
+                    runs.absent |= runs.members - set(state.payloads)
+                    self._decide(runs, step, state)
+        return {"keep": state.keep.get(member, {}), "members": runs.expected(wanted), "late": False,
+                "new_run": new_run}
 
-    def _decide(self, state: _Step) -> None:
+    def _decide(self, runs: _Run, step: int, state: _Step) -> None:
         order = sorted(state.payloads)
         chosen = distributed.merge_all(state.policy, state.cap, [state.payloads[m] for m in order])
         for key, per_member in chosen.items():
@@ -196,9 +324,10 @@ class BudgetCoordinator:
                 state.keep.setdefault(m, {})[key] = indices
         state.payloads.clear()  # decided: the summaries are not needed any more
         state.decided = True
+        runs.newest = step if runs.newest is None else max(runs.newest, step)
         state.event.set()
 
-    def _late(self, state: _Step, member: str, payload: distributed.Payload) -> dict[str, Any]:
+    def _late(self, runs: _Run, state: _Step, payload: distributed.Payload) -> dict[str, Any]:
         """A member's summaries for a step already decided: the best of them within what the
         step has left of the cap."""
         keep: dict[tuple[int, str], list[int]] = {}
@@ -210,8 +339,16 @@ class BudgetCoordinator:
             (indices,) = distributed.merge_all(state.policy, left, [{key: rows}])[key]
             keep[key] = indices
             state.kept[key] = state.kept.get(key, 0) + len(indices)
-        return {"keep": keep, "members": max(len(self.members - self.absent), 1), "late": True}
+        return {"keep": keep, "members": max(len(runs.members - runs.absent), 1), "late": True}
 
-    def state(self) -> dict[str, Any]:
-        """What the coordinator knows (for tests and debugging)."""
-        return {"members": len(self.members), "absent": len(self.absent), "steps": list(self.steps)}
+    def state(self, run: str | None = None) -> dict[str, Any]:
+        """What the coordinator knows of ``run`` (a ``run_id``; None: the run that sent a step
+        last), for tests and debugging."""
+        if run is not None:
+            runs = self.runs.get("run:" + run)
+        else:
+            runs = next(reversed(self.runs.values()), None)
+        if runs is None:
+            return {"members": 0, "absent": 0, "steps": [], "runs": len(self.runs)}
+        return {"members": len(runs.members), "absent": len(runs.absent), "steps": list(runs.steps),
+                "runs": len(self.runs)}
