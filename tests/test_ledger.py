@@ -450,13 +450,6 @@ def test_the_ledger_balances_under_any_fault_schedule(shared_sink, http, python,
     shared_sink.control(script=[])
 
 
-def test_the_property_covers_every_fault_kind():
-    """The property's strategies draw every fault kind the issue names (a guard against a list
-    edited down to the easy ones)."""
-    assert {413, 400, 503, "reject_all", "reject_half", "hang"} <= set(HTTP_FAULTS)
-    assert {"failure", "raise", "exit", "interrupt", "hang"} <= set(PY_FAULTS)
-
-
 def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_disk(tmp_path):
     """The same property against Trackio's real SQLite storage, with another process holding the
     database's lock and the filesystem full (a 16 MB tmpfs, filled), for a step or past shutdown.
