@@ -527,7 +527,7 @@ class TrackioExporter(SpanExporter):
         redactor = Redactor() if redact is True else redact or None
         self.config = redactor.mapping(config) if redactor is not None and config is not None else config
         self.table = table
-        self._run: Any = None  # trackio's Run, made on the first export (import is slow)
+        self._run: Any = None  # trackio's Run, made on the first export
         self._lock = threading.Lock()
         # (step, table key) -> trace id -> row: an episode exported again before its step's table is
         # logged (a retried export) is one row
@@ -541,6 +541,30 @@ class TrackioExporter(SpanExporter):
         self._not_stored_lock = threading.Lock()
         self._warned_unstorable = False
         self._warned_problems: set[str] = set()
+        self._import_lock = threading.Lock()
+        self._imported = False
+        try:
+            # here, on the thread that makes the exporter (configure), before any thread of ours
+            # exists: the sender and metrics threads then find Trackio imported (0.5 s, once)
+            self._import_trackio()
+        except Exception:  # noqa: BLE001 - the first export imports it again and reports why
+            pass
+
+    def _import_trackio(self) -> None:
+        """Import Trackio and the modules of it used here, once, one thread at a time. This
+        exporter's sender thread and the metrics thread (``log_metrics``) both reach for it
+        first: two threads importing Trackio's circular modules at once gave one of them a
+        half-initialised module (``cannot import name 'SQLiteStorage' from partially initialized
+        module``), a failed export."""
+        if self._imported:
+            return
+        with self._import_lock:
+            if not self._imported:
+                import trackio  # noqa: F401
+                import trackio.sqlite_storage  # noqa: F401
+                import trackio.utils  # noqa: F401
+
+                self._imported = True
 
     def _trackio_run(self) -> Any:
         if self._run is None:
@@ -599,6 +623,7 @@ class TrackioExporter(SpanExporter):
         A Space (or a Trackio in its JSONL mode) cannot be read back from here: its failures are
         those Trackio reports when the run is finished (``force_flush``).
         """
+        self._import_trackio()
         import trackio
 
         episodes: list[_Episode] = []
@@ -691,6 +716,7 @@ class TrackioExporter(SpanExporter):
 
     def _db_path(self) -> Path:
         """The project's SQLite file, as Trackio names it (under ``TRACKIO_DIR``)."""
+        self._import_trackio()
         from trackio.sqlite_storage import SQLiteStorage
 
         return Path(SQLiteStorage.get_project_db_path(self.project))
@@ -798,6 +824,7 @@ class TrackioExporter(SpanExporter):
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
         as its traces). Handed down by the pipeline's metrics when the step closes."""
+        self._import_trackio()
         if not values or not fits_int64(int(step)):
             return  # a step Trackio's storage cannot hold would lose the whole batch of its write
         with self._lock:
