@@ -71,11 +71,6 @@ class Ledger:
     ``dropped.<reason>.<exporter>`` and ``dropped.<reason>`` (totals and per step), so no other
     code writes them."""
 
-    def add_drop_listener(self, exporter: str, listener: Callable[[str, int], None]) -> None:
-        """``listener(reason, episodes)`` is told of every drop for ``exporter`` (outside the
-        lock: the layers warn from it)."""
-        self._listeners[exporter] = listener
-
     def __init__(self, stats: Stats, exporters: Sequence[str], *, auto_enter: bool = False) -> None:
         self.stats = stats
         self.exporters = list(exporters)
@@ -84,7 +79,12 @@ class Ledger:
         self._lock = threading.Lock()
         self._listeners: dict[str, Callable[[str, int], None]] = {}
         self.auto_enter = auto_enter
-        self.closed_reason: str | None = None  # set at the end: later entries are refused
+        self.closed_reason: str | None = None  # the reason ``close`` gave what was left
+
+    def add_drop_listener(self, exporter: str, listener: Callable[[str, int], None]) -> None:
+        """``listener(reason, episodes)`` is told of every drop for ``exporter`` (outside the
+        lock: the layers warn from it)."""
+        self._listeners[exporter] = listener
 
     # --- entering ----------------------------------------------------------------------------
     def enter(self, trace_id: int, key: StepKey) -> bool:
