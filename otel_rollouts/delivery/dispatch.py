@@ -241,11 +241,6 @@ class Delivery:
         )
         return False
 
-    @property
-    def queued_bytes(self) -> int:
-        """Memory held by the records waiting for the render thread (estimated in bytes)."""
-        return self._queued_bytes
-
     # --- flush / shutdown ----------------------------------------------------------------------
     def flush(self, timeout: float, *, through_outage: bool = False) -> bool:
         """Wait until everything queued before this call was delivered (or the deadline).
@@ -309,10 +304,11 @@ class Delivery:
         process; an ``export`` still hung at the deadline never confirmed anything)."""
         own = self._own_spool_root
         left: dict[str, set[int]] = {}
+        directories: dict[str, Path | None] = {}
         for sender in self.senders:
-            _, directory = sender.leftover()
+            directories[sender.name] = sender.leftover()
             left[sender.name] = set() if own else sender.spooled_traces()
-        lost = self.ledger.close(left_in_spool=lambda name: left.get(name, set()))
+        lost = self.ledger.close(left)
         for sender in self.senders:
             if lost.get(sender.name):
                 logger.warning(
@@ -329,7 +325,7 @@ class Delivery:
                     "sent by the next process configured with this spool_dir",
                     sender.name,
                     kept,
-                    sender.spool_directory(),
+                    directories[sender.name],
                 )
         root = self.spool_root
         if own and root is not None and root.is_dir():

@@ -39,6 +39,7 @@ __all__ = [
     "Warner",
     "exporter_name",
     "request_limit",
+    "take_not_stored",
     "warn",
 ]
 
@@ -202,6 +203,36 @@ class DeliveryCounts:
 OK, FAILED, REFUSED = "ok", "failed", "refused"  # what one request came to (CountingExporter.send)
 
 
+def take_not_stored(exporter: Any, spans: Sequence[ReadableSpan]) -> dict[str, set[int]]:
+    """What ``exporter`` took in its last export of ``spans`` but did not store: reason -> trace
+    ids, from its ``take_not_stored() -> {reason: [trace ids]}`` (Trackio checks its write; an
+    exporter without the method stored everything it took). A count instead of ids (an older
+    exporter) is taken as that many of the batch's episodes, in order. What the method raises
+    is reported as a reason with no ids (``KeyboardInterrupt`` passes: Ctrl-C during a replay)."""
+    take = getattr(exporter, "take_not_stored", None)
+    if not callable(take):
+        return {}
+    try:
+        taken = take()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a hostile exporter: reported, nothing trusted
+        return {f"take_not_stored raised {exception_text(exc)}": set()}
+    out: dict[str, set[int]] = {}
+    roots: list[int] | None = None
+    for reason, value in dict(taken or {}).items():
+        if isinstance(value, int):
+            if roots is None:
+                roots = [s.context.trace_id for s in spans if s.context is not None
+                         and (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE]
+            ids, roots = roots[:value], roots[value:]
+        else:
+            ids = [t for t in value if isinstance(t, int)]
+        if ids:
+            out.setdefault(str(reason), set()).update(ids)
+    return out
+
+
 class CountingExporter(SpanExporter):
     """Reports to the ledger what ``exporter`` stored and did not; contains its errors.
 
@@ -264,29 +295,12 @@ class CountingExporter(SpanExporter):
         return SpanExportResult.SUCCESS if self.send(spans) == OK else SpanExportResult.FAILURE
 
     def _not_stored(self, spans: Sequence[ReadableSpan]) -> dict[str, set[int]]:
-        """What the exporter says it took without storing: reason -> trace ids. A count instead
-        of ids (an older exporter) is taken as that many of the batch's episodes, in order."""
-        take = getattr(self.exporter, "take_not_stored", None)
-        if not callable(take):
-            return {}
-        try:
-            lost = take()
-            out: dict[str, set[int]] = {}
-            roots = None
-            for reason, value in dict(lost or {}).items():
-                if isinstance(value, int):
-                    if roots is None:
-                        roots = [s.context.trace_id for s in spans if s.context is not None
-                                 and (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE]
-                    ids, roots = roots[:value], roots[value:]
-                else:
-                    ids = [int(t) for t in value]
-                if ids:
-                    out.setdefault(str(reason), set()).update(ids)
-            return out
-        except BaseException as exc:  # noqa: BLE001 - an exporter bug never kills the sender
-            self.counts.log_once("take_not_stored", f"take_not_stored raised {exception_text(exc)}")
-            return {}
+        lost = take_not_stored(self.exporter, spans)
+        for reason, ids in list(lost.items()):
+            if not ids:  # an answer that names no episode (it raised): said, nothing dropped
+                self.counts.log_once("take_not_stored", reason)
+                del lost[reason]
+        return lost
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return bool(self.exporter.force_flush(timeout_millis))

@@ -27,7 +27,7 @@ int per exporter: the bits still outstanding); a decided episode leaves nothing 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -79,7 +79,6 @@ class Ledger:
         self._lock = threading.Lock()
         self._listeners: dict[str, Callable[[str, int], None]] = {}
         self.auto_enter = auto_enter
-        self.closed_reason: str | None = None  # the reason ``close`` gave what was left
 
     def add_drop_listener(self, exporter: str, listener: Callable[[str, int], None]) -> None:
         """``listener(reason, episodes)`` is told of every drop for ``exporter`` (outside the
@@ -202,7 +201,7 @@ class Ledger:
                 traces[span.context.trace_id] = None
         with self._lock:
             adopted = [t for t in _roots(spans) if t not in self._entries] if self.auto_enter else []
-        return self.dropped_traces(exporter, traces, reason) + self._count_adopted(
+        return self.dropped_traces(exporter, traces, reason) + self.dropped_count(
             exporter, reason, len(adopted))
 
     def dropped_traces(self, exporter: str | None, trace_ids: Iterable[int], reason: str) -> int:
@@ -239,9 +238,6 @@ class Ledger:
 
     def dropped_count(self, exporter: str, reason: str, n: int) -> int:
         """``n`` episodes this process never entered (a previous run's spool) dropped."""
-        return self._count_adopted(exporter, reason, n)
-
-    def _count_adopted(self, exporter: str, reason: str, n: int) -> int:
         if n > 0:
             self._count_drop(exporter, reason, n)
             self.stats.add(f"dropped.adopted.{exporter}", n)
@@ -266,16 +262,14 @@ class Ledger:
             del self._entries[trace_id]
 
     # --- the end -----------------------------------------------------------------------------
-    def close(self, reason: str = UNDELIVERED_AT_EXIT,
-              left_in_spool: Callable[[str], set[int]] | None = None) -> dict[str, int]:
+    def close(self, left_in_spool: Mapping[str, set[int]]) -> dict[str, int]:
         """Decide whatever is still pending: an episode whose batch waits in a persistent spool
-        (``left_in_spool(exporter)`` gives their trace ids) is counted ``left_in_spool`` (the next
-        process configured with that spool_dir delivers it); the rest is lost, under ``reason``.
-        Returns the episodes lost per exporter."""
-        self.closed_reason = reason
+        (``left_in_spool[exporter]``: their trace ids) is counted ``undelivered_at_exit.<exporter>``
+        (the next process configured with that spool_dir delivers it); the rest is lost,
+        ``dropped.undelivered_at_exit.<exporter>``. Returns the episodes lost per exporter."""
         lost: dict[str, int] = {}
         for name in self.exporters:
-            spooled = left_in_spool(name) if left_in_spool is not None else set()
+            spooled = left_in_spool.get(name, set())
             with self._lock:
                 pending = [t for t, e in list(self._entries.items())
                            if e.outstanding[self._index[name]] is not None]
@@ -284,31 +278,16 @@ class Ledger:
             for _, key in self._decide(name, keep):
                 self.stats.step(key, f"{LEFT_IN_SPOOL}.{name}")
             if gone:
-                lost[name] = self.dropped_traces(name, gone, reason)
+                lost[name] = self.dropped_traces(name, gone, UNDELIVERED_AT_EXIT)
         return lost
 
     # --- reading -----------------------------------------------------------------------------
-    def _outstanding(self) -> list[_Entry]:
-        return list(self._entries.values())  # one C-level copy: safe beside a lock-free enter
-
-    def pending(self, exporter: str | None = None) -> int:
-        """Episodes still pending for ``exporter`` (None: for any exporter)."""
-        with self._lock:
-            entries = self._outstanding()
-            if exporter is None:
-                return len(entries)
-            i = self._index.get(exporter)
-            return 0 if i is None else sum(1 for e in entries if e.outstanding[i] is not None)
-
-    def is_pending(self, trace_id: int) -> bool:
-        return trace_id in self._entries
-
     def report(self) -> dict[str, Any]:
         """Per exporter: episodes pending now, and how many of them per ``"step/split"`` (the
         rest of the books is in the ``delivered``/``dropped`` counters)."""
         with self._lock:
             by_step: list[dict[str, int]] = [{} for _ in self.exporters]
-            for entry in self._outstanding():
+            for entry in list(self._entries.values()):  # one C-level copy: safe beside enter
                 label = f"{entry.key[0]}/{entry.key[1]}"
                 for i, out in enumerate(entry.outstanding):
                     if out is not None:

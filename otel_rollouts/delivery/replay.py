@@ -29,8 +29,9 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_rollouts._core.codec import spans_from_request
 from otel_rollouts._core.content import exception_text
+from otel_rollouts.delivery.layers import take_not_stored
 
-__all__ = ["ReplayResult", "main", "replay", "spans_from_file", "spans_from_request", "take_not_stored"]
+__all__ = ["ReplayResult", "main", "replay", "spans_from_file", "spans_from_request"]
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -97,35 +98,6 @@ class ReplayResult:
         return self.failed_batches == 0 and not self.errors and not self.not_stored
 
 
-def take_not_stored(exporter: SpanExporter) -> dict[str, set[int]]:
-    """What ``exporter`` accepted in its last export but did not store: reason -> trace ids.
-
-    An exporter that can take a batch and still leave episodes out (``TrackioExporter``: a value
-    Trackio cannot store, a directory it can never write) says so through ``take_not_stored()``
-    (``{reason: [trace id, ...]}``); any other exporter stored everything it accepted. What
-    the method raises, or an answer of another shape, is not trusted: its reason maps to no ids
-    and is reported under ``"take_not_stored"``.
-    """
-    take = getattr(exporter, "take_not_stored", None)
-    if not callable(take):
-        return {}
-    try:
-        taken = take()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - a hostile exporter: the loss is reported
-        return {f"take_not_stored raised {exception_text(exc)}": set()}
-    out: dict[str, set[int]] = {}
-    if not isinstance(taken, dict):
-        return out
-    for reason, ids in taken.items():
-        if isinstance(ids, (list, tuple, set, frozenset)):
-            out.setdefault(str(reason), set()).update(i for i in ids if isinstance(i, int))
-        elif isinstance(ids, int) and ids > 0:  # an older exporter: a count without ids
-            out.setdefault(str(reason), set())
-    return out
-
-
 def replay(
     path: str | os.PathLike[str],
     exporter: SpanExporter,
@@ -161,9 +133,10 @@ def replay(
         lines, batch = batch, []
         if not lines:
             return
-        ok, exc = export([span for _, _, spans in lines for span in spans])
+        sent = [span for _, _, spans in lines for span in spans]
+        ok, exc = export(sent)
         if ok:
-            for reason, ids in take_not_stored(exporter).items():
+            for reason, ids in take_not_stored(exporter, sent).items():
                 result.not_stored.setdefault(reason, set()).update(ids)
             return
         if exc is None or len(lines) == 1:
@@ -177,7 +150,7 @@ def replay(
         for one in lines:
             ok, exc = export(one[2])
             if ok:
-                for reason, ids in take_not_stored(exporter).items():
+                for reason, ids in take_not_stored(exporter, one[2]).items():
                     result.not_stored.setdefault(reason, set()).update(ids)
             if not ok:
                 result.failed_batches += 1
@@ -310,7 +283,7 @@ class _Counting(SpanExporter):
         self._count(outcome is SpanExportResult.SUCCESS, spans)
         if outcome is SpanExportResult.SUCCESS:
             lost: set[int] = set()
-            for reason, ids in take_not_stored(self.exporter).items():
+            for reason, ids in take_not_stored(self.exporter, spans).items():
                 self.not_stored.setdefault(reason, set()).update(ids)
                 self._taken.setdefault(reason, set()).update(ids)
                 lost |= ids

@@ -407,22 +407,19 @@ class SpoolingSender(SpanExporter):
             for batch in rest:
                 self.counts.dropped("shutdown", batch)
 
-    def leftover(self) -> tuple[int, Path | None]:
-        """(episodes left undelivered on disk, spool directory) after stop()."""
+    def leftover(self) -> Path | None:
+        """After stop(): the spool directory (None: none was made), its lock let go; the files
+        stay for the next process."""
         spool = self._spool
         if spool is None:
-            return 0, None
-        spool.close()  # the lock goes; the files stay for the next process
-        return spool.episodes, spool.directory
+            return None
+        spool.close()
+        return spool.directory
 
     def spooled_traces(self) -> set[int]:
         """Trace ids of the episodes this process left in the spool."""
         spool = self._spool
         return spool.trace_ids() if spool is not None else set()
-
-    def spool_directory(self) -> Path | None:
-        spool = self._spool
-        return spool.directory if spool is not None else self._spool_dir
 
     def _log_once(self, what: str, message: str) -> None:
         self.counts.log_once(what, message)
