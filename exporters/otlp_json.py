@@ -56,7 +56,6 @@ logger = logging.getLogger("otel_rollouts")
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 _ID_BYTES = {"traceId": 16, "spanId": 8, "parentSpanId": 8}
-_FILE_MODE = 0o600
 
 
 # --- the format: proto <-> one JSON line -----------------------------------------------------
@@ -224,7 +223,7 @@ class OtlpJsonFileExporter(SpanExporter):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # as the spool opens its files: no symbolic link followed, a regular file of this
             # user only, mode 0600 (a planted link or another user's 0666 file gets nothing)
-            self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _FILE_MODE)
+            self._fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             self._size = os.fstat(self._fd).st_size
         return self._fd
 

@@ -319,6 +319,8 @@ def _unstorable(messages: Any, metadata: Any, spans: Any) -> str | None:
         pass
     except Exception as exc:  # noqa: BLE001 - orjson's JSONEncodeError and whatever a value raises
         return f"{type(exc).__name__}: {str(exc)[:120]}"
+    else:
+        return None  # orjson is the stricter: what it encodes, json does too
     try:
         json.dumps([messages, metadata, spans], ensure_ascii=False, default=str).encode("utf-8")
     except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as exc:

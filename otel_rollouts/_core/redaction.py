@@ -472,7 +472,7 @@ class SdkLogFilter(RedactingLogFilter):
 def _sdk_loggers() -> list[logging.Logger]:
     names = [name for name in list(logging.Logger.manager.loggerDict)
              if name == SDK_LOGGER or name.startswith(SDK_LOGGER + ".")]
-    return [logging.getLogger(name) for name in [SDK_LOGGER, *names]]
+    return [logging.getLogger(name) for name in dict.fromkeys([SDK_LOGGER, *names])]
 
 
 def redact_sdk_logs(redactor: Callable[[str], str] | None) -> None:

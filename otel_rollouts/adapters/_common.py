@@ -43,6 +43,7 @@ from otel_rollouts._core.values import to_float
 __all__ = [
     "AdapterEntryPoint",
     "Columns",
+    "captures_content",
     "end_step",
     "as_float",
     "count",
@@ -437,6 +438,12 @@ def warn_unknown(adapter: str, field_name: str, detail: str) -> None:
     logging.getLogger("otel_rollouts").warning(
         "otel_rollouts.adapters.%s: %s: %s (recorded as far as understood; warned once)", adapter, field_name, detail
     )
+
+
+def captures_content(ep: Any) -> bool:
+    """Whether episode ``ep`` records content (``capture_content``): an answer field is content."""
+    root = getattr(ep, "root", None)
+    return root is not None and bool(root.episode.capture_content)
 
 
 def set_policy(ep: Any, version: Any, trained_version: Any = None) -> None:

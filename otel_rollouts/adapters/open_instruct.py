@@ -77,6 +77,7 @@ from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     Columns,
     Sample,
+    captures_content,
     group_ids,
     items,
     lazy_text,
@@ -183,12 +184,6 @@ def _get(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def _captures_content(ep: Any) -> bool:
-    """Whether episode ``ep`` records content (``capture_content``): an answer field is content."""
-    root = getattr(ep, "root", None)
-    return root is not None and bool(root.episode.capture_content)
-
-
 def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, tokenizer: Any,
             model: str | None, n_per_group: int, trained_version: int | None) -> Sample:
     """Sample ``i``: what the sampler reads now, its prompt and turns only if it may be kept."""
@@ -207,7 +202,7 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
 
     def content(ep: Any) -> None:
         set_policy(ep, model_step, trained_version)
-        if isinstance(truth, (str, int, float)) and _captures_content(ep):
+        if isinstance(truth, (str, int, float)) and captures_content(ep):
             # the dataset's answer is content, as the prompt is: an ``rl.metadata.*`` label
             # would keep it with capture off, so it is recorded only when content is captured
             ep.set_attribute(f"{c.RL_METADATA_PREFIX}ground_truth", truth)

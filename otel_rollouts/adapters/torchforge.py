@@ -81,6 +81,7 @@ from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     Sample,
     as_float,
+    captures_content,
     count,
     field,
     first_occurrences,
@@ -220,12 +221,6 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def _captures_content(ep: Any) -> bool:
-    """Whether episode ``ep`` records content (``capture_content``): an answer field is content."""
-    root = getattr(ep, "root", None)
-    return root is not None and bool(root.episode.capture_content)
-
-
 def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
             trained_version: int | None, tokenizer: Any) -> Sample:
     """One forge episode: its reward, terms and status now, its text only if it may be kept."""
@@ -267,7 +262,7 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
 
     def content(ep: Any) -> None:
         set_policy(ep, version, trained_version)
-        if target is not None and _captures_content(ep):
+        if target is not None and captures_content(ep):
             # the answer is content, as the prompt is: an ``rl.metadata.*`` label would keep it
             # with capture off, so it is recorded only when content is captured
             ep.set_attribute(f"{c.RL_METADATA_PREFIX}target", str(target))

@@ -122,22 +122,23 @@ def replay(
 
     def export(spans: list[ReadableSpan]) -> tuple[bool, BaseException | None]:
         try:
-            return exporter.export(spans) is SpanExportResult.SUCCESS, None
+            ok = exporter.export(spans) is SpanExportResult.SUCCESS
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - a hostile exporter: report, keep going
             return False, exc
+        if ok:  # taken: was all of it stored?
+            for reason, ids in take_not_stored(exporter, spans).items():
+                result.not_stored.setdefault(reason, set()).update(ids)
+        return ok, None
 
     def send() -> None:
         nonlocal batch
         lines, batch = batch, []
         if not lines:
             return
-        sent = [span for _, _, spans in lines for span in spans]
-        ok, exc = export(sent)
+        ok, exc = export([span for _, _, spans in lines for span in spans])
         if ok:
-            for reason, ids in take_not_stored(exporter, sent).items():
-                result.not_stored.setdefault(reason, set()).update(ids)
             return
         if exc is None or len(lines) == 1:
             result.failed_batches += 1
@@ -149,9 +150,6 @@ def replay(
         # the others go through and the bad ones are named
         for one in lines:
             ok, exc = export(one[2])
-            if ok:
-                for reason, ids in take_not_stored(exporter, one[2]).items():
-                    result.not_stored.setdefault(reason, set()).update(ids)
             if not ok:
                 result.failed_batches += 1
                 if exc is not None:
@@ -250,7 +248,7 @@ class _Counting(SpanExporter):
 
     A failed ``force_flush``/``shutdown`` (Trackio writes at flush) turns what was accepted into
     "not confirmed", reported as failed. Traces the exporter accepted but did not store (its
-    ``take_not_stored()``) are failed, never delivered; they are passed on to ``replay``.
+    ``take_not_stored()``) are failed, never delivered.
     """
 
     def __init__(self, exporter: SpanExporter) -> None:
@@ -261,7 +259,6 @@ class _Counting(SpanExporter):
         self.failed_traces: set[int] = set()
         self.flush_error: str | None = None
         self.not_stored: dict[str, set[int]] = {}  # reason -> trace ids, for the summary
-        self._taken: dict[str, set[int]] = {}  # what replay() has not taken yet
 
     def _count(self, ok: bool, spans: Sequence[ReadableSpan]) -> None:
         self.batches += 1
@@ -285,18 +282,12 @@ class _Counting(SpanExporter):
             lost: set[int] = set()
             for reason, ids in take_not_stored(self.exporter, spans).items():
                 self.not_stored.setdefault(reason, set()).update(ids)
-                self._taken.setdefault(reason, set()).update(ids)
                 lost |= ids
             if lost:  # their spans were not delivered either
                 moved = sum(1 for s in spans if s.context.trace_id in lost)
                 self.sent_spans -= moved
                 self.failed_spans += moved
         return outcome
-
-    def take_not_stored(self) -> dict[str, list[int]]:
-        """The target's not-stored traces since the last call (reason -> trace ids)."""
-        taken, self._taken = self._taken, {}
-        return {reason: sorted(ids) for reason, ids in taken.items()}
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:
@@ -312,10 +303,6 @@ class _Counting(SpanExporter):
             self.exporter.shutdown()
         except Exception as exc:  # noqa: BLE001 - reported in the summary
             self.flush_error = self.flush_error or f"shutdown failed: {exc}"
-
-    def not_stored_count(self) -> int:
-        """Traces accepted but not stored (a reason without ids counts one)."""
-        return sum(len(ids) or 1 for ids in self.not_stored.values())
 
     def totals(self) -> tuple[int, int, int, int]:
         """(delivered traces, delivered spans, failed traces, failed spans); a trace the target

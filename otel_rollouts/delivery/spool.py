@@ -243,7 +243,6 @@ class Spool:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
-        traces = self._traces.pop(path, traces)
         if self.on_quarantine is not None:
             self.on_quarantine(path.name, episodes, reason, traces)
 
@@ -313,30 +312,28 @@ class Spool:
         with self._lock:
             return self._files[index] if len(self._files) > index else None
 
-    def _forget(self, path: Path) -> bool:
+    def _forget(self, path: Path) -> tuple[bool, tuple[int, ...] | None]:
+        """Take ``path`` off the list: (whether it was listed, the trace ids it held if known)."""
         with self._lock:
             for i, (p, size, _) in enumerate(self._files):
                 if p == path:
                     del self._files[i]
-                    self._traces.pop(path, None)
                     self._bytes -= size
-                    return True
-        return False
+                    return True, self._traces.pop(path, None)
+        return False, None
 
     def _load(self, entry: tuple[Path, int, int]) -> list[ReadableSpan] | None:
         """Spans of one entry; None (and the entry forgotten, quarantined when bad) otherwise."""
         path, _, episodes = entry
-        traces = self._traces.get(path)
         try:
             return read_batch(path, self.max_bytes)
-        except SpoolFileError as exc:
-            if self._forget(path):
-                self._quarantine(path, episodes, str(exc), traces)
-        except OSError as exc:
-            # dropped to make room meanwhile (no longer listed: counted then), or removed or
-            # made unreadable behind our back: what it held is lost, and said so
-            if self._forget(path) and self.on_quarantine is not None:
-                self.on_quarantine(path.name, episodes, f"unreadable: {exc}", traces)
+        except (SpoolFileError, OSError) as exc:
+            # an OSError: dropped to make room meanwhile (no longer listed: counted then), or
+            # removed or made unreadable behind our back: what it held is lost, and said so
+            listed, traces = self._forget(path)
+            if listed:
+                why = str(exc) if isinstance(exc, SpoolFileError) else f"unreadable: {exc}"
+                self._quarantine(path, episodes, why, traces)
         return None
 
     def peek(self, index: int = 0) -> tuple[Path, list[ReadableSpan], int] | None:

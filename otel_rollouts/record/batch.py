@@ -181,8 +181,7 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
         # first every row the sampler holds or kept gets its end: the rows recorded so far are
         # attached as usual, the rest as failed (dropped under ``batch_record_failed`` if
         # chosen), so no row is left held for an episode that will never come
-        if len(recorded_rows) < len(chosen):
-            recorded_rows.extend((row, None) for row in chosen[len(recorded_rows):])
+        recorded_rows.extend((row, None) for row in chosen[len(recorded_rows):])
         pipeline.attach(recorded_rows)
     return sum(1 for _, r in recorded_rows if r is not None), failed
 

@@ -271,18 +271,15 @@ class Pipeline(SpanProcessor):
         later goes out as a late span of a kept episode. Memory never holds it past its step."""
         if record.state != OPEN:
             return
-        if record.complete:
-            with self._lock:
-                if record.state == OPEN:
-                    self._offer(record)
-            return
-        root = record.root
-        # the lock-free check first (a dict lookup): a step closing meanwhile offers it itself,
-        # since its root's end is set before this is called
-        if root is not None and root.end_ns is not None and self._is_closed((record.step, record.split)):
-            with self._lock:
-                if record.state == OPEN:
-                    self._offer(record)
+        if not record.complete:
+            root = record.root
+            # the lock-free check (a dict lookup): a step closing meanwhile offers it itself,
+            # since its root's end is set before this is called
+            if root is None or root.end_ns is None or not self._is_closed((record.step, record.split)):
+                return
+        with self._lock:
+            if record.state == OPEN:
+                self._offer(record)
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         """A span of an already decided episode ended: it goes out only with a kept one."""

@@ -339,7 +339,7 @@ class BudgetCoordinator:
             (indices,) = distributed.merge_all(state.policy, left, [{key: rows}])[key]
             keep[key] = indices
             state.kept[key] = state.kept.get(key, 0) + len(indices)
-        return {"keep": keep, "members": max(len(runs.members - runs.absent), 1), "late": True}
+        return {"keep": keep, "members": runs.expected(None), "late": True}
 
     def state(self, run: str | None = None) -> dict[str, Any]:
         """What the coordinator knows of ``run`` (a ``run_id``; None: the run that sent a step
