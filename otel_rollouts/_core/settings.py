@@ -261,18 +261,6 @@ class EnvOption:
     default: str
     secret: bool = False
 
-    def read(self, name: str, environ: Mapping[str, str]) -> Any:
-        """This variable's value in ``environ`` (None when unset, empty or invalid: the latter
-        warned about once, naming the variable and the default)."""
-        text = environ.get(name)
-        if text is None or not text.strip():
-            return None
-        try:
-            return self.parse(text)
-        except ValueError as exc:
-            _warn(name, text, str(exc), self.default, self.secret)
-            return None
-
 
 def _otlp(signal: str, what: str) -> str:
     return f"OTEL_EXPORTER_OTLP_{signal}{what}"
@@ -354,15 +342,14 @@ def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[s
             if text is None:
                 continue
             if text.strip():
-                value = entry.read(entry.variable, environ)
-                if value is not None:
-                    values[entry.variable] = value
-                    continue
                 try:
-                    entry.parse(text)
-                    continue  # a valid value that means "none" ("unset" for a limit)
-                except ValueError:
-                    pass
+                    value = entry.parse(text)
+                except ValueError as exc:
+                    _warn(entry.variable, text, str(exc), entry.default, entry.secret)
+                else:
+                    if value is not None:  # (None: a valid value meaning "none", kept as it is)
+                        values[entry.variable] = value
+                    continue
             environ.pop(entry.variable, None)
         except Exception:  # noqa: BLE001 - an odd mapping must not stop configure()
             continue
@@ -377,7 +364,8 @@ def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = No
     """Settings from ``configure()``'s flat keyword arguments (None or absent: not given) and
     the environment, through ``ENV_TABLE``."""
     environ = os.environ if environ is None else environ
-    checked = check_environment(environ) if isinstance(environ, MutableMapping) else {}
+    # a read-only mapping is checked as a copy: what is invalid is warned about and left out
+    checked = check_environment(environ if isinstance(environ, MutableMapping) else dict(environ))
     values: dict[str, Any] = dict(arguments)
     for entry in ENV_TABLE:
         # None is "not given" for the options the environment may set; elsewhere None is a
@@ -386,8 +374,7 @@ def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = No
         if values.get(name) is not None:
             continue
         values.pop(name, None)
-        value = (checked.get(entry.variable) if entry.variable in checked
-                 else entry.read(entry.variable, environ))
+        value = checked.get(entry.variable)
         if value is not None:
             values[name] = value
     groups: dict[str, Any] = {}

@@ -34,14 +34,13 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
 from otel_rollouts._core.spans import (
-    ATTRIBUTE_RESERVE,
     DROPPED,
     KEPT,
     OFFERED,
     EpisodeRecord,
     SpanRecord,
     bounded_key,
-    left_out_attributes,
+    has_room,
     put_attribute,
 )
 from otel_rollouts._core.values import fits_int64, refused, storable_number, to_float, to_int
@@ -340,25 +339,6 @@ class Turn(_SpanHandle):
 
 
 
-def bounded_metadata(root: SpanRecord, metadata: Any) -> Any:
-    """``metadata`` within the root span's budgets: keys cut to ``MAX_KEY_CHARS`` with their
-    prefix, at most what the span's attribute share still holds (the rest counted and flagged
-    once in ``rl.invalid``, never copied one by one). A non-mapping is passed on as it is (it is
-    refused, named, by ``_metadata``)."""
-    if not isinstance(metadata, Mapping):
-        return metadata
-    room = max(root.episode.max_attributes - ATTRIBUTE_RESERVE - len(root.attributes), 0)
-    out: dict[str, Any] = {}
-    total = len(metadata)
-    for key, value in metadata.items():
-        name = bounded_key(root, key, "metadata", prefix=c.RL_METADATA_PREFIX)
-        if len(out) >= room and name not in out:
-            left_out_attributes(root, c.RL_METADATA_PREFIX + name, "metadata", total - len(out))
-            break
-        out[name] = value
-    return out
-
-
 def new_episode_id(step: int) -> str:
     """An episode id when none is given: the step and 64 random bits."""
     return f"{step}-{_getrandbits(64):016x}"
@@ -521,7 +501,7 @@ class Episode:
         if framework is not None:
             attrs[c.RL_FRAMEWORK] = text(framework)
         if metadata:
-            self._metadata(root, bounded_metadata(root, metadata))
+            self._metadata(root, metadata)
         for problem in problems:
             flag(root, problem)
         self._record = record
@@ -536,8 +516,13 @@ class Episode:
             flag(root, f"metadata: expected a mapping, got {type(metadata).__name__}")
             return
         capture = root.episode.capture_content
-        for key, value in metadata.items():
-            name = c.RL_METADATA_PREFIX + text(key)
+        total = len(metadata)
+        # within the root span's budgets: keys cut to MAX_KEY_CHARS, no more than the span's
+        # share of the attribute limit (the rest counted and flagged once in rl.invalid)
+        for i, (key, value) in enumerate(metadata.items()):
+            name = c.RL_METADATA_PREFIX + bounded_key(root, key, "metadata", prefix=c.RL_METADATA_PREFIX)
+            if not has_room(root, name, "metadata", left_out=total - i):
+                break
             if isinstance(value, (bool, int, float)) or value is None:
                 if isinstance(value, int) and not isinstance(value, bool):
                     # an int beyond 64 bits: converted (and said so), never lost downstream
