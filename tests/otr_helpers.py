@@ -67,3 +67,15 @@ def trackio_rows(project: str) -> list[dict[str, Any]]:
          "spans": load(r[5])}
         for r in rows
     ]
+
+
+def wait_ready(stream) -> str:
+    """Read a child's stdout up to its ``READY`` line and return that line. Other lines may come
+    first, or be written into the same line: Trackio prints from its own thread ("* Trackio
+    project initialized") while the child prints READY. Fails if the child exits first."""
+    seen = []
+    while line := stream.readline():
+        if "READY" in line:
+            return line
+        seen.append(line)
+    raise AssertionError(f"the child ended without READY; it printed {seen!r}")

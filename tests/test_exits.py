@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from otlp_sink import free_port
+from otr_helpers import wait_ready
 
 from otel_rollouts import conventions as c
 from otel_rollouts.delivery.replay import spans_from_file
@@ -253,7 +254,7 @@ def test_trackio_receives_the_episodes_of_a_process_killed_by_sigterm(tmp_path):
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=_env(TRACKIO_DIR=str(trackio_dir)),
     )
-    assert proc.stdout.readline().strip() == "READY"
+    assert "READY" in wait_ready(proc.stdout)  # Trackio's sender may print on the same stdout
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM, stderr
