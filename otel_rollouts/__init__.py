@@ -58,10 +58,13 @@ from otel_rollouts.record.episode import (  # noqa: E402
     ToolCall,
     Turn,
     current_episode,
+    current_generation,
     episode,
+    trace_id_for,
 )
 from otel_rollouts.record.traced import traced  # noqa: E402
 from otel_rollouts.sampling.policies import (  # noqa: E402
+    Bucket,
     Compose,
     Errors,
     First,
@@ -101,6 +104,9 @@ __all__ = [
     "configure",
     "conventions",
     "current_episode",
+    "current_generation",
+    "trace_id_for",
+    "Bucket",
     "end_step",
     "episode",
     "Episode",

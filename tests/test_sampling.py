@@ -15,7 +15,7 @@ from otr_helpers import root, traces, tree
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts.record.episode import trace_id_for
+from otel_rollouts.record.episode import trace_id_int
 
 
 def configure(cap=4, policy="top_bottom", **kw):
@@ -325,8 +325,10 @@ def test_deterministic_ids_find_a_kept_trace_from_training_data(otr_shutdown):
     otr.flush()
     by_trace = traces(exporter)
     for i in (0, 4):  # top 1 and bottom 1
-        spans = by_trace[trace_id_for("run-42", 3, f"sample-{i}")]
+        spans = by_trace[trace_id_int("run-42", 3, f"sample-{i}")]
         assert root(spans).attributes[c.RL_EPISODE_ID] == f"sample-{i}"
-    assert trace_id_for("run-42", 3, "sample-1") not in by_trace
-    assert trace_id_for("run-43", 3, "sample-0") != trace_id_for("run-42", 3, "sample-0")
-    assert trace_id_for("run-42", 4, "sample-0") != trace_id_for("run-42", 3, "sample-0")
+        # the public form is the id every viewer shows
+        assert otr.trace_id_for("run-42", 3, f"sample-{i}") == f"{root(spans).context.trace_id:032x}"
+    assert trace_id_int("run-42", 3, "sample-1") not in by_trace
+    assert trace_id_int("run-43", 3, "sample-0") != trace_id_int("run-42", 3, "sample-0")
+    assert trace_id_int("run-42", 4, "sample-0") != trace_id_int("run-42", 3, "sample-0")

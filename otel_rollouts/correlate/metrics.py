@@ -79,7 +79,8 @@ def step_summary_names(split: str) -> str:
 
 class _Step:
     __slots__ = ("seen", "kept", "dropped", "rewards", "reward_sum", "reward_min", "reward_max",
-                 "durations", "duration_sum", "tokens_in", "tokens_out", "tool_errors")
+                 "durations", "duration_sum", "tokens_in", "tokens_out", "tokens_in_known",
+                 "tokens_out_known", "tool_errors")
 
     def __init__(self) -> None:
         self.seen = self.kept = self.dropped = 0
@@ -88,6 +89,8 @@ class _Step:
         self.reward_min = float("inf")
         self.reward_max = float("-inf")
         self.tokens_in = self.tokens_out = self.tool_errors = 0
+        # whether any generation of the step reported its usage: absent is not 0
+        self.tokens_in_known = self.tokens_out_known = False
 
     def add_reward(self, reward: float) -> None:
         self.rewards += 1
@@ -104,10 +107,12 @@ class _Step:
             prefix + "episodes_seen": self.seen,
             prefix + "episodes_kept": self.kept,
             prefix + "episodes_dropped": self.dropped,
-            prefix + "tokens_input": self.tokens_in,
-            prefix + "tokens_output": self.tokens_out,
             prefix + "tool_errors": self.tool_errors,
         }
+        if self.tokens_in_known:
+            out[prefix + "tokens_input"] = self.tokens_in
+        if self.tokens_out_known:
+            out[prefix + "tokens_output"] = self.tokens_out
         if self.rewards:
             out[prefix + "reward_mean"] = self.reward_sum / self.rewards
             out[prefix + "reward_min"] = self.reward_min
@@ -242,10 +247,17 @@ class RolloutMetrics:
         if root is not None and root.end_ns is not None:
             duration = max(root.end_ns - root.start_ns, 0) / 1e9
         tokens_in = tokens_out = errors = 0
+        in_known = out_known = False
         for span in record.spans:
             attrs = span.attributes
-            tokens_in += _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
-            tokens_out += _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+            count = _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+            if count is not None:
+                tokens_in += count
+                in_known = True
+            count = _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+            if count is not None:
+                tokens_out += count
+                out_known = True
             if span.kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
                 errors += 1
         split = self.label(record.split) if self.label is not None else record.split
@@ -263,6 +275,8 @@ class RolloutMetrics:
                 step.add_duration(duration)
             step.tokens_in += tokens_in
             step.tokens_out += tokens_out
+            step.tokens_in_known = step.tokens_in_known or in_known
+            step.tokens_out_known = step.tokens_out_known or out_known
             step.tool_errors += errors
         if not self._instruments:
             return
@@ -308,5 +322,6 @@ class RolloutMetrics:
             self.provider.shutdown()
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def _count(value: Any) -> int | None:
+    """A recorded token count, or None where none was recorded (absent is not 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -35,7 +35,7 @@ from otel_rollouts.record.episode import (
     new_episode_id,
     repeated_note,
     status_value,
-    trace_id_for,
+    trace_id_int,
 )
 from otel_rollouts.sampling.batch import BatchRow, RowBatch
 
@@ -132,8 +132,8 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
         if episode_id is None:
             episode_id = episode_ids[i] = new_episode_id(step)
         trace_id, n = claim_trace_id(
-            rt, trace_id_for(rt.run_id, step, episode_id), (step, split),
-            lambda n: trace_id_for(rt.run_id, step, f"{episode_id}#{n}"),
+            rt, trace_id_int(rt.run_id, step, episode_id), (step, split),
+            lambda n: trace_id_int(rt.run_id, step, f"{episode_id}#{n}"),
         )
         if n:
             repeated[i] = repeated_note(episode_id, step, n)

@@ -45,7 +45,11 @@ from otel_rollouts._core.spans import (
 )
 from otel_rollouts._core.values import fits_int64, refused, storable_number, to_float, to_int
 
-__all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode"]
+__all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_episode", "current_generation"]
+
+# the context key under which an entered ToolCall / Generation names itself: a @traced function of
+# the same kind called directly inside its ``with`` block records into its span (see CallHandle)
+OPEN_CALL = otel_context.create_key("otel_rollouts.open_call")
 
 
 # --- helpers shared with @traced ---------------------------------------------------------------
@@ -125,6 +129,20 @@ def _number(span: SpanRecord, value: Any, field: str) -> float | None:
     return number
 
 
+def record_usage(span: SpanRecord, input_tokens: Any, output_tokens: Any) -> None:
+    """``gen_ai.usage.input_tokens`` / ``output_tokens`` on a generation span; None leaves a
+    count absent (unknown), a value that is not a count is refused and flagged."""
+    for value, key, field in ((input_tokens, c.GEN_AI_USAGE_INPUT_TOKENS, "input_tokens"),
+                              (output_tokens, c.GEN_AI_USAGE_OUTPUT_TOKENS, "output_tokens")):
+        if value is None:
+            continue
+        count = _integer(span, value, field)
+        if count is not None and count < 0:
+            flag(span, f"{field}: negative ({count})")
+        elif count is not None:
+            span.attributes[key] = count
+
+
 def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
     number, problem = to_int(value, field)
     if problem is not None:
@@ -179,7 +197,45 @@ class _SpanHandle:
         self.__exit__(exc_type, exc, tb)
 
 
-class ToolCall(_SpanHandle):
+class CallHandle(_SpanHandle):
+    """A tool call or a generation, the two spans a ``@traced`` function may duplicate.
+
+    People write ``with turn.tool_call("calculator", ...) as call: call.result(calculator(x))``
+    with ``calculator`` itself ``@otr.traced(kind="tool")``. Two spans for one call would show
+    two tool calls in every viewer and count its failure twice. So the first ``@traced`` call of
+    the same kind (and, for a tool, the same name) made directly inside the ``with`` block (this
+    span current) records into this span: its arguments where none were given, its result or
+    output, its failure, its token usage. Any other call inside is a span of its own.
+    """
+
+    __slots__ = ("merged", "merged_error")
+
+    def __init__(self, span: SpanRecord | None) -> None:
+        super().__init__(span)
+        self.merged = False  # a traced call recorded into this span already
+        self.merged_error: BaseException | None = None  # the exception it recorded, if any
+
+    def __enter__(self: _H) -> _H:
+        self._entered = True
+        if self._span is not None:
+            ctx = otel_context.set_value(OPEN_CALL, self, trace.set_span_in_context(self._span))
+            self._token = otel_context.attach(ctx)
+        return self
+
+    def take(self, kind: str, tool: str | None) -> SpanRecord | None:
+        """This span, for the traced call of ``kind`` (a tool named ``tool``) that starts now,
+        if that call is the first directly inside this block; else None."""
+        span = self._span
+        if (span is None or self.merged or span.end_ns is not None or span.kind != kind
+                or trace.get_current_span() is not span):
+            return None
+        if kind == c.KIND_TOOL and span.attributes.get(c.GEN_AI_TOOL_NAME) != tool:
+            return None
+        self.merged = True
+        return span
+
+
+class ToolCall(CallHandle):
     """One tool call inside a turn: ``execute_tool {name}``."""
 
     __slots__ = ()
@@ -203,7 +259,9 @@ class ToolCall(_SpanHandle):
         span = self._span
         if span is None:
             return
-        if isinstance(error, BaseException):
+        if error is self.merged_error and span.status_code is StatusCode.ERROR:
+            pass  # the traced function it came from recorded it on this span already
+        elif isinstance(error, BaseException):
             span.fail(error)
         else:
             span.fail(message=text(error))
@@ -212,10 +270,19 @@ class ToolCall(_SpanHandle):
 
 
 
-class Generation(_SpanHandle):
+class Generation(CallHandle):
     """One model generation inside a turn: ``chat {model}``."""
 
     __slots__ = ()
+
+    @guarded
+    def usage(self, input_tokens: int | None = None, output_tokens: int | None = None) -> None:
+        """Record the generation's token usage (``gen_ai.usage.*``); the span is not ended.
+        A count not given stays absent: viewers show it as unknown, not as 0."""
+        span = self._span
+        if span is None:
+            return
+        record_usage(span, input_tokens, output_tokens)
 
     @guarded
     def output(
@@ -253,10 +320,7 @@ class Generation(_SpanHandle):
             span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
         if finish_reason is not None:
             span.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
-        if input_tokens is not None:
-            span.attributes[c.GEN_AI_USAGE_INPUT_TOKENS] = _integer(span, input_tokens, "input_tokens")
-        if output_tokens is not None:
-            span.attributes[c.GEN_AI_USAGE_OUTPUT_TOKENS] = _integer(span, output_tokens, "output_tokens")
+        record_usage(span, input_tokens, output_tokens)
         if not self._entered:
             span.end()
 
@@ -372,10 +436,18 @@ def claim_trace_id(rt: _runtime.Runtime, trace_id: int, key: tuple[int, str],
     return claimed
 
 
-def trace_id_for(run_id: str, step: int, episode_id: str) -> int:
+def trace_id_int(run_id: str, step: int, episode_id: str) -> int:
     """A deterministic 128-bit trace id for (run, step, episode id): find a trace from data."""
     digest = hashlib.blake2b(f"{run_id}\x1f{step}\x1f{episode_id}".encode(), digest_size=16)
     return int.from_bytes(digest.digest(), "big") or 1
+
+
+def trace_id_for(run_id: str, step: int, episode_id: str) -> str:
+    """The trace id (32 hex digits, as Jaeger, Phoenix and Trackio's metadata show it) of the
+    episode ``episode_id`` of ``step`` in run ``run_id``, recorded with
+    ``configure(deterministic_ids=True, run_id=run_id)``: find a kept trace from training data.
+    (An episode id repeated within a step gets another id, flagged on its root.)"""
+    return f"{trace_id_int(run_id, step, text(episode_id)):032x}"
 
 
 class Episode:
@@ -463,8 +535,8 @@ class Episode:
                 # a repeated id gets its own trace id, counted and flagged: two episodes under
                 # one trace id are one trace to every backend (one of them lost, uncounted)
                 trace_id, occurrence = claim_trace_id(
-                    rt, trace_id_for(rt.run_id, step_value, episode_id), (step_value, split),
-                    lambda n: trace_id_for(rt.run_id, step_value, f"{episode_id}#{n}"),
+                    rt, trace_id_int(rt.run_id, step_value, episode_id), (step_value, split),
+                    lambda n: trace_id_int(rt.run_id, step_value, f"{episode_id}#{n}"),
                 )
                 if occurrence:
                     problems.append(repeated_note(episode_id, step_value, occurrence))
@@ -736,6 +808,18 @@ def episode(
         framework=framework,
         metadata=metadata,
     )
+
+
+def current_generation() -> Generation:
+    """The generation recording in the current context (inside ``with turn.generation()`` or a
+    ``@traced(kind="generation")`` function), to record what only the body knows, e.g.
+    ``otr.current_generation().usage(input_tokens=812, output_tokens=64)``. Outside one, a
+    handle whose methods do nothing. Its ``output()`` does not end the span."""
+    span = trace.get_current_span()
+    handle = Generation(span if isinstance(span, SpanRecord) and span.kind == c.KIND_GENERATION
+                        and span.end_ns is None else None)
+    handle._entered = True  # the span belongs to its block or function: they end it
+    return handle
 
 
 def current_episode() -> Episode | None:

@@ -22,10 +22,19 @@ from opentelemetry.trace.status import StatusCode
 from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import call_user, exception_text, snapshot
+from otel_rollouts._core.content import call_user, exception_text, snapshot, text
 from otel_rollouts._core.guard import report
 from otel_rollouts._core.spans import SpanRecord, exception_attributes
-from otel_rollouts.record.episode import Episode, as_messages, child_span, leave_context
+from otel_rollouts.record.episode import (
+    OPEN_CALL,
+    CallHandle,
+    Episode,
+    as_messages,
+    child_span,
+    leave_context,
+    record_usage,
+)
+from otel_rollouts.record.response import read_response
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,15 +43,20 @@ _EPISODE_ARGS = ("step", "split", "group_id", "sample_index", "policy_version", 
 
 
 class _Call:
-    """One traced call: its span, and how to attach it to the context."""
+    """One traced call: its span, and how to attach it to the context.
 
-    __slots__ = ("span", "episode", "sdk", "kind")
+    ``merged``: the entered ``turn.tool_call`` / ``turn.generation`` this call records into
+    (see ``CallHandle``): its span is that block's, which fails or ends with the block."""
 
-    def __init__(self, span: Any, episode: Episode | None, sdk: bool, kind: str) -> None:
+    __slots__ = ("span", "episode", "sdk", "kind", "merged")
+
+    def __init__(self, span: Any, episode: Episode | None, sdk: bool, kind: str,
+                 merged: Any = None) -> None:
         self.span = span
         self.episode = episode
         self.sdk = sdk
         self.kind = kind
+        self.merged = merged
 
     def attach(self) -> Token[Context]:
         return otel_context.attach(trace.set_span_in_context(self.span))
@@ -60,6 +74,8 @@ class _Call:
                 self.episode._close(exc)
             else:
                 self.span.fail(exc)
+                if self.merged is not None:
+                    self.merged.merged_error = exc  # call.error(exc) of the block: the same failure
         except Exception as err:  # noqa: BLE001
             report(f"traced: {exception_text(err)}", exc=err)
 
@@ -72,9 +88,15 @@ class _Call:
     def output(self, value: Any) -> None:
         try:
             span = self.span
-            if not (span.episode.capture_content if isinstance(span, SpanRecord) else _runtime.current().capture_content):
-                return
             kind = self.kind
+            light = isinstance(span, SpanRecord)
+            if kind == c.KIND_GENERATION and light and not isinstance(value, str):
+                response = read_response(value)
+                if response is not None:
+                    self._response(span, response)
+                    return
+            if not (span.episode.capture_content if light else _runtime.current().capture_content):
+                return
             if kind == c.KIND_GENERATION:
                 if isinstance(value, str):
                     self.span.set_attribute(
@@ -94,7 +116,21 @@ class _Call:
         except Exception as err:  # noqa: BLE001
             report(f"traced: output: {exception_text(err)}", exc=err)
 
+    def _response(self, span: SpanRecord, response: Any) -> None:
+        """A model response's parts on the generation span: the message (content capture on),
+        the finish reason, the model, and the token usage, which counts are, content or not."""
+        record_usage(span, response.input_tokens, response.output_tokens)
+        if response.finish_reason is not None:
+            span.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(response.finish_reason)]
+        if response.model and not span.attributes.get(c.GEN_AI_REQUEST_MODEL):
+            span.attributes[c.GEN_AI_REQUEST_MODEL] = response.model
+            span.name = c.chat_span_name(response.model)
+        if response.message is not None and span.episode.capture_content:
+            span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [snapshot(response.message)]
+
     def end(self) -> None:
+        if self.merged is not None:
+            return  # the block's span: it ends with the block
         try:
             if self.episode is not None:
                 self.episode.end()
@@ -264,6 +300,13 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
 
     if inside is not None:
         record = inside
+        if kind in _MERGING_KINDS:
+            handle = otel_context.get_value(OPEN_CALL)
+            target = (handle.take(kind, attributes.get(c.GEN_AI_TOOL_NAME))
+                      if isinstance(handle, CallHandle) else None)
+            if target is not None:
+                _merge(target, kind, attributes)
+                return _Call(target, None, False, kind, handle)
         if kind == c.KIND_TURN:
             attributes[c.RL_TURN_INDEX] = record.next_turn
             record.next_turn += 1
@@ -285,6 +328,23 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     }
     span = rt.tracer.start_span(span_name, attributes=sdk_attrs)
     return _Call(span, None, True, kind)
+
+
+_MERGING_KINDS = (c.KIND_TOOL, c.KIND_GENERATION)
+
+
+def _merge(span: SpanRecord, kind: str, attributes: dict[str, Any]) -> None:
+    """What a traced call knows at its start, on the block's span it records into: only what the
+    block did not say (the block's own arguments, model and messages win)."""
+    held = span.attributes
+    for key, value in attributes.items():
+        if key in held:
+            continue
+        if key == c.INPUT_VALUE and kind == c.KIND_GENERATION and c.GEN_AI_INPUT_MESSAGES in held:
+            continue  # the block gave the conversation: that is this generation's input
+        held[key] = snapshot(value) if key in _CALL_ARGUMENTS else value
+        if key == c.GEN_AI_REQUEST_MODEL:
+            span.name = c.chat_span_name(value)
 
 
 def _safe_start(*a: Any) -> _Call | None:
