@@ -34,6 +34,7 @@ from otel_rollouts.correlate.metrics import RolloutMetrics
 from otel_rollouts.delivery.defaults import default_exporters
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
+from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.pipeline import Pipeline
 from otel_rollouts.sampling.policies import TailSampler
@@ -128,6 +129,8 @@ class Rollouts(_runtime.Runtime):
             list(s.exporters) if s.exporters is not None
             else default_exporters(s.trackio_project, redactor)
         )
+        for exporter in exporters:  # a stock OTLP exporter aimed at a Phoenix also posts the scores
+            PhoenixAnnotations.attach(exporter)  # (per OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS; idempotent)
         materializer = Materializer(
             resource,
             InstrumentationScope(c.SCOPE_NAME, version()),

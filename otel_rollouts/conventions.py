@@ -80,6 +80,9 @@ GEN_AI_EVALUATION_NAME = "gen_ai.evaluation.name"
 GEN_AI_EVALUATION_SCORE_VALUE = "gen_ai.evaluation.score.value"
 EVALUATION_REWARD = "reward"
 EVALUATION_ADVANTAGE = "advantage"
+GEN_AI_EVALUATION_SCORE_LABEL = "gen_ai.evaluation.score.label"
+GEN_AI_EVALUATION_EXPLANATION = "gen_ai.evaluation.explanation"
+EVALUATION_STATUS = "status"  # the episode's rl.status as a label-only evaluation
 
 # message JSON in the parts shape (gen_ai.input.messages / output.messages / system_instructions)
 PART_TEXT = "text"
@@ -113,6 +116,7 @@ OI_LLM = "LLM"
 OI_TOOL = "TOOL"
 OI_EVALUATOR = "EVALUATOR"
 OPENINFERENCE_PROJECT_NAME = "openinference.project.name"  # resource attribute read by Phoenix
+OPENINFERENCE_PREFIX = "openinference."  # every OpenInference-only key starts with it
 
 # --- generic input/output of @traced spans --------------------------------------------------
 INPUT_VALUE = "input.value"  # OpenInference's name; JSON text
@@ -143,6 +147,18 @@ OI_TOOL_NAME = "tool.name"
 OI_SESSION_ID = "session.id"
 OI_METADATA = "metadata"
 OI_TAG_TAGS = "tag.tags"
+# OpenInference evaluations (spec/annotations.md), flattened on the span they describe:
+# evaluations.<i>.evaluation.<field>
+OI_EVALUATIONS = "evaluations"
+OI_EVALUATION = "evaluation"
+OI_EVALUATION_NAME = "name"
+OI_EVALUATION_SCORE = "score"
+OI_EVALUATION_LABEL = "label"
+OI_EVALUATION_EXPLANATION = "explanation"
+OI_EVALUATION_ANNOTATOR_KIND = "annotator_kind"
+OI_EVALUATION_IDENTIFIER = "identifier"
+OI_EVALUATION_METADATA = "metadata"
+OI_ANNOTATOR_CODE = "CODE"  # deterministic code judged the span (HUMAN | LLM | CODE)
 
 
 def oi_message_key(prefix: str, index: int, field: str) -> str:
@@ -153,6 +169,11 @@ def oi_message_key(prefix: str, index: int, field: str) -> str:
 def oi_tool_call_key(prefix: str, index: int, call: int, field: str) -> str:
     """``llm.output_messages.<i>.message.tool_calls.<j>.tool_call.function.name`` and friends."""
     return f"{prefix}.{index}.{OI_MESSAGE_TOOL_CALLS}.{call}.{field}"
+
+
+def oi_evaluation_key(index: int, field: str) -> str:
+    """``evaluations.<index>.evaluation.<field>`` (OpenInference's flattened evaluations)."""
+    return f"{OI_EVALUATIONS}.{index}.{OI_EVALUATION}.{field}"
 
 # --- exception events (OpenTelemetry semantic conventions) ----------------------------------
 EXCEPTION_TYPE = "exception.type"
@@ -258,6 +279,8 @@ ENV_SPOOL_DIR = "OTEL_ROLLOUTS_SPOOL_DIR"  # where batches wait for an exporter 
 ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT = "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"
 ENV_SPAN_ATTRIBUTE_COUNT_LIMIT = "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"
 ENV_TRACE_UI_URL = "OTEL_ROLLOUTS_TRACE_UI_URL"  # e.g. http://localhost:16686 (Jaeger)
+# each episode's evaluations posted to Phoenix as span annotations: auto | on | off | <base URL>
+ENV_PHOENIX_ANNOTATIONS = "OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS"
 
 # --- resource attributes ----------------------------------------------------------------------
 SERVICE_NAME = "service.name"

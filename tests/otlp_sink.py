@@ -14,6 +14,13 @@ Phoenix (``receivers.py``) is the realistic receiver, but it takes 10-15 s to st
   half of the spans kept, the rest rejected in ``partial_success``), ``"hang"`` (answer only
   after ``hang_s`` seconds, keeping the spans: a collector that stored them too late).
 
+Phoenix's annotation API, for the Phoenix annotation layer (``otel_rollouts.delivery.phoenix``):
+with ``phoenix_version`` set (e.g. ``"20.26.1"``), ``GET /arize_phoenix_version`` answers it as
+plain text and ``POST /v1/span_annotations`` stores each item in ``annotations.jsonl`` beside the
+spans, answering ``annotations_status`` (default 200; other codes store nothing) after
+``annotations_delay`` seconds; ``annotation_requests`` counts them. Unset (the default), the sink
+behaves as before.
+
 Every accepted span is appended to a JSON-lines file, so what was received survives a restart
 (``kill()`` then ``start()`` on the same port simulates a collector crash). Also records the
 ``Authorization`` header of requests and whether they came over TLS.
@@ -63,7 +70,8 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
 
     state: dict[str, Any] = {"delay": 0.0, "status": None, "max_body": None, "requests": 0,
                              "accepted": 0, "refused": 0, "authorization": [], "sizes": [], "script": [],
-                             "hang_s": 5.0}
+                             "hang_s": 5.0, "phoenix_version": None, "annotations_status": 200,
+                             "annotations_delay": 0.0, "annotation_requests": 0}
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -81,6 +89,11 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
 
         def do_GET(self) -> None:
             with lock:
+                version = state["phoenix_version"]
+            if version is not None and self.path == "/arize_phoenix_version":
+                self._reply(200, str(version).encode(), "text/plain")
+                return
+            with lock:
                 body = json.dumps({k: v for k, v in state.items()}).encode()
             self._reply(200, body)
 
@@ -91,6 +104,11 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 with lock:
                     state.update(json.loads(data or b"{}"))
                 self._reply(200, b"{}")
+                return
+            with lock:
+                phoenix = state["phoenix_version"] is not None
+            if phoenix and self.path.split("?")[0] == "/v1/span_annotations":
+                self._annotations(data)
                 return
             with lock:
                 state["requests"] += 1
@@ -172,6 +190,23 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 response.partial_success.error_message = "scripted rejection"
             self._reply(200, response.SerializeToString(), "application/x-protobuf")
 
+        def _annotations(self, data: bytes) -> None:
+            """Phoenix's ``POST /v1/span_annotations``: each item kept in ``annotations.jsonl``
+            (when ``annotations_status`` is 200), answered as Phoenix does (async: no ids)."""
+            with lock:
+                state["annotation_requests"] += 1
+                status, delay = int(state["annotations_status"]), float(state["annotations_delay"])
+            if delay:
+                time.sleep(delay)
+            if status != 200:
+                self._reply(status, b'{"detail": "scripted"}')
+                return
+            items = json.loads(data or b"{}").get("data", [])
+            with lock:
+                with open(out.with_name("annotations.jsonl"), "a", encoding="utf-8") as fh:
+                    fh.write("".join(json.dumps(item) + "\n" for item in items))
+            self._reply(200, b'{"data": []}')
+
         def _logs(self, data: bytes) -> None:
             """OTLP/HTTP logs: each record is appended to ``logs.jsonl`` beside the spans."""
             from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
@@ -241,6 +276,14 @@ class OtlpSink:
     @property
     def logs_endpoint(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}/v1/logs"
+
+    def annotations(self) -> list[dict[str, Any]]:
+        """The span annotations received in Phoenix mode (``phoenix_version`` set)."""
+        path = self.out.with_name("annotations.jsonl")
+        if not path.exists():
+            return []
+        with open(path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.endswith("\n")]
 
     def logs(self) -> list[dict[str, Any]]:
         path = self.out.with_name("logs.jsonl")

@@ -1,6 +1,6 @@
 """Real OTLP receivers for integration tests (a plain helper module, not a conftest).
 
-``PhoenixReceiver`` runs Arize Phoenix (``python -m phoenix.server.main serve``) as a subprocess
+``PhoenixReceiver`` runs Arize Phoenix (``phoenix serve``, see ``phoenix_loopback.py``) as a subprocess
 on loopback, with free ports for OTLP/HTTP (same port as its REST API and UI) and OTLP/gRPC,
 waits until ``GET /healthz`` answers 200, and reads spans back over Phoenix's REST API.
 
@@ -13,7 +13,8 @@ Facts this relies on (measured, see the project's research notes):
 - start-up takes 10-15 s, almost all of it ``import phoenix.server.main``;
 - the project is picked by the resource attribute ``openinference.project.name``;
 - ``openinference.span.kind`` is moved out of ``attributes`` into ``span_kind``;
-- OTLP/HTTP accepts protobuf only; gRPC binds ``[::]:PHOENIX_GRPC_PORT`` (all interfaces);
+- OTLP/HTTP accepts protobuf only; gRPC binds ``[::]:PHOENIX_GRPC_PORT`` (all interfaces) in
+  code, so the server is started through ``phoenix_loopback.py``, which binds it to 127.0.0.1;
 - ingestion is asynchronous (~150 spans/s here), so read-back must poll.
 """
 
@@ -206,7 +207,8 @@ class PhoenixReceiver:
             log.write(f"\n--- starting phoenix on {self.base_url} grpc {self.grpc_port}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                [str(self.python), "-m", "phoenix.server.main", "serve"],
+                # phoenix.server.main, its gRPC receiver bound to 127.0.0.1 (phoenix_loopback.py)
+                [str(self.python), str(Path(__file__).resolve().parent / "phoenix_loopback.py"), "serve"],
                 cwd=self.working_dir,
                 env=self.environment(),
                 stdin=subprocess.DEVNULL,

@@ -8,9 +8,12 @@ Phoenix is only logged by the exporter).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from collections import Counter
 from datetime import datetime
@@ -38,6 +41,8 @@ from otr_scenario import (
 from receivers import PhoenixReceiver
 
 import otel_rollouts as otr
+from otel_rollouts.delivery.defaults import otlp_exporter_from_env
+from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.exporters import OtlpJsonFileExporter
 
 pytestmark = pytest.mark.receiver
@@ -183,3 +188,159 @@ def test_file_replayed_to_phoenix_gives_the_same_spans(
     _assert_episode_shapes(received, kept)
     _assert_same_spans(received, witness)
     assert len(phoenix.spans(project)) == len(witness) == 4 * SPANS_PER_EPISODE
+
+
+# --- what a researcher sorts and filters by: sessions, annotations -------------------------------
+# (step, group, sample index): group ids repeat every step, as a GRPO trainer's prompt ids do
+GROUPS = [(step, group, i) for step in (38, 39, 40) for group in ("p0", "p1") for i in range(3)]
+TRUNCATED = (40, "p1", 2)
+
+
+def _reward(step: int, group: str, i: int) -> float:
+    """Distinct rewards within a step; step 40's worst is the truncated one, (40, "p1", 2)."""
+    return round(0.9 - 0.1 * i - 0.3 * (group == "p1") + 0.01 * (step - 38), 2)
+
+
+def _record_groups(exporter, project: str, run_id: str) -> tuple[dict[tuple[int, str, int], str], dict]:
+    """GROUPS through otel_rollouts: (trace id by (step, group, sample index), otr.stats())."""
+    otr.configure(service_name="otr-phoenix-groups", exporters=[exporter], sampler=otr.TailSampler(10, "first"),
+                  run_id=run_id, resource_attributes={"openinference.project.name": project})
+    traces = {}
+    try:
+        for key in GROUPS:
+            step, group, i = key
+            reward = _reward(*key)
+            with otr.episode(step=step, group_id=group, sample_index=i) as ep:
+                ep.prompt([{"role": "user", "content": f"step {step} group {group} sample {i}"}])
+                with ep.turn() as turn:
+                    turn.record_generation(f"answer {step}-{group}-{i}", model=MODEL)
+                ep.reward(reward, components={"correct": float(reward >= 0.5)}, advantage=reward - 0.5)
+                ep.finish(reason="length" if key == TRUNCATED else "stop",
+                          status="truncated" if key == TRUNCATED else None)
+            traces[key] = ep.trace_id
+            if key[1:] == ("p1", 2):  # the step's last episode
+                otr.end_step(step)
+        assert otr.flush(60)
+    finally:
+        stats = otr.stats()
+        otr.shutdown(60)
+    return traces, stats
+
+
+def _graphql(phoenix: PhoenixReceiver, query: str, **variables) -> dict:
+    request = urllib.request.Request(f"{phoenix.base_url}/graphql", method="POST",
+                                     data=json.dumps({"query": query, "variables": variables}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        body = json.load(response)
+    assert not body.get("errors"), body["errors"]
+    return body["data"]
+
+
+def _project_gid(phoenix: PhoenixReceiver, project: str) -> str:
+    (found,) = [p["id"] for p in phoenix._get_json("/v1/projects")["data"] if p["name"] == project]
+    return found
+
+
+_ROOTS = """query($id: ID!, $filter: String, $sort: SpanSort) { node(id: $id) { ... on Project {
+  spans(first: 100, filterCondition: $filter, sort: $sort) { edges { node {
+    context { traceId } metadata spanAnnotations { name score label annotatorKind } } } } } } }"""
+
+
+def _roots(phoenix: PhoenixReceiver, project: str, filter: str, sort: dict | None = None) -> list[dict]:
+    """Episode roots as Phoenix's span list gives them: (trace id, metadata, annotations)."""
+    data = _graphql(phoenix, _ROOTS, id=_project_gid(phoenix, project), filter=filter, sort=sort)
+    return [{"trace_id": e["node"]["context"]["traceId"], "metadata": json.loads(e["node"]["metadata"]),
+             "annotations": {a["name"]: a for a in e["node"]["spanAnnotations"]}}
+            for e in data["node"]["spans"]["edges"]]
+
+
+def wait_for_annotations(phoenix: PhoenixReceiver, project: str, count: int, per_root: int,
+                         timeout: float = 90.0) -> list[dict]:
+    """Poll until ``count`` roots each have ``per_root`` annotations (Phoenix inserts an
+    annotation that came before its span on its next retry, 10 s later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        roots = _roots(phoenix, project, "parent_id is None")
+        if len(roots) >= count and all(len(r["annotations"]) >= per_root for r in roots):
+            return roots
+        assert time.monotonic() < deadline, (
+            f"{sum(len(r['annotations']) for r in roots)} annotations on {len(roots)} roots after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def test_phoenix_sessions_hold_one_group_of_one_step(phoenix: PhoenixReceiver) -> None:
+    """session.id is the run, split, step and group: with group ids that repeat every step, each
+    Phoenix session still holds exactly one group (before: one session per group id, 3 steps)."""
+    project = f"otr-sessions-{uuid.uuid4().hex[:8]}"
+    traces, _ = _record_groups(HttpSpanExporter(endpoint=phoenix.http_endpoint, timeout=10), project, "run-s")
+    phoenix.wait_for_spans(project, 5 * len(GROUPS), trace_ids=traces.values())
+    data = _graphql(phoenix, """query($id: ID!) { node(id: $id) { ... on Project {
+        sessions(first: 100) { edges { node { sessionId numTraces
+          traces(first: 100) { edges { node { traceId rootSpan { metadata } } } } } } } } } }""",
+                    id=_project_gid(phoenix, project))
+    sessions = {e["node"]["sessionId"]: e["node"] for e in data["node"]["sessions"]["edges"]}
+    assert set(sessions) == {f"run-s/train/{step}/{group}" for step, group, _ in GROUPS}
+    for session_id, session in sessions.items():
+        _, _, step, group = session_id.split("/")
+        members = [json.loads(t["node"]["rootSpan"]["metadata"]) for t in session["traces"]["edges"]]
+        assert session["numTraces"] == 3
+        assert {(m["step"], m["group.id"]) for m in members} == {(int(step), group)}
+        assert {t["node"]["traceId"] for t in session["traces"]["edges"]} == {
+            traces[(int(step), group, i)] for i in range(3)}
+
+
+def test_phoenix_sorts_and_filters_episodes_by_their_annotations(phoenix: PhoenixReceiver, monkeypatch) -> None:
+    """The default OTLP exporter (configured by the environment) posts each episode's reward,
+    components, advantage and status as annotations: Phoenix's span list sorts by the reward
+    (worst first) and filters by reward, component and status."""
+    project = f"otr-annotations-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", phoenix.http_endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    exporter = otlp_exporter_from_env()
+    layer = exporter.export.layer  # the Phoenix layer the environment wired
+    traces, stats = _record_groups(exporter, project, "run-a")
+    totals = stats["totals"]
+    assert totals["annotations.posted.OTLPSpanExporter"] == 4 * len(GROUPS)  # reward, correct, advantage, status
+    assert not [k for k in totals if k.startswith(("annotations.failures", "annotations.lost"))]
+    assert layer.version and layer.last_post_s is not None
+    print(f"Phoenix {layer.version}: last annotation post took {1000 * layer.last_post_s:.1f} ms")
+
+    roots = wait_for_annotations(phoenix, project, len(GROUPS), 4)
+    by_trace = {r["trace_id"]: r for r in roots}
+    for key, trace_id in traces.items():
+        annotations = by_trace[trace_id]["annotations"]
+        assert annotations["reward"]["score"] == pytest.approx(_reward(*key))
+        assert annotations["advantage"]["score"] == pytest.approx(_reward(*key) - 0.5)
+        assert annotations["correct"]["score"] == float(_reward(*key) >= 0.5)
+        assert annotations["status"]["label"] == ("truncated" if key == TRUNCATED else "ok")
+        assert annotations["status"]["score"] is None
+        assert {a["annotatorKind"] for a in annotations.values()} == {"CODE"}
+        assert by_trace[trace_id]["metadata"]["reward.correct"] == float(_reward(*key) >= 0.5)
+
+    # step 40, sorted by the reward annotation, worst first
+    step40 = _roots(phoenix, project, "metadata['step'] == 40 and parent_id is None",
+                    sort={"evalResultKey": {"name": "reward", "attr": "score"}, "dir": "asc"})
+    expected = sorted((k for k in GROUPS if k[0] == 40), key=lambda k: _reward(*k))
+    assert [r["trace_id"] for r in step40] == [traces[k] for k in expected]
+    assert expected[0] == TRUNCATED
+    # filters a person types in the span list
+    assert {r["trace_id"] for r in _roots(phoenix, project, "evals['status'].label == 'truncated'")} == {
+        traces[TRUNCATED]}
+    low = _roots(phoenix, project, "evals['reward'].score < 0.55 and parent_id is None")
+    assert {r["trace_id"] for r in low} == {traces[k] for k in GROUPS if _reward(*k) < 0.55} and len(low) == 6
+    wrong = _roots(phoenix, project, "metadata['reward.correct'] == 0 and parent_id is None")
+    assert {r["trace_id"] for r in wrong} == {traces[k] for k in GROUPS if _reward(*k) < 0.5} and len(wrong) == 3
+
+
+def test_phoenix_annotations_over_grpc_need_phoenixs_url(phoenix: PhoenixReceiver) -> None:
+    """Phoenix's OTLP/gRPC port is not its REST port: with the URL given, annotations arrive."""
+    project = f"otr-grpc-annotations-{uuid.uuid4().hex[:8]}"
+    exporter = GrpcSpanExporter(endpoint=phoenix.grpc_endpoint, insecure=True, timeout=10)
+    assert PhoenixAnnotations.attach(exporter) is None  # auto: nothing to derive a URL from
+    layer = PhoenixAnnotations.attach(exporter, phoenix.base_url)
+    assert layer is not None
+    traces, stats = _record_groups(exporter, project, "run-g")
+    assert stats["totals"]["annotations.posted.OTLPSpanExporter"] == 4 * len(GROUPS)
+    roots = wait_for_annotations(phoenix, project, len(GROUPS), 4)
+    assert {r["trace_id"] for r in roots} == set(traces.values())

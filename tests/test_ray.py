@@ -54,7 +54,7 @@ def _children(spans: list, parent_id: int, name: str) -> list:
 # --- the cluster itself --------------------------------------------------------------------------
 def _ray_processes() -> set[int]:
     """This session's Ray processes (gcs_server, raylet, Ray's Python helpers, ``ray::`` workers),
-    not the other servers tests start (Phoenix's gRPC binds all interfaces: a known pitfall)."""
+    not the other servers tests start (Phoenix: see test_receiver_fixture)."""
     package = os.path.dirname(ray.__file__)
     found = set()
     for proc in psutil.Process().children(recursive=True):

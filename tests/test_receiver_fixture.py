@@ -139,3 +139,20 @@ def test_restart_keeps_ports_and_data(phoenix: PhoenixReceiver) -> None:
     after = _send_episode(phoenix, "http", project)
     spans = phoenix.wait_for_spans(project, 6, trace_ids=[before["trace"], after["trace"]])
     assert {s["context"]["trace_id"] for s in spans} == {before["trace"], after["trace"]}
+
+
+def test_phoenix_listens_on_loopback_only(phoenix: PhoenixReceiver) -> None:
+    """Its UI/OTLP-HTTP port and its OTLP/gRPC port, which Phoenix itself binds to all interfaces."""
+    import ipaddress
+
+    import psutil
+
+    server = psutil.Process(phoenix.pid)
+    pids = {server.pid} | {p.pid for p in server.children(recursive=True)}
+    listening = [conn for conn in psutil.net_connections(kind="inet")
+                 if conn.status == psutil.CONN_LISTEN and conn.pid in pids]
+    assert {conn.laddr.port for conn in listening} >= {phoenix.port, phoenix.grpc_port}, listening
+    for conn in listening:
+        address = ipaddress.ip_address(conn.laddr.ip)
+        address = getattr(address, "ipv4_mapped", None) or address
+        assert address.is_loopback, conn

@@ -140,7 +140,8 @@ def test_every_span_kind_has_input_and_output_for_viewers(otr_shutdown):
 def test_root_labels_group_session_metadata_tags_and_agent_name(otr_shutdown):
     attrs = root(_episode()).attributes
     assert attrs[c.GEN_AI_AGENT_NAME] == "views-test"  # default: the service name
-    assert attrs[c.OI_SESSION_ID] == "grp-7"
+    # one Phoenix session per run, split, step and group (group ids repeat across steps and runs)
+    assert attrs[c.OI_SESSION_ID] == f"{attrs[c.RL_RUN_ID]}/train/3/grp-7"
     assert set(attrs[c.OI_TAG_TAGS]) == {"step:3", "split:train", "status:ok"}
     metadata = json.loads(attrs[c.OI_METADATA])
     assert metadata["reward"] == 1.0 and metadata["advantage"] == 0.25 and metadata["status"] == "ok"

@@ -21,6 +21,7 @@ copied on the training thread. Everything here is derived from captured content,
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -322,7 +323,7 @@ class EpisodeViews:
                     conversation.extend(outputs)  # the same dicts: tool calls found later join them
                     last_assistant = outputs[-1]
                     main[c.GEN_AI_OUTPUT_MESSAGES] = _Later(lambda o=outputs, r=reason: [
-                        {**to_parts(m), "finish_reason": r or c.FINISH_STOP} for m in o
+                        {**to_parts(m), "finish_reason": r or _implied_finish(m)} for m in o
                     ])
                     derived[_LATER_FLAT] = _Later(lambda o=outputs: _flatten(c.OI_LLM_OUTPUT_MESSAGES, o))
                     derived[c.OUTPUT_VALUE] = _Later(lambda m=last_assistant: _text_of(m) or None)
@@ -363,16 +364,17 @@ class EpisodeViews:
                     conversation.append({"role": "tool", "tool_call_id": call_id, "name": name,
                                          "content": content})
             elif kind == c.KIND_REWARD:
-                scores = {k: v for k, v in attrs.items()
-                          if (k == c.RL_REWARD or k.startswith(c.RL_REWARD_PREFIX) or k == c.RL_ADVANTAGE)
-                          and isinstance(v, (int, float)) and not isinstance(v, bool)}
-                for key, value in scores.items():
+                scores = _scores(attrs)
+                for name, value in scores.items():
+                    # the spec's event; its explanation names the score and its value, so that a
+                    # viewer listing only an event's text reads which score this is
                     view.events.append((c.EVENT_GEN_AI_EVALUATION_RESULT, {
-                        c.GEN_AI_EVALUATION_NAME: _score_name(key),
+                        c.GEN_AI_EVALUATION_NAME: name,
                         c.GEN_AI_EVALUATION_SCORE_VALUE: float(value),
+                        c.GEN_AI_EVALUATION_EXPLANATION: _score_text(name, float(value)),
                     }))
                 if scores:
-                    _io(main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, {_score_name(k): v for k, v in scores.items()})
+                    _io(main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, scores)
                 reward_ids.append(span_id)
             elif attrs.get(c.RL_FEEDBACK_ROLE) is not None:
                 messages = _messages(attrs.get(c.GEN_AI_INPUT_MESSAGES))
@@ -401,19 +403,23 @@ class EpisodeViews:
         return out
 
     def root(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        """The episode root's labels: agent name, session (group), metadata and tags."""
+        """The episode root's labels: agent name, session (one group of one step of one run),
+        metadata (with each reward component), tags, and the episode's evaluations: reward,
+        each component, advantage (scores) and status (a label), in OpenInference's flattened
+        ``evaluations.<i>.evaluation.*`` form (what Phoenix's annotations are posted from)."""
         extra: dict[str, Any] = {}
         if self.agent_name and not attrs.get(c.GEN_AI_AGENT_NAME):
             extra[c.GEN_AI_AGENT_NAME] = self.agent_name
-        group = attrs.get(c.RL_GROUP_ID)
-        if group is not None:
-            extra[c.OI_SESSION_ID] = text(group)
-        metadata = {key.removeprefix("rl."): attrs[key] for key in _METADATA_KEYS if attrs.get(key) is not None}
+        session = session_id(attrs)
+        if session is not None:
+            extra[c.OI_SESSION_ID] = session
+        metadata = {_metadata_name(key): attrs[key] for key in _metadata_keys(attrs)}
         if metadata:
             extra[c.OI_METADATA] = as_text(metadata)
         tags = [f"{key.removeprefix('rl.')}:{attrs[key]}" for key in _TAG_KEYS if attrs.get(key) is not None]
         if tags:
             extra[c.OI_TAG_TAGS] = tags
+        extra.update(flat_evaluations(episode_evaluations(attrs)))
         return extra
 
     @staticmethod
@@ -469,11 +475,120 @@ def error_type(events: Iterable[tuple[str, Mapping[str, Any], int]]) -> str:
 
 
 def _score_name(key: str) -> str:
+    """The evaluation name of a score attribute: ``reward``, ``advantage``, a component's own
+    name (``rl.reward.correct`` -> ``correct``), or ``reward.<name>`` for a component whose name
+    is one of the others (a component named ``status`` must not pass for the status) or one
+    Phoenix reserves (``note``: its annotation API refuses the whole request)."""
     if key == c.RL_REWARD:
         return c.EVALUATION_REWARD
     if key == c.RL_ADVANTAGE:
         return c.EVALUATION_ADVANTAGE
-    return key.removeprefix(c.RL_REWARD_PREFIX)
+    name = key.removeprefix(c.RL_REWARD_PREFIX)
+    return key.removeprefix("rl.") if name in _RESERVED_NAMES or not name else name
+
+
+_PHOENIX_NOTE = "note"  # Phoenix's span notes; POST /v1/span_annotations refuses the name (400)
+_RESERVED_NAMES = frozenset({c.EVALUATION_REWARD, c.EVALUATION_ADVANTAGE, c.EVALUATION_STATUS, _PHOENIX_NOTE})
+
+
+def _is_score(key: str, value: Any) -> bool:
+    return ((key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_PREFIX))
+            and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+
+
+def _scores(attrs: Mapping[str, Any]) -> dict[str, int | float]:
+    """An episode's scores by evaluation name: the reward, each component (in recording order),
+    the advantage. Finite numbers only (JSON and Phoenix take no NaN)."""
+    found = {key: value for key, value in attrs.items() if _is_score(key, value)}
+    ordered = ([c.RL_REWARD] if c.RL_REWARD in found else []) + [
+        key for key in found if key.startswith(c.RL_REWARD_PREFIX)
+    ] + ([c.RL_ADVANTAGE] if c.RL_ADVANTAGE in found else [])
+    return {_score_name(key): found[key] for key in ordered}
+
+
+def _score_text(name: str, value: float) -> str:
+    """``reward = 0.8``: a score named, with its value, for a person to read."""
+    return f"{name} = {as_text(value)}"
+
+
+def episode_evaluations(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The evaluations of an episode from its root's attributes: one per score (``name``,
+    ``score``) and the status as a label (``name`` ``status``, ``label`` ok / truncated /
+    error / filtered), each judged by code."""
+    out: list[dict[str, Any]] = [
+        {c.OI_EVALUATION_NAME: name, c.OI_EVALUATION_SCORE: value,
+         c.OI_EVALUATION_ANNOTATOR_KIND: c.OI_ANNOTATOR_CODE}
+        for name, value in _scores(attrs).items()
+    ]
+    status = attrs.get(c.RL_STATUS)
+    if isinstance(status, str) and status:
+        out.append({c.OI_EVALUATION_NAME: c.EVALUATION_STATUS, c.OI_EVALUATION_LABEL: status,
+                    c.OI_EVALUATION_ANNOTATOR_KIND: c.OI_ANNOTATOR_CODE})
+    return out
+
+
+def flat_evaluations(evaluations: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Evaluations as OpenInference's flattened span attributes (``evaluations.<i>.evaluation.
+    <field>``, indices from 0, missing fields omitted)."""
+    out: dict[str, Any] = {}
+    for i, evaluation in enumerate(evaluations):
+        for field, value in evaluation.items():
+            if value is not None:
+                out[c.oi_evaluation_key(i, field)] = value
+    return out
+
+
+_EVALUATION_FIELDS = (c.OI_EVALUATION_NAME, c.OI_EVALUATION_SCORE, c.OI_EVALUATION_LABEL,
+                      c.OI_EVALUATION_EXPLANATION, c.OI_EVALUATION_ANNOTATOR_KIND,
+                      c.OI_EVALUATION_IDENTIFIER, c.OI_EVALUATION_METADATA)
+
+
+def read_evaluations(attributes: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The flattened evaluations of a span's attributes back as objects, by index; one without a
+    name or a result (score, label or explanation) is left out, as the spec asks."""
+    found: dict[int, dict[str, Any]] = {}
+    prefix = c.OI_EVALUATIONS + "."
+    middle = "." + c.OI_EVALUATION + "."
+    for key, value in attributes.items():
+        if not key.startswith(prefix):
+            continue
+        index, sep, field = key[len(prefix):].partition(middle)
+        if sep and index.isdigit() and field in _EVALUATION_FIELDS:
+            found.setdefault(int(index), {})[field] = value
+    return [e for _, e in sorted(found.items())
+            if isinstance(e.get(c.OI_EVALUATION_NAME), str) and any(
+                e.get(f) is not None for f in (c.OI_EVALUATION_SCORE, c.OI_EVALUATION_LABEL,
+                                               c.OI_EVALUATION_EXPLANATION))]
+
+
+def session_id(attrs: Mapping[str, Any]) -> str | None:
+    """The episode's ``session.id``: ``<run id>/<split>/<step>/<group id>``, one GRPO group of one
+    step of one run (Phoenix's session ids are global: a bare group id that repeats every step,
+    or in another run, would put all of them in one session). None without a group."""
+    group = attrs.get(c.RL_GROUP_ID)
+    if group is None:
+        return None
+    parts = (attrs.get(c.RL_RUN_ID), attrs.get(c.RL_SPLIT), attrs.get(c.RL_STEP), group)
+    return "/".join("" if part is None else text(part) for part in parts)
+
+
+def _metadata_keys(attrs: Mapping[str, Any]) -> list[str]:
+    """The root attributes its ``metadata`` JSON holds: the fixed ones, then each reward
+    component (so that ``metadata['reward.correct'] < 0.5`` filters in Phoenix)."""
+    keys = [key for key in _METADATA_KEYS if attrs.get(key) is not None]
+    keys += [key for key, value in attrs.items() if key.startswith(c.RL_REWARD_PREFIX) and _is_score(key, value)]
+    return keys
+
+
+def _metadata_name(key: str) -> str:
+    return key.removeprefix("rl.")
+
+
+def _implied_finish(message: Mapping[str, Any]) -> str:
+    """An output message's finish reason when none was recorded: ``tool_call`` for a message
+    that ends in tool calls (the spec's value for a model that stopped to call a tool), else
+    ``stop``."""
+    return c.FINISH_TOOL_CALL if tool_calls_of(message) else c.FINISH_STOP
 
 
 def _count(value: Any) -> int | None:

@@ -40,6 +40,7 @@ __all__ = [
     "Settings",
     "check_environment",
     "env_flag",
+    "phoenix_annotations",
 ]
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
@@ -143,6 +144,33 @@ def _endpoint(text: str) -> str:
     if not parsed.hostname:
         raise ValueError("is not a URL (no host)")
     return value
+
+
+PHOENIX_AUTO, PHOENIX_ON, PHOENIX_OFF = "auto", "on", "off"
+
+
+def phoenix_annotations(text: str) -> str:
+    """``OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS``: ``auto`` (post to an OTLP/HTTP endpoint that is a
+    Phoenix), ``on`` (post without asking), ``off`` (booleans read as on/off), or Phoenix's base
+    URL (``http(s)://host:port[/root]``, e.g. for a gRPC endpoint); see ``delivery.phoenix``."""
+    word = text.strip()
+    lower = word.lower()
+    if lower == PHOENIX_AUTO:
+        return PHOENIX_AUTO
+    if lower in _TRUE:
+        return PHOENIX_ON
+    if lower in _FALSE:
+        return PHOENIX_OFF
+    reason = "is not auto, on, off or an http(s):// URL"
+    try:
+        parsed = urllib.parse.urlsplit(word)
+        _ = parsed.port  # ValueError on a port that is not a number in range
+    except ValueError:
+        raise ValueError(reason) from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or any(
+            ch.isspace() or ord(ch) < 0x20 for ch in word):
+        raise ValueError(reason)
+    return word.rstrip("/")
 
 
 def _propagators(text: str) -> str:
@@ -283,6 +311,8 @@ ENV_VARIABLES: tuple[EnvOption, ...] = (
     EnvOption(c.ENV_SPOOL_DIR, "delivery.spool_dir", _text, "the default spool directory"),
     # the library's own, read elsewhere
     EnvOption(c.ENV_TRACE_UI_URL, "", _endpoint, "no trace link"),
+    EnvOption(c.ENV_PHOENIX_ANNOTATIONS, "", phoenix_annotations,
+              "auto (annotations when the OTLP/HTTP endpoint is a Phoenix)", secret=True),
     EnvOption("OTEL_ROLLOUTS_DEBUG", "", _flag, "false"),
     EnvOption(c.ENV_SERVICE_NAME, "", _text, "the service name otel-rollouts"),
     EnvOption("OTEL_RESOURCE_ATTRIBUTES", "", _key_values, "no resource attributes from the environment",

@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from otel_rollouts import conventions as c
 from otel_rollouts._core.env import uses_http
 from otel_rollouts._core.redaction import Redactor
+from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 
 __all__ = ["default_exporters", "otlp_exporter_from_env"]
 
@@ -28,7 +29,9 @@ def default_exporters(project: str | None = None, redactor: Redactor | None = No
 
 
 def otlp_exporter_from_env() -> SpanExporter:
-    """The stock OTLP span exporter for ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (default grpc)."""
+    """The stock OTLP span exporter for ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (default grpc),
+    posting each episode's evaluations to Phoenix as span annotations when its endpoint is a
+    Phoenix (``OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS``, see ``delivery.phoenix``)."""
     exporter_class: type[SpanExporter]
     if uses_http(c.ENV_OTLP_TRACES_PROTOCOL):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
@@ -41,4 +44,6 @@ def otlp_exporter_from_env() -> SpanExporter:
     timeout = None
     if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
         timeout = 5.0  # its own retries must give up soon: our spool retries for as long as it takes
-    return exporter_class(timeout=timeout)  # type: ignore[call-arg]
+    exporter = exporter_class(timeout=timeout)  # type: ignore[call-arg]
+    PhoenixAnnotations.attach(exporter)
+    return exporter

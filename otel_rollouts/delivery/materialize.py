@@ -334,7 +334,8 @@ class Materializer:
             attributes=attributes,
             events=events,
             links=tuple(s.links or ()),
-            kind=SpanKind.INTERNAL,
+            # an inference call is a client call to a model server (GenAI conventions)
+            kind=SpanKind.CLIENT if s.kind == c.KIND_GENERATION else SpanKind.INTERNAL,
             status=status,
             start_time=s.start_ns,
             end_time=s.end_ns if s.end_ns is not None else s.start_ns,

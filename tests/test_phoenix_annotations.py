@@ -1,0 +1,324 @@
+"""The Phoenix annotation layer and the views it posts, without a Phoenix: what each episode root
+carries (session, evaluations, metadata), what is posted, and every failure path against a real
+loopback server (``otlp_sink.py`` in its Phoenix mode): Phoenix down, 4xx/5xx, slow, not a
+Phoenix. Delivery (the ledger, the spans) never depends on the annotations.
+
+The real Phoenix checks (annotations sortable and filterable, one group per session) are in
+``test_phoenix_integration.py`` and ``test_phoenix_browser.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+    OTLPSpanExporter as GrpcSpanExporter,
+)
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otlp_sink import OtlpSink
+from otr_helpers import root
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+from otel_rollouts._core.messages import read_evaluations
+from otel_rollouts._core.settings import check_environment
+from otel_rollouts.delivery import phoenix
+from otel_rollouts.delivery.defaults import otlp_exporter_from_env
+from otel_rollouts.delivery.phoenix import PhoenixAnnotations, annotations_of
+
+RUN = "run-7"
+NAME = "OTLPSpanExporter"
+# (step, group, sample index, reward, status): groups p0/p1 repeat every step
+EPISODES = [(step, group, i, round(0.1 * (i + 3 * (group == "p1")) + 0.05 * (step - 38), 2),
+             "truncated" if (step, group, i) == (40, "p1", 2) else "ok")
+            for step in (38, 39, 40) for group in ("p0", "p1") for i in range(3)]
+
+
+def _record(exporter, episodes=EPISODES, *, flush_each_step: bool = False, run_id: str = RUN) -> None:
+    otr.configure(service_name="phoenix-layer", exporters=[exporter], sampler=otr.TailSampler(100, "first"),
+                  run_id=run_id)
+    last = None
+    for step, group, i, reward, status in episodes:
+        if flush_each_step and last is not None and step != last:
+            assert otr.flush(30)
+        last = step
+        with otr.episode(step=step, group_id=group, sample_index=i) as ep:
+            ep.prompt([{"role": "user", "content": f"step {step} {group} q{i}"}])
+            ep.reward(reward, components={"correct": float(reward > 0.3), "format": 1.0}, advantage=reward - 0.3)
+            ep.finish(reason="length" if status == "truncated" else "stop", status=status)
+
+
+def _totals() -> dict[str, int]:
+    return otr.stats()["totals"]
+
+
+@pytest.fixture
+def sink(tmp_path: Path):
+    with OtlpSink(tmp_path / "sink") as s:
+        yield s
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:  # a port nothing listens on (bound, then closed)
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# --- the views: what each episode root carries -----------------------------------------------
+def test_root_has_a_session_per_run_step_and_group_evaluations_and_components_in_metadata(otr_shutdown):
+    memory = InMemorySpanExporter()
+    _record(memory, [(40, "p0", 0, 0.25, "truncated")])
+    otr.shutdown()
+    spans = memory.get_finished_spans()
+    attrs = root(spans).attributes
+    # one session per run, split, step and group (was the bare group id "p0")
+    assert attrs[c.OI_SESSION_ID] == f"{RUN}/train/40/p0"
+    # OpenInference evaluations on the span they describe (the episode)
+    evaluations = read_evaluations(attrs)
+    assert [(e["name"], e.get("score"), e.get("label")) for e in evaluations] == [
+        ("reward", 0.25, None), ("correct", 0.0, None), ("format", 1.0, None),
+        ("advantage", pytest.approx(-0.05), None), ("status", None, "truncated")]
+    assert {e["annotator_kind"] for e in evaluations} == {c.OI_ANNOTATOR_CODE}
+    assert attrs[c.oi_evaluation_key(0, c.OI_EVALUATION_NAME)] == "reward"
+    assert attrs[c.oi_evaluation_key(0, c.OI_EVALUATION_SCORE)] == 0.25
+    # the components are filterable metadata too
+    metadata = json.loads(attrs[c.OI_METADATA])
+    assert metadata["reward.correct"] == 0.0 and metadata["reward.format"] == 1.0
+    assert metadata["status"] == "truncated" and metadata["step"] == 40
+    # each evaluation event of the reward span says which score it is and its value
+    (reward,) = [s for s in spans if s.name == c.SPAN_REWARD]
+    events = [dict(e.attributes) for e in reward.events if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT]
+    assert [e[c.GEN_AI_EVALUATION_EXPLANATION] for e in events] == [
+        "reward = 0.25", "correct = 0.0", "format = 1.0", f"advantage = {0.25 - 0.3}"]
+    assert all(set(e) == {c.GEN_AI_EVALUATION_NAME, c.GEN_AI_EVALUATION_SCORE_VALUE,
+                          c.GEN_AI_EVALUATION_EXPLANATION} for e in events)  # the spec's attributes only
+
+
+def test_sessions_of_repeating_group_ids_are_told_apart_across_steps_and_runs(otr_shutdown):
+    sessions = []
+    for run_id in ("run-a", "run-b"):
+        memory = InMemorySpanExporter()
+        _record(memory, [e for e in EPISODES if e[2] == 0], run_id=run_id)
+        otr.shutdown()
+        sessions += [s.attributes[c.OI_SESSION_ID] for s in memory.get_finished_spans() if s.parent is None]
+    # 2 runs x 3 steps x 2 groups: each its own session; before, all were "p0" or "p1"
+    assert len(sessions) == len(set(sessions)) == 12
+    assert "run-b/train/39/p1" in sessions
+
+
+def test_a_component_named_like_another_evaluation_keeps_its_own_name(otr_shutdown):
+    memory = InMemorySpanExporter()
+    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first"))
+    with otr.episode(step=0, group_id="g") as ep:
+        ep.reward(1.0, components={"status": 0.5, "note": 0.25}, advantage=0.0)
+        ep.finish(status="ok")
+    otr.shutdown()
+    names = [e["name"] for e in read_evaluations(root(memory.get_finished_spans()).attributes)]
+    assert names == ["reward", "reward.status", "reward.note", "advantage", "status"]
+
+
+def test_annotations_are_the_roots_evaluations_and_nothing_else(otr_shutdown):
+    memory = InMemorySpanExporter()
+    _record(memory, EPISODES[:2])
+    otr.shutdown()
+    spans = memory.get_finished_spans()
+    annotations = annotations_of(spans)
+    roots = {f"{s.context.span_id:016x}": s for s in spans if s.parent is None}
+    assert {a["span_id"] for a in annotations} == set(roots)  # episode roots only
+    for a in annotations:
+        assert a["annotator_kind"] == "CODE"
+        evaluation = next(e for e in read_evaluations(roots[a["span_id"]].attributes) if e["name"] == a["name"])
+        assert a["result"] == {k: evaluation[k] for k in ("score", "label") if k in evaluation}
+    assert len(annotations) == 2 * 5
+
+
+# --- the layer against a loopback Phoenix ------------------------------------------------------
+def test_posts_each_batchs_evaluations_to_a_phoenix(sink: OtlpSink, otr_shutdown):
+    sink.control(phoenix_version="20.26.1")
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter, "auto")
+    assert layer is not None and layer.base == f"http://127.0.0.1:{sink.port}"
+    _record(exporter, flush_each_step=True)
+    assert otr.shutdown(30)
+    assert layer.phoenix is True and layer.version == "20.26.1"
+    posted = sink.annotations()
+    roots = {r["span_id"]: r for r in sink.roots()}
+    assert len(roots) == len(EPISODES) and {a["span_id"] for a in posted} == set(roots)
+    for a in posted:
+        attrs = roots[a["span_id"]]["attributes"]
+        assert a in [{"span_id": a["span_id"], "name": e["name"], "annotator_kind": "CODE",
+                      "result": {k: e[k] for k in ("score", "label") if k in e}} for e in read_evaluations(attrs)]
+    by_name = {(a["span_id"], a["name"]): a["result"] for a in posted}
+    truncated = next(r for r in roots.values() if r["attributes"][c.RL_STATUS] == "truncated")
+    assert by_name[(truncated["span_id"], "status")] == {"label": "truncated"}
+    totals = _totals()
+    assert totals[f"annotations.posted.{NAME}"] == len(posted) == 5 * len(EPISODES)
+    assert totals[f"delivered.{NAME}"] == len(EPISODES)
+    state = sink.state()
+    assert state["annotation_requests"] == state["requests"]  # one post per export that stored spans
+    assert layer.last_post_s is not None and layer.last_post_s < phoenix.POST_TIMEOUT_S
+
+
+def test_a_receiver_that_is_not_a_phoenix_gets_no_annotations(sink: OtlpSink, otr_shutdown, caplog):
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter, "auto")
+    assert layer is not None
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        _record(exporter, flush_each_step=True)
+        assert otr.shutdown(30)
+    assert layer.phoenix is False and layer._tries == 1  # asked once, at the first batch
+    assert sink.annotations() == [] and sink.state()["annotation_requests"] == 0
+    assert not [k for k in _totals() if k.startswith("annotations.")]
+    assert "annotation" not in caplog.text
+    assert len(sink.roots()) == len(EPISODES)
+
+
+def _failing_run(exporter, layer, caplog) -> dict[str, int]:
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        _record(exporter, flush_each_step=True)
+        assert otr.shutdown(30)  # delivery is not held up, nor failed, by annotations
+    warnings = [r for r in caplog.records if "annotations" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # reported once
+    totals = _totals()
+    assert totals[f"delivered.{NAME}"] == len(EPISODES)  # the ledger: every episode delivered
+    assert not [k for k in totals if k.startswith("dropped.")]
+    assert totals.get(f"annotations.posted.{NAME}", 0) == 0
+    # the first batch's request failed; the next two batches came during the pause: not posted
+    assert totals[f"annotations.failures.{NAME}"] == 1
+    assert totals[f"annotations.lost.{NAME}"] == 5 * len(EPISODES)
+    return totals
+
+
+def test_phoenix_down_loses_annotations_never_episodes(sink: OtlpSink, otr_shutdown, caplog):
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter, _dead_url())
+    assert layer is not None and layer.phoenix is True  # a URL given: not asked
+    _failing_run(exporter, layer, caplog)
+    assert len(sink.roots()) == len(EPISODES)
+
+
+@pytest.mark.parametrize("status", [401, 422, 500, 503])
+def test_phoenix_refusing_annotations_loses_annotations_never_episodes(sink: OtlpSink, otr_shutdown, caplog,
+                                                                       status: int):
+    sink.control(phoenix_version="20.26.1", annotations_status=status)
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter)
+    assert layer is not None
+    _failing_run(exporter, layer, caplog)
+    assert f"HTTP {status}" in caplog.text
+    assert sink.state()["annotation_requests"] == 1  # paused after the failure: not hammered
+    assert sink.annotations() == [] and len(sink.roots()) == len(EPISODES)
+
+
+def test_a_slow_phoenix_holds_delivery_up_for_the_timeout_only(sink: OtlpSink, otr_shutdown, caplog):
+    sink.control(phoenix_version="20.26.1", annotations_delay=5.0)
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter)
+    assert layer is not None
+    layer.post_timeout = 0.3
+    started = time.monotonic()
+    _failing_run(exporter, layer, caplog)
+    assert time.monotonic() - started < 4.0  # not the 5 s Phoenix takes, let alone 3 batches of it
+    assert layer.last_post_s is not None and layer.last_post_s < 1.5
+    assert "timed out" in caplog.text
+
+
+def test_posting_resumes_after_the_pause(sink: OtlpSink, otr_shutdown):
+    sink.control(phoenix_version="20.26.1", annotations_status=503)
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter)
+    assert layer is not None
+    layer._pause = 0.0  # no pause: the next batch tries again
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(100, "first"), run_id=RUN)
+    for step, status in ((0, 503), (1, 200)):
+        sink.control(annotations_status=status)
+        with otr.episode(step=step, group_id="g") as ep:
+            ep.reward(1.0)
+        assert otr.flush(30)
+    totals = _totals()
+    assert totals[f"annotations.failures.{NAME}"] == 1 and totals[f"annotations.posted.{NAME}"] == 2
+    assert [a["name"] for a in sink.annotations()] == ["reward", "status"]  # step 1's episode
+
+
+def test_an_error_inside_the_layer_is_counted_and_the_export_still_succeeds(sink: OtlpSink, otr_shutdown,
+                                                                            monkeypatch, caplog):
+    sink.control(phoenix_version="20.26.1")
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    layer = PhoenixAnnotations.attach(exporter)
+    assert layer is not None
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(layer, "_post", broken)
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        _record(exporter, EPISODES[:3])
+        assert otr.shutdown(30)
+    totals = _totals()
+    assert totals[f"delivered.{NAME}"] == 3 and totals[f"annotations.errors.{NAME}"] >= 1
+    assert [r.getMessage() for r in caplog.records if "boom" in r.getMessage()] == [
+        f"otel_rollouts: exporter {NAME}: annotations: RuntimeError: boom (logged once; counted in otr.stats())"]
+
+
+# --- attaching and the option ------------------------------------------------------------------
+def test_what_gets_annotations_attached():
+    http = OTLPSpanExporter(endpoint="http://127.0.0.1:6006/v1/traces")
+    assert PhoenixAnnotations.attach(http, "off") is None
+    layer = PhoenixAnnotations.attach(http, "auto")
+    assert layer is not None and layer.base == "http://127.0.0.1:6006" and layer.phoenix is None
+    assert PhoenixAnnotations.attach(http, "auto") is layer  # once
+    # an endpoint that is not .../v1/traces: no Phoenix base to derive
+    assert PhoenixAnnotations.attach(OTLPSpanExporter(endpoint="http://127.0.0.1:4318/custom"), "auto") is None
+    # gRPC: Phoenix's REST port is not the gRPC one, so only a URL given
+    grpc = GrpcSpanExporter(endpoint="127.0.0.1:4317", insecure=True)
+    assert PhoenixAnnotations.attach(grpc, "auto") is None and PhoenixAnnotations.attach(grpc, "on") is None
+    given = PhoenixAnnotations.attach(grpc, "http://127.0.0.1:6006/")
+    assert given is not None and given.base == "http://127.0.0.1:6006" and given.phoenix is True
+    assert PhoenixAnnotations.attach(InMemorySpanExporter(), "on") is None
+
+
+def test_the_exporters_credentials_go_with_the_annotations_to_its_own_host_only():
+    http = OTLPSpanExporter(endpoint="http://127.0.0.1:6006/v1/traces", headers={"authorization": "Bearer k"})
+    layer = PhoenixAnnotations.attach(http)
+    assert layer is not None and layer.headers == {"authorization": "Bearer k"}
+    other = GrpcSpanExporter(endpoint="collector.example:4317", headers={"authorization": "Bearer k"})
+    elsewhere = PhoenixAnnotations.attach(other, "http://127.0.0.1:6006")
+    assert elsewhere is not None and elsewhere.headers == {}
+
+
+def test_the_default_otlp_exporter_is_wired_by_the_environment(monkeypatch):
+    monkeypatch.setenv(c.ENV_OTLP_TRACES_ENDPOINT, "http://127.0.0.1:6006/v1/traces")
+    monkeypatch.setenv(c.ENV_OTLP_TRACES_PROTOCOL, "http/protobuf")
+    exporter = otlp_exporter_from_env()
+    assert isinstance(exporter.export, phoenix._Export)
+    assert exporter.export.layer.base == "http://127.0.0.1:6006"
+    monkeypatch.setenv(c.ENV_PHOENIX_ANNOTATIONS, "off")
+    assert not isinstance(otlp_exporter_from_env().export, phoenix._Export)
+    monkeypatch.setenv(c.ENV_OTLP_TRACES_PROTOCOL, "grpc")
+    monkeypatch.setenv(c.ENV_PHOENIX_ANNOTATIONS, "http://127.0.0.1:6006")
+    grpc = otlp_exporter_from_env()
+    assert isinstance(grpc.export, phoenix._Export) and grpc.export.layer.base == "http://127.0.0.1:6006"
+
+
+@pytest.mark.parametrize(("text", "mode"), [
+    ("auto", "auto"), (" ON ", "on"), ("true", "on"), ("off", "off"), ("0", "off"),
+    ("http://127.0.0.1:6006/", "http://127.0.0.1:6006"), ("https://phoenix.example/root", "https://phoenix.example/root"),
+])
+def test_option_values(text: str, mode: str):
+    assert phoenix.parse_mode(text) == mode
+
+
+@pytest.mark.parametrize("text", ["maybe", "ftp://host", "http://", "http://host:99999", "127.0.0.1:6006"])
+def test_a_bad_option_value_is_warned_about_and_auto_is_used(text: str, caplog):
+    environ = {c.ENV_PHOENIX_ANNOTATIONS: text}
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        check_environment(environ)
+    assert c.ENV_PHOENIX_ANNOTATIONS in caplog.text and c.ENV_PHOENIX_ANNOTATIONS not in environ
+    assert phoenix.mode_from_env({c.ENV_PHOENIX_ANNOTATIONS: text}) == "auto"
