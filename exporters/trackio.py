@@ -8,12 +8,18 @@ What Trackio 0.43's Traces page derives from a trace (``frontend/src/lib/traceUt
 ``pages/Traces.svelte``), and what this exporter writes so that it reads true:
 
 * STATUS of a row is ``error`` as soon as *any* span has status ``error``/``failed`` or a
-  non-empty ``error``; otherwise the trace metadata's ``status``. An episode's ``rl.status`` is the
-  truth, so ``metadata.status`` is ``rl.status``, and a span that failed inside an episode that did
-  not fail (a tool error the policy recovered from, a truncated episode) gets the status
-  ``"error (episode ok)"`` (``… truncated)``...) with its message as its output: it shows on its
-  span, but is not aggregated into the episode. In an ``error`` episode failed spans keep
-  ``error`` + ``error``. The trace metadata's ``span_errors`` lists every failed span.
+  non-empty ``error`` (``traceSummary``); otherwise the trace metadata's ``status``. Only the
+  exact text ``error`` gets a red pill, every other one is green; a span gets the tree's red dot
+  exactly when it would make the row ``error``. So ``metadata.status`` starts with the episode's
+  ``rl.status`` and carries the marks colour cannot (``status_label``): ``truncated ✂``,
+  ``ok ⚠ 1 failed`` for an episode that did not fail but had a span fail (a tool error the
+  policy recovered from). Such a span gets the status ``"error (episode ok)"`` with its message
+  as its output, and ``⚠`` after its name in the tree, instead of the dot. In an ``error``
+  episode failed spans keep ``error`` + ``error`` (red dot, red pill). The trace metadata's
+  ``span_errors`` lists every failed span.
+* REQUEST TIME is the time Trackio wrote the row, one for a whole write: the exporter sets each
+  stored row's to its episode's start (local SQLite storage only), so the list orders a step's
+  episodes as they ran.
 * TRACE ID shows the first 7 characters of Trackio's own *log id* (then ``:index``), a random id
   that Trackio's public API does not let us choose: Trackio's trace id is
   ``<run id>:<log id>:<key>:<index>``. The metadata's ``trace_id`` (the OpenTelemetry trace id)
@@ -21,9 +27,13 @@ What Trackio 0.43's Traces page derives from a trace (``frontend/src/lib/traceUt
 * REQUEST is the first user message, its preview the first assistant message: for a multi-turn
   episode that is the first turn's reply (Trackio has no other field for it). The ``episode``
   span, selected when a row is expanded, shows the question and the final answer.
+* a span's *Metadata* is its attributes once each: without what the panel already shows (input,
+  output, model, usage, the reward span's scores) and without the OpenInference views written for
+  Phoenix (``openinference.*``, ``llm.*``, ``session.id``, ``metadata``, ``tag.tags``, mime types).
 * a ``trackio.Table`` per step and split (``rollouts/table``, ``eval/rollouts/table``) lists the
-  step's kept episodes, lowest reward first: Trackio 0.43 renders tables on its Media & Tables
-  page without sorting, so the rows come sorted.
+  step's kept episodes, lowest reward first, with a short question and answer: Trackio 0.43
+  renders tables on its Media & Tables page as plain text without sorting, so the rows come
+  sorted, and a token count no generation recorded reads ``—``.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -52,7 +63,6 @@ from otel_rollouts.exporters._tree import (
     duration_ms,
     hex_id,
     is_error,
-    iso,
     kind_of,
     ordered,
     parse,
@@ -93,10 +103,24 @@ META_TRACE_ID = "trace_id"
 META_TRACE_URL = "trace_url"
 META_STATUS = "status"  # the list's status when no span is an error
 META_SPAN_ERRORS = "span_errors"
+# the marks a status or a span name carries where Trackio 0.43 has no colour for it
+MARK_FAILED = "\u26a0"  # ⚠: a span failed in an episode that did not
+MARK_TRUNCATED = "\u2702"  # ✂: the episode was cut short
 TABLE_SUFFIX = "table"
-TABLE_COLUMNS = ("reward", "advantage", "status", "turns", "input tokens", "output tokens", "trace id",
-                 "group", "sample", "episode")
+TABLE_COLUMNS = ("reward", "advantage", "status", "question", "answer", "turns", "input tokens",
+                 "output tokens", "trace id", "group", "sample", "episode")
 TABLE_LINK = "link"
+TABLE_ABSENT = "\u2014"  # —: what the table shows for a value nobody recorded (never 0)
+PREVIEW_CHARS = 80  # the table's question and answer previews, "…" included
+# attributes a span's Trackio metadata leaves out: views of other attributes written for other
+# viewers (Phoenix's OpenInference keys, GenAI's operation name, the root's session/metadata/tags)
+_VIEW_KEYS = frozenset({
+    c.OPENINFERENCE_SPAN_KIND, c.GEN_AI_OPERATION_NAME, c.INPUT_MIME_TYPE, c.OUTPUT_MIME_TYPE,
+    c.OI_LLM_MODEL_NAME, c.OI_LLM_PROVIDER, c.OI_LLM_TOKEN_COUNT_PROMPT, c.OI_LLM_TOKEN_COUNT_COMPLETION,
+    c.OI_LLM_TOKEN_COUNT_TOTAL, c.OI_TOOL_NAME, c.OI_SESSION_ID, c.OI_METADATA, c.OI_TAG_TAGS,
+})
+_VIEW_PREFIXES = (c.OPENINFERENCE_PREFIX, f"{c.OI_LLM_INPUT_MESSAGES}.", f"{c.OI_LLM_OUTPUT_MESSAGES}.",
+                   f"{c.OI_EVALUATIONS}.")
 
 
 def episode_status(spans: Sequence[ReadableSpan]) -> str | None:
@@ -106,15 +130,36 @@ def episode_status(spans: Sequence[ReadableSpan]) -> str | None:
     return status if isinstance(status, str) and status else None
 
 
-def span_status(span: ReadableSpan, status: str | None) -> str:
-    """A span's status for Trackio, given its episode's ``rl.status``.
+def failed_spans(spans: Sequence[ReadableSpan]) -> int:
+    """How many of an episode's spans failed."""
+    return sum(1 for span in spans if is_error(span))
+
+
+def status_label(status: str | None, failed: int = 0) -> str | None:
+    """What the trace list's STATUS shows for an episode: its ``rl.status``, then the marks
+    Trackio 0.43 has no colour for (it colours only ``error``, red; every other text is green):
+    ``✂`` for a truncated episode, ``⚠ N failed`` when N spans failed in an episode that did not.
+    ``ok`` and ``filtered`` without a failed span read as they are."""
+    if status is None:
+        return None
+    label = status
+    if status == c.STATUS_TRUNCATED:
+        label = f"{label} {MARK_TRUNCATED}"
+    if failed and status != c.STATUS_ERROR:
+        label = f"{label} {MARK_FAILED} {failed} failed"
+    return label
+
+
+def span_status(span: ReadableSpan, status: str | None, label: str | None = None) -> str:
+    """A span's status for Trackio, given its episode's ``rl.status`` (and the list's label).
 
     Trackio turns a whole trace red when any span says ``error``: only a failure in an episode
     that failed (or one without an ``rl.status``) may say so; elsewhere it says which it is.
+    The episode span reads what the list reads, except ``success`` for a plain ``ok``.
     """
     if not is_error(span):
-        if kind_of(span) == c.KIND_EPISODE and status not in (None, c.STATUS_OK, c.STATUS_ERROR):
-            return status  # the episode span reads what the list reads: "truncated", "filtered"
+        if kind_of(span) == c.KIND_EPISODE and label not in (None, c.STATUS_OK) and status != c.STATUS_ERROR:
+            return label  # "truncated ✂", "ok ⚠ 1 failed", "filtered"
         return TRACKIO_SUCCESS
     if status is None or status == c.STATUS_ERROR:
         return TRACKIO_ERROR
@@ -194,7 +239,7 @@ def episode_metadata(
             metadata[key] = parse(value)
     status = attrs.get(c.RL_STATUS)
     if status:
-        metadata[META_STATUS] = status
+        metadata[META_STATUS] = status_label(status, failed_spans(spans)) if isinstance(status, str) else status
     if trace_url:
         metadata[META_TRACE_URL] = trace_url
     failed = [f"{span.name}: {error_text(span)}" for _, span in ordered(spans) if is_error(span)]
@@ -204,8 +249,10 @@ def episode_metadata(
 
 
 def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
+    """The execution tree: one Trackio span dict per span, depth-first in start order."""
     out = []
     status = episode_status(spans)
+    label = status_label(status, failed_spans(spans))
     for _, span in ordered(spans):
         attrs = span.attributes or {}
         kind = kind_of(span)
@@ -216,12 +263,15 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
         }
         if span.parent is not None:
             item["parent_id"] = hex_id(span.parent.span_id)
-        item["start_time"] = iso(span.start_time)
-        item["end_time"] = iso(span.end_time)
+        item["start_time"] = iso_utc(span.start_time)
+        item["end_time"] = iso_utc(span.end_time)
         item["duration_ms"] = duration_ms(span)
-        item["status"] = span_status(span, status)
+        item["status"] = span_status(span, status, label)
         if item["status"] == TRACKIO_ERROR:
             item["error"] = error_text(span)
+        elif is_error(span):
+            # Trackio's red dot would turn the whole row "error": the tree marks it by its name
+            item["name"] = f"{span.name} {MARK_FAILED}"
         if kind == c.KIND_GENERATION:
             _put_messages(item, "input", attrs.get(c.GEN_AI_INPUT_MESSAGES), attrs.get(c.INPUT_VALUE))
             _put_messages(item, "output", attrs.get(c.GEN_AI_OUTPUT_MESSAGES), attrs.get(c.OUTPUT_VALUE))
@@ -248,11 +298,32 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
         if is_error(span) and item["status"] != TRACKIO_ERROR and "output" not in item:
             # Trackio shows `error` only as the trace's failure: the message is the span's output
             item["output"] = f"{TRACKIO_ERROR}: {error_text(span)}"
-        metadata = {k: parse(v) for k, v in attrs.items() if k not in _CONTENT_KEYS}
+        metadata = span_metadata(attrs, item)
         if metadata:
             item["metadata"] = metadata
         out.append(item)
     return out
+
+
+def span_metadata(attrs: Mapping[str, Any], item: Mapping[str, Any]) -> dict[str, Any]:
+    """A span's attributes for its *Metadata* box, each value once: without its content (the
+    panel's Input/Output), what the panel shows already (kind, model, token counts, the reward
+    span's scores), and the views written for other viewers (``_VIEW_KEYS``, ``_VIEW_PREFIXES``,
+    and ``gen_ai.conversation.id``, the episode id again)."""
+    shown = set(_CONTENT_KEYS) | _VIEW_KEYS
+    if "model" in item:
+        shown.add(c.GEN_AI_REQUEST_MODEL)
+    if "usage" in item:
+        shown.update((c.GEN_AI_USAGE_INPUT_TOKENS, c.GEN_AI_USAGE_OUTPUT_TOKENS))
+    output = item.get("output")
+    if isinstance(output, dict):
+        shown.update(key for key in output if key in attrs)
+    if attrs.get(c.GEN_AI_CONVERSATION_ID) == attrs.get(c.RL_EPISODE_ID):
+        shown.add(c.GEN_AI_CONVERSATION_ID)
+    if attrs.get(c.RL_SPAN_KIND) == item.get("kind"):  # "generation", "tool": the panel's kind
+        shown.add(c.RL_SPAN_KIND)
+    return {key: parse(value) for key, value in attrs.items()
+            if key not in shown and not key.startswith(_VIEW_PREFIXES)}
 
 
 def _put_messages(item: dict[str, Any], key: str, messages: Any, fallback: Any) -> None:
@@ -269,21 +340,28 @@ def _put(item: dict[str, Any], key: str, value: Any) -> None:
 
 
 def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str, Any]:
-    """One kept episode as a row of its step's table (every column present, in order)."""
+    """One kept episode as a row of its step's table (every column present, in order).
+
+    The question and the answer are the episode span's input and output, cut to
+    ``PREVIEW_CHARS``. A token count is the sum of those the generations recorded, and ``—``
+    when none did: Trackio prints a table cell as text (``None`` as an empty cell), so absent
+    reads as absent, never as 0."""
     root = root_of(spans)
     attrs = (root.attributes or {}) if root is not None else {}
-    turns = input_tokens = output_tokens = 0
+    turns = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
     for span in spans:
-        kind = kind_of(span)
         span_attrs = span.attributes or {}
-        if kind == c.KIND_TURN:
+        if kind_of(span) == c.KIND_TURN:
             turns += 1
-        elif kind == c.KIND_GENERATION:
-            input_tokens += _count(span_attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
-            output_tokens += _count(span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+        input_tokens = _add_count(input_tokens, span_attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+        output_tokens = _add_count(output_tokens, span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
     values = (
         _number(attrs.get(c.RL_REWARD)), _number(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
-        turns, input_tokens, output_tokens,
+        preview(attrs.get(c.INPUT_VALUE)), preview(attrs.get(c.OUTPUT_VALUE)),
+        turns, TABLE_ABSENT if input_tokens is None else input_tokens,
+        TABLE_ABSENT if output_tokens is None else output_tokens,
         hex_id(root.context.trace_id, 32) if root is not None else None,
         None if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID)),
         attrs.get(c.RL_SAMPLE_INDEX), attrs.get(c.RL_EPISODE_ID),
@@ -294,8 +372,20 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
     return row
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
+    """A value as one line of at most ``limit`` characters, cut with ``…``; ``—`` when empty."""
+    # only the start is read: a long prompt costs no more than a short one
+    text = " ".join(as_text(value)[: limit * 4].split()) if value is not None else ""
+    if not text:
+        return TABLE_ABSENT
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
+
+
+def _add_count(total: int | None, value: Any) -> int | None:
+    """``total`` plus a recorded token count; None stays None until some count is recorded."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value if total is None else total + value
+    return total
 
 
 def _number(value: Any) -> float | int | None:
@@ -357,6 +447,7 @@ class _Episode(NamedTuple):
     key: str
     trace: Any  # trackio.Trace
     row: dict[str, Any]
+    started: str | None  # the episode's start, as Trackio stamps rows (its request time)
 
 
 def _first_existing(path: Path) -> Path:
@@ -481,6 +572,49 @@ def stored_trace_ids(db_path: Path, run_name: str, since: str) -> set[str]:
     return found
 
 
+def iso_utc(ns: int | None) -> str | None:
+    """A span time (ns since the epoch) in the format Trackio stamps rows with (ISO 8601, UTC,
+    always with microseconds, cut, not rounded): rows compare as text, so the format must be the
+    same; a span's start and its trace's request time read alike."""
+    if ns is None:
+        return None
+    seconds, rest = divmod(int(ns), 1_000_000_000)
+    moment = datetime.fromtimestamp(seconds, tz=timezone.utc).replace(microsecond=rest // 1000)
+    return moment.isoformat(timespec="microseconds")
+
+
+def stamp_request_times(db_path: Path, run_id: str | None, run_name: str, since: str,
+                        times: Mapping[str, str]) -> int:
+    """Set the ``timestamp`` (the Traces list's request time) of the run's rows written at or
+    after ``since`` to ``times[their metadata's trace_id]``; returns how many were set. The run
+    is found by Trackio's run id where it has one: Trackio indexes (run_id, timestamp), so only
+    this write's rows are read, however large the project grew."""
+    if not db_path.exists():
+        return 0
+    conn = sqlite3.connect(str(db_path), timeout=5.0)
+    try:
+        if run_id:
+            query = "SELECT id, metadata FROM traces WHERE run_id = ? AND timestamp >= ?"
+            rows = conn.execute(query, (run_id, since)).fetchall()
+        else:
+            query = "SELECT id, metadata FROM traces WHERE run_name = ? AND timestamp >= ?"
+            rows = conn.execute(query, (run_name, since)).fetchall()
+        updates = []
+        for row_id, metadata in rows:
+            try:
+                value = json.loads(metadata)
+            except (TypeError, ValueError):
+                continue
+            trace_id = value.get(META_TRACE_ID) if isinstance(value, dict) else None
+            if isinstance(trace_id, str) and trace_id in times:
+                updates.append((times[trace_id], row_id))
+        with conn:
+            conn.executemany("UPDATE traces SET timestamp = ? WHERE id = ?", updates)
+        return len(updates)
+    finally:
+        conn.close()
+
+
 def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
     """Lowest reward first (then lowest advantage); episodes without a reward last."""
     reward, advantage = row.get(TABLE_COLUMNS[0]), row.get(TABLE_COLUMNS[1])
@@ -497,8 +631,9 @@ class TrackioExporter(SpanExporter):
     (Phoenix: ``http://localhost:6006/redirects/traces/{trace_id}``).
 
     The step table (``"{trace_key}/table"``, ``"{split}/{trace_key}/table"``; ``table=False``
-    turns it off) has one row per kept episode: reward, advantage, status, turns, input and output
-    tokens, group, sample, episode id, trace id (and ``link`` with a trace UI), lowest reward
+    turns it off) has one row per kept episode: reward, advantage, status, question and answer
+    (one short line each), turns, input and output tokens (``—`` when no generation recorded
+    any), trace id, group, sample, episode id (and ``link`` with a trace UI), lowest reward
     first. A step's episodes reach the exporter one export at a time, so its rows are collected
     and the table is logged once the step is over: when an episode of a later step arrives, or at
     ``force_flush``/``shutdown`` (``otr.flush()``, ``otr.shutdown()``). An episode that arrives
@@ -539,6 +674,7 @@ class TrackioExporter(SpanExporter):
         self.tables_logged = 0
         self.table_failures = 0
         self.metrics_skipped = 0  # steps whose scalars could not be written (log_metrics)
+        self.request_time_failures = 0  # writes whose rows kept Trackio's time (_stamp_request_times)
         self._not_stored: dict[str, list[int]] = {}  # reason -> trace ids (take_not_stored)
         self._not_stored_lock = threading.Lock()
         self._warned_unstorable = False
@@ -661,7 +797,7 @@ class TrackioExporter(SpanExporter):
                     logger.warning("otel_rollouts: TrackioExporter: trace %s cannot be stored by Trackio (%s); "
                                    "counted lost in otr.stats()", hex_id(trace_id, 32), problem)
                 continue
-            episodes.append(_Episode(trace_id, step, key, trace, row))
+            episodes.append(_Episode(trace_id, step, key, trace, row, iso_utc(root.start_time)))
         result = self._write(episodes)
         if result is SpanExportResult.SUCCESS and unstorable:
             self._not_stored_add(NOT_STORED_UNSTORABLE, unstorable)
@@ -690,6 +826,7 @@ class TrackioExporter(SpanExporter):
                 if isinstance(outcome, SpanExportResult):
                     return outcome
                 stored = outcome
+                self._stamp_request_times(run, stored, since)
             self.exported += len(stored)
             if self.table:
                 for episode in stored:
@@ -755,6 +892,30 @@ class TrackioExporter(SpanExporter):
         # part of the write went through: a retry would send the stored ones twice
         self._not_written(problem._replace(transient=False), missing)
         return stored
+
+    def _stamp_request_times(self, run: Any, stored: list[_Episode], since: str) -> None:
+        """Give each stored episode's row its episode's start as its request time.
+
+        Trackio stamps every row of a write with the time of the write (``bulk_log``; neither
+        ``trackio.log`` nor ``Trace`` takes a time), so a step's episodes would share one and the
+        Traces list would order them at random. A view: failing never fails the export."""
+        times = {hex_id(e.trace_id, 32): e.started for e in stored if e.started is not None}
+        if not times:
+            return
+        try:
+            run_id = getattr(run, "id", None)
+            run_id = run_id if isinstance(run_id, str) else None
+            client_lock = getattr(run, "_client_lock", None)
+            if client_lock is not None:
+                with client_lock:  # never while this run's writer thread writes
+                    stamp_request_times(self._db_path(), run_id, run.name, since, times)
+            else:
+                stamp_request_times(self._db_path(), run_id, run.name, since, times)
+        except Exception as exc:  # noqa: BLE001 - a view: never fail (and so resend) a stored export
+            self.request_time_failures += 1
+            if self.request_time_failures == 1:
+                logger.warning("otel_rollouts: TrackioExporter could not set the episodes' request times "
+                               "(%s: %s); they keep the time of their write", type(exc).__name__, exc)
 
     def _write_now(self, run: Any) -> None:
         """Make Trackio write what ``run.log`` queued, now, on this thread: what its writer thread
@@ -827,6 +988,9 @@ class TrackioExporter(SpanExporter):
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
         as its traces). Handed down by the pipeline's metrics when the step closes."""
         self._import_trackio()
+        # a value nobody recorded is no point on its plot, never a 0 (None, NaN: left out)
+        values = {key: value for key, value in values.items()
+                  if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
         if not values or not fits_int64(int(step)):
             return  # a step Trackio's storage cannot hold would lose the whole batch of its write
         with self._lock:

@@ -39,7 +39,7 @@ from test_trackio_exporter import TOOL_ERROR as CALCULATOR_ERROR
 
 pytestmark = pytest.mark.browser
 
-EXPECTED_TREE = [  # (depth, name) in the order the dashboard lists them
+EXPECTED_TREE = [  # (depth, name) of one episode's spans in start order, as recorded (Phoenix shows these)
     (0, "episode"),
     (1, "prompt"),
     (1, "turn"),
@@ -50,6 +50,11 @@ EXPECTED_TREE = [  # (depth, name) in the order the dashboard lists them
     (2, f"execute_tool {TOOL_FAILS}"),
     (1, "reward"),
 ]
+# a failure inside an episode that did not fail is marked "⚠" after its span's name (and in the
+# list's status): Trackio's red dot would turn the whole row "error"
+FAILED = "\u26a0"
+TRACKIO_TREE = [(depth, f"{name} {FAILED}" if name == f"execute_tool {TOOL_FAILS}" else name)
+                for depth, name in EXPECTED_TREE]
 
 
 @pytest.fixture
@@ -168,21 +173,21 @@ def test_dashboard_shows_the_episode_tree_with_the_tool_error(browser, dashboard
     browser.get(f"{base}/traces?project={project}")
     rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
                  and len(r) == 2 and r, "two trace rows")
-    # the episodes are ok (the failed search did not fail them): the list says so
+    # the episodes are ok (the failed search did not fail them): the list says so, and that a span failed
     statuses = [_cell(r, STATUS_COLUMN).lower() for r in rows]
-    _expect(browser, statuses == ["ok", "ok"], f"list statuses {statuses}, expected rl.status ok")
+    _expect(browser, statuses == [f"ok {FAILED} 1 failed"] * 2, f"list statuses {statuses}, expected rl.status ok")
     best = max(recorded, key=lambda r: r["reward"])
     # rows show the first user message; the best episode is sample 1
     row = next(r for r in rows if f"(sample {best['sample_index']})" in r.text)
     expanded = _expand(browser, row)
     _wait(browser, lambda d: len(expanded.find_elements(
-        By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(EXPECTED_TREE),
+        By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(TRACKIO_TREE),
         "the execution tree")
 
     span_rows = expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
     tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
-    _expect(browser, tree == EXPECTED_TREE, f"tree {tree}")
-    # Trackio's red dot would also turn the episode "Error": the failed call is marked in its panel
+    _expect(browser, tree == TRACKIO_TREE, f"tree {tree}")
+    # Trackio's red dot would also turn the episode "Error": the failed call is marked by its name
     dots = expanded.find_elements(By.CSS_SELECTOR, ".span-error-dot")
     _expect(browser, not dots, f"{len(dots)} error dot(s) in an ok episode")
 
@@ -193,7 +198,7 @@ def test_dashboard_shows_the_episode_tree_with_the_tool_error(browser, dashboard
     _expect(browser, f"execute_tool {TOOL_FAILS}: ConnectionError: {TOOL_ERROR}" in meta, meta)
 
     # the failed tool call's panel shows the error
-    panel = _select_span(browser, expanded, f"execute_tool {TOOL_FAILS}")
+    panel = _select_span(browser, expanded, f"execute_tool {TOOL_FAILS} {FAILED}")
     _wait(browser, lambda d: TOOL_ERROR in _io(panel)["output"], "the tool error in its panel")
     badges = panel.find_element(By.CSS_SELECTOR, ".operation-badges").text.lower()
     _expect(browser, "TOOL" in panel.text and "error (episode ok)" in badges, f"badges {badges!r}")
@@ -308,20 +313,22 @@ def _io(panel) -> dict[str, str]:
 
 
 def test_list_status_is_the_episodes_rl_status(browser, outcomes, tmp_path: Path) -> None:
-    """ok with a failed-then-retried tool, error, truncated: the list says what rl.status says."""
+    """ok with a failed-then-retried tool, error, truncated: the list says what rl.status says
+    (then the marks Trackio has no colour for: a failed span, a truncated episode)."""
     from selenium.webdriver.common.by import By
 
     base, recorded = outcomes
+    marks = {"retried": f" {FAILED} 1 failed", "truncated": f" \u2702 {FAILED} 2 failed"}
     for name, episode in recorded.items():
         shown = _cell(_row(browser, base, recorded, name), STATUS_COLUMN).lower()
-        _expect(browser, shown == episode["status"],
+        _expect(browser, shown == episode["status"] + marks.get(name, ""),
                 f"{name}: the list says {shown!r}, rl.status is {episode['status']!r}")
 
     # the tool error inside the ok episode stays visible, on its span
     expanded = _expand(browser, _row(browser, base, recorded, "retried"))
     summary = expanded.find_element(By.CSS_SELECTOR, ".trace-summary .status-pill").text.lower()
-    _expect(browser, summary == "ok", f"the expanded summary says {summary!r}")
-    panel = _select_span(browser, expanded, "execute_tool calculator", 0)
+    _expect(browser, summary == f"ok {FAILED} 1 failed", f"the expanded summary says {summary!r}")
+    panel = _select_span(browser, expanded, f"execute_tool calculator {FAILED}")
     badges = panel.find_element(By.CSS_SELECTOR, ".operation-badges").text.lower()
     _expect(browser, "error (episode ok)" in badges, f"the failed call's badges say {badges!r}")
     output = _io(panel)["output"]
@@ -370,7 +377,7 @@ def test_question_answer_and_numbers_read_the_same(browser, outcomes, tmp_path: 
             f"the episode span shows {shown}")
     save_screenshot(browser, tmp_path / "trackio-episode.png")
 
-    tool = _io(_select_span(browser, expanded, "execute_tool calculator", 1))["output"]
+    tool = _io(_select_span(browser, expanded, "execute_tool calculator"))["output"]  # the retry
     expanded.find_element(By.CSS_SELECTOR, ".conversation-section summary").click()
     messages = _wait(browser, lambda d: [m.text for m in expanded.find_elements(
         By.CSS_SELECTOR, '.conversation .message[data-role="tool"]') if m.is_displayed()],
@@ -425,8 +432,8 @@ def test_step_table_lists_the_kept_episodes_worst_first(browser, outcomes, tmp_p
         _expect(browser, shown == [(e["trace_id"], e["reward"], e["status"]) for e in kept],
                 f"step {step}'s table shows {shown}")
         _expect(browser, all(r["link"] == f"{TRACE_UI}/trace/{r['trace id']}" for r in rows), rows)
-        _expect(browser, columns[:6] == ["reward", "advantage", "status", "turns", "input tokens",
-                                         "output tokens"], f"columns {columns}")
+        _expect(browser, columns[:8] == ["reward", "advantage", "status", "question", "answer", "turns",
+                                         "input tokens", "output tokens"], f"columns {columns}")
     save_screenshot(browser, tmp_path / "trackio-table.png")
 
 

@@ -191,16 +191,21 @@ def test_trackio_traces_read_back_from_sqlite(otr_shutdown):
         assert gen["kind"] == "generation" and gen["model"] == "pol"
         assert gen["usage"] == {"input_tokens": 9, "output_tokens": 2}
         assert gen["parent_id"] == by_name["turn"][0]["id"]
-        tool = by_name["execute_tool calc"][0]
-        assert tool["kind"] == "tool" and tool["input"] == {"i": i}
-        if i == 0:  # a failed tool in an ok episode: on its span, not the episode's status
+        (tool,) = [s for s in spans if s["kind"] == "tool"]
+        assert tool["input"] == {"i": i}
+        if i == 0:  # a failed tool in an ok episode: on its span (a mark after its name, not
+            # Trackio's red dot) and in the list's status, never the episode's failure
+            assert tool["name"] == "execute_tool calc \u26a0"
             assert tool["status"] == "error (episode ok)" and "error" not in tool
             assert tool["output"] == "error: division by zero"
             assert md["span_errors"] == ["execute_tool calc: division by zero"]
+            assert trackio_list_status(row) == md["status"] == "ok \u26a0 1 failed"
         else:  # the same text as the conversation's tool message
+            assert tool["name"] == "execute_tool calc"
             assert tool["status"] == "success" and tool["output"] == str(i * 10)
             assert "span_errors" not in md
-        assert trackio_list_status(row) == md["rl.status"] == "ok"
+            assert trackio_list_status(row) == md["status"] == "ok"
+        assert md["rl.status"] == "ok"
         assert by_name["reward"][0]["output"]["rl.reward"] == i / 4
 
 
@@ -227,23 +232,29 @@ def test_list_status_is_the_episodes_rl_status(otr_shutdown):
     assert otr.flush()
     rows = {r["metadata"]["trace_id"]: r for r in trackio_rows(project)}
     assert set(rows) == {e["trace_id"] for e in recorded.values()}
+    labels = {"retried": "ok \u26a0 1 failed", "crashed": "error", "truncated": "truncated \u2702 \u26a0 2 failed",
+              "single": "ok", "next": "ok"}
     for name, episode in recorded.items():
         row = rows[episode["trace_id"]]
-        assert row["metadata"]["rl.status"] == row["metadata"]["status"] == episode["status"], name
-        assert trackio_list_status(row) == episode["status"], name
+        assert row["metadata"]["rl.status"] == episode["status"], name
+        # the list's status is rl.status, then the marks Trackio has no colour for
+        assert trackio_list_status(row) == labels[name], name
+        assert trackio_list_status(row).split()[0] == episode["status"], name
 
     def spans(name):
         return {(s["name"], i): s for i, s in enumerate(rows[recorded[name]["trace_id"]]["spans"])}
 
-    failed = [s for s in spans("retried").values() if s["name"] == "execute_tool calculator"]
+    failed = [s for s in spans("retried").values() if s["kind"] == "tool"]
     assert [s["status"] for s in failed] == ["error (episode ok)", "success"]
+    assert [s["name"] for s in failed] == ["execute_tool calculator \u26a0", "execute_tool calculator"]
     assert failed[0]["output"] == f"error: ValueError: {TOOL_ERROR}" and "error" not in failed[0]
     assert failed[0]["metadata"][c.ERROR_TYPE] == "ValueError"
     truncated = [s for s in spans("truncated").values() if s["kind"] == "tool"]
     assert [s["status"] for s in truncated] == ["error (episode truncated)"] * 2
     # the episode span says what the list says, not "success"
-    assert next(s for s in spans("truncated").values() if s["name"] == "episode")["status"] == "truncated"
-    assert next(s for s in spans("retried").values() if s["name"] == "episode")["status"] == "success"
+    assert next(s for s in spans("truncated").values() if s["name"] == "episode")["status"] == labels["truncated"]
+    assert next(s for s in spans("retried").values() if s["name"] == "episode")["status"] == labels["retried"]
+    assert next(s for s in spans("single").values() if s["name"] == "episode")["status"] == "success"
     assert rows[recorded["truncated"]["trace_id"]]["metadata"]["span_errors"] == [
         "execute_tool calculator: ZeroDivisionError: division by zero"] * 2
     # the crashed episode's root carries the failure, the way Trackio shows a failed trace
@@ -326,8 +337,9 @@ def test_one_table_per_step_lists_its_kept_episodes_worst_first(otr_shutdown):
         assert [r["advantage"] for r in rows] == [e["advantage"] for e in kept]
         assert [r["status"] for r in rows] == [e["status"] for e in kept]
         assert [r["link"] for r in rows] == [f"{TRACE_UI}/trace/{e['trace_id']}" for e in kept]
-        assert list(rows[0]) == ["reward", "advantage", "status", "turns", "input tokens", "output tokens",
-                                 "trace id", "group", "sample", "episode", "link"]
+        assert list(rows[0]) == ["reward", "advantage", "status", "question", "answer", "turns", "input tokens",
+                                 "output tokens", "trace id", "group", "sample", "episode", "link"]
+        assert [(r["question"], r["answer"]) for r in rows] == [(e["question"], e["answer"]) for e in kept]
     by_trace = {r["trace id"]: r for r in tables[0][1]}
     retried = by_trace[recorded["retried"]["trace_id"]]
     assert (retried["turns"], retried["input tokens"], retried["output tokens"]) == (3, 120, 23)
@@ -365,3 +377,132 @@ def test_a_tool_call_without_an_id_in_the_message_is_shown_once(otr_shutdown):
     (tool_message,) = [m for m in messages if m["role"] == "tool"]
     assert [tc["function"]["name"] for tc in assistant["tool_calls"]] == ["calc"]  # was shown twice
     assert assistant["tool_calls"][0]["id"] == tool_message["tool_call_id"] and tool_message["content"] == "391"
+
+
+# --- what the user study asked of the Trackio view (storage level; the browser checks are in
+# test_trackio_view_study.py) --------------------------------------------------------------------
+def _stored_timestamps(project: str) -> dict[str, str]:
+    """OpenTelemetry trace id -> the row's ``timestamp`` (the Traces list's request time)."""
+    db = sqlite3.connect(os.path.join(os.environ["TRACKIO_DIR"], f"{project}.db"))
+    try:
+        rows = db.execute("SELECT metadata, timestamp FROM traces").fetchall()
+    finally:
+        db.close()
+    return {json.loads(m.decode() if isinstance(m, bytes) else m)["trace_id"]: t for m, t in rows}
+
+
+def test_each_trace_is_stamped_with_its_episodes_start(otr_shutdown):
+    """Trackio stamps every row of a write with one time: the rows get their episode's start, in
+    Trackio's own format (ISO 8601, UTC, microseconds), so the list orders a step as it ran."""
+    import re
+
+    project = f"otr-test-times-{uuid.uuid4().hex[:6]}"
+    _configure(project)
+    recorded = record_outcomes()
+    assert otr.flush()
+    stamped = _stored_timestamps(project)
+    rows = {r["metadata"]["trace_id"]: r for r in trackio_rows(project)}
+    for name, episode in recorded.items():
+        root = rows[episode["trace_id"]]["spans"][0]
+        assert root["name"] == "episode", name
+        assert stamped[episode["trace_id"]] == root["start_time"], name
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00", root["start_time"]), name
+    step0 = [stamped[e["trace_id"]] for e in recorded.values() if e["step"] == 0]
+    assert len(set(step0)) == len(step0) == 4
+    # recorded one after the other: started in that order
+    assert [stamped[e["trace_id"]] for e in recorded.values()] == sorted(stamped.values())
+
+
+def test_span_metadata_shows_each_value_once_without_the_views(otr_shutdown):
+    project = f"otr-test-meta-{uuid.uuid4().hex[:6]}"
+    _configure(project)
+    recorded = record_outcomes()
+    assert otr.flush()
+    (row,) = [r for r in trackio_rows(project) if r["metadata"]["trace_id"] == recorded["retried"]["trace_id"]]
+    views = (c.OPENINFERENCE_PREFIX, "llm.", c.INPUT_MIME_TYPE, c.OUTPUT_MIME_TYPE, c.OI_SESSION_ID,
+             c.OI_METADATA, c.OI_TAG_TAGS, c.OI_TOOL_NAME, c.GEN_AI_CONVERSATION_ID, c.GEN_AI_OPERATION_NAME)
+    for span in row["spans"]:
+        metadata = span.get("metadata", {})
+        assert not [k for k in metadata if k.startswith(views)], (span["name"], metadata)
+        # what the panel shows already is not repeated in the Metadata box
+        assert c.GEN_AI_REQUEST_MODEL not in metadata and c.GEN_AI_USAGE_INPUT_TOKENS not in metadata
+        assert not (isinstance(span.get("output"), dict) and set(span["output"]) & set(metadata)), span
+    root = row["spans"][0]["metadata"]
+    assert root[c.RL_EPISODE_ID] == row["metadata"][c.RL_EPISODE_ID] and root[c.RL_GROUP_ID] == "g0"
+    texts = [json.dumps(v) for v in root.values() if isinstance(v, str)]
+    assert len(texts) == len(set(texts)), root  # no value twice
+    chat = next(s for s in row["spans"] if s["kind"] == "generation")
+    assert chat["model"] == MODEL and chat["usage"] == {"input_tokens": 20, "output_tokens": 8}
+    assert c.RL_SPAN_KIND not in chat.get("metadata", {})  # the panel's kind says "generation"
+    tool = next(s for s in row["spans"] if s["kind"] == "tool")
+    assert tool["metadata"] == {c.GEN_AI_TOOL_NAME: "calculator", c.GEN_AI_TOOL_CALL_ID: "c1",
+                                c.ERROR_TYPE: "ValueError"}
+
+
+def test_token_counts_nobody_recorded_read_absent_and_partial_ones_sum(otr_shutdown):
+    """``—`` when no generation recorded usage (never 0), the sum of those that did otherwise;
+    the step's token scalars are left out when none was recorded (no point on the plot)."""
+    from otel_rollouts.exporters.trackio import TABLE_ABSENT
+
+    project = f"otr-test-tokens-{uuid.uuid4().hex[:6]}"
+    _configure(project)
+    ids = {}
+    for name, usages in (("none", [{}, {}]), ("partial", [{"input_tokens": 11}, {"output_tokens": 4}, {}])):
+        with otr.episode(step=0, sample_index=len(ids)) as ep:
+            ep.prompt(QUESTION)
+            for usage in usages:
+                with ep.turn() as turn:
+                    turn.record_generation("…", model=MODEL, **usage)
+            ep.reward(0.5)
+        ids[name] = ep.trace_id
+    otr.end_step(0)
+    with otr.episode(step=1) as ep:
+        ep.prompt(QUESTION)
+        with ep.turn() as turn:
+            turn.record_generation("…", model=MODEL, input_tokens=3, output_tokens=0)
+        ep.reward(0.5)
+    ids["counted"] = ep.trace_id
+    otr.end_step(1)
+    assert otr.flush()
+    rows = {r["trace id"]: r for _, table in trackio_tables(project) for r in table}
+    shown = {name: (rows[t]["input tokens"], rows[t]["output tokens"]) for name, t in ids.items()}
+    assert shown == {"none": (TABLE_ABSENT, TABLE_ABSENT), "partial": (11, 4), "counted": (3, 0)}
+
+    db = sqlite3.connect(os.path.join(os.environ["TRACKIO_DIR"], f"{project}.db"))
+    try:
+        scalars = [(s, json.loads(m)) for s, m in db.execute("SELECT step, metrics FROM metrics ORDER BY id")]
+    finally:
+        db.close()
+    by_step: dict[int, dict[str, Any]] = {}
+    for step, values in scalars:
+        by_step.setdefault(step, {}).update(values)
+    assert (by_step[0]["rollouts/tokens_input"], by_step[0]["rollouts/tokens_output"]) == (11, 4)
+    assert (by_step[1]["rollouts/tokens_input"], by_step[1]["rollouts/tokens_output"]) == (3, 0)
+
+
+def test_log_metrics_leaves_out_values_nobody_recorded(monkeypatch):
+    """A None or NaN handed to ``log_metrics`` is no point on its plot, never a 0."""
+    exporter = TrackioExporter(f"otr-test-scalars-{uuid.uuid4().hex[:6]}", run="r")
+    logged = []
+
+    class _Run:
+        def log(self, values, step):
+            logged.append((step, values))
+
+    monkeypatch.setattr(exporter, "_trackio_run", lambda: _Run())
+    monkeypatch.setattr(exporter, "_cannot_write", lambda: None)
+    exporter.log_metrics(3, {"rollouts/tokens_input": None, "rollouts/reward_mean": float("nan"),
+                             "rollouts/episodes_seen": 2, "rollouts/flag": True})
+    exporter.log_metrics(4, {"rollouts/tokens_input": None})
+    assert logged == [(3, {"rollouts/episodes_seen": 2})]
+
+
+def test_table_previews_are_one_short_line():
+    from otel_rollouts.exporters.trackio import PREVIEW_CHARS, TABLE_ABSENT, preview
+
+    assert preview("  What is\n 6*7? ") == "What is 6*7?"
+    long = "word " * 40
+    cut = preview(long)
+    assert len(cut) <= PREVIEW_CHARS and cut.endswith("\u2026") and long.startswith(cut[:-1])
+    assert preview(None) == preview("") == preview(" \n") == TABLE_ABSENT
+    assert len(preview("x" * 10_000)) == PREVIEW_CHARS
