@@ -75,7 +75,10 @@ def ledger_balances_with_trackio(faults: list[str], cap: int) -> None:
         otr.configure(exporters=[TrackioExporter(project, run="r", table=False), memory],
                       sampler=otr.TailSampler(cap, "top_bottom"), handle_signals=False, exit_timeout=3.0)
         for step, kind in enumerate(faults):
-            fault = Fault(kind, db) if kind != "ok" else None
+            # a lock while a forever-fault holds: a forever-lock is that same lock (a second holder
+            # would wait on it), a full disk forever leaves no room for another lock's journal
+            held = kind.startswith("lock") and bool(forever)
+            fault = Fault(kind, db) if kind != "ok" and not held else None
             for i in range(3):
                 with otr.episode(step=step, sample_index=i) as ep:
                     ep.prompt("question")
