@@ -68,6 +68,11 @@ def _record(phoenix: PhoenixReceiver, project: str) -> list[str]:
     return trace_ids
 
 
+def _tree_node(name: str) -> str:
+    """XPath of the span named ``name`` in Phoenix's trace tree (not a pill or a title elsewhere)."""
+    return f"//div[contains(@class,'span-node__heading')]/span[normalize-space(text())='{name}']"
+
+
 def _project_id(phoenix: PhoenixReceiver, project: str) -> str:
     (found,) = [p["id"] for p in phoenix._get_json("/v1/projects")["data"] if p["name"] == project]
     return found
@@ -93,7 +98,7 @@ def test_phoenix_lists_each_episode_by_question_and_answer_and_renders_chat(
         # an LLM span in Phoenix's message view: the conversation up to it, and the tool call it made
         question, answer, _ = EPISODES[2]  # reward 0.8
         browser.get(f"{phoenix.base_url}/redirects/traces/{trace_ids[2]}")
-        chats = wait_for(browser, lambda d: d.find_elements(By.XPATH, "//*[normalize-space(text())='chat policy']"),
+        chats = wait_for(browser, lambda d: len(e := d.find_elements(By.XPATH, _tree_node("chat policy"))) == 2 and e,
                          "the chat spans in the trace tree", tmp_path / "phoenix-trace.png")
         chats[-1].click()  # the second turn: it saw the prompt, the first answer and the tool's result
         expected = ["Messages", "system", SYSTEM, "user", question, "assistant", "Let me work it out.",
@@ -108,7 +113,7 @@ def test_phoenix_lists_each_episode_by_question_and_answer_and_renders_chat(
         # the reward, where an evaluator's result is shown
         # the tree's node (an annotation pill named reward may be on the page too)
         browser.find_element(
-            By.XPATH, "//div[contains(@class,'span-node__heading')]/span[normalize-space(text())='reward']").click()
+            By.XPATH, _tree_node("reward")).click()
         wait_for(browser, lambda d: '"reward": 0.8' in d.find_element(By.TAG_NAME, "body").text,
                  "the reward on the evaluator span", tmp_path / "phoenix-reward.png")
         save_screenshot(browser, tmp_path / "phoenix-reward.png")
@@ -209,7 +214,7 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
         # 5. the reward span's evaluation events: each names its score and value
         browser.get(f"{phoenix.base_url}/redirects/traces/{traces[worst]}")
         wait_for(browser, lambda d: d.find_element(
-            By.XPATH, "//div[contains(@class,'span-node__heading')]/span[normalize-space(text())='reward']"),
+            By.XPATH, _tree_node("reward")),
             "the reward span in the trace tree", tmp_path / "phoenix-trace.png").click()
         wait_for(browser, lambda d: d.find_element(
             By.XPATH, "//*[@role='tab' and starts-with(normalize-space(.),'Events')]"), "the Events tab").click()

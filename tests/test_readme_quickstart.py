@@ -115,6 +115,7 @@ def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixR
     result, its tree one execute_tool span."""
     from browser_support import chromium, save_screenshot, wait_for
     from selenium.webdriver.common.by import By
+    from test_phoenix_browser import _tree_node
     from test_trackio_browser import _expand, _serve
 
     spans = phoenix.wait_for_spans(quickstart["project"], 24 * 6)
@@ -125,9 +126,10 @@ def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixR
 
     with chromium(tmp_path / "profile") as browser:
         browser.get(f"{phoenix.base_url}/redirects/traces/{trace_id}")
-        chats = wait_for(browser, lambda d: d.find_elements(By.XPATH, "//*[normalize-space(text())='chat qwen-0.5b']"),
+        chats = wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("chat qwen-0.5b")),
                          "the chat span in the trace tree", tmp_path / "phoenix-trace.png")
-        tools = browser.find_elements(By.XPATH, "//*[normalize-space(text())='execute_tool calculator']")
+        wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("reward")), "the whole trace tree")
+        tools = browser.find_elements(By.XPATH, _tree_node("execute_tool calculator"))
         assert len(chats) == 1 and len(tools) == 1
         chats[0].click()
         wait_for(browser, lambda d: "Tool Call: c1" in body(d), "the tool call in the chat span's output",
