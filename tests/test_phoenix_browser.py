@@ -27,7 +27,6 @@ from test_phoenix_integration import (
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.delivery.phoenix import annotate
 
 pytestmark = [pytest.mark.browser, pytest.mark.receiver]
 
@@ -148,7 +147,8 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
     from selenium.webdriver.common.keys import Keys
 
     project = f"browser-groups-{uuid.uuid4().hex[:8]}"
-    exporter = annotate(OTLPSpanExporter(endpoint=phoenix.http_endpoint, timeout=10))
+    # configure() makes a stock OTLP exporter aimed at a Phoenix post the annotations
+    exporter = OTLPSpanExporter(endpoint=phoenix.http_endpoint, timeout=10)
     traces, _ = _record_groups(exporter, project, "run-b")
     wait_for_annotations(phoenix, project, len(GROUPS), 4)
     project_id = _project_id(phoenix, project)

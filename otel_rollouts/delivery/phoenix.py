@@ -69,7 +69,6 @@ __all__ = [
     "OFF",
     "ON",
     "PhoenixAnnotations",
-    "annotate",
     "annotations_of",
     "base_url",
     "mode_from_env",
@@ -350,13 +349,6 @@ class PhoenixAnnotations:
         _, name = self._where()
         if first_time(f"exporter.{name}.annotations.{kind}"):
             _warn("exporter %s: %s (logged once; counted in otr.stats())", name, message)
-
-
-def annotate(exporter: SpanExporter, mode: str | None = None) -> SpanExporter:
-    """``exporter`` (a stock OTLP exporter you made yourself) with Phoenix annotations attached
-    (``PhoenixAnnotations.attach``); returned for ``configure(exporters=[annotate(...)])``."""
-    PhoenixAnnotations.attach(exporter, mode)
-    return exporter
 
 
 def _exporter_target(exporter: Any) -> tuple[str | None, dict[str, str], bool]:
