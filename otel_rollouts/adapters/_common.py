@@ -44,6 +44,7 @@ __all__ = [
     "AdapterEntryPoint",
     "Columns",
     "captures_content",
+    "check_release",
     "end_step",
     "as_float",
     "count",
@@ -81,6 +82,7 @@ COUNT_FILTERED = "adapters.filtered"
 COUNT_UNGROUPED = "adapters.ungrouped"
 COUNT_INVALID = "adapters.invalid_values"
 COUNT_UNKNOWN = "adapters.unknown_structure"
+COUNT_NEWER_RELEASE = "adapters.newer_release"
 
 
 # --- the extension point -----------------------------------------------------------------------
@@ -438,6 +440,53 @@ def warn_unknown(adapter: str, field_name: str, detail: str) -> None:
     logging.getLogger("otel_rollouts").warning(
         "otel_rollouts.adapters.%s: %s: %s (recorded as far as understood; warned once)", adapter, field_name, detail
     )
+
+
+def check_release(adapter: str, distribution: str, tested: Sequence[str]) -> str | None:
+    """Warn once when the installed ``distribution`` is newer than every release in ``tested``
+    (the versions the adapter's tests run on, oldest first); return the installed version.
+
+    A newer release is still read as far as it is understood: what the adapter cannot map is
+    warned field by field (``warn_unknown``), never guessed. Never raises: a missing or
+    unparsable version is no warning.
+    """
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version(distribution)
+        except PackageNotFoundError:
+            return None
+        if not tested or _release_key(installed) <= max(_release_key(t) for t in tested):
+            return installed
+    except Exception:  # noqa: BLE001 - a version check must never break recording
+        return None
+    count(COUNT_NEWER_RELEASE)
+    if first_time(f"adapters.{adapter}.release"):
+        import logging
+
+        logging.getLogger("otel_rollouts").warning(
+            "otel_rollouts.adapters.%s: %s %s is newer than the releases this adapter is tested on (%s); "
+            "it is read as far as its fields are understood and every field it cannot map is warned "
+            "(adapters.unknown_structure). Warned once.",
+            adapter, distribution, installed, ", ".join(tested),
+        )
+    return installed
+
+
+def _release_key(text: str) -> tuple[int, ...]:
+    """The numeric release of a version string (``0.6.1.dev3+g1`` → ``(0, 6, 1)``)."""
+    parts: list[int] = []
+    for piece in str(text).split("+")[0].split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 def captures_content(ep: Any) -> bool:
