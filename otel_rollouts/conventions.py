@@ -48,6 +48,24 @@ RL_FEEDBACK_ROLE = "rl.feedback.role"  # env | tool | user for mask-0 spans afte
 RL_TOOL_PARSE_ERROR = "rl.tool.parse_error"
 RL_TOOL_RUNTIME = "rl.tool.runtime_s"  # a tool call's runtime as the framework measured it
 RL_SPAN_KIND = "rl.span.kind"  # span | generation | tool | turn | episode | prompt | reward
+# Seconds an episode spent per stage, as the framework measured them (on the root; absent, never
+# 0, when the framework does not measure a stage): rl.stage.<stage>.seconds
+RL_STAGE_PREFIX = "rl.stage."
+RL_STAGE_SUFFIX = ".seconds"
+STAGE_GENERATION = "generation"
+STAGE_TOOL = "tool"
+STAGE_ENVIRONMENT = "environment"
+STAGE_REWARD = "reward"
+STAGE_WAITING = "waiting"
+STAGES = (STAGE_GENERATION, STAGE_TOOL, STAGE_ENVIRONMENT, STAGE_REWARD, STAGE_WAITING)
+
+
+def stage_seconds(stage: str) -> str:
+    """The root attribute holding an episode's seconds in ``stage`` (one of ``STAGES``)."""
+    return f"{RL_STAGE_PREFIX}{stage}{RL_STAGE_SUFFIX}"
+
+# Episodes that belong together beyond a GRPO group (tinker's preference pairs and multiplayer
+# games; adapters helpers add their names in the block below)
 
 # rl.status values
 STATUS_OK = "ok"
