@@ -1,0 +1,56 @@
+"""Each framework's second tested release: its real-framework tests run inside its own
+environment (``tests/version_matrix.py``; ``.ci/run`` builds them).
+
+A missing environment skips here and fails in CI (where ``.ci/run`` must have built it); the run
+passes only if the environment holds exactly the release named, at least one test ran, and none
+failed or skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+from receivers import in_ci
+from version_matrix import MATRIX, ROOT, Entry
+
+
+def _child_env() -> dict[str, str]:
+    # The parent's PYTEST_ADDOPTS carries CI's --junitxml: the child must not write over it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("entry", MATRIX, ids=lambda e: e.name)
+def test_release_passes_the_adapter_tests(entry: Entry, tmp_path) -> None:
+    if not entry.python.exists():
+        message = f"{entry.name}: no environment at .venv-matrix/{entry.name} (.ci/run builds it)"
+        if in_ci():
+            pytest.fail(f"CI is set, refusing to skip: {message}", pytrace=False)
+        pytest.skip(message)
+    env = _child_env()
+    found = subprocess.run(
+        [str(entry.python), "-c",
+         f"import importlib.metadata as m; print(m.version({entry.distribution!r}))"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )
+    assert found.stdout.strip() == entry.version, (entry.name, found.stdout, found.stderr[-2000:])
+
+    junit = tmp_path / "junit.xml"
+    env["CI"] = "1"  # inside the environment a missing framework module fails, never skips
+    run = subprocess.run(
+        [str(entry.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+         *entry.tests],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=840,
+    )
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, f"{entry.name}: pytest exited {run.returncode}\n{tail}"
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = sum(int(s.get("tests", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    assert total > 0 and skipped == 0 and failed == 0, (entry.name, total, skipped, failed, tail)
