@@ -1,62 +1,33 @@
-"""Open-Instruct adapter: batches shaped like open_instruct's Batch / GenerationResult / RequestInfo."""
+"""Open-Instruct adapter: batches shaped like open_instruct's Batch / GenerationResult / RequestInfo.
+
+The structures are those of ``test_open_instruct_source`` (Open-Instruct's source at
+``e6c3044a``, 2026-08-20, field by field); ``make`` below builds small hand-made batches for the
+alignment, sampling and version checks, ``test_open_instruct_source`` the path's real output.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 from adapter_fixtures import configure_memory, count_prompts, episodes, ids, messages_of, tokenizer
 from otr_helpers import trackio_rows
+from test_open_instruct_source import (
+    QUESTION,
+    TOK,
+    Batch,
+    Call,
+    Engine,
+    GenerationResult,
+    RequestInfo,
+    ToolCallStats,
+    dataset_row,
+    hermes_call,
+    prepare,
+)
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts.adapters import open_instruct
-
-
-# --- the framework's structures (open_instruct/model_utils.py, data_types.py), field for field ---
-@dataclass
-class ToolCallStats:
-    tool_name: str
-    success: bool
-    runtime: float
-
-
-@dataclass
-class RequestInfo:
-    num_calls: list[int]
-    timeouts: list[int]
-    tool_errors: list[str]
-    tool_outputs: list[str]
-    tool_runtimes: list[float]
-    tool_calleds: list[bool]
-    tool_call_stats: list[list[ToolCallStats]] = field(default_factory=list)
-    rollout_states: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class GenerationResult:
-    responses: list[list[int]]
-    finish_reasons: list[str]
-    masks: list[list[int]]
-    request_info: RequestInfo
-    index: list[int] | None = None
-    prompt_id: str | None = None
-    logprobs: list[list[float]] | None = None
-
-
-@dataclass
-class Batch:
-    queries: list[list[int]]
-    ground_truths: list
-    datasets: list[str]
-    raw_queries: list[str] | None = None
-    decoded_responses: list[str] | None = None
-    indices: list[int] | None = None
-    scores: list[float] | None = None
-    active_tools: list | None = None
-    model_steps: list[int] = field(default_factory=list)
-
 
 G = 2  # samples per prompt
 
@@ -90,10 +61,10 @@ def make(n_groups: int = 2, *, tools: bool = True):
             decoded.append(tokenizer().decode(responses[-1], skip_special_tokens=False))
             finish.append("length" if i == 3 else "stop")
             scores.append(float(r == 0))
-            datasets.append("gsm8k")
+            datasets.append(["gsm8k"])  # the default transform wraps it
             indices.append(100 + g)
             steps.append(6)
-            truths.append(str(g + 5))
+            truths.append([str(g + 5)])
     n = len(responses)
     info = RequestInfo(num_calls=calls, timeouts=[0] * n, tool_errors=[""] * n, tool_outputs=outputs,
                        tool_runtimes=[0.25 if k else 0.0 for k in calls], tool_calleds=[bool(k) for k in calls],
@@ -101,19 +72,42 @@ def make(n_groups: int = 2, *, tools: bool = True):
                        rollout_states=[{"rewards": [0.0, 1.0] if k else [], "step_count": k} for k in calls])
     batch = Batch(queries=queries, ground_truths=truths, datasets=datasets, raw_queries=raw,
                   decoded_responses=decoded, indices=indices, scores=scores, model_steps=steps)
-    result = GenerationResult(responses=responses, finish_reasons=finish, masks=masks, request_info=info)
+    result = GenerationResult(responses=responses, finish_reasons=finish, masks=masks, request_info=info,
+                              index=None, prompt_id=None)
     advantages = np.array([0.7, -0.7] * n_groups, dtype=np.float64)
     return batch, result, advantages
+
+
+def source_batch(n_groups: int = 2, *, tools: bool = True, model_step: int = 6):
+    """What ``make_batch_from_groups`` hands the loop: ``n_groups`` prompts x G samples; sample 1
+    of group 0 called the calculator once (Hermes), sample 3 ran out of tokens."""
+    engine, groups = Engine(), []
+    for g in range(n_groups):
+        question = [QUESTION[0], {"role": "user", "content": f"What is {g + 2} + 3?"}]
+        row = dataset_row(question, str(g + 5), "gsm8k")
+        outputs = []
+        for r in range(G):
+            i = g * G + r
+            if tools and i == 1:
+                turns = [(hermes_call("calculator", expression="2 + 3"), [Call("calculator", "5", runtime=0.25,
+                                                                              reward=1.0)]),
+                         ("The answer is 5.", [])]
+            else:
+                turns = [(f"The answer is {g + 5 - r}.", [])]
+            outputs.append(engine.sample(turns, finish="length" if i == 3 else "stop"))
+        scores = [float(r == 0) for r in range(G)]
+        groups.append((row, Engine.result(outputs, 100 + g, row, scores, model_step)))
+    return prepare(groups)
 
 
 def test_batch_round_trips_through_trackio_with_tools_and_numbers(otr_shutdown):
     project = "otr-test-open-instruct"
     exporter = configure_memory(trackio_project=project)
-    batch, result, adv = make()
+    batch, result, adv = source_batch()
     n = open_instruct.record_batch(batch, result, step=7, advantages=adv, num_samples_per_prompt=G,
-                                   tokenizer=tokenizer())
-    eval_batch, eval_result, _ = make(1, tools=False)
-    open_instruct.record_batch(eval_batch, eval_result, step=7, split="eval", tokenizer=tokenizer())
+                                   tokenizer=TOK)
+    eval_batch, eval_result, _ = source_batch(1, tools=False)
+    open_instruct.record_batch(eval_batch, eval_result, step=7, split="eval", tokenizer=TOK)
     otr.end_step(7)
     assert n == 4 and otr.flush()
     eps = episodes(exporter)
@@ -122,8 +116,8 @@ def test_batch_round_trips_through_trackio_with_tools_and_numbers(otr_shutdown):
     assert root[c.RL_FRAMEWORK] == "open-instruct" and root[c.RL_GROUP_ID] == "100"
     assert root[c.RL_POLICY_VERSION] == 6 and root[c.RL_STALENESS] == 1
     assert root[c.RL_DATASET_NAME] == "gsm8k" and root[c.RL_DATASET_INDEX] == 100
-    assert root[c.RL_REWARD] == 0.0 and root[c.RL_ADVANTAGE] == pytest.approx(-0.7)
-    assert root["rl.reward.env_step_1"] == 1.0
+    assert root[c.RL_REWARD] == 0.0 and root[c.RL_ADVANTAGE] == pytest.approx(-0.5)
+    assert root["rl.reward.env_step_0"] == 1.0
     assert eps["train-7-3"]["root"][c.RL_STATUS] == c.STATUS_TRUNCATED
     assert eps["train-7-2"]["root"][c.RL_GROUP_ID] == "101"
     assert c.RL_ALIGNMENT not in root
@@ -135,16 +129,14 @@ def test_batch_round_trips_through_trackio_with_tools_and_numbers(otr_shutdown):
     md = row["metadata"]
     assert md["rl.split"] == "train" and md["rl.step"] == 7 and md["rl.group.id"] == "100"
     assert md["rl.policy.version"] == 6 and isinstance(md["rl.reward"], float)
-    assert isinstance(md["rl.advantage"], float) and isinstance(md["rl.reward.env_step_1"], float)
+    assert isinstance(md["rl.advantage"], float) and isinstance(md["rl.reward.env_step_0"], float)
     msgs = row["messages"]
-    assert msgs[0] == {"role": "system", "content": "be brief"}
-    assert msgs[1] == {"role": "user", "content": "what is 2 + 3 ?"}
-    assert msgs[2]["role"] == "assistant"
-    assert msgs[2]["content"] == "<tool_call> python print ( 5 ) </tool_call>"
-    assert msgs[2]["tool_calls"][0]["function"]["name"] == "python"
-    assert msgs[3] == {"role": "tool", "tool_call_id": "call_0", "name": "python",
-                       "content": "<tool_response> 5 </tool_response>"}
-    assert msgs[4] == {"role": "assistant", "content": "the answer is 5 <eos>"}
+    assert msgs[0] == {"role": "system", "content": "You are a helpful assistant."}
+    assert msgs[1] == {"role": "user", "content": "What is 2 + 3?"}
+    assert msgs[2]["role"] == "assistant" and msgs[2]["content"] == ""  # the call is the message
+    assert msgs[2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert msgs[3] == {"role": "tool", "tool_call_id": "call_0_0", "name": "calculator", "content": "5"}
+    assert msgs[4] == {"role": "assistant", "content": "The answer is 5."}  # no <|im_end|>
     tool = next(s for s in row["spans"] if s["kind"] == "tool")
     assert tool["metadata"][c.RL_TOOL_RUNTIME] == 0.25
     assert rows["eval-7-0"]["metadata"]["rl.split"] == "eval"
@@ -336,13 +328,15 @@ def test_unknown_structures_warn_once_and_are_recorded_as_far_as_understood(capl
         for step in (2, 3):
             open_instruct.record_batch(batch, result, step=step, num_samples_per_prompt=G,
                                        tokenizer=tokenizer())
+        # raw_queries are read only without a tokenizer (the prompt ids are split otherwise)
+        open_instruct.record_batch(batch, result, step=4, num_samples_per_prompt=G)
     assert otr.flush()
     warnings = [r.getMessage() for r in caplog.records if "adapters.open-instruct" in r.getMessage()]
     for name in ("model_steps:", "tool_call_stats:", "masks:", "raw_queries:", "rollout_states.rewards:"):
         assert sum(name in w for w in warnings) == 1, (name, warnings)
     assert otr.stats()["totals"]["adapters.unknown_structure"] >= 10
     eps = episodes(memory)
-    assert len(eps) == 8
+    assert len(eps) == 12
     first = eps["train-2-0"]["root"]
     assert c.RL_POLICY_VERSION not in first and c.RL_STALENESS not in first
     assert eps["train-2-2"]["root"][c.RL_POLICY_VERSION] == 6

@@ -1,8 +1,10 @@
 """torchforge adapter: GRPO ``Episode`` records and the sample dicts forge's sample logging keeps.
 
-``forge`` is not imported (it needs monarch, torchtitan, vllm); ``Episode`` and ``Completion``
-below copy the field names of ``apps/grpo/main.py`` and ``forge/data_models/completion.py``
-(PR #486 head), with real CPU torch tensors for the token ids.
+``forge`` is not imported (it needs monarch, torchtitan, vllm); ``Episode`` below follows
+``src/forge/rl/types.py`` (``forge.rl``) of meta-pytorch/torchforge at
+``cf02b132b078decc68b7f64f0dd51f70d603a073`` field by field, ``Completion`` its
+``forge/data_models/completion.py``, with real CPU torch tensors for the token ids. The Episode of
+a torchforge before the sample-logging change (in the app) is in ``test_torchforge_versions``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from otr_helpers import trackio_rows
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts.adapters.torchforge import record_episodes
+
+SOURCE_COMMIT = "cf02b132b078decc68b7f64f0dd51f70d603a073"  # meta-pytorch/torchforge, forge.rl
 
 
 @dataclass
@@ -41,27 +45,31 @@ class Episode:
     request: str | None = None
     response: str | None = None
     completion: Completion | None = None
+    inference_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     reward: float | None = None
     reward_breakdown: dict[str, float] | None = None
     advantage: float | None = None
+    loss_mask: torch.Tensor | None = None
 
     @property
     def policy_version(self) -> int | None:
         return self.completion.generator_version
 
     def to_dict(self, exclude: list[str] | None = None) -> dict[str, Any]:
-        """As in PR #486: the breakdown is flattened into the top level."""
+        """As ``forge.rl.types.Episode.to_dict``: the breakdown is flattened into the top level."""
         result = {
             "episode_id": self.episode_id, "policy_version": self.policy_version,
             "prompt": self.request, "response": self.response, "target": str(self.target),
+            "reward": self.reward, "advantage": self.advantage,
             "request_len": self.request_len, "response_len": self.response_len,
             "pad_id": self.pad_id, "ref_logprobs": self.ref_logprobs, "completion": self.completion,
-            "reward": self.reward, "advantage": self.advantage,
         }
         if self.reward_breakdown is not None and "reward_breakdown" not in exclude:
             result.update(self.reward_breakdown)
-        return {k: v for k, v in result.items() if k not in exclude}
+        for key in exclude or []:
+            result.pop(key, None)
+        return result
 
 
 REQUEST = ("<|im_start|>system\nlet me think<|im_end|>\n<|im_start|>user\nwhat is 2 + 2 ?"

@@ -1,32 +1,46 @@
 """Open-Instruct (allenai/open-instruct) GRPO batches as episode traces.
 
-Call it where Open-Instruct's data-preparation actor has a scored batch (after advantages are
-computed), for train and for eval batches::
+Call it in ``DataPreparationActor._data_preparation_loop`` (``open_instruct/data_loader.py``),
+where the scored batch and its advantages exist (right after the advantages are computed)::
 
     from otel_rollouts.adapters import open_instruct
-    open_instruct.record_batch(batch, result, step=training_step, advantages=advantages,
-                               num_samples_per_prompt=args.num_samples_per_prompt_rollout,
-                               tokenizer=tokenizer)
+    open_instruct.record_batch(batch, result, step=self.training_step, advantages=advantages,
+                               num_samples_per_prompt=self.config.num_samples_per_prompt_rollout,
+                               tokenizer=self.tokenizer)
 
-``batch`` is Open-Instruct's ``Batch`` (``queries``, ``raw_queries``, ``decoded_responses``,
-``scores``, ``datasets``, ``indices``, ``model_steps``...), ``result`` its ``GenerationResult``
-(``responses``, ``finish_reasons``, ``masks``, ``request_info`` with the tool-call stats). Any
-object, dataclass or dict with those names works: Open-Instruct is never imported.
+Open-Instruct has no hook there (no callback list, no logger registry reaches the data-preparation
+actor; see the README), so that line is added to its source.
 
-What it fixes compared with the hand-written logger (DESIGN.md §7): every sample becomes an
-episode (the tail sampler applies the per-step cap, not head-of-batch); ragged per-sample lists
-never raise — the samples they do not cover get ``rl.alignment=partial``; ``request_info`` is
-ignored, not mis-paired, once ``mask_truncated_completions`` filtered the batch but not it;
-groups come from dataset indices (blocked ``i // n`` only for complete layouts); a batch
-without scores is still recorded. The batch takes the columnar path (``otr.record_batch``): the
-sampler chooses from the scores, statuses and groups in one call, and only the samples it may
-keep get their prompt and turns recorded (and decoded).
+``batch`` is Open-Instruct's ``Batch`` (``queries``, ``ground_truths``, ``datasets``,
+``raw_queries``, ``decoded_responses``, ``indices``, ``scores``, ``active_tools``,
+``model_steps``), ``result`` its ``GenerationResult`` (``responses``, ``finish_reasons``,
+``masks``, ``request_info`` with the per-call ``tool_call_stats`` and ``rollout_states``), as
+``accumulate_inference_batches`` → ``make_batch_from_groups`` build them. Any object, dataclass
+or dict with those names works: Open-Instruct is never imported.
 
 Open-Instruct is not on PyPI (git-only, with vLLM, DeepSpeed and Ray): the structures are read
 as its source defines them (``open_instruct/model_utils.py:Batch``,
 ``data_types.py:GenerationResult`` / ``RequestInfo`` / ``ToolCallStats``,
-``environments/base.py:RolloutState``; see shared/research/seed-frameworks.md §2) and the tests
-build dataclasses with exactly those fields.
+``environments/base.py:RolloutState``, the default ``rlvr_tokenize_v1`` transform and
+``vllm_utils.process_request``), read at commit ``e6c3044a`` (2026-08-20); the tests rebuild that
+path's output field by field.
+
+What the data-preparation path produces, and how it is read:
+
+* ``datasets[i]`` and ``ground_truths[i]`` are lists (the default transform wraps a single
+  verifier's name and answer in a list, for multi-verifier datasets): one name is
+  ``rl.dataset.name``, several are joined with ``,``; the answer is unwrapped the same way.
+* ``queries[i]`` are the prompt's token ids (the chat template applied): with ``tokenizer`` the
+  prompt is split into its messages by the template's own role markers. ``raw_queries[i]``
+  (``"role: content"`` lines, ambiguous once a content holds such a line, e.g. a few-shot
+  prompt) is used only without a tokenizer.
+* ``responses[i]`` + ``masks[i]``: the engine appends each tool or environment output to the
+  response (mask 0, with ``mask_tool_use``), one formatted block per executed call, in call
+  order, each answered by the next ``tool_call_stats[i]`` entry. Every run of policy tokens is a
+  turn; the observation after it is split into its messages by the template's role markers
+  (Hermes: ``<|im_start|>tool``... per result), each result paired with its own call. Output a
+  text environment addresses to the ``user`` role is that turn's ``user`` feedback, not a tool
+  result. Chat markup and EOS are removed with the tokenizer's own knowledge.
 
 Field → attribute (one episode per sample ``i``):
 
@@ -39,12 +53,12 @@ Open-Instruct                                   recorded as
 ``advantages[i]``                               ``rl.advantage``
 ``batch.model_steps[i]``                        ``rl.policy.version`` (−1 placeholders ignored)
 ``step`` (the consuming ``training_step``)      ``rl.staleness`` = trained version − version
-``batch.raw_queries[i]`` (``"role: content"``   the prompt messages (else ``queries[i]`` decoded)
-lines) / ``queries[i]``
-``decoded_responses[i]`` / ``responses[i]``     the turns; with ``masks`` (0 = tool output) one
-+ ``masks[i]``                                  turn per model run, tool outputs as results
-``request_info.tool_call_stats[i]``             ``execute_tool`` spans (name, ``success``,
-                                                ``rl.tool.runtime_s``)
+``queries[i]`` (with ``tokenizer``) /           the prompt messages
+``raw_queries[i]``
+``responses[i]`` + ``masks[i]``                 the turns; each tool output (mask 0) the result
+                                                of its own ``execute_tool`` span
+``request_info.tool_call_stats[i]``             ``execute_tool`` spans (name, error when
+                                                ``success`` is false, ``rl.tool.runtime_s``)
 ``result.finish_reasons[i]``                    ``rl.finish_reason``, ``rl.status``
 ``batch.datasets[i]`` / ``indices[i]``          ``rl.dataset.name`` / ``rl.dataset.index``,
                                                 ``rl.group.id`` = the dataset index
@@ -68,11 +82,13 @@ samples are not trained on: no staleness unless ``trained_version`` is given.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.content import Deferred
 from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     Columns,
@@ -81,6 +97,7 @@ from otel_rollouts.adapters._common import (
     group_ids,
     items,
     lazy_text,
+    mask_runs,
     read_samples,
     record_samples,
     reward_total,
@@ -89,13 +106,16 @@ from otel_rollouts.adapters._common import (
     split_name,
     status_for,
     to_list,
-    turns_from_mask,
     warn_unknown,
 )
+from otel_rollouts.adapters._text import assistant_message, clean, messages_of
+from otel_rollouts.decode.batch import tokenizer_info
+from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
 
 __all__ = ["record_batch"]
 
 FRAMEWORK = "open-instruct"
+SOURCE_COMMIT = "e6c3044aa6201c8bfa4573c1b03142af599e730d"  # allenai/open-instruct, 2026-08-20
 _REQUEST_INFO_FIELDS = (
     "num_calls",
     "timeouts",
@@ -107,6 +127,10 @@ _REQUEST_INFO_FIELDS = (
     "rollout_states",
 )
 _ROLE_LINE = re.compile(r"^(system|user|assistant|tool|developer): ", re.MULTILINE)
+# one output wrapped in a tag of the tool parser's own (``<output>`` for the legacy parser)
+_RESPONSE_OPEN = "<tool_response>"
+_Pair = tuple["dict[str, Any] | None", "tuple[str, str, bool] | None"]  # (call, its answer)
+_WRAPPED = re.compile(r"\s*<(?P<tag>[A-Za-z_][\w-]{0,31})>(?P<body>.*?)</(?P=tag)>\s*", re.DOTALL)
 
 
 @guarded
@@ -130,8 +154,10 @@ def record_batch(
     * ``advantages``: per-sample advantages (numpy array or list), when computed.
     * ``num_samples_per_prompt``: the GRPO group size, used only when dataset indices are
       missing and the blocked layout is complete.
-    * ``tokenizer``: decodes token ids when text is missing, and splits multi-turn tool
-      responses by ``masks`` (decoded only for the episodes the sampler keeps).
+    * ``tokenizer``: the actor's tokenizer (``self.tokenizer``): splits the prompt ids and the
+      multi-turn responses into messages by its chat template and removes markup and EOS.
+      Observations are decoded now (their messages are the episode's structure), the rest only
+      for the episodes the sampler keeps.
     * ``split``: ``train`` or ``eval``.
     * ``trained_version``: learner updates the weights that train on the batch have received;
       defaults to ``step`` for training (see the module docstring), none for evaluation.
@@ -166,6 +192,8 @@ def record_batch(
         ground_truths=_get(batch, "ground_truths"),
         **info,
     )
+    if tokenizer is not None:
+        clean("", tokenizer)  # learn the template's markers and special tokens on this thread
     complete = not cols.ragged and n > 0
     groups, _ = group_ids(
         n, ids=cols.columns.get("indices"), per_group=num_samples_per_prompt, complete=complete
@@ -194,7 +222,7 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
         value = v(name, i)
         if value not in (None, "", [], 0, False):
             metadata[name] = value
-    truth = v("ground_truths", i)
+    truth = _ground_truth(v("ground_truths", i))
     if group is not None and n_per_group and n_per_group > 0:
         metadata["repetition"] = i % n_per_group
     finish = v("finish_reasons", i)
@@ -202,7 +230,7 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
 
     def content(ep: Any) -> None:
         set_policy(ep, model_step, trained_version)
-        if isinstance(truth, (str, int, float)) and captures_content(ep):
+        if truth is not None and captures_content(ep):
             # the dataset's answer is content, as the prompt is: an ``rl.metadata.*`` label
             # would keep it with capture off, so it is recorded only when content is captured
             ep.set_attribute(f"{c.RL_METADATA_PREFIX}ground_truth", truth)
@@ -211,11 +239,56 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
 
     return Sample(
         content, episode_id=f"{split}-{step}-{i}", group_id=group, sample_index=i,
-        dataset_name=v("datasets", i), dataset_index=v("indices", i), metadata=metadata or None,
-        reward=total, components=_env_rewards(v("rollout_states", i)) or None,
+        dataset_name=_dataset_name(v("datasets", i)), dataset_index=v("indices", i),
+        metadata=metadata or None, reward=total,
+        components=_env_rewards(v("rollout_states", i)) or None,
         advantage=v("advantages", i), finish_reason=finish, status=status_for(finish),
         missing=cols.missing(i), problems=[problem] if problem else (),
     )
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy/torch scalar as a Python one; other values unchanged."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes, list, tuple, Mapping)):
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            return value
+    return value
+
+
+def _dataset_name(value: Any) -> str | None:
+    """``datasets[i]``: the default transform wraps the verifier source in a list (one entry per
+    verifier); one name is the dataset name, several are joined with ``,``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    names = to_list(value)
+    if names is None or any(isinstance(x, (list, tuple, Mapping)) for x in names):
+        warn_unknown(FRAMEWORK, "datasets", f"{type(value).__name__} {value!r:.80}, not a name or a "
+                     "list of names; recorded as text")
+        return str(value)
+    names = [str(_scalar(x)) for x in names if x is not None]
+    return ",".join(names) if names else None
+
+
+def _ground_truth(value: Any) -> Any:
+    """``ground_truths[i]`` as an attribute value: a one-entry list (the default transform's
+    wrapping) is its entry, several scalars a list of strings, anything else JSON text."""
+    value = _scalar(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):
+        values = [_scalar(x) for x in (to_list(value) or [])]
+        if len(values) == 1:
+            return _ground_truth(values[0])
+        if values and all(isinstance(x, (str, int, float, bool)) for x in values):
+            return [str(x) for x in values]
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _model_step(value: Any) -> int | None:
@@ -233,20 +306,31 @@ def _model_step(value: Any) -> int | None:
     return int(value) if value >= 0 else None  # -1: a placeholder, not a policy version
 
 
-def _prompt(cols: Columns, i: int, tokenizer: Any) -> list[dict[str, Any]]:
+# --- the prompt ----------------------------------------------------------------------------------
+def _prompt(cols: Columns, i: int, tokenizer: Any) -> Any:
+    """The prompt's messages: the chat-templated ``queries[i]`` split by the template's role
+    markers (only if the episode is kept); without a tokenizer the ``raw_queries`` lines."""
+    query = cols.value("queries", i)
+    ids = None if query is None or isinstance(query, str) else to_list(query)
+    if tokenizer is not None and ids:
+        info = tokenizer_info(tokenizer)
+        ids = [int(t) for t in ids]
+
+        def split() -> list[dict[str, Any]]:
+            return messages_of(info.decoder.decode(ids, skip_special_tokens=False), tokenizer, "user")
+
+        return Deferred(split)
     raw = cols.value("raw_queries", i)
     if isinstance(raw, str) and raw:
         return _unflatten(raw)
-    query = cols.value("queries", i)
-    if query is not None and tokenizer is not None:
-        return [{"role": "user", "content": lazy_text(tokenizer, to_list(query) or [])}]
     if isinstance(query, str):
         return [{"role": "user", "content": query}]
     return [{"role": "user", "content": ""}]
 
 
 def _unflatten(text: str) -> list[dict[str, Any]]:
-    """Open-Instruct's ``raw_queries`` join messages as ``"{role}: {content}"`` lines."""
+    """Open-Instruct's ``raw_queries`` join messages as ``"{role}: {content}"`` lines (read only
+    without a tokenizer: a content holding such a line cannot be told apart)."""
     marks = list(_ROLE_LINE.finditer(text))
     if not marks or marks[0].start() != 0:
         warn_unknown(FRAMEWORK, "raw_queries", "not the \"role: content\" lines Open-Instruct writes; "
@@ -259,34 +343,37 @@ def _unflatten(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, finish: Any) -> None:
-    v = cols.value
+# --- the turns -----------------------------------------------------------------------------------
+def _stats(cols: Columns, i: int) -> list[dict[str, Any]]:
     stats = []
-    for s in to_list(v("tool_call_stats", i)) or []:
+    for s in to_list(cols.value("tool_call_stats", i)) or []:
         stat = items(s)
         if not (stat.get("tool_name") or stat.get("name")):
             warn_unknown(FRAMEWORK, "tool_call_stats", f"{type(s).__name__} without tool_name; "
                          "recorded as a call of an unnamed tool")
         stats.append(stat)
+    return stats
+
+
+def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, finish: Any) -> None:
+    v = cols.value
+    stats = _stats(cols, i)
     response = to_list(v("responses", i))
     mask = to_list(v("masks", i))
     if mask is not None and response is not None and len(mask) != len(response):
         warn_unknown(FRAMEWORK, "masks", f"{len(mask)} mask values for {len(response)} response tokens; "
                      "the response is recorded as one turn")
-    if tokenizer is not None and response and mask and len(mask) == len(response) and 0 in mask:
-        def tool(turn: Any, k: int, output: Any) -> None:
-            # the k-th tool output inserted into the response answers the k-th recorded call
-            if k < len(stats):
-                _tool(turn, stats[k], k, output)
-            else:
-                turn.feedback(output, role="tool")
-
-        turns_from_mask(ep, response, mask, tokenizer, model=model, finish_reason=finish,
-                        on_observation=tool)
+        mask = None
+    if tokenizer is not None and response:
+        parts = _parts([int(t) for t in response], mask, tokenizer,
+                       called=bool(stats) or bool(v("num_calls", i)))
+        _record_parts(ep, parts, stats, tokenizer, model, finish)
         return
     text = v("decoded_responses", i)
-    if text is None and response is not None and tokenizer is not None:
-        text = lazy_text(tokenizer, response)
+    if tokenizer is not None and isinstance(text, str):
+        _record_parts(ep, [_Gen(_lazy_message(tokenizer, text=text), None)], stats, tokenizer,
+                      model, finish)
+        return
     with ep.turn() as turn:
         turn.record_generation(
             {"role": "assistant", "content": "" if text is None else text},
@@ -296,21 +383,217 @@ def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, fi
         )
         outputs = v("tool_outputs", i)
         for k, stat in enumerate(stats):
-            # per-call outputs are not kept (they are concatenated); one call owns them all
+            # without a tokenizer the outputs cannot be split (they are concatenated):
+            # one call owns them all
             result = outputs if len(stats) == 1 else None
-            _tool(turn, stat, k, result)
+            _tool(turn, stat, f"call_{k}", None, result)
         if len(stats) != 1 and outputs:
             turn.feedback(outputs, role="tool")
 
 
-def _tool(turn: Any, stat: dict[str, Any], k: int, result: Any) -> None:
+class _Gen:
+    """A run of policy tokens: its assistant message (decoded now when the tool calls it holds
+    are structure, else a ``Deferred``) and its token count."""
+
+    __slots__ = ("message", "tokens")
+
+    def __init__(self, message: Any, tokens: int | None) -> None:
+        self.message = message
+        self.tokens = tokens
+
+
+class _Obs:
+    """An observation the engine inserted: ``[(role, text, is_tool_output)]`` in order."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, found: list[tuple[str, str, bool]]) -> None:
+        self.items = found
+
+
+def _lazy_message(tokenizer: Any, ids: list[int] | None = None, text: str | None = None) -> Deferred:
+    decoded = lazy_text(tokenizer, ids) if ids is not None else None
+
+    def message() -> dict[str, Any]:
+        raw = decoded.resolve() if decoded is not None else text
+        return assistant_message(raw, tokenizer)[0]
+
+    return Deferred(message)
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _parts(response: list[int], mask: list[Any] | None, tokenizer: Any, *, called: bool
+           ) -> list[_Gen | _Obs]:
+    """The response as generations and observations: by the mask's runs (0 = inserted by the
+    engine); without masked observations but with tool calls (``mask_tool_use`` off) by the chat
+    template's role markers in the decoded text; else one generation, decoded only if kept."""
+    if mask is not None and any(not m for m in mask):
+        runs = mask_runs(mask)
+        parts: list[_Gen | _Obs] = []
+        for k, (start, end, value) in enumerate(runs):
+            ids = response[start:end]
+            if not value:
+                parts.append(_Obs(_observation(_decode(tokenizer, ids), tokenizer)))
+            elif k + 1 < len(runs):  # an observation follows: its calls are structure
+                parts.append(_Gen(_decode(tokenizer, ids), end - start))
+            else:
+                parts.append(_Gen(_lazy_message(tokenizer, ids), end - start))
+        return parts
+    if called:
+        parts = []
+        for m in messages_of(_decode(tokenizer, response), tokenizer, "assistant"):
+            if m["role"] == "assistant":
+                parts.append(_Gen(m["content"], None))
+            else:
+                found = _observation_message(m["role"], m["content"])
+                if parts and isinstance(parts[-1], _Obs):
+                    parts[-1].items.extend(found)
+                else:
+                    parts.append(_Obs(found))
+        return parts
+    return [_Gen(_lazy_message(tokenizer, response), len(response))]
+
+
+def _observation(text: str, tokenizer: Any) -> list[tuple[str, str, bool]]:
+    """The messages of an observation run: one per executed call, each rendered by the tool
+    parser with its role's template (and the next generation prompt, left out)."""
+    found: list[tuple[str, str, bool]] = []
+    for m in messages_of(text, tokenizer, "tool"):
+        found.extend(_observation_message(m["role"], m["content"]))
+    return found
+
+
+def _observation_message(role: str, content: str) -> list[tuple[str, str, bool]]:
+    if role == "assistant":  # the generation prompt the parser appends after each output
+        return [("assistant", content.strip(), False)] if content.strip() else []
+    blocks = tool_responses(content)
+    if blocks:  # Hermes/Qwen results (Qwen3.5 templates put them in a user message)
+        rest = strip_tool_responses(content)
+        return [("tool", b, True) for b in blocks] + ([(role, rest, False)] if rest else [])
+    if role == "user":  # a text environment's reply (its response_role), not a tool result
+        return [("user", content.strip(), False)]
+    head = content.lstrip()
+    if head.startswith(_RESPONSE_OPEN):  # a result cut by the context budget: no closing tag
+        return [(role, head[len(_RESPONSE_OPEN):].strip(), True)]
+    return [(role, b, True) for b in _wrapped(content)]
+
+
+def _wrapped(text: str) -> list[str]:
+    """Outputs a tool parser wrapped in one tag each (``<output>``...``</output>``) back to
+    back, unwrapped; text that is not wholly such blocks is one output."""
+    out = []
+    pos = 0
+    tag = None
+    while pos < len(text):
+        m = _WRAPPED.match(text, pos)
+        if m is None or (tag is not None and m.group("tag") != tag):
+            return [text.strip()]
+        tag = m.group("tag")
+        out.append(m.group("body").strip())
+        pos = m.end()
+    return out or [text.strip()]
+
+
+def _record_parts(ep: Any, parts: list[_Gen | _Obs], stats: list[dict[str, Any]], tokenizer: Any,
+                  model: str | None, finish: Any) -> None:
+    """One turn per generation with the observation after it; each tool output (and each text
+    environment reply) answers the next executed call of ``tool_call_stats`` in order. Calls left
+    without an output (the context budget ran out) are spans of the last turn that called."""
+    turns: list[tuple[_Gen | None, _Obs | None]] = []
+    k = 0
+    while k < len(parts):
+        part = parts[k]
+        if isinstance(part, _Gen):
+            obs = parts[k + 1] if k + 1 < len(parts) and isinstance(parts[k + 1], _Obs) else None
+            turns.append((part, obs))  # type: ignore[arg-type]
+            k += 2 if obs is not None else 1
+        else:
+            turns.append((None, part))
+            k += 1
+    # which calls each turn's observation answers (text environment replies included)
+    owned: list[list[_Pair]] = []
+    s = 0
+    last_caller = None
+    for t, (_, obs) in enumerate(turns):
+        pairs: list[_Pair] = []
+        for item in obs.items if obs is not None else []:
+            role, _, is_tool = item
+            if (is_tool or role == "user") and s < len(stats):
+                pairs.append((stats[s], item))
+                s += 1
+                last_caller = t
+            else:
+                pairs.append((None, item))
+        owned.append(pairs)
+    leftover = stats[s:]
+    if leftover and owned:
+        owned[last_caller if last_caller is not None else len(owned) - 1].extend(
+            (stat, None) for stat in leftover)
+    n_call = 0
+    for t, ((gen, _), pairs) in enumerate(zip(turns, owned, strict=True)):
+        with ep.turn() as turn:
+            parsed: list[dict[str, Any]] = []
+            if gen is not None:
+                message = gen.message
+                errors: list[str] = []
+                if isinstance(message, str):
+                    message, errors = assistant_message(message, tokenizer, f"call_{t}_")
+                    parsed = list(message.get("tool_calls") or [])
+                turn.record_generation(message, model=model,
+                                       finish_reason=finish if t == len(turns) - 1 else None,
+                                       output_tokens=gen.tokens)
+                if errors:
+                    set_span_attribute(turn, c.RL_TOOL_PARSE_ERROR, errors)
+            for stat, answer in pairs:
+                if stat is None:
+                    if answer is not None:
+                        turn.feedback(answer[1], role=answer[0])
+                    continue
+                if answer is not None and not answer[2]:  # a text environment's reply
+                    turn.feedback(answer[1], role=answer[0])
+                    continue
+                name = str(stat.get("tool_name") or stat.get("name") or "tool")
+                call = _take_call(parsed, name)
+                call_id = str(call.get("id")) if call and call.get("id") else f"call_{t}_{n_call}"
+                n_call += 1
+                _tool(turn, stat, call_id, _arguments(call), None if answer is None else answer[1],
+                      answered=answer is not None)
+
+
+def _take_call(parsed: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The first tool call the model wrote that names ``name`` (removed), if any."""
+    for k, call in enumerate(parsed):
+        function = call.get("function")
+        if isinstance(function, Mapping) and function.get("name") == name:
+            return parsed.pop(k)
+    return None
+
+
+def _arguments(call: dict[str, Any] | None) -> Any:
+    if not call:
+        return None
+    arguments = (call.get("function") or {}).get("arguments")
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _tool(turn: Any, stat: dict[str, Any], call_id: str, arguments: Any, result: Any, *,
+          answered: bool = True) -> None:
     name = stat.get("tool_name") or stat.get("name") or "tool"
-    call = turn.tool_call(str(name), call_id=f"call_{k}")
-    set_span_attribute(call, c.RL_TOOL_RUNTIME, _float_or_none(stat.get("runtime")))
-    if stat.get("success") is False:
-        call.error(f"{name} failed")
-    else:
-        call.result("" if result is None else result)
+    with turn.tool_call(str(name), arguments=arguments, call_id=call_id) as call:
+        set_span_attribute(call, c.RL_TOOL_RUNTIME, _float_or_none(stat.get("runtime")))
+        if stat.get("success") is False:
+            call.error(result if isinstance(result, str) and result else f"{name} failed")
+        elif answered:
+            call.result("" if result is None else result)
+        # else: executed, but its output never reached the model (context budget): no result
 
 
 def _float_or_none(value: Any) -> float | None:

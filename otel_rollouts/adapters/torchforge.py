@@ -6,9 +6,15 @@
     record_episodes(episodes, step=episodes[0].policy_version, tokenizer=tokenizer)
 
 One episode per ``Episode``. Input is duck-typed, ``forge`` is never imported: its PyPI package
-(``torchforge`` 0.0.1) holds no code, and ``Episode`` lives in the app (``apps/grpo/main.py``),
-not in the package, so the structures are read as that source defines them (see
-shared/research/seed-frameworks.md §6) and the tests build dataclasses with exactly those fields:
+(``torchforge`` 0.0.1) holds no code, so the structures are read as the source defines them.
+``Episode`` lives in the package, ``forge.rl`` (``src/forge/rl/types.py``, read at
+meta-pytorch/torchforge ``cf02b132`` and ``7efbb882``); before the sample-logging change
+(PR #486) it lived in the app (``apps/grpo/main.py``, read at ``6e77f0b3``, 2025-11-15) without
+``request``/``response``/``reward_breakdown``: there the prompt is read from
+``completion.prompt`` (a ``Prompt`` of ``Message(chunks, role)``, the chat-templated request as
+one user message) or, failing that, decoded from ``completion.prompt_ids``, and the group id is
+the digest of that text (the same as ``request`` gives). The tests build dataclasses with exactly
+those fields:
 
 * ``Episode`` objects: ``episode_id``, ``policy_version``, ``request`` (the chat-templated
   prompt string), ``response``, ``target``, ``reward``, ``reward_breakdown``, ``advantage``,
@@ -33,8 +39,8 @@ breakdown columns                      reward's terms (the reward is their mean 
 ``policy_version`` /                   ``rl.policy.version`` (−1 / missing: none)
 ``completion.generator_version``
 ``trained_version`` (argument)         ``rl.staleness`` = ``trained_version − rl.policy.version``
-``request``                            the prompt, split into its messages by the tokenizer's
-                                       chat template (one user message without a tokenizer)
+``request`` (else ``completion.prompt``,   the prompt, split into its messages by the tokenizer's
+else ``completion.prompt_ids``)        chat template (one user message without a tokenizer)
 ``response`` / ``completion.text``     the assistant turn (template markup and EOS removed with a
                                        tokenizer; Hermes ``<tool_call>`` blocks as tool calls)
 ``completion.stop_reason``             ``rl.finish_reason``, ``rl.status``
@@ -62,7 +68,7 @@ What forge's own sample logging loses or gets wrong, handled here:
 * the finish reason and real token counts live in ``completion`` (excluded from the sample
   dict); ``request_len``/``response_len`` are the padded maxima, kept only as metadata;
 * no group id exists: the episodes of one prompt share ``request``, so the group is a digest of
-  the request (and target);
+  the request (and target); before PR #486 of ``completion.prompt`` (or its prompt ids);
 * a policy version that is missing or a negative placeholder is not recorded; rewards,
   components and advantages given as text or numpy/torch scalars become floats.
 """
@@ -75,6 +81,7 @@ from itertools import combinations
 from typing import Any
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.content import Deferred
 from otel_rollouts._core.guard import guarded_or
 from otel_rollouts._core.values import to_int
 from otel_rollouts.adapters._common import (
@@ -89,10 +96,12 @@ from otel_rollouts.adapters._common import (
     record_samples,
     set_policy,
     status_for,
+    to_list,
     warn_unknown,
 )
-from otel_rollouts.adapters._messages import record_assistant, token_count
+from otel_rollouts.adapters._messages import record_assistant, token_count, token_ids
 from otel_rollouts.adapters._text import assistant_message, messages_of
+from otel_rollouts.decode.batch import tokenizer_info
 
 __all__ = ["record_episodes"]
 
@@ -185,6 +194,32 @@ def _group_id(request: Any, target: Any) -> str | None:
     return f"prompt-{digest}"
 
 
+def _prompt_of(completion: Any) -> tuple[Any, list[dict[str, Any]] | None]:
+    """(the request text, or None; its messages when the ``Prompt`` holds several) from
+    ``completion.prompt``: ``Prompt(messages=[Message(chunks, role)])``, which the generator
+    builds from the chat-templated request (one user message) — the request a torchforge
+    without ``Episode.request`` (before PR #486) still carries."""
+    prompt = field(completion, "prompt")
+    if prompt is None:
+        return None, None
+    if isinstance(prompt, str):
+        return prompt, None
+    messages = []
+    for m in to_list(field(prompt, "messages")) or []:
+        chunks = field(m, "chunks")
+        text = chunks if isinstance(chunks, str) else "".join(str(x) for x in to_list(chunks) or [])
+        role = field(m, "role")
+        role = field(role, "value", default=role)  # forge's Role enum
+        messages.append({"role": str(role or "user").lower(), "content": text})
+    if not messages:
+        warn_unknown(FRAMEWORK, "completion.prompt", f"{type(prompt).__name__} without messages; "
+                     "the prompt is read from completion.prompt_ids")
+        return None, None
+    if len(messages) == 1 and messages[0]["role"] in ("user", "none"):
+        return messages[0]["content"], None
+    return "\x1e".join(f"{m['role']}:{m['content']}" for m in messages), messages
+
+
 def _breakdown(sample: Any, reward: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(reward terms, other numeric columns): ``reward_breakdown``, or the columns ``to_dict``
     flattened — the largest set of them whose mean (forge's ``RewardActor``) or sum the reward
@@ -230,6 +265,18 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
     episode_id = _episode_id(sample) or f"{split}:{step}:{i}"
     completion = field(sample, "completion")
     request = field(sample, "request", "prompt")
+    prompt_messages: list[dict[str, Any]] | None = None
+    prompt_ids: list[int] | None = None
+    if request is None:  # a torchforge before PR #486: Episode has no request
+        request, prompt_messages = _prompt_of(completion)
+    group_key: Any = request
+    if request is None:
+        prompt_ids = token_ids(field(completion, "prompt_ids"))
+        if prompt_ids:
+            group_key = "ids:" + ",".join(str(t) for t in prompt_ids)
+        elif not isinstance(sample, Mapping) or "prompt" not in sample:
+            warn_unknown(FRAMEWORK, "request", "neither request nor completion.prompt nor "
+                         "completion.prompt_ids: no prompt and no group id")
     response = field(sample, "response", default=field(completion, "text"))
     target = field(sample, "target")
     version = _version(sample)
@@ -266,10 +313,7 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
             # the answer is content, as the prompt is: an ``rl.metadata.*`` label would keep it
             # with capture off, so it is recorded only when content is captured
             ep.set_attribute(f"{c.RL_METADATA_PREFIX}target", str(target))
-        if tokenizer is not None and request is not None:
-            ep.prompt(messages_of(str(request), tokenizer))
-        else:
-            ep.prompt([{"role": "user", "content": "" if request is None else str(request)}])
+        ep.prompt(_prompt(request, prompt_messages, prompt_ids, tokenizer))
         with ep.turn() as turn:
             usage: dict[str, Any] = {"input_tokens": token_count(field(completion, "prompt_ids")),
                                      "output_tokens": token_count(field(completion, "token_ids"))}
@@ -283,7 +327,26 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
                                        finish_reason=stop_reason, **usage)
 
     return Sample(
-        content, episode_id=episode_id, group_id=_group_id(request, target), sample_index=i,
+        content, episode_id=episode_id, group_id=_group_id(group_key, target), sample_index=i,
         metadata=metadata, reward=reward, components=components or None, advantage=advantage,
         finish_reason=stop_reason, status=status_for(stop_reason), problems=problems,
     )
+
+
+def _prompt(request: Any, messages: list[dict[str, Any]] | None, ids: list[int] | None,
+            tokenizer: Any) -> Any:
+    """The prompt messages: the chat-templated request split by the tokenizer's template, the
+    ``Prompt``'s own messages, or the prompt ids decoded (only if the episode is kept)."""
+    if messages is not None:  # a Prompt of several messages: plain texts already
+        return messages
+    if request is not None:
+        if tokenizer is not None:
+            return messages_of(str(request), tokenizer)
+        return [{"role": "user", "content": str(request)}]
+    if ids and tokenizer is not None:
+        info = tokenizer_info(tokenizer)
+        return Deferred(lambda: messages_of(info.decoder.decode(ids, skip_special_tokens=False),
+                                            tokenizer, "user"))
+    if ids:
+        return [{"role": "user", "content": f"<{len(ids)} prompt tokens; pass tokenizer= to decode>"}]
+    return [{"role": "user", "content": ""}]
