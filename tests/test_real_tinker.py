@@ -1,4 +1,5 @@
-"""The Tinker adapter on data made by tinker-cookbook's own code (0.6.1).
+"""The Tinker adapter on data made by tinker-cookbook's own code (0.6.1 and 0.5.8: the version
+matrix runs this file with both).
 
 Groups come from ``tinker_cookbook.rl.rollouts.do_group_rollout`` with real environments: the
 arithmetic ``ProblemEnv`` of ``recipes/math_rl`` (``ProblemGroupBuilder``) and a tool-using
@@ -10,7 +11,10 @@ the qwen3 renderer works with it as it is.
 The only stand-in is the policy: there is no Tinker sampling server here, so ``FixedTokens`` is
 the smallest real ``TokenCompleter`` subclass: it returns the token ids of fixed texts (what a
 sampler would have returned) with their stop reason. Everything else — observations, parsing,
-tool execution, rewards, metrics, stop reasons — is the cookbook's.
+tool execution, rewards, metrics, stop reasons — is the cookbook's. Inkling models: the
+cookbook's ``TmlRenderersTokenizerAdapter`` around a tokenizer built here with Inkling's markup,
+and (when tml-renderers is installed; it ships its vocabulary) the real Inkling tokenizer and
+``TmlV0Renderer``.
 """
 
 from __future__ import annotations
@@ -327,3 +331,290 @@ def test_unknown_stop_reason_and_group_shape_are_warned(tok, renderer, memory, c
     root = episodes(memory)["train:0:0:0"]["root"]
     assert root[c.RL_FINISH_REASON] == "asked_to_stop_by_judge" and root[c.RL_STATUS] == "ok"
     assert otr.stats()["totals"]["adapters.unknown_structure"] >= 3
+
+
+# --- tool markers that the tokenizer marks special ---------------------------------------------
+@pytest.fixture(scope="module")
+def special_tags_tok():
+    """The test tokenizer with ``<tool_call>``/``<tool_response>`` as special tokens (as some
+    Qwen/Hermes vocabularies flag them)."""
+    require("tinker_cookbook.rl.rollouts")
+    from tokenizer_fixture import TOOL_TAGS
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *TOOL_TAGS]})
+    assert set(TOOL_TAGS) <= set(tok.all_special_tokens)
+    return tok
+
+
+@pytest.mark.parametrize("how", ["tokenizer", "renderer"])
+def test_tool_markers_that_are_special_tokens_still_give_tool_calls_and_results(special_tags_tok, otr_shutdown,
+                                                                                how):
+    """Regression: special tokens were removed before the tool markers were parsed: the
+    ``<tool_call>`` was lost (no ``execute_tool``) and the ``<tool_response>`` became a user
+    message; ``renderer=`` did not help."""
+    renderers = require("tinker_cookbook.renderers")
+    tok = special_tags_tok
+    renderer = renderers.get_renderer("qwen3", tok)
+    mem = configure_memory()
+    builder, group = tool_group(tok, renderer, [TOOL_CALL, "The answer is 391.<|im_end|>"])
+    assert group.trajectories_G[0].stop_reason == "completed"  # the cookbook parsed the call
+    kwargs = {"tokenizer": tok} if how == "tokenizer" else {"renderer": renderer}
+    record_trajectory_groups([wrapped(group, builder, 0)], step=0, **kwargs)
+    otr.flush()
+    (ep,) = episodes(mem).values()
+    assert tree(ep["spans"]) == [
+        (0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"), (2, "execute_tool calculator"),
+        (1, "turn"), (2, "chat"), (1, "reward")]
+    (call,) = ep["by_kind"]["tool"]
+    assert call.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
+    (msgs,) = messages_of(mem).values()
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+    assert msgs[3]["content"] == "391" and "I should use the tool." in msgs[2]["content"]
+    assert not any(m in all_text(msgs) for m in (*MARKUP, "tool_call>", "tool_response>"))
+
+
+# --- Inkling models: get_tokenizer returns TmlRenderersTokenizerAdapter ------------------------
+INKLING = "thinkingmachines/Inkling"
+INK_SPECIAL = ["endoftext", "begin_of_text", "message_system", "message_user", "message_model", "message_tool",
+               "content_text", "content_thinking", "content_invoke_tool_json", "content_model_end_sampling",
+               "end_message"]
+
+
+class InklingMarkupTokenizer:
+    """A tml-renderers style tokenizer built here (the interface ``TmlRenderersTokenizerAdapter``
+    wraps: ``encode_ordinary``, ``decode``, ``encode_special``, ``special_tokens``): the test's
+    byte-level BPE for text, Inkling's ``<|message_*|>``/``<|content_*|>`` special tokens."""
+
+    bos_token, eos_token = "begin_of_text", "endoftext"
+
+    def __init__(self):
+        self.bpe = build_tokenizer()
+        self.base = 100_000
+        self.ids = {name: self.base + i for i, name in enumerate(INK_SPECIAL)}
+
+    def special_tokens(self):
+        return list(INK_SPECIAL)
+
+    def encode_special(self, name):
+        return self.ids[name]
+
+    def encode_ordinary(self, text):
+        return self.bpe.encode(text, add_special_tokens=False)
+
+    def encode(self, text):
+        """Text with ``<|name|>`` markup: specials by id, the rest ordinary (the test's helper)."""
+        import re
+
+        out = []
+        for part in re.split(r"(<\|[a-z_]+\|>)", text):
+            name = part[2:-2] if part.startswith("<|") else None
+            out += [self.ids[name]] if name in self.ids else self.encode_ordinary(part) if part else []
+        return out
+
+    def decode(self, ids):
+        text, run = [], []
+        for i in list(ids) + [None]:
+            if i is None or i >= self.base:
+                text.append(self.bpe.decode(run)) if run else None
+                run = []
+                if i is not None:
+                    text.append(f"<|{INK_SPECIAL[i - self.base]}|>")
+            else:
+                run.append(i)
+        return "".join(text)
+
+
+def inkling_wrapper(tml_tokenizer):
+    """The cookbook's own ``TmlRenderersTokenizerAdapter`` (what ``get_tokenizer`` returns for
+    Inkling) around ``tml_tokenizer``: 0.6.1 takes the tokenizer; 0.5.8 builds tml-renderers'
+    o200k tokenizer itself, so its instance is given the test's one the way its __init__ sets it."""
+    import inspect
+
+    tokenizer_utils = require("tinker_cookbook.tokenizer_utils")
+    cls = tokenizer_utils.TmlRenderersTokenizerAdapter
+    if "tml_tokenizer" in inspect.signature(cls.__init__).parameters:
+        return cls(INKLING, tml_tokenizer)
+    wrapper = cls.__new__(cls)
+    wrapper.name_or_path, wrapper.tml_tokenizer = INKLING, tml_tokenizer
+    wrapper.bos_token, wrapper.eos_token = tml_tokenizer.bos_token, tml_tokenizer.eos_token
+    wrapper.eos_token_id = tml_tokenizer.encode_special(tml_tokenizer.eos_token)
+    return wrapper
+
+
+def inkling_markup_renderer(tok):
+    """A cookbook ``Renderer`` writing Inkling's TMLv0 layout (as ``TmlV0Renderer`` does through
+    tml-renderers, which needs its own Rust tokenizer): ``<|message_<author>|>[name]<|content_<kind>|>
+    ...<|end_message|>``, ``<|content_model_end_sampling|>`` closing the model's turn."""
+    base = require("tinker_cookbook.renderers.base")
+    tinker = require("tinker")
+    import re
+
+    tml = tok.tml_tokenizer
+    authors = {"system": "system", "user": "user", "assistant": "model", "tool": "tool"}
+
+    class InklingMarkup(base.Renderer):
+        def get_stop_sequences(self):
+            return [tml.encode_special("content_model_end_sampling")]
+
+        def render_message(self, message, ctx):
+            raise NotImplementedError("renders whole conversations")
+
+        def build_generation_prompt(self, messages, role="assistant", prefill=None):
+            text = ""
+            for k, m in enumerate(messages):
+                author = authors[m["role"]]
+                if m.get("content"):
+                    name = m.get("name", "") if m["role"] == "tool" else ""
+                    text += f"<|message_{author}|>{name}<|content_text|>{m['content']}<|end_message|>"
+                for call in m.get("tool_calls") or []:
+                    body = json.dumps({"name": call.function.name, "args": json.loads(call.function.arguments)})
+                    text += f"<|message_model|>{call.function.name}<|content_invoke_tool_json|>{body}<|end_message|>"
+                nxt = messages[k + 1]["role"] if k + 1 < len(messages) else None
+                if m["role"] == "assistant" and nxt != "assistant":
+                    text += "<|content_model_end_sampling|>"
+            return tinker.ModelInput.from_ints(tml.encode(text))
+
+        def parse_response(self, response):
+            text = tml.decode(response)
+            calls, content = [], []
+            pattern = r"<\|message_model\|>([^<]*)<\|content_(\w+)\|>(.*?)<\|end_message\|>"
+            for name, kind, body in re.findall(pattern, text, re.DOTALL):
+                if kind == "invoke_tool_json":
+                    args = json.loads(body)["args"]
+                    calls.append(base.ToolCall(function=base.ToolCall.FunctionBody(
+                        name=name, arguments=json.dumps(args)), id=f"functions.{name}:{len(calls)}"))
+                else:
+                    content.append(body)
+            message = {"role": "assistant", "content": "\n".join(content)}
+            if calls:
+                message["tool_calls"] = calls
+            return message, base.ParseTermination.STOP_SEQUENCE
+
+    return InklingMarkup(tok)
+
+
+INK_CALL = ('<|message_model|><|content_thinking|>I should use the tool.<|end_message|><|message_model|>calculator'
+            '<|content_invoke_tool_json|>{"name":"calculator","args":{"expression":"17 * 23"}}<|end_message|>'
+            '<|content_model_end_sampling|>')
+INK_ANSWER = '<|message_model|><|content_text|>The answer is 391.<|end_message|><|content_model_end_sampling|>'
+
+
+def real_inkling():
+    """The real Inkling tokenizer and renderer (tml-renderers ships its BPE: nothing downloaded)."""
+    pytest.importorskip("tml_renderers")
+    tokenizer_utils = require("tinker_cookbook.tokenizer_utils")
+    renderers = require("tinker_cookbook.renderers")
+    tok = tokenizer_utils.get_tokenizer(INKLING)
+    import re
+
+    tml = tok.tml_tokenizer
+
+    def encode(text):
+        out = []
+        for part in re.split(r"(<\|[a-z_0-9]+\|>)", text):
+            if part.startswith("<|"):
+                out.append(tml.encode_special(part[2:-2]))
+            elif part:
+                out += list(tml.encode_ordinary(part))
+        return out
+
+    return tok, renderers.get_renderer("tml_v0", tok), encode
+
+
+def inkling_tool_group(tok, renderer, encode, texts):
+    types = require("tinker_cookbook.rl.types")
+    tools = require("tinker_cookbook.tool_use.tools")
+    agent = require("tinker_cookbook.tool_use.agent_tool_message_env")
+    completers = require("tinker_cookbook.completers")
+
+    @tools.tool
+    async def calculator(expression: Annotated[str, "an arithmetic expression"]):
+        """Evaluate an arithmetic expression."""
+        a, b = expression.split("*")
+        return tools.simple_tool_result(str(int(a) * int(b)))
+
+    async def reward_fn(history):
+        correct = float("391" in str(history[-1]["content"]))
+        return correct, {"correct": correct}
+
+    class CalculatorGroup(types.EnvGroupBuilder):
+        async def make_envs(self):
+            return [agent.build_agent_tool_env(
+                renderer, [calculator],
+                [{"role": "system", "content": "Use the calculator tool."},
+                 {"role": "user", "content": "What is 17 * 23?"}], reward_fn, max_turns=3)]
+
+    class Fixed(completers.TokenCompleter):
+        def __init__(self):
+            self.texts = list(texts)
+
+        async def __call__(self, model_input, stop, *, max_tokens=None):
+            ids = encode(self.texts.pop(0))
+            return completers.TokensWithLogprobs(ids, [-0.25] * len(ids), "stop")
+
+    builder = CalculatorGroup()
+    return builder, rollout(builder, Fixed())
+
+
+def assert_inkling_episode(mem, system_messages):
+    (ep,) = episodes(mem).values()
+    assert tree(ep["spans"]) == [
+        (0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"), (2, "execute_tool calculator"),
+        (1, "turn"), (2, "chat"), (1, "reward")]
+    (call,) = ep["by_kind"]["tool"]
+    assert call.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
+    (msgs,) = messages_of(mem).values()
+    assert [(m["role"], m["content"]) for m in msgs[: len(system_messages) + 1]] == [
+        *(("system", s) for s in system_messages), ("user", "What is 17 * 23?")]
+    assert [m["role"] for m in msgs[len(system_messages) + 1:]] == ["assistant", "tool", "assistant"]
+    assert msgs[-3]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert msgs[-2]["content"] == "391" and msgs[-1]["content"] == "The answer is 391."
+    assert "<|" not in all_text(msgs)
+    assert ep["root"][c.RL_REWARD] == 1.0
+
+
+@pytest.mark.parametrize("how", ["tokenizer", "renderer"])
+def test_inkling_real_tokenizer_and_renderer(otr_shutdown, how):
+    """Regression (real Inkling tokenizer and TmlV0Renderer, offline): the prompt was raw
+    ``<|message_*|>`` markup and the tool result was dropped, with or without ``renderer=``."""
+    tok, renderer, encode = real_inkling()
+    mem = configure_memory()
+    builder, group = inkling_tool_group(tok, renderer, encode, [INK_CALL, INK_ANSWER])
+    assert group.trajectories_G[0].stop_reason == "completed"
+    kwargs = {"tokenizer": tok} if how == "tokenizer" else {"renderer": renderer}
+    record_trajectory_groups([wrapped(group, builder, 1)], step=1, **kwargs)
+    otr.flush()
+    assert_inkling_episode(mem, ["Use the calculator tool.", "Thinking effort level: 0.9"])
+
+
+def test_inkling_wrapper_with_the_renderer_splits_prompt_and_keeps_tool_results(otr_shutdown):
+    """The cookbook's ``TmlRenderersTokenizerAdapter`` around a tokenizer built here, with the
+    environment's renderer: the layout is learned from ``renderer.build_generation_prompt``."""
+    tok = inkling_wrapper(InklingMarkupTokenizer())
+    renderer = inkling_markup_renderer(tok)
+    mem = configure_memory()
+    builder, group = inkling_tool_group(tok, renderer, tok.tml_tokenizer.encode, [INK_CALL, INK_ANSWER])
+    assert group.trajectories_G[0].stop_reason == "completed"
+    record_trajectory_groups([wrapped(group, builder, 0)], step=0, tokenizer=tok, renderer=renderer)
+    otr.flush()
+    assert_inkling_episode(mem, ["Use the calculator tool."])
+
+
+def test_inkling_wrapper_without_a_renderer_warns_once_and_drops_nothing(otr_shutdown, caplog):
+    """Only the wrapper, and no renderer the cookbook can build for it: what is lost is warned
+    once, by name; the observation after the action is still recorded (as the tool's result)."""
+    tok = inkling_wrapper(InklingMarkupTokenizer())
+    renderer = inkling_markup_renderer(tok)
+    mem = configure_memory()
+    builder, group = inkling_tool_group(tok, renderer, tok.tml_tokenizer.encode, [INK_CALL, INK_ANSWER])
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        record_trajectory_groups([group], step=0, tokenizer=tok)
+        record_trajectory_groups([group], step=1, tokenizer=tok)
+    otr.flush()
+    warnings = [r.getMessage() for r in caplog.records if "adapters.tinker: tokenizer" in r.getMessage()]
+    assert len(warnings) == 1 and "Lost:" in warnings[0] and "renderer=" in warnings[0]
+    msgs = messages_of(mem)["train:0:0:0"]
+    assert msgs[0]["role"] == "user" and "What is 17 * 23?" in msgs[0]["content"]
+    assert "<|" not in all_text(msgs)
+    assert any("391" in str(m["content"]) for m in msgs[1:] if m["role"] != "assistant")

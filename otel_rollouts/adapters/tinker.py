@@ -16,8 +16,10 @@ or the per-trajectory records of the rollout-summary JSONL (``serialize_rollout_
 Field → attribute (cookbook 0.6.1, ``tinker_cookbook/rl/types.py``):
 
 =========================================== ==================================================
-``transitions[0].ob`` (rendered prompt)     ``prompt`` span: the rendered chat template split
-                                            back into its messages (``_text.messages_of``),
+``transitions[0].ob`` (rendered prompt)     ``prompt`` span: split back into its messages
+                                            with the tokenizer's chat template, else the
+                                            renderer's layout (``_tinker_text``: Inkling's
+                                            ``TmlRenderersTokenizerAdapter`` has no template),
                                             decoded only if the episode is kept
 ``transitions[k].ac.tokens``                turn k's ``chat`` span: the assistant message
                                             parsed by the framework's ``renderer`` when given
@@ -65,6 +67,10 @@ in 0.6.1)                                   ``reward_data`` kept raw as
                                             ``format_coef``: never ``rl.reward.*``)
 =========================================== ==================================================
 
+Tool markers are parsed before special tokens are removed (a tokenizer may mark ``<tool_call>``
+special). A tokenizer whose layout is unknown (no chat template, no renderer) is warned once,
+naming what is lost; the observations after actions are still recorded, never dropped.
+
 Decoding: the prompt is split only if the episode is kept; each action, and the text the next
 observation adds after it, are decoded when recorded (their tool calls shape the span tree).
 
@@ -79,6 +85,7 @@ miss carry ``rl.alignment=partial``); the cap of the tail sampler holds per (ste
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,11 +93,11 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core.content import Deferred, exception_text
 from otel_rollouts._core.guard import InvalidValue, guarded_or, report
 from otel_rollouts._core.values import to_int
-from otel_rollouts.adapters import _text
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
     Columns,
     as_float,
+    check_release,
     count,
     field,
     mark_invalid,
@@ -107,7 +114,8 @@ from otel_rollouts.adapters._messages import (
     token_count,
     token_ids,
 )
-from otel_rollouts.decode.batch import TokenizerInfo, tokenizer_info
+from otel_rollouts.adapters._tinker_text import Layout
+from otel_rollouts.decode.batch import ROLE_ENVIRONMENT, TokenizerInfo, tokenizer_info
 from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
 from otel_rollouts.record.episode import episode as new_episode
 
@@ -115,6 +123,7 @@ __all__ = ["REWARD_METRICS", "record_trajectory_groups"]
 
 FRAMEWORK = "tinker-cookbook"
 ADAPTER = "tinker"
+TESTED = ("0.5.8", "0.6.1")  # the releases tests/test_real_tinker.py runs on
 
 # Transition metrics that are reward terms in the cookbook's own environments: ProblemEnv.step
 # returns metrics {"format", "correct"} with reward = format_coef * (format - 1) + correct; the
@@ -175,6 +184,7 @@ def record_trajectory_groups(
 
     Returns the episode ids recorded. Never raises (unless otel_rollouts runs in strict mode).
     """
+    check_release(ADAPTER, FRAMEWORK, TESTED)
     if tokenizer is None and renderer is not None:
         tokenizer = getattr(renderer, "tokenizer", None)
     try:
@@ -212,30 +222,43 @@ def _substeps(value: Any) -> int:
 
 # --- text: the framework's renderer, else the tokenizer's own template markers ---------------
 class _Reader:
-    """Turns token ids into readable messages (markup and end-of-turn tokens removed)."""
+    """Turns token ids into readable messages (markup and end-of-turn tokens removed).
+
+    The layout of messages comes from the tokenizer's chat template, else from the renderer
+    (given, or the one the cookbook recommends for the tokenizer's model): see ``_tinker_text``.
+    """
 
     def __init__(self, tokenizer: Any, renderer: Any) -> None:
         self.tokenizer = tokenizer
         self.renderer: Any = renderer if callable(getattr(renderer, "parse_response", None)) else None
         self.info: TokenizerInfo | None = None
+        self.layout: Layout | None = None
         if tokenizer is not None:  # learn markers and special tokens on this thread, once
             self.info = tokenizer_info(tokenizer)
-            _text.unspecial("", tokenizer)
+            self.layout = _layout(tokenizer, self.renderer)
+            if self.renderer is None and self.layout.renderer is not None:
+                self.renderer = self.layout.renderer  # the cookbook's own parser for this model
+            if not self.layout.understood:
+                warn_unknown(ADAPTER, "tokenizer", f"{type(tokenizer).__name__}: {self.layout.problem}. "
+                             "Lost: the prompt's split into messages (recorded as one user message) and "
+                             "the roles of what environments add after an action (recorded as one "
+                             f"{ROLE_ENVIRONMENT!r} message, or as the result of the turn's tool call)")
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
     def prompt(self, ob: Any, ob_len: Any = None) -> Any:
         """The messages of the rendered first observation, split only if the episode is kept."""
         ids = _ob_ids(ob)
         if ids is None:
             return []  # no token ids (a summary record): nothing to show
-        info, tokenizer = self.info, self.tokenizer
-        if tokenizer is None or info is None:  # both set, or neither
+        info, layout = self.info, self.layout
+        if layout is None or info is None:  # both set, or neither
             return [{"role": "user", "content": f"<{len(ids)} prompt tokens; pass tokenizer= to decode>"}]
 
         def split() -> list[dict[str, Any]]:
-            return _text.messages_of(info.decoder.decode(ids, skip_special_tokens=False), tokenizer)
+            text = str(info.decoder.decode(ids, skip_special_tokens=False))
+            return layout.finish(layout.messages(text))
 
         return Deferred(split)
 
@@ -248,7 +271,9 @@ class _Reader:
             parsed = self._parsed(ids, k)
             if parsed is not None:
                 return parsed
-        return _text.assistant_message(self.decode(ids), self.tokenizer, call_id_prefix=f"call_{k}_")
+        if self.layout is None:
+            return {"role": "assistant", "content": ""}, []
+        return self.layout.assistant(self.decode(ids), call_id_prefix=f"call_{k}_")
 
     def _parsed(self, ids: list[int], k: int) -> tuple[dict[str, Any], list[str]] | None:
         try:
@@ -273,26 +298,64 @@ class _Reader:
         raw = [str(field(u, "raw_text")) for u in unparsed if field(u, "raw_text")]
         if raw:  # what the model wrote stays readable, as with the tokenizer's parser
             out["content"] = "\n".join([out["content"], *raw]).strip()
-        if self.tokenizer is not None and isinstance(out["content"], str):
-            out["content"] = _text.unspecial(out["content"], self.tokenizer)
+        if self.layout is not None and isinstance(out["content"], str):
+            out["content"] = self.layout.unspecial(out["content"])
         return out, errors
 
     def feedback(self, ob: Any, ac: Any, next_ob: Any, has_calls: bool) -> list[dict[str, Any]]:
         """The messages the environment added after action ``ac``: what ``next_ob`` holds beyond
         ``ob`` + the rendered action, after the last assistant message."""
-        if self.tokenizer is None:
+        layout = self.layout
+        if layout is None:
             return []
         nxt = _ob_ids(next_ob)
         if not nxt:
             return []
         prev = _ob_ids(ob) or []
+        if not layout.understood:
+            return self._raw_feedback(prev, token_ids(ac) or [], nxt, has_calls)
         if prev and nxt[: len(prev)] == prev:  # a message env re-renders the whole history
-            messages = _text.messages_of(self.decode(nxt[len(prev):]), self.tokenizer,
-                                         default_role="assistant")
+            messages = layout.messages(self.decode(nxt[len(prev):]), default_role="assistant")
         else:
-            messages = _text.messages_of(self.decode(nxt), self.tokenizer)
+            messages = layout.messages(self.decode(nxt))
         added = feedback_after(messages, len([m for m in messages if m["role"] == "assistant"]) - 1)
-        return _tool_messages(added, has_calls)
+        return layout.finish(_tool_messages(added, has_calls))
+
+    def _raw_feedback(self, prev: list[int], ac: list[int], nxt: list[int],
+                      has_calls: bool) -> list[dict[str, Any]]:
+        """Without a known layout: the tokens the observation adds after ``ob`` + action, as one
+        message (the tool result when the turn called a tool); special tokens removed."""
+        layout = self.layout
+        assert layout is not None
+        if nxt[: len(prev) + len(ac)] == prev + ac:
+            added = nxt[len(prev) + len(ac):]
+        elif nxt[: len(prev)] == prev:
+            added = nxt[len(prev):]
+        else:
+            added = nxt
+        text = layout.unspecial(self.decode(added)).strip()
+        if not text:
+            return []
+        blocks = tool_responses(text)
+        if has_calls and not blocks:
+            return [{"role": "tool", "content": text}]
+        return _tool_messages([{"role": ROLE_ENVIRONMENT, "content": text}], has_calls)
+
+
+def _layout(tokenizer: Any, renderer: Any) -> Layout:
+    """The layout of ``tokenizer`` (+ ``renderer``), learned once per pair."""
+    key = id(renderer)
+    try:
+        cache = _LAYOUTS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: learned for this call only
+        return Layout(tokenizer, renderer)
+    layout = cache.get(key)
+    if layout is None or (renderer is not None and layout.given is not renderer):
+        layout = cache[key] = Layout(tokenizer, renderer)
+    return layout
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[Any, dict[int, Layout]] = weakref.WeakKeyDictionary()
 
 
 def _ob_ids(ob: Any) -> list[int] | None:
