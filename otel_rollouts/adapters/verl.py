@@ -13,6 +13,10 @@ before ``_balance_batch`` reorders it, and record the batch once it has rewards 
     batch = compute_advantage(batch, ...)
     verl_adapter.record_batch(batch, step=self.global_steps, tokenizer=self.tokenizer)
 
+Without a source edit: ``otel_rollouts.adapters.verl_loop`` (one config entry; no advantages).
+With verl's reward-loop workers (the default without a colocated reward model) the batch at the
+first line has no ``index`` column: ``mark_rollouts`` numbers by ``extra_info["index"]``.
+
 ``batch`` is verl's ``DataProto`` (``batch`` a TensorDict, ``non_tensor_batch`` numpy columns,
 ``meta_info``); a dict with those three keys works as well; verl is never imported.
 
@@ -69,6 +73,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     COUNT_PARTIAL,
+    check_release,
     count,
     field,
     set_policy,
@@ -78,9 +83,10 @@ from otel_rollouts.adapters._common import (
 )
 from otel_rollouts.decode.batch import record_token_batch
 
-__all__ = ["ROLLOUT_N_COLUMN", "mark_rollouts", "record_batch"]
+__all__ = ["ROLLOUT_N_COLUMN", "mark_rollouts", "record_batch", "rollout_numbers"]
 
 FRAMEWORK = "verl"
+TESTED = ("0.9.0", "0.9.1")  # the releases tests/test_real_verl*.py run on
 ROLLOUT_N_COLUMN = "__otr_rollout_n__"  # non_tensor_batch column written by mark_rollouts
 _REWARD_TENSORS = ("token_level_scores", "token_level_rewards", "rm_scores")
 _VERSION_COLUMNS = ("max_global_steps", "global_steps", "param_version", "policy_version")
@@ -120,14 +126,21 @@ def mark_rollouts(batch: Any, *, agent_loop_workers: int | None = None) -> int:
     non_tensor = field(batch, "non_tensor_batch")
     if non_tensor is None:
         return 0
-    index = to_list(_column(non_tensor, "index"))
+    check_release(FRAMEWORK, "verl", TESTED)
+    index = _dataset_index(non_tensor)
     if index is None:
-        uid = to_list(_column(non_tensor, "uid"))
-        if uid is None:
-            return 0
-        index = list(range(len(uid)))  # verl: np.arange(len(batch)) when there is no index
+        return 0
     import numpy as np
 
+    size = len(index)
+    non_tensor[ROLLOUT_N_COLUMN] = np.asarray(rollout_numbers(index, agent_loop_workers), dtype=np.int64)
+    return size
+
+
+def rollout_numbers(index: Sequence[Any], agent_loop_workers: int | None = None) -> list[int]:
+    """verl's ``rollout_n`` of each sample of a generation batch, in generation order: the
+    batch is cut into ``agent_loop_workers`` chunks (``DataProto.chunk``) and each chunk numbered
+    by ``get_trajectory_info`` (consecutive samples with the same dataset index)."""
     size, parts = len(index), max(1, int(agent_loop_workers or 1))
     numbers: list[int] = []
     start = 0
@@ -135,8 +148,26 @@ def mark_rollouts(batch: Any, *, agent_loop_workers: int | None = None) -> int:
         end = start + size // parts + (1 if k < size % parts else 0)
         numbers += _trajectory_rollout_n(index[start:end])
         start = end
-    non_tensor[ROLLOUT_N_COLUMN] = np.asarray(numbers, dtype=np.int64)
-    return size
+    return numbers
+
+
+def _dataset_index(non_tensor: Any) -> list[Any] | None:
+    """The dataset index verl's agent loop numbered the rollouts by. ``index`` when the batch
+    has it; else (verl's reward-loop layout: with reward-loop workers the agent loop returns none
+    of its input columns, so the trained batch keeps only ``uid``, ``data_source``,
+    ``reward_model`` and ``extra_info``) ``extra_info["index"]``, from which ``RLHFDataset``
+    made the column (``extra_info.get("index", 0)``); else the position (``np.arange``)."""
+    index = to_list(_column(non_tensor, "index"))
+    if index is not None:
+        return index
+    extra_info = to_list(_column(non_tensor, "extra_info"))
+    if extra_info is not None:
+        if not all(isinstance(e, Mapping) and "index" in e for e in extra_info):
+            warn_unknown(FRAMEWORK, "extra_info.index", "missing: numbered as verl's RLHFDataset does "
+                         "(index 0), which a custom dataset class may not")
+        return [e.get("index", 0) if isinstance(e, Mapping) else 0 for e in extra_info]
+    uid = to_list(_column(non_tensor, "uid"))
+    return None if uid is None else list(range(len(uid)))  # verl: np.arange(len(batch))
 
 
 @guarded
@@ -164,6 +195,7 @@ def record_batch(
     * ``reward_extra_keys``: ``non_tensor_batch`` columns that are reward terms (default: verl's
       ``meta_info["reward_extra_keys"]``).
     """
+    check_release(FRAMEWORK, "verl", TESTED)
     tensors = field(batch, "batch")
     if tensors is None:
         tensors = batch

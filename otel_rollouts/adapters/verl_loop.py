@@ -1,0 +1,221 @@
+"""verl without a source edit: one config entry records every generated batch.
+
+verl's trainers load their agent-loop manager from a config entry
+(``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, read by ``RayPPOTrainer.init_workers``
+and ``main_ppo.TaskRunnerV1``). This module's ``AgentLoopManager`` is verl's own manager with one
+addition: after each ``generate_sequences`` it records the generated batch with
+``otel_rollouts.adapters.verl.record_batch``::
+
+    actor_rollout_ref.rollout.agent.agent_loop_manager_class=otel_rollouts.adapters.verl_loop.AgentLoopManager
+
+It sees, on the trainer's process, what the agent loop returns: tokens and ``response_mask``,
+``rm_scores`` and the reward terms the reward-loop workers streamed (verl's default layout, no
+reward model or one with its own resource pool), ``__num_turns__``, the weights versions, and
+from the input batch ``uid``, ``index``, ``data_source``, ``meta_info["global_steps"]`` (the step)
+and ``["validate"]`` (the split). It numbers each sample's ``rollout_n`` exactly as the agent
+loop's rollout traces do (the same chunks, before ``_balance_batch``).
+
+What it cannot see: advantages (``compute_advantage`` runs on the trainer's batch after the
+manager returns, on a copy the manager never holds), KL-penalised ``token_level_rewards``, and
+rewards of a colocated reward model (scored after generation; warned once). For those, use the
+two source lines of ``otel_rollouts.adapters.verl`` instead (not both: each records the episode).
+
+Validation batches padded to the number of agent-loop workers (``pad_dataproto_to_divisor``) are
+recorded without their padding copies; REMAX's greedy baselines (``__do_sample__`` false) are not
+samples and are not recorded. Steps close (``otr.end_step``) when a later step's batch arrives.
+otel_rollouts is configured from the environment in the trainer's process (a Ray actor) when
+nothing configured it there. verl is imported only when the class is first looked up.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from otel_rollouts._core.guard import guarded
+from otel_rollouts.adapters import verl as _verl
+from otel_rollouts.adapters._common import check_release, field, to_list, warn_unknown
+
+__all__ = ["AgentLoopManager", "observe"]  # noqa: F822 - AgentLoopManager: built on first lookup
+
+_FRAMEWORK = _verl.FRAMEWORK
+
+
+def __getattr__(name: str) -> Any:
+    """``AgentLoopManager`` is built on first lookup (verl imported then, not at import)."""
+    if name == "AgentLoopManager":
+        cls = _build()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _build() -> type:
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager as VerlAgentLoopManager
+
+    class AgentLoopManager(VerlAgentLoopManager):
+        """verl's ``AgentLoopManager`` that records each generated batch (results untouched)."""
+
+        def generate_sequences(self, prompts: Any) -> Any:
+            result = super().generate_sequences(prompts)
+            if inspect.isawaitable(result):  # called from a coroutine: verl's auto_await
+                return _record_when_done(self, prompts, result)
+            observe(self, prompts, result)
+            return result
+
+    AgentLoopManager.__module__ = __name__
+    AgentLoopManager.__qualname__ = "AgentLoopManager"
+    return AgentLoopManager
+
+
+async def _record_when_done(manager: Any, prompts: Any, pending: Any) -> Any:
+    output = await pending
+    observe(manager, prompts, output)
+    return output
+
+
+@guarded
+def observe(manager: Any, prompts: Any, output: Any) -> int:
+    """Record the batch ``output`` the agent loop generated for ``prompts``; returns how many
+    episodes. ``manager``: verl's agent-loop manager (its ``config`` and workers)."""
+    check_release(_FRAMEWORK, "verl", _verl.TESTED)
+    _ensure_configured()
+    inputs = field(prompts, "non_tensor_batch", default={}) or {}
+    meta = field(prompts, "meta_info", default={}) or {}
+    step = field(meta, "global_steps")
+    if step is None:
+        warn_unknown(_FRAMEWORK, "global_steps", "the generation batch has no meta_info['global_steps']: "
+                     "not recorded")
+        return 0
+    step = int(step)
+    validate = field(meta, "validate") is True
+    split = "eval" if validate else "train"
+    config = getattr(manager, "config", None)
+    workers = len(getattr(manager, "agent_loop_workers", None) or []) or _config(
+        config, "actor_rollout_ref", "rollout", "agent", "num_workers")
+    index = _verl._dataset_index(inputs)
+    tensors = field(output, "batch")
+    produced = field(output, "non_tensor_batch", default={}) or {}
+    if tensors is None or index is None:
+        return 0
+    size = int(tensors["responses"].shape[0])
+    if len(index) != size:
+        warn_unknown(_FRAMEWORK, "generate_sequences", f"{size} outputs for {len(index)} prompts: not recorded")
+        return 0
+    import numpy as np
+
+    columns: dict[str, Any] = {}
+    for name in list(inputs.keys()) + list(produced.keys()):  # outputs win (the non-reward-loop layout)
+        source = produced if name in produced else inputs
+        columns[name] = source[name]
+    columns[_verl.ROLLOUT_N_COLUMN] = np.asarray(_verl.rollout_numbers(index, workers), dtype=np.int64)
+    keep = _samples(columns, size, _repeats(config, validate))
+    out_meta = dict(field(output, "meta_info", default={}) or {})
+    batch_meta: dict[str, Any] = {"validate": validate}
+    if out_meta.get("reward_extra_keys") is not None:
+        batch_meta["reward_extra_keys"] = out_meta["reward_extra_keys"]
+    if "rm_scores" not in tensors.keys():
+        warn_unknown(_FRAMEWORK, "rm_scores", "the generated batch has no reward (a colocated reward model "
+                     "scores it later): episodes carry no rl.reward; the record_batch line records them")
+    names = [k for k in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "rm_scores")
+             if k in tensors.keys()]
+    if len(keep) == size:
+        batch_tensors = {k: tensors[k] for k in names}
+        non_tensor = columns
+    else:
+        import torch
+
+        rows = torch.as_tensor(keep, dtype=torch.long)
+        batch_tensors = {k: tensors[k][rows.to(tensors[k].device)] for k in names}
+        non_tensor = {k: np.asarray(v)[keep] for k, v in columns.items() if len(v) == size}
+    tokenizer = _tokenizer(manager)
+    _close_earlier_steps(manager, step, split)
+    return _verl.record_batch({"batch": batch_tensors, "non_tensor_batch": non_tensor, "meta_info": batch_meta},
+                              step=step, tokenizer=tokenizer, split=split) or 0
+
+
+def _config(config: Any, *path: str) -> Any:
+    node = config
+    for key in path:
+        if node is None:
+            return None
+        try:
+            node = node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+        except Exception:  # noqa: BLE001 - an OmegaConf struct without the key
+            return None
+    return node
+
+
+def _repeats(config: Any, validate: bool) -> int | None:
+    """Samples per prompt: ``rollout.n`` (``val_kwargs.n`` for validation)."""
+    path = ("actor_rollout_ref", "rollout", "val_kwargs", "n") if validate else ("actor_rollout_ref", "rollout", "n")
+    value = _config(config, *path)
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _samples(columns: Mapping[str, Any], size: int, repeats: int | None) -> list[int]:
+    """Rows that are samples: not REMAX's greedy baselines (``__do_sample__`` false) and not the
+    copies ``pad_dataproto_to_divisor`` appends (a uid past its ``repeats`` samples)."""
+    do_sample = to_list(columns.get("__do_sample__"))
+    uid = to_list(columns.get("uid"))
+    seen: dict[Any, int] = {}
+    keep = []
+    for i in range(size):
+        if do_sample is not None and i < len(do_sample) and not bool(do_sample[i]):
+            continue
+        if uid is not None and repeats and i < len(uid):
+            seen[uid[i]] = seen.get(uid[i], 0) + 1
+            if seen[uid[i]] > repeats:
+                continue
+        keep.append(i)
+    return keep
+
+
+def _tokenizer(manager: Any) -> Any:
+    """The policy's tokenizer, loaded once as verl's workers load it (``tokenizer_path``, else the
+    model ``path``; ``custom_chat_template``)."""
+    tok = getattr(manager, "_otr_tokenizer", None)
+    if tok is not None:
+        return tok
+    model = _config(getattr(manager, "config", None), "actor_rollout_ref", "model")
+    path = _config(model, "tokenizer_path") or _config(model, "path")
+    from verl.utils import hf_tokenizer
+    from verl.utils.fs import copy_to_local
+
+    tok = hf_tokenizer(copy_to_local(path), trust_remote_code=bool(_config(model, "trust_remote_code")))
+    template = _config(model, "custom_chat_template")
+    if template is not None:
+        tok.chat_template = template
+    manager._otr_tokenizer = tok
+    return tok
+
+
+def _close_earlier_steps(manager: Any, step: int, split: str) -> None:
+    """``otr.end_step`` for the (step, split) pairs recorded before this one (validation runs
+    over several batches of one step; a step is closed when another one starts)."""
+    from otel_rollouts import end_step
+
+    current = (step, split)
+    open_steps = getattr(manager, "_otr_open_steps", None)
+    if open_steps is None:
+        open_steps = manager._otr_open_steps = []
+    for pair in [p for p in open_steps if p != current]:
+        end_step(pair[0], split=pair[1])
+        open_steps.remove(pair)
+    if current not in open_steps:
+        open_steps.append(current)
+
+
+def _ensure_configured() -> None:
+    """The trainer runs in a Ray actor: configure otel_rollouts there from the environment
+    (``OTEL_*`` / ``OTEL_ROLLOUTS_*``) when nothing did."""
+    from otel_rollouts._core import runtime
+
+    if runtime.installed() is None:
+        from otel_rollouts import configure
+
+        configure()
