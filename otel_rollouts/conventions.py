@@ -65,7 +65,35 @@ def stage_seconds(stage: str) -> str:
     return f"{RL_STAGE_PREFIX}{stage}{RL_STAGE_SUFFIX}"
 
 # Episodes that belong together beyond a GRPO group (tinker's preference pairs and multiplayer
-# games; adapters helpers add their names in the block below)
+# games): the tail sampler keeps a step's episodes that share rl.companions.id together
+RL_COMPANIONS_ID = "rl.companions.id"  # root: episodes of a step sharing it are kept together
+RL_COMPANIONS_KIND = "rl.companions.kind"  # root: COMPANIONS_GAME | COMPANIONS_PREFERENCE
+COMPANIONS_GAME = "game"
+COMPANIONS_PREFERENCE = "preference"
+RL_GAME_ID = "rl.game.id"  # root: the game this player's episode is part of
+RL_GAME_ROLE = "rl.game.role"  # root: the player's role (e.g. "player_0")
+RL_GAME_PLAYER = "rl.game.player"  # root: the player's index in the game
+RL_GAME_PLAYERS = "rl.game.players"  # root: how many players the game has
+RL_GAME_OPPONENT = "rl.game.opponent"  # root: an opponent that is no traced policy ("fixed")
+RL_GAME_TRACE_IDS = "rl.game.trace_ids"  # root: the other players' trace ids, in player order
+RL_PREFERENCE_OPPONENT_TRACE_IDS = "rl.preference.opponent.trace_ids"  # reward span
+RL_PREFERENCE_OPPONENT_EPISODE_IDS = "rl.preference.opponent.episode_ids"  # reward span
+RL_PREFERENCE_VERDICTS = "rl.preference.verdicts"  # reward span: this episode's side, [-1, 1]
+RL_PREFERENCE_COMPARISONS = "rl.preference.comparisons"  # reward span: one entry per matchup
+RL_PREFERENCE_PATTERN = "rl.preference.pattern"  # reward span: the tournament pattern
+RL_LINK_KIND = "rl.link.kind"  # a span link's attribute: LINK_OPPONENT | LINK_PLAYER
+LINK_OPPONENT = "preference.opponent"
+LINK_PLAYER = "game.player"
+RL_DISTILL_TEACHER = "rl.distill.teacher"  # reward span and root: the teacher's name
+RL_DISTILL_REVERSE_KL = "rl.distill.reverse_kl"  # mean(student − teacher logprob), answer tokens
+RL_DISTILL_TEACHER_LOGPROB = "rl.distill.teacher.logprob.mean"
+RL_DISTILL_STUDENT_LOGPROB = "rl.distill.student.logprob.mean"
+RL_DISTILL_KL_COEF = "rl.distill.kl_penalty_coef"
+RL_DISTILL_TEACHER_LOGPROBS = "rl.distill.teacher.logprobs"  # chat span: per answer token
+RL_DISTILL_STUDENT_LOGPROBS = "rl.distill.student.logprobs"  # chat span: per answer token
+COMPANION_LABEL_KEYS = (RL_COMPANIONS_ID, RL_COMPANIONS_KIND, RL_GAME_ID, RL_GAME_ROLE,
+                        RL_GAME_OPPONENT, RL_GAME_TRACE_IDS, RL_PREFERENCE_OPPONENT_TRACE_IDS,
+                        RL_PREFERENCE_OPPONENT_EPISODE_IDS, RL_PREFERENCE_PATTERN, RL_DISTILL_TEACHER)
 
 # rl.status values
 STATUS_OK = "ok"
@@ -269,7 +297,7 @@ LABEL_KEYS = frozenset({
     GEN_AI_OPERATION_NAME, GEN_AI_REQUEST_MODEL, GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_TOOL_NAME,
     GEN_AI_TOOL_CALL_ID, GEN_AI_CONVERSATION_ID, GEN_AI_AGENT_NAME, GEN_AI_PROVIDER_NAME, ERROR_TYPE,
     OPENINFERENCE_SPAN_KIND, INPUT_MIME_TYPE, OUTPUT_MIME_TYPE, OI_LLM_MODEL_NAME, OI_LLM_PROVIDER,
-    OI_TOOL_NAME, OI_SESSION_ID, OI_METADATA, OI_TAG_TAGS,
+    OI_TOOL_NAME, OI_SESSION_ID, OI_METADATA, OI_TAG_TAGS, *COMPANION_LABEL_KEYS,
 })
 LABEL_PREFIXES = (RL_METADATA_PREFIX,)
 # exception event attributes kept with content capture off (the message and stack trace are not)

@@ -146,7 +146,7 @@ ALLOWED_MODULE_STATE: dict[str, set[str]] = {
     "otel_rollouts._core.runtime": {"_slot", "_DISABLED"},  # the process slot; the no-op instance
     "otel_rollouts._core.exit": {"_hooks"},  # signal dispositions are per process
     "otel_rollouts.decode.batch": {"TOKENIZERS"},  # what was learned of each tokenizer (a cache)
-    "otel_rollouts.adapters.tinker": {"_LAYOUTS"},  # each tokenizer's message layout (a weak cache)
+    "otel_rollouts.adapters._tinker_groups": {"_LAYOUTS"},  # each tokenizer's message layout (a weak cache)
 }
 
 _MUTABLE_CALLS = {

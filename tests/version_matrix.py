@@ -41,7 +41,7 @@ class Entry:
 
 MATRIX: tuple[Entry, ...] = (
     Entry("verl", "0.9.0", ("tests/test_real_verl.py", "tests/test_real_verl_reward_loop.py")),
-    Entry("tinker-cookbook", "0.5.8", ("tests/test_real_tinker.py",)),
+    Entry("tinker-cookbook", "0.5.8", ("tests/test_real_tinker.py", "tests/test_real_tinker_kinds.py")),
     Entry("trl", "1.15.0", ("tests/test_real_trl.py",)),
 )
 

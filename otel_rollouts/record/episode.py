@@ -670,6 +670,13 @@ class Episode:
         decorators, which annotate it."""
         return None if self._record is None else self._record.root
 
+    @property
+    def reward_span(self) -> SpanRecord | None:
+        """The episode's reward span once ``reward()`` recorded one (None before, or when not
+        recording): for adapters that add what the reward was judged against (opponents,
+        verdicts, a teacher's score) and links to the episodes it was compared with."""
+        return None if self._record is None else self._record.reward_span
+
     def prompt(self, messages: Any, *, system_instructions: Any = None) -> None:
         """Record the initial messages (a list of OpenAI-style messages or plain text).
 

@@ -466,6 +466,9 @@ class Pipeline(SpanProcessor):
         self._apply(key, step, step.bucket.decide(limit))
 
     def _apply(self, key: tuple[int, str], step: _Step, chosen: list[EpisodeRecord]) -> None:
+        companions = getattr(step.bucket, "with_companions", None)
+        if companions is not None:  # the local companions of what was chosen, here or globally
+            chosen = companions(chosen)
         chosen_ids = {id(r) for r in chosen}
         for record in step.bucket.held():
             if id(record) not in chosen_ids:
