@@ -38,10 +38,54 @@ def tiny_model(tokenizer):
     return model
 
 
+class _TorchLogProb:
+    """The per-token log-probabilities (and entropy) TRL's fused LM head asks its
+    ``ChunkedLogProbFunction`` for, in plain torch: the CPU stand-in for TRL 1.15.0's kernel,
+    which is Triton-only (without Triton, ``trl.trainer.utils._ChunkedLogProbFunction`` is None
+    and every training step raises inside TRL). TRL 1.16.0 computes the same on CPU itself
+    (``_torch_transform``: scale, tanh soft-cap, temperature); with it this is never used."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None, logit_scale=1.0,
+              outputs=("log_probs",)):
+        import torch
+
+        z = hidden.float() @ weight.float().t()
+        if bias is not None:
+            z = z + bias.float()
+        z = z * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        logp = torch.log_softmax(z / temperature, dim=-1)
+        per_token = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+        return per_token, entropy, None, None, None
+
+
+def cpu_kernel_stand_in():
+    """Install ``_TorchLogProb`` where TRL has no kernel (1.15.0 without Triton); a no-op on
+    TRL 1.16.0. Returns what to restore."""
+    import trl.trainer.utils as trl_utils
+
+    missing = getattr(trl_utils, "_ChunkedLogProbFunction", _TorchLogProb) is None
+    if missing:
+        trl_utils._ChunkedLogProbFunction = _TorchLogProb
+    return trl_utils, missing
+
+
 def train(tokenizer, reward_funcs, args, dataset, **kwargs):
     """A real tiny GRPOTrainer with the callback, trained; (trainer, callback)."""
     from trl import GRPOTrainer
 
+    trl_utils, stand_in = cpu_kernel_stand_in()
+    try:
+        return _train(GRPOTrainer, tokenizer, reward_funcs, args, dataset, **kwargs)
+    finally:
+        if stand_in:
+            trl_utils._ChunkedLogProbFunction = None
+
+
+def _train(GRPOTrainer, tokenizer, reward_funcs, args, dataset, **kwargs):
     trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=reward_funcs, args=args,
                           train_dataset=dataset, processing_class=tokenizer, **kwargs)
     callback = RolloutTraceCallback(trainer)
@@ -364,3 +408,17 @@ def test_unknown_structures_warn_once(caplog, memory):
     warnings = [r.getMessage() for r in caplog.records if "otel_rollouts.adapters.trl" in r.getMessage()]
     assert sum("completion:" in w for w in warnings) == 1 and sum("_generate:" in w for w in warnings) == 1
     assert otr.stats()["totals"][_common.COUNT_UNKNOWN] >= 4
+
+
+def test_a_newer_trl_is_warned_once(memory, caplog, monkeypatch):
+    """The callback checks the installed TRL against the releases these tests run on
+    (``TESTED``): a newer one is warned once (and counted), never refused."""
+    import otel_rollouts.adapters.trl as trl_adapter
+
+    monkeypatch.setattr(trl_adapter, "TESTED", ("1.0.0",))
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        RolloutTraceCallback()
+        RolloutTraceCallback()
+    warned = [r.getMessage() for r in caplog.records if "newer than the releases" in r.getMessage()]
+    assert len(warned) == 1 and "trl" in warned[0] and "1.0.0" in warned[0]
+    assert otr.stats()["totals"]["adapters.newer_release"] == 2

@@ -1,11 +1,27 @@
 """AReaL (areal-project/AReaL) trajectories as episode traces.
 
-Call it where AReaL's trainer has the rollout batch — after ``actor.prepare_batch(...)`` for
-training, after ``eval_rollout.wait(...)`` for evaluation::
+The plug-in: AReaL takes its rollout logic as a ``RolloutWorkflow`` (an instance, a class or an
+import path, with ``workflow_kwargs``) wherever it rolls out — ``PPOTrainer.train(workflow=...,
+eval_workflow=...)``, ``prepare_batch``, ``submit`` — and its ``WorkflowExecutor`` awaits
+``workflow.arun_episode(engine, data)`` for every trajectory. Wrapping the workflow is the one
+line; nothing in AReaL is edited::
 
     from otel_rollouts.adapters import areal
+    trainer.train(workflow=areal.traced(workflow), eval_workflow=areal.traced(eval_workflow))
+
+or, by path (single-controller mode sends workflows to rollout workers as path + kwargs)::
+
+    workflow="otel_rollouts.adapters.areal.TracedWorkflow",
+    workflow_kwargs={"workflow": "areal.workflow.rlvr.RLVRWorkflow", "workflow_kwargs": {...}}
+
+Each finished trajectory is recorded as it returns (see ``_Recorder`` for step, staleness and
+step closing; the split and the group come from AReaL's ``workflow_context``: ``is_eval`` and the
+executor's task id, shared by the ``group_size`` samples ``GroupedRolloutWorkflow`` runs).
+
+The explicit call, for a loop that has the batch at hand (its ``global_step`` is exact also in
+asynchronous runs, where the wrapper records no staleness) — after ``actor.prepare_batch(...)``::
+
     areal.record_trajectories(rollout_batch, step=global_step, tokenizer=tokenizer)
-    areal.record_trajectories(eval_batch, step=global_step, tokenizer=tokenizer, split="eval")
 
 ``trajectories`` is AReaL's list with one dict per accepted group (``GroupedRolloutWorkflow``
 concatenates the group's samples with ``concat_padded_tensors``: tensors ``[group_size, seqlen]``,
@@ -61,15 +77,22 @@ measured from the newest; ``trained_version − rl.policy.version.min`` is the o
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.guard import guarded
+from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import exception_text
+from otel_rollouts._core.guard import guarded, report
 from otel_rollouts.adapters._common import (
     COUNT_FILTERED,
     COUNT_PARTIAL,
+    check_release,
     count,
+    end_step,
     field,
     generated_versions,
     mark_invalid,
@@ -86,9 +109,10 @@ from otel_rollouts.adapters._text import assistant_message
 from otel_rollouts.decode.batch import record_token_batch
 from otel_rollouts.record.episode import episode as new_episode
 
-__all__ = ["record_trajectories"]
+__all__ = ["record_trajectories", "traced"]
 
 FRAMEWORK = "areal"
+TESTED = ("1.0.4",)  # the only AReaL release on the package registry
 _TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "versions")
 _PER_SAMPLE = ("attention_mask", "loss_mask", "versions", "rewards", "logprobs")
 _MESSAGE_KEYS = ("messages", "conversation")
@@ -122,6 +146,7 @@ def record_trajectories(
     * ``trained_version``: updates the weights that train on these samples have received
       (``actor.get_version()``); defaults to ``step`` for training, none for evaluation.
     """
+    check_release(FRAMEWORK, "areal", TESTED)
     split = split_name(split)
     if trained_version is None and split == "train":
         trained_version = step
@@ -142,24 +167,27 @@ def record_trajectories(
 
 
 @guarded
-def _filtered(index: int, *, step: int, split: str) -> None:
-    """A rejected trajectory (``None`` from ``wait()``): nothing but its place is known."""
-    with new_episode(step=step, split=split, group_id=str(index),
-                     episode_id=f"{split}-{step}-{index}-rejected", framework=FRAMEWORK,
-                     metadata={"trajectory_index": index}) as ep:
+def _filtered(index: int, *, step: int, split: str, label: tuple[str, str, dict[str, Any]] | None = None,
+              reason: str = "rejected") -> None:
+    """A rejected trajectory (``None`` from ``wait()`` or from a workflow): nothing but its place
+    is known."""
+    group, prefix, extra = label or (str(index), f"{split}-{step}-{index}", {"trajectory_index": index})
+    with new_episode(step=step, split=split, group_id=group, episode_id=f"{prefix}-rejected",
+                     framework=FRAMEWORK, metadata=extra) as ep:
         ep.prompt("")
-        ep.finish(reason="rejected", status=c.STATUS_FILTERED)
+        ep.finish(reason=reason, status=c.STATUS_FILTERED)
     count(COUNT_FILTERED, step=step, split=split)
 
 
 @guarded
-def _unknown(trajectory: Any, index: int, *, step: int, split: str) -> int:
+def _unknown(trajectory: Any, index: int, *, step: int, split: str,
+             label: tuple[str, str, dict[str, Any]]) -> int:
     """A trajectory with neither token ids, messages nor interactions: an error episode."""
+    group, prefix, extra = label
     detail = f"{type(trajectory).__name__} without input_ids, messages or interactions"
     warn_unknown(FRAMEWORK, "trajectory", detail)
-    with new_episode(step=step, split=split, group_id=str(index),
-                     episode_id=f"{split}-{step}-{index}-unknown", framework=FRAMEWORK,
-                     metadata={"trajectory_index": index}) as ep:
+    with new_episode(step=step, split=split, group_id=group, episode_id=f"{prefix}-unknown",
+                     framework=FRAMEWORK, metadata=extra) as ep:
         ep.prompt("")
         ep.finish(reason=f"unknown trajectory: {detail}", status=c.STATUS_ERROR)
     return 1
@@ -208,7 +236,11 @@ def _keys(trajectory: Any) -> list[str]:
 
 @guarded
 def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split: str,
-                  tokenizer: Any, model: str | None, trained_version: int | None) -> int | None:
+                  tokenizer: Any, model: str | None, trained_version: int | None,
+                  label: tuple[str, str, dict[str, Any]] | None = None) -> int | None:
+    """One group's rows as episodes. ``label``: (group id, episode-id prefix, metadata) when the
+    group is not the ``index``-th of a batch (the workflow wrapper: AReaL's task id)."""
+    group, prefix, extra = label or (str(index), f"{split}-{step}-{index}", {"trajectory_index": index})
     for key in _keys(trajectory):
         if key not in _KNOWN:
             warn_unknown(FRAMEWORK, f"trajectory[{key!r}]", "a key AReaL's stock workflows do not write; not recorded")
@@ -218,8 +250,9 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
     if input_ids is None and messages is None:
         if isinstance(interactions, list):
             return _record_interactions(interactions, index, offset, step=step, split=split,
-                                        tokenizer=tokenizer, model=model, trained_version=trained_version)
-        return _unknown(trajectory, index, step=step, split=split)
+                                        tokenizer=tokenizer, model=model, trained_version=trained_version,
+                                        label=(group, prefix, extra))
+        return _unknown(trajectory, index, step=step, split=split, label=(group, prefix, extra))
     values = {name: _local(field(trajectory, name)) for name in _PER_SAMPLE}
     input_ids = _host(input_ids)
     for name in ("attention_mask", "loss_mask", "versions"):
@@ -238,11 +271,11 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
     metadata: list[dict[str, Any]] = []
     missing: list[list[str]] = []
     for j in range(size):
-        metadata.append({"trajectory_index": index, "sample_index_in_group": j})
+        metadata.append({**extra, "sample_index_in_group": j})
         missing.append([f"{name}[{rows}!={size}]" for name, rows in ragged.items() if j >= rows])
-    episode_ids = [f"{split}-{step}-{index}-{j}" for j in range(size)]
+    episode_ids = [f"{prefix}-{j}" for j in range(size)]
     if messages is not None and _has_structured(messages, size):
-        _record_messages(messages, values, index, offset, episode_ids, metadata, missing,
+        _record_messages(messages, values, group, offset, episode_ids, metadata, missing,
                          step=step, split=split, model=model, trained_version=trained_version)
         return size
     if input_ids is None:
@@ -269,7 +302,7 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         attention_mask=values["attention_mask"],
         rewards=values["rewards"],
         versions=values["versions"],
-        group_ids=[str(index)] * size,
+        group_ids=[group] * size,
         episode_ids=episode_ids,
         sample_indices=list(range(offset, offset + size)),
         metadata=metadata,
@@ -337,7 +370,7 @@ def _has_structured(messages: Any, size: int) -> bool:
             and all(isinstance(m, list) for m in messages))
 
 
-def _record_messages(messages: list[Any], values: dict[str, Any], index: int, offset: int,
+def _record_messages(messages: list[Any], values: dict[str, Any], group: str, offset: int,
                      episode_ids: list[str], metadata: list[dict[str, Any]], missing: list[list[str]],
                      *, step: int, split: str, model: str | None, trained_version: int | None) -> None:
     """A workflow that stored chat messages per sample: replay them, no decoding needed."""
@@ -347,7 +380,7 @@ def _record_messages(messages: list[Any], values: dict[str, Any], index: int, of
                              len(messages))
     for j, conversation in enumerate(messages):
         lo, hi = ranges[j]
-        with new_episode(step=step, split=split, group_id=str(index), sample_index=offset + j,
+        with new_episode(step=step, split=split, group_id=group, sample_index=offset + j,
                          episode_id=episode_ids[j], framework=FRAMEWORK, metadata=metadata[j]) as ep:
             set_policy(ep, hi, trained_version)
             if lo is not None and lo != hi:
@@ -364,9 +397,11 @@ def _record_messages(messages: list[Any], values: dict[str, Any], index: int, of
 
 
 def _record_interactions(interactions: list[Any], index: int, offset: int, *, step: int, split: str,
-                         tokenizer: Any, model: str | None, trained_version: int | None) -> int:
+                         tokenizer: Any, model: str | None, trained_version: int | None,
+                         label: tuple[str, str, dict[str, Any]]) -> int:
     """AReaL's string-only trajectory (external API mode): ``{"interactions": [{"request":
     messages, "response": text, "reward": float}]}``, one episode per interaction."""
+    group, prefix, extra = label
     recorded = 0
     for j, item in enumerate(interactions):
         if not isinstance(item, Mapping):
@@ -379,9 +414,9 @@ def _record_interactions(interactions: list[Any], index: int, offset: int, *, st
             warn_unknown(FRAMEWORK, "interactions[].request", f"{type(request).__name__}; recorded as text")
             request = [{"role": "user", "content": "" if request is None else str(request)}]
         message, errors = assistant_message(item.get("response"), tokenizer)
-        with new_episode(step=step, split=split, group_id=str(index), sample_index=offset + recorded,
-                         episode_id=f"{split}-{step}-{index}-{j}", framework=FRAMEWORK,
-                         metadata={"trajectory_index": index, "sample_index_in_group": j}) as ep:
+        with new_episode(step=step, split=split, group_id=group, sample_index=offset + recorded,
+                         episode_id=f"{prefix}-{j}", framework=FRAMEWORK,
+                         metadata={**extra, "sample_index_in_group": j}) as ep:
             # the request is the whole input of this one call (earlier turns included): the prompt
             ep.prompt([m if isinstance(m, Mapping) else {"role": "user", "content": str(m)} for m in request])
             with ep.turn() as turn:
@@ -395,3 +430,236 @@ def _record_interactions(interactions: list[Any], index: int, offset: int, *, st
                 ep.reward(total)
         recorded += 1
     return recorded
+
+
+# --- the plug-in: a workflow wrapper -------------------------------------------------------------
+def traced(workflow: Any, workflow_kwargs: Mapping[str, Any] | None = None, *, tokenizer: Any = None,
+           model: str | None = None, end_steps: bool = True) -> Any:
+    """``workflow`` wrapped so that every trajectory it finishes is recorded, with no edit to
+    AReaL: pass the result wherever AReaL takes a workflow (``trainer.train(workflow=...,
+    eval_workflow=...)``, ``prepare_batch``, ``rollout_batch``, ``submit``)::
+
+        trainer.train(workflow=areal.traced(RLVRWorkflow(reward_fn, gconfig, tokenizer)), ...)
+
+    ``workflow`` is what AReaL accepts as a ``RolloutWorkflow``: an instance, a class or an import
+    path (``workflow_kwargs`` then builds it, as AReaL's ``_resolve_workflow`` does). The result
+    is a ``RolloutWorkflow`` (AReaL is imported here, at the call, never at module import); the
+    same class is importable as ``otel_rollouts.adapters.areal.TracedWorkflow`` for AReaL's
+    by-path configuration (single-controller mode sends workflows by path and kwargs)::
+
+        workflow="otel_rollouts.adapters.areal.TracedWorkflow",
+        workflow_kwargs={"workflow": "areal.workflow.rlvr.RLVRWorkflow", "workflow_kwargs": {...}}
+
+    * ``tokenizer``: decodes token ids (default: the wrapped workflow's ``tokenizer``);
+    * ``model``: model name for the ``chat`` spans;
+    * ``end_steps``: close a step for the tail sampler when the engine's version moves past it.
+
+    Without AReaL importable, the workflow is returned unwrapped (warned once).
+    """
+    check_release(FRAMEWORK, "areal", TESTED)
+    cls = _traced_class()
+    if cls is None:
+        return workflow
+    return cls(workflow, workflow_kwargs, tokenizer=tokenizer, model=model, end_steps=end_steps)
+
+
+def __getattr__(name: str) -> Any:
+    """``TracedWorkflow`` is built on first use (PEP 562): it subclasses AReaL's
+    ``RolloutWorkflow``, which is imported only then."""
+    if name == "TracedWorkflow":
+        cls = _traced_class()
+        if cls is not None:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _traced_class() -> Any:
+    """The wrapper class, built once per process (with AReaL's ``RolloutWorkflow`` as its base).
+    Its ``recorder`` holds what the process's wrappers share (see ``_Recorder``)."""
+    try:
+        from areal.api import RolloutWorkflow  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    except Exception as exc:  # noqa: BLE001 - no AReaL: nothing to wrap
+        warn_unknown(FRAMEWORK, "areal.api.RolloutWorkflow", f"not importable ({exception_text(exc)}); "
+                     "the workflow is used unwrapped, nothing is recorded")
+        return None
+
+    class TracedWorkflow(RolloutWorkflow):  # type: ignore[misc, valid-type]
+        """An AReaL ``RolloutWorkflow`` that runs ``workflow`` and records what it returns
+        (see ``otel_rollouts.adapters.areal.traced``). The trajectory is returned untouched;
+        nothing the recording does reaches AReaL."""
+
+        recorder = _Recorder()  # shared by every wrapper of the process
+
+        def __init__(self, workflow: Any, workflow_kwargs: Mapping[str, Any] | None = None, *,
+                     tokenizer: Any = None, model: str | None = None, end_steps: bool = True) -> None:
+            self.workflow = _resolve(workflow, workflow_kwargs)
+            self.tokenizer = tokenizer if tokenizer is not None else getattr(self.workflow, "tokenizer", None)
+            self.model = model
+            self.end_steps = end_steps
+
+        async def arun_episode(self, engine: Any, data: Any) -> Any:
+            try:
+                trajectory = await self.workflow.arun_episode(engine, data)
+            except Exception as exc:
+                _quietly(self.recorder.failed, engine, exc, end_steps=self.end_steps)
+                raise
+            _quietly(self.recorder.finished, engine, trajectory, tokenizer=self.tokenizer, model=self.model,
+                     end_steps=self.end_steps)
+            return trajectory
+
+    TracedWorkflow.__module__ = __name__  # the path AReaL's controllers derive from a class
+    TracedWorkflow.__qualname__ = "TracedWorkflow"
+    return TracedWorkflow
+
+
+def _quietly(record: Any, *args: Any, **kwargs: Any) -> None:
+    """Record, never raising into AReaL, not even in strict mode: AReaL's executor would turn
+    the exception into a rejected rollout, and the training data would change."""
+    try:
+        record(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        report(f"areal adapter: {exception_text(exc)}", exc=exc, may_raise=False)
+
+
+def _resolve(workflow: Any, kwargs: Mapping[str, Any] | None) -> Any:
+    """An instance from AReaL's workflow forms: instance, class + kwargs, import path + kwargs."""
+    if isinstance(workflow, str):
+        import importlib
+
+        module, _, name = workflow.rpartition(".")
+        workflow = getattr(importlib.import_module(module), name)
+    if isinstance(workflow, type):
+        return workflow(**dict(kwargs or {}))
+    return workflow
+
+
+class _Recorder:
+    """What the wrapper records, shared by every wrapper of the process (AReaL builds a new
+    workflow instance per ``submit`` when it is given a class or a path).
+
+    Step: the rollout engine's ``get_version()`` when the trajectory finished — the number of
+    updates the inference weights have received, i.e. the ``global_step`` during which
+    ``PPOTrainer`` consumes it (it calls ``set_version(global_step + 1)`` after each update).
+    Exact for on-policy training (``max_head_offpolicyness=0``, AReaL's default: the staleness
+    manager admits no rollout beyond the current step's batch), so there ``rl.staleness`` =
+    that version − the tokens' version. With ``max_head_offpolicyness`` = k > 0 a trajectory
+    finished at version v may be trained at any step in v…v+k: no staleness is recorded.
+    """
+
+    _MAX_TASKS = 65_536  # task ids whose sample count is remembered (a group's samples)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[str, set[int]] = {}  # split → steps recorded and not closed yet
+        self.samples: OrderedDict[tuple[str, Any], int] = OrderedDict()
+        self.runtime: Any = None  # the otel_rollouts instance these belong to
+
+    def _current(self) -> None:
+        """A new ``otr.configure()`` (another run) starts from nothing: the old run's open
+        steps are not this one's. Called with the lock held."""
+        rt = _runtime.installed()
+        if rt is not self.runtime:
+            self.runtime = rt
+            self.open.clear()
+            self.samples.clear()
+
+    @guarded
+    def finished(self, engine: Any, trajectory: Any, *, tokenizer: Any, model: str | None,
+                 end_steps: bool) -> None:
+        split, task = _context()
+        step, trained = self._step(engine, split, end_steps)
+        k = self._next_sample(split, task)
+        group = f"task-{task}"
+        label = (group, f"{split}-{step}-{group}-{k}", {"task_id": task, "trajectory_index": k})
+        if trajectory is None:
+            _filtered(k, step=step, split=split, label=label, reason="returned_none")
+            return
+        trajectory = _tensor_dict(trajectory)
+        _record_group(trajectory, k, 0, step=step, split=split, tokenizer=tokenizer, model=model,
+                      trained_version=trained, label=label)
+
+    @guarded
+    def failed(self, engine: Any, exc: BaseException, *, end_steps: bool) -> None:
+        """The workflow raised (AReaL logs it and rejects the rollout): an error episode."""
+        split, task = _context()
+        step, _ = self._step(engine, split, end_steps)
+        k = self._next_sample(split, task)
+        with new_episode(step=step, split=split, group_id=f"task-{task}",
+                         episode_id=f"{split}-{step}-task-{task}-{k}-error", framework=FRAMEWORK,
+                         metadata={"task_id": task, "trajectory_index": k}) as ep:
+            ep.prompt("")
+            ep.finish(reason=f"workflow raised: {exception_text(exc)}", status=c.STATUS_ERROR)
+
+    def _next_sample(self, split: str, task: Any) -> int:
+        with self.lock:
+            self._current()
+            key = (split, task)
+            k = self.samples.pop(key, 0)
+            self.samples[key] = k + 1
+            if len(self.samples) > self._MAX_TASKS:
+                self.samples.popitem(last=False)
+            return k
+
+    def _step(self, engine: Any, split: str, end_steps: bool) -> tuple[int, int | None]:
+        """(step, trained version or None) from the engine; closes the split's older steps."""
+        version = None
+        get_version = getattr(engine, "get_version", None)
+        if callable(get_version):
+            try:
+                version = int(get_version())
+            except Exception:  # noqa: BLE001 - read below as unknown
+                version = None
+        if version is None:
+            warn_unknown(FRAMEWORK, "engine.get_version()", "no weight version: recorded at step 0, no staleness")
+            version = 0
+        trained = None
+        if split == "train":
+            config = getattr(engine, "config", None)
+            off = getattr(config, "max_head_offpolicyness", None)
+            if off is None:
+                warn_unknown(FRAMEWORK, "engine.config.max_head_offpolicyness",
+                             "not found: whether the run is on-policy is unknown, no staleness recorded")
+            elif off == 0:
+                trained = version
+        if end_steps:
+            with self.lock:
+                self._current()
+                opened = self.open.setdefault(split, set())
+                older = sorted(s for s in opened if s < version)
+                opened.difference_update(older)
+                opened.add(version)
+            for s in older:  # the engine moved on: nothing more finishes at those versions
+                end_step(s, split)
+        return version, trained
+
+
+
+def _context() -> tuple[str, Any]:
+    """(split, task id) from AReaL's workflow context (set by its executor for each task)."""
+    import sys
+
+    module = sys.modules.get("areal.infra.workflow_context")
+    get = getattr(module, "get", None)
+    ctx = get() if callable(get) else None
+    if ctx is None:
+        warn_unknown(FRAMEWORK, "workflow_context", "AReaL's workflow context is missing: read as train")
+        return "train", None
+    return ("eval" if getattr(ctx, "is_eval", False) else "train"), getattr(ctx, "task_id", None)
+
+
+def _tensor_dict(trajectory: Any) -> Any:
+    """A workflow's ``{id: InteractionWithTokenLogpReward}`` as AReaL's executor converts it
+    (token tensors when every interaction has them, else its string-only form)."""
+    if not isinstance(trajectory, Mapping) or not trajectory:
+        return trajectory
+    values = list(trajectory.values())
+    if not all(hasattr(v, "to_tensor_dict") and hasattr(v, "has_tensor_data") for v in values):
+        return trajectory
+    if all(v.has_tensor_data for v in values):
+        from areal.utils.data import concat_padded_tensors  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+        return concat_padded_tensors([v.to_tensor_dict() for v in values])
+    from areal.experimental.openai.types import concat_string_interactions  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    return concat_string_interactions(trajectory)

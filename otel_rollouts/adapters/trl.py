@@ -81,6 +81,7 @@ from otel_rollouts._core.guard import InvalidValue, guarded, report
 from otel_rollouts.adapters._common import (
     Sample,
     as_float,
+    check_release,
     end_step,
     group_ids,
     mask_runs,
@@ -98,6 +99,7 @@ from otel_rollouts.adapters._text import assistant_message, clean, messages_of
 __all__ = ["RolloutTraceCallback"]
 
 FRAMEWORK = "trl"
+TESTED = ("1.15.0", "1.16.0")  # the releases tests/test_real_trl.py runs on
 _ABSENT = object()
 _WRAPPED = "__otr_trl_wrapped__"
 
@@ -117,6 +119,7 @@ class RolloutTraceCallback(TrainerCallback):
 
     def __init__(self, trainer: Any = None, *, model: str | None = None,
                  end_steps: bool = True) -> None:
+        check_release(FRAMEWORK, "trl", TESTED)
         self._trainer: Any = None
         self.model = model
         self.end_steps = end_steps
