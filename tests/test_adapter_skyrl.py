@@ -296,3 +296,21 @@ def test_trajectories_take_the_columnar_path_turns_only_for_the_samples_the_samp
     assert otr.flush() and n == 10 * N
     assert len(episodes(mem)) == 1 and len(prompts) == 1  # one candidate: one prompt recorded
     assert otr.stats()["steps"]["3/train"]["dropped.sampled_out"] == 10 * N - 1
+
+
+def test_time_splits_that_do_not_fit_the_rows_are_warned_not_guessed(memory, caplog):
+    import logging
+
+    gi, go = make(("t0",))  # 2 rows
+    go["trajectory_time_splits"] = {"llm": [1.5, -1.0], "env": [0.25, 0.5, 0.75]}  # env: ragged
+    with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
+        assert skyrl.record_generator_output(gi, go, step=1, tokenizer=tokenizer()) == 2
+    assert otr.flush()
+    eps = episodes(memory)
+    generation, environment = c.stage_seconds(c.STAGE_GENERATION), c.stage_seconds(c.STAGE_ENVIRONMENT)
+    assert eps["t0_0"]["root"][generation] == 1.5
+    assert generation not in eps["t0_1"]["root"]  # a negative duration is not a time
+    assert not any(environment in ep["root"] for ep in eps.values())  # 3 values for 2 rows
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "trajectory_time_splits.env: 3 values for 2 rows" in warned
+    assert "trajectory_time_splits.llm: not a duration" in warned

@@ -78,14 +78,17 @@ if "otr_calculator" not in skyrl_gym.registry:
 
 def generate(script: dict[str, list[str]], *, env_class: str = "gsm8k_multi_turn", n: int = 2,
              phase: str = "train", global_step: int = 1, step_wise: bool = False, uid: str = "q0",
-             truncated: tuple[str, ...] = (), overlong_filtering: bool = False):
-    """SkyRL's own path: prepare_generator_input -> SkyRLGymGenerator.generate."""
+             truncated: tuple[str, ...] = (), overlong_filtering: bool = False, wrap=None):
+    """SkyRL's own path: prepare_generator_input -> SkyRLGymGenerator.generate (``wrap``: what
+    a ``get_generator`` override returns around SkyRL's generator)."""
     cfg = skyrl_config.GeneratorConfig(max_turns=3, max_input_length=4096, n_samples_per_prompt=n,
                                        step_wise_trajectories=step_wise,
                                        apply_overlong_filtering=overlong_filtering)
     cfg.sampling_params.logprobs = None
     generator = gym_generator.SkyRLGymGenerator(cfg, skyrl_config.SkyRLGymConfig(max_env_workers=0),
                                                 ScriptedEngine(script, truncated), TOKENIZER)
+    if wrap is not None:
+        generator = wrap(generator)
     prompts = [{"prompt": QUESTION, "env_class": env_class, "uid": uid,
                 "env_extras": {"reward_spec": {"ground_truth": "4"}, "extra_info": {}}}]
     generator_input, _ = generator_utils.prepare_generator_input(prompts, n, None, env_class, phase, global_step)
@@ -224,3 +227,103 @@ def test_assistant_text_of_dropped_episodes_is_never_decoded(otr_shutdown):
     decoded = {s for s in log.sequences if len(s) > 4}
     assert any(s[: len(kept)] == kept for s in decoded)
     assert not any(s[: len(dropped)] == dropped for s in decoded)
+
+
+# --- the plug-in: SkyRL's generator hook ------------------------------------------------------
+def test_recording_generator_records_what_skyrls_generator_returns(memory):
+    # only the documented line is added: get_generator returns the wrapper around SkyRL's own
+    gi, go = generate(GSM8K, global_step=3, wrap=lambda g: skyrl.RecordingGenerator(g, tokenizer=TOKENIZER))
+    assert go["env_metrics"] == [{"steps": 2}, {"steps": 1}]  # SkyRL's output, returned unchanged
+    assert otr.flush()
+    eps = episodes(memory)
+    assert sorted(eps) == ["q0_0", "q0_1"]
+    root = eps["q0_0"]["root"]
+    assert root[c.RL_STEP] == 3 and root[c.RL_POLICY_VERSION] == 2 and root[c.RL_STALENESS] == 0
+    assert root[c.RL_REWARD] == pytest.approx(0.2 / 3 + 1.0) and root[c.RL_TURN_COUNT] == 2
+    assert messages_of(memory)["q0_0"][2] == {"role": "assistant", "content": "I think 2 + 2 = 5. #### 5"}
+
+
+def test_recording_generator_in_the_fully_async_trainer_has_no_staleness(memory):
+    import inspect
+
+    wrapped = skyrl.RecordingGenerator(None, tokenizer=TOKENIZER, fully_async=True)
+    # SkyRL's FullyAsyncRayPPOTrainer passes disable_tqdm only when the signature names it
+    assert "disable_tqdm" in inspect.signature(wrapped.generate).parameters
+    generate(GSM8K, global_step=2, wrap=lambda g: skyrl.RecordingGenerator(g, tokenizer=TOKENIZER, fully_async=True))
+    assert otr.flush()
+    roots = [ep["root"] for ep in episodes(memory).values()]
+    assert len(roots) == 2 and all(r[c.RL_POLICY_VERSION] == 1 for r in roots)
+    assert all(c.RL_STALENESS not in r for r in roots)  # unknown at generation, not a wrong 0
+
+
+# --- releases ------------------------------------------------------------------------------
+SKYRL_VERSION = tuple(int(p) for p in __import__("importlib.metadata").metadata.version("skyrl").split(".")[:2])
+needs_040 = pytest.mark.skipif(SKYRL_VERSION < (0, 4), reason="trajectory_time_splits is SkyRL >= 0.4.0's")
+
+
+@needs_040
+def test_trajectory_time_splits_are_the_episodes_stage_times(memory):
+    gi, go = generate(GSM8K)
+    splits = go["trajectory_time_splits"]
+    assert set(splits) == {"llm", "env"} and len(splits["llm"]) == 2  # SkyRL 0.4.0's own measurement
+    assert skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER) == 2
+    assert otr.flush()
+    eps = episodes(memory)
+    for i, tid in enumerate(["q0_0", "q0_1"]):
+        root = eps[tid]["root"]
+        assert root[c.stage_seconds(c.STAGE_GENERATION)] == splits["llm"][i]
+        assert root[c.stage_seconds(c.STAGE_ENVIRONMENT)] == splits["env"][i]
+        assert {k for k in root if k.startswith(c.RL_STAGE_PREFIX)} == {
+            c.stage_seconds(c.STAGE_GENERATION), c.stage_seconds(c.STAGE_ENVIRONMENT)}
+
+
+@needs_040
+def test_step_wise_time_splits_before_and_after_the_trainers_concatenation(memory):
+    gi, go = generate(GSM8K, step_wise=True)
+    assert go["is_last_step"] == [False, True, True]
+    env = go["trajectory_time_splits"]["env"]
+    assert len(env) == 3 and env[0] == env[1]  # per row: q0_0's two rows repeat its times
+    gi2, go2 = generate({"q1_0": ["x", "#### 4"], "q1_1": ["#### 4"]}, step_wise=True, uid="q1")
+    # what the trainers do with several generations (fully async: one per group)
+    merged = generator_utils.concatenate_generator_outputs([go, go2], step_wise=True)
+    merged_input = {**gi, "prompts": gi["prompts"] + gi2["prompts"],
+                    "trajectory_ids": gi["trajectory_ids"] + gi2["trajectory_ids"],
+                    "env_extras": gi["env_extras"] + gi2["env_extras"],
+                    "env_classes": gi["env_classes"] + gi2["env_classes"]}
+    assert skyrl.record_generator_output(merged_input, merged, step=1, tokenizer=TOKENIZER) == 4
+    assert otr.flush()
+    eps = episodes(memory)
+    stage = c.stage_seconds(c.STAGE_ENVIRONMENT)
+    expected = dict(zip(["q0_0", "q0_0", "q0_1", "q1_0", "q1_0", "q1_1"], merged["trajectory_time_splits"]["env"],
+                        strict=True))
+    assert {tid: ep["root"][stage] for tid, ep in eps.items()} == expected
+    assert eps["q0_0"]["root"][c.RL_TURN_COUNT] == 2
+
+
+@pytest.mark.skipif(SKYRL_VERSION >= (0, 4), reason="SkyRL 0.3.0 measures no time splits")
+def test_no_stage_time_where_skyrl_does_not_measure_it(memory):
+    gi, go = generate(GSM8K)
+    assert "trajectory_time_splits" not in go
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    assert otr.flush()
+    for ep in episodes(memory).values():
+        assert not any(k.startswith(c.RL_STAGE_PREFIX) for k in ep["root"])  # absent, never 0
+
+
+def test_a_newer_release_and_an_unknown_output_field_are_warned_once(memory, caplog, monkeypatch):
+    gi, go = generate(GSM8K)
+    go["trajectory_energy"] = [1.0, 2.0]  # a field a newer SkyRL might add
+    go["trajectory_time_splits"] = {"llm": [0.5, 0.25], "queue": [0.1, 0.1]}
+    monkeypatch.setattr(skyrl, "TESTED_RELEASES", ("0.1.0",))  # the installed release is newer
+    with caplog.at_level("WARNING", logger="otel_rollouts"):
+        assert skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER) == 2
+        assert skyrl.record_generator_output(gi, go, step=2, tokenizer=TOKENIZER) == 2
+    assert otr.flush()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("newer than the releases" in w for w in warnings) == 1
+    assert sum("GeneratorOutput.trajectory_energy" in w for w in warnings) == 1
+    assert sum("trajectory_time_splits.queue" in w for w in warnings) == 1
+    roots = {tid: ep["root"] for tid, ep in episodes(memory).items()}
+    assert sorted(roots) == ["q0_0", "q0_1"]  # recorded all the same, as far as understood
+    assert roots["q0_0"][c.stage_seconds(c.STAGE_GENERATION)] == 0.5
+    assert not any(k.startswith(c.RL_STAGE_PREFIX + "queue") for k in roots["q0_0"])

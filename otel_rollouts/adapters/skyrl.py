@@ -12,7 +12,16 @@ holds per training step, so per-group calls cannot log groups × cap traces)::
 ``generator_input`` is SkyRL's ``GeneratorInput`` (``prompts`` as chat messages, already expanded
 per sample; ``env_classes``, ``env_extras``, ``trajectory_ids``, ``batch_metadata``),
 ``generator_output`` its ``GeneratorOutput`` as ``SkyRLGymGenerator.generate`` returns it.
-TypedDicts, dicts or objects all work; SkyRL is never imported.
+TypedDicts, dicts or objects all work; SkyRL is never imported. Tested on skyrl 0.3.0 (Python
+3.11) and 0.4.0 (Python ≥ 3.12); a newer release is warned once (``check_release``) and every
+``GeneratorOutput`` key it adds is warned once by name, never guessed.
+
+Without editing the trainer: SkyRL chooses its generator in ``BasePPOExp.get_generator`` (no
+class-path setting exists); one line in that override records every generation::
+
+    return skyrl.RecordingGenerator(super().get_generator(cfg, tokenizer, client), tokenizer=tokenizer)
+
+(``fully_async=True`` for ``FullyAsyncRayPPOTrainer``: no staleness at generation time).
 
 Field → attribute mapping (one episode per trajectory; step-wise rows of one trajectory merged):
 
@@ -48,6 +57,9 @@ other ``env_metrics[i]`` scalars            ``rl.metadata.env_metrics.<name>`` (
                                             finished steps), no staleness, ``rl.split=eval``
 ``env_classes[j]``                          ``rl.dataset.name``
 ``env_extras[j]`` scalars                   ``rl.metadata.env_extras.<key>``
+``trajectory_time_splits`` (0.4.0)          ``rl.stage.generation.seconds`` (``llm``: model
+                                            calls), ``rl.stage.environment.seconds`` (``env``:
+                                            ``env.step``); absent when not measured
 ==========================================  ===================================================
 
 One SkyRL training step is counted as one update: the sampler's weights change once per step
@@ -57,7 +69,9 @@ A loss mask of only 0s (``apply_overlong_filtering`` on a truncated trajectory) 
 turns: the response is recorded as one generation, with ``rl.metadata.loss_masked=true``.
 
 Not recorded: ``rollout_logprobs``, ``rollout_metrics`` (batch-level), ``rollout_expert_indices``,
-``trajectory_generation_times``, ``pixel_values``/``image_grid_thw``, non-scalar env metrics
+``rollout_sample_support`` (0.4.0: the sampler's top-k vocabulary ids per response token, used to
+renormalise logprobs; token-level sampler state, not an episode fact), ``trajectory_generation_times``
+(the wall time the split divides), ``pixel_values``/``image_grid_thw``, non-scalar env metrics
 (warned once).
 
 Decoding: observation tokens are decoded when recorded (their messages and roles are the
@@ -83,6 +97,8 @@ from otel_rollouts.adapters._common import (
     COUNT_DUPLICATE,
     Columns,
     Sample,
+    as_float,
+    check_release,
     count,
     field,
     first_occurrences,
@@ -103,13 +119,23 @@ from otel_rollouts.adapters._messages import record_assistant
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
 from otel_rollouts.decode.toolcalls import HERMES_OPEN, tool_responses
 
-__all__ = ["record_generator_output", "record_output_group"]
+__all__ = ["RecordingGenerator", "record_generator_output", "record_output_group"]
 
 FRAMEWORK = "skyrl"
 ROLE_ENVIRONMENT = "environment"
 # env_metrics names that skyrl-gym's environments use for the number of turns taken
 # (gsm8k_multi_turn: ``steps``, rlm: ``turns_used``)
 TURN_COUNT_METRICS = ("steps", "turns_used", "turns", "num_turns")
+# trajectory_time_splits components (SkyRL 0.4's agent loop: model calls, env.step) -> stages
+TIME_SPLIT_STAGES = {"llm": c.STAGE_GENERATION, "env": c.STAGE_ENVIRONMENT}
+# GeneratorOutput keys (skyrl 0.3.0 and 0.4.0), mapped or knowingly not recorded; others are warned
+OUTPUT_FIELDS = frozenset({
+    "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_metrics",
+    "rollout_logprobs", "trajectory_ids", "trajectory_generation_times", "trajectory_time_splits",
+    "rollout_expert_indices", "rollout_sample_support", "is_last_step", "env_metrics",
+    "pixel_values", "image_grid_thw",
+})
+TESTED_RELEASES = ("0.3.0", "0.4.0")
 
 
 @guarded
@@ -122,6 +148,7 @@ def record_generator_output(
     split: str = "train",
     n_samples_per_prompt: int | None = None,
     model: str | None = None,
+    trains_at_step: bool = True,
 ) -> int:
     """Record each trajectory of a SkyRL generation as one episode; returns how many.
 
@@ -136,7 +163,11 @@ def record_generator_output(
     * ``split``: ``train`` or ``eval``; ``batch_metadata.training_phase == "eval"`` means eval.
     * ``n_samples_per_prompt``: group size, used only when ``trajectory_ids`` are missing and
       the blocked layout is complete.
+    * ``trains_at_step``: False when ``step`` is the step the rollouts were generated at and the
+      step that trains on them is not known yet (``RecordingGenerator`` in the fully async
+      trainer): no ``rl.staleness`` then, rather than a wrong 0.
     """
+    check_release(FRAMEWORK, "skyrl", TESTED_RELEASES)
     meta = field(generator_input, "batch_metadata")
     phase = field(meta, "training_phase")
     split = "eval" if split_name(phase, "") == "eval" or split_name(split) == "eval" else split_name(split)
@@ -190,7 +221,7 @@ def record_generator_output(
         version, trained = scheduled, None  # eval runs after `global_step` finished steps
     else:
         version = None if scheduled is None else scheduled - 1
-        trained = _int_or_none(step, "step")
+        trained = _int_or_none(step, "step") if trains_at_step else None
         trained = None if trained is None else trained - 1
     text = None
     if tokenizer is not None:
@@ -199,6 +230,9 @@ def record_generator_output(
         except Exception as exc:  # noqa: BLE001 - recorded without text rather than not at all
             warn_unknown(FRAMEWORK, "tokenizer", f"unusable ({type(exc).__name__}): token counts only")
     env_classes, env_extras = field(generator_input, "env_classes"), field(generator_input, "env_extras")
+
+    stage_times = _stage_times(field(out, "trajectory_time_splits"), n)
+    _warn_unmapped_fields(out)
 
     def read(number: int) -> Sample:
         rows = episodes[number]
@@ -214,7 +248,7 @@ def record_generator_output(
             input_index=j,
             episode_id=key if key is not None else f"{split}-{step}-{first}",
             group=groups[first], env_class=_at(env_classes, j), env_extras=_at(env_extras, j),
-            text=text, model=model, sample_index=number,
+            text=text, model=model, sample_index=number, stages=stage_times.get(rows[-1]),
         )
 
     samples = read_samples(range(len(episodes)), read, FRAMEWORK)
@@ -243,6 +277,102 @@ def record_output_group(group: Any, *, step: int, tokenizer: Any = None,
         "batch_metadata": {"global_step": field(group, "global_step_when_scheduled"), "training_phase": "train"},
     }
     return record_generator_output(generator_input, out, step=step, tokenizer=tokenizer, model=model)
+
+
+class RecordingGenerator:
+    """A SkyRL generator that records every ``GeneratorOutput`` its inner generator returns
+    (rewards, env metrics, time splits included), then returns it unchanged.
+
+    The one line, in ``BasePPOExp.get_generator`` (SkyRL's hook for choosing the generator)::
+
+        return skyrl.RecordingGenerator(super().get_generator(cfg, tokenizer, client), tokenizer=tokenizer)
+
+    ``step`` is the input's ``batch_metadata.global_step``: the step that trains on the rollouts
+    in the synchronous trainer (``rl.staleness`` 0). In the fully asynchronous trainer pass
+    ``fully_async=True``: the training step is not known at generation time, so no staleness is
+    recorded (``record_output_group`` where the group is trained records it). Everything else
+    (``generate_batched``, ``generator_cfg`` ...) is the inner generator's. Recording never
+    raises into generation.
+    """
+
+    def __init__(self, generator: Any, *, tokenizer: Any = None, model: str | None = None,
+                 fully_async: bool = False) -> None:
+        self.generator = generator
+        self._record = {"tokenizer": tokenizer, "model": model, "trains_at_step": not fully_async}
+
+    async def generate(self, input_batch: Any, disable_tqdm: bool = False, **kwargs: Any) -> Any:
+        if disable_tqdm and _accepts(self.generator.generate, "disable_tqdm"):
+            kwargs["disable_tqdm"] = disable_tqdm
+        output = await self.generator.generate(input_batch, **kwargs)
+        _record_generation(input_batch, output, self._record)
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "generator":  # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.generator, name)
+
+
+@guarded
+def _record_generation(input_batch: Any, output: Any, options: dict[str, Any]) -> None:
+    step = _int_or_none(field(field(input_batch, "batch_metadata"), "global_step"), "batch_metadata.global_step")
+    if step is None:
+        warn_unknown(FRAMEWORK, "batch_metadata.global_step", "missing: generation not recorded")
+        return
+    record_generator_output(input_batch, output, step=step, **options)
+
+
+def _accepts(function: Any, name: str) -> bool:
+    try:
+        import inspect
+
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _stage_times(splits: Any, n: int) -> dict[int, dict[str, float]]:
+    """``trajectory_time_splits`` (SkyRL 0.4: ``{"llm": [...], "env": [...]}``, a trajectory's
+    seconds in model calls and in ``env.step``) as ``{row: {stage: seconds}}``.
+
+    The lists hold one entry per row, in step-wise mode too (every row of a trajectory repeats
+    its trajectory's times; the episode takes its last row's), before and after
+    ``concatenate_generator_outputs``. Other lengths are warned, not guessed."""
+    if splits is None:
+        return {}
+    if not isinstance(splits, Mapping):
+        warn_unknown(FRAMEWORK, "trajectory_time_splits", f"expected a dict of lists, got {type(splits).__name__}")
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for name, values in splits.items():
+        stage = TIME_SPLIT_STAGES.get(str(name))
+        if stage is None:
+            warn_unknown(FRAMEWORK, f"trajectory_time_splits.{name}", "time split not mapped to a stage")
+            continue
+        values = to_list(values) or []
+        if len(values) != n:
+            warn_unknown(FRAMEWORK, f"trajectory_time_splits.{name}",
+                         f"{len(values)} values for {n} rows: not recorded")
+            continue
+        for row, value in enumerate(values):
+            seconds, _ = as_float(value, f"trajectory_time_splits.{name}")
+            if seconds is None or not math.isfinite(seconds) or seconds < 0:
+                if value is not None:
+                    warn_unknown(FRAMEWORK, f"trajectory_time_splits.{name}",
+                                 f"not a duration in seconds: {type(value).__name__}")
+                continue
+            out.setdefault(row, {})[stage] = seconds
+    return out
+
+
+def _warn_unmapped_fields(out: Any) -> None:
+    """Warn once per ``GeneratorOutput`` key this adapter neither maps nor knowingly skips (a
+    newer SkyRL's field is named, never silently dropped)."""
+    if isinstance(out, Mapping):
+        for name in out:
+            if name not in OUTPUT_FIELDS:
+                warn_unknown(FRAMEWORK, f"GeneratorOutput.{name}", "field not mapped by this adapter")
 
 
 def _int_or_none(value: Any, name: str) -> int | None:
@@ -341,7 +471,8 @@ def _reward_by_turn(per_token: list[float], runs: list[tuple[int, int, int]]) ->
 def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: int | None,
             trained: int | None, prompt: Any, prompt_found: bool, input_index: int | None,
             episode_id: str, group: str | None, env_class: Any, env_extras: Any,
-            text: _Text | None, model: str | None, sample_index: int) -> Sample:
+            text: _Text | None, model: str | None, sample_index: int,
+            stages: Mapping[str, float] | None = None) -> Sample:
     """One trajectory (its rows): the reward and status now, the turns only if it may be kept."""
     v = cols.value
     last = rows[-1]
@@ -403,6 +534,8 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
 
     def content(ep: Any) -> None:
         set_policy(ep, version, trained)
+        for stage, seconds in (stages or {}).items():
+            ep.set_attribute(c.stage_seconds(stage), seconds)
         shown = prompt
         if shown is None and text is not None:
             prompt_ids = to_list(v("prompt_token_ids", rows[0]))
