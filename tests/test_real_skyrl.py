@@ -314,7 +314,7 @@ def test_a_newer_release_and_an_unknown_output_field_are_warned_once(memory, cap
     gi, go = generate(GSM8K)
     go["trajectory_energy"] = [1.0, 2.0]  # a field a newer SkyRL might add
     go["trajectory_time_splits"] = {"llm": [0.5, 0.25], "queue": [0.1, 0.1]}
-    monkeypatch.setattr(skyrl, "TESTED_RELEASES", ("0.1.0",))  # the installed release is newer
+    monkeypatch.setattr(skyrl, "TESTED", ("0.1.0",))  # the installed release is newer
     with caplog.at_level("WARNING", logger="otel_rollouts"):
         assert skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER) == 2
         assert skyrl.record_generator_output(gi, go, step=2, tokenizer=TOKENIZER) == 2

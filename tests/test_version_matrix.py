@@ -8,11 +8,14 @@ written for the other release only skips).
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
+import tomllib
 from receivers import in_ci
 from version_matrix import MATRIX, ROOT, Entry
 
@@ -56,3 +59,33 @@ def test_release_passes_the_adapter_tests(entry: Entry, tmp_path) -> None:
     # a test written for the other release only skips here (e.g. SkyRL 0.4.0's time splits on
     # 0.3.0); most must run
     assert failed == 0 and total > 0 and total - skipped >= total / 2, (entry.name, total, skipped, failed, tail)
+
+
+def _installed_by_ci() -> dict[str, str]:
+    """distribution → the release the main environment pins (.ci/run's FRAMEWORKS, pyproject)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    frameworks = re.search(r"^FRAMEWORKS=\((.*?)\)", ci, re.S | re.M)
+    assert frameworks, ".ci/run has no FRAMEWORKS=(...)"
+    pins = dict(re.findall(r"([\w.-]+)==([\w.]+)", frameworks.group(1)))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extra in project.get("optional-dependencies", {}).values():
+        for dep in extra:
+            if m := re.fullmatch(r"([\w.-]+)==([\w.]+)", dep.strip()):
+                pins.setdefault(m.group(1), m.group(2))
+    return pins
+
+
+@pytest.mark.parametrize("adapter,distribution", [
+    ("verl", "verl"), ("trl", "trl"), ("skyrl", "skyrl"), ("areal", "areal"), ("tinker", "tinker-cookbook"),
+])
+def test_each_adapter_names_exactly_the_releases_ci_tests(adapter: str, distribution: str) -> None:
+    """An adapter's TESTED releases (what a newer release is warned against) are the main
+    environment's pin plus its matrix entries, and the README's table lists them."""
+    tested = importlib.import_module(f"otel_rollouts.adapters.{adapter}").TESTED
+    main = _installed_by_ci()[distribution]
+    others = [e.version for e in MATRIX if e.distribution == distribution]
+    assert sorted(tested) == sorted([main, *others]), (adapter, tested, main, others)
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| Framework | Releases tested |"):]
+    row = next(line for line in table.splitlines() if line.lower().startswith(f"| {distribution.split('-')[0]}"))
+    assert all(v in row for v in tested), (row, tested)

@@ -237,7 +237,7 @@ _OPTIONS = ("tokenizer", "renderer", "model", "advantages", "sampling_client_ste
 
 def _record(kind: str, trajectory_groups: Any, step: int, split: str, builders: Any,
             extra: dict[str, Any], options: dict[str, Any]) -> list[str]:
-    check_release(_ADAPTER, _tinker.FRAMEWORK, getattr(_tinker, "TESTED", ("0.5.8", "0.6.1")))
+    check_release(_ADAPTER, _tinker.FRAMEWORK, _tinker.TESTED)
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         warn_unknown(_ADAPTER, "options", f"{', '.join(unknown)}: not options of this adapter, ignored")

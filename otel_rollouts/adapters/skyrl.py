@@ -135,7 +135,7 @@ OUTPUT_FIELDS = frozenset({
     "rollout_expert_indices", "rollout_sample_support", "is_last_step", "env_metrics",
     "pixel_values", "image_grid_thw",
 })
-TESTED_RELEASES = ("0.3.0", "0.4.0")
+TESTED = ("0.3.0", "0.4.0")
 
 
 @guarded
@@ -167,7 +167,7 @@ def record_generator_output(
       step that trains on them is not known yet (``RecordingGenerator`` in the fully async
       trainer): no ``rl.staleness`` then, rather than a wrong 0.
     """
-    check_release(FRAMEWORK, "skyrl", TESTED_RELEASES)
+    check_release(FRAMEWORK, "skyrl", TESTED)
     meta = field(generator_input, "batch_metadata")
     phase = field(meta, "training_phase")
     split = "eval" if split_name(phase, "") == "eval" or split_name(split) == "eval" else split_name(split)
