@@ -40,7 +40,8 @@ class Entry:
 
 
 MATRIX: tuple[Entry, ...] = (
-    Entry("verl", "0.9.0", ("tests/test_real_verl.py", "tests/test_real_verl_reward_loop.py")),
+    Entry("verl", "0.9.0", ("tests/test_real_verl.py", "tests/test_real_verl_reward_loop.py",
+                           "tests/test_real_verl_v1.py")),
     Entry("tinker-cookbook", "0.5.8", ("tests/test_real_tinker.py", "tests/test_real_tinker_kinds.py")),
     Entry("trl", "1.15.0", ("tests/test_real_trl.py",)),
     # SkyRL 0.4.0 needs Python >= 3.12: a full environment on pyenv's 3.12 (.ci/run's

@@ -25,6 +25,17 @@ recorded without their padding copies; REMAX's greedy baselines (``__do_sample__
 samples and are not recorded. Steps close (``otr.end_step``) when a later step's batch arrives.
 otel_rollouts is configured from the environment in the trainer's process (a Ray actor) when
 nothing configured it there. verl is imported only when the class is first looked up.
+
+verl's default trainer (``trainer.use_v1=True``, ``main_ppo.TaskRunnerV1``) reads the same config
+entry, but its batches never reach the manager: ``AgentLoopManagerTQ.generate_sequences`` only
+dispatches, and each agent-loop worker (``AgentLoopWorkerTQ``, a Ray actor) puts every finished
+session into TransferQueue itself. Under that trainer ``AgentLoopManager.create`` therefore returns
+this module's ``AgentLoopManagerTQ`` (also nameable directly): verl's TQ manager whose workers are
+verl's ``AgentLoopWorkerTQ`` plus one step, after each session is put into TransferQueue, recording
+what was put there (``observe_session``), in the worker's process (configured from the
+environment there). The episode id is ``{split}-{step}-{uid}-{session_id}``: v1 runs the ``n``
+sessions of a prompt under one ``uid`` and keys them ``{uid}_{session_id}_{i}``. A worker closes a
+(step, split) when none of its prompts is in flight and a later one was dispatched to it.
 """
 
 from __future__ import annotations
@@ -37,15 +48,16 @@ from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters import verl as _verl
 from otel_rollouts.adapters._common import check_release, field, to_list, warn_unknown
 
-__all__ = ["AgentLoopManager", "observe"]  # noqa: F822 - AgentLoopManager: built on first lookup
+__all__ = ["AgentLoopManager", "AgentLoopManagerTQ", "observe", "observe_session"]  # noqa: F822 - built on lookup
 
 _FRAMEWORK = _verl.FRAMEWORK
 
 
 def __getattr__(name: str) -> Any:
     """``AgentLoopManager`` is built on first lookup (verl imported then, not at import)."""
-    if name == "AgentLoopManager":
-        cls = _build()
+    builders = {"AgentLoopManager": _build, "AgentLoopManagerTQ": _build_tq}
+    if name in builders:
+        cls = builders[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -64,9 +76,154 @@ def _build() -> type:
             observe(self, prompts, result)
             return result
 
+        @classmethod
+        def create(cls, *args: Any, **kwargs: Any) -> Any:
+            """verl's ``create``; under the TransferQueue trainer, ``AgentLoopManagerTQ.create``."""
+            if _uses_transfer_queue(kwargs.get("config", args[0] if args else None)):
+                return __getattr__("AgentLoopManagerTQ").create(*args, **kwargs)
+            return super().create(*args, **kwargs)
+
     AgentLoopManager.__module__ = __name__
     AgentLoopManager.__qualname__ = "AgentLoopManager"
     return AgentLoopManager
+
+
+def _uses_transfer_queue(config: Any) -> bool:
+    """``TaskRunnerV1`` (picked by ``trainer.use_v1``) sets ``transfer_queue.enable`` before it
+    builds the manager; the legacy trainer runs with ``use_v1`` false."""
+    return (_config(config, "trainer", "use_v1") is True
+            and _config(config, "transfer_queue", "enable") is True)
+
+
+def _build_tq() -> type:
+    import ray
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ as VerlManagerTQ
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ as VerlWorkerTQ
+
+    base = getattr(VerlWorkerTQ, "__ray_actor_class__", VerlWorkerTQ)  # the class under @ray.remote
+
+    class RecordingAgentLoopWorkerTQ(base):
+        """verl's ``AgentLoopWorkerTQ`` that records each session it puts into TransferQueue."""
+
+        async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict,
+                              *args: Any, **kwargs: Any) -> None:
+            key = _step_key(trajectory)
+            _dispatched(self, key)
+            try:
+                return await super()._run_prompt(prompt, sampling_params, trajectory, *args, **kwargs)
+            finally:
+                _settled(self, key)
+
+        async def _agent_loop_postprocess(self, output: Any, validate: Any, **kwargs: Any) -> Any:
+            result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+            observe_session(self, output, validate, kwargs)
+            return result
+
+    RecordingAgentLoopWorkerTQ.__module__ = __name__
+    RecordingAgentLoopWorkerTQ.__qualname__ = "RecordingAgentLoopWorkerTQ"
+
+    class AgentLoopManagerTQ(VerlManagerTQ):
+        """verl's ``AgentLoopManagerTQ`` whose agent-loop workers record each session they put
+        into TransferQueue (what they put there untouched)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.agent_loop_workers_class = ray.remote(RecordingAgentLoopWorkerTQ)
+
+    AgentLoopManagerTQ.__module__ = __name__
+    AgentLoopManagerTQ.__qualname__ = "AgentLoopManagerTQ"
+    return AgentLoopManagerTQ
+
+
+def _step_key(trajectory: Any) -> tuple[int, str] | None:
+    try:
+        return int(trajectory["step"]), "eval" if trajectory["validate"] else "train"
+    except Exception:  # noqa: BLE001 - an unknown trajectory layout: steps are closed by the sampler
+        warn_unknown(_FRAMEWORK, "trajectory", "no step/validate in the agent loop's trajectory info: "
+                     "steps are closed by the sampler (step_lag, flush)")
+        return None
+
+
+@guarded
+def _dispatched(worker: Any, key: tuple[int, str] | None) -> None:
+    """A prompt of ``key`` starts on this worker: the idle (step, split)s before it are closed."""
+    if key is None:
+        return
+    inflight = worker.__dict__.setdefault("_otr_inflight", {})
+    for other in [k for k, n in inflight.items() if n == 0 and k != key]:
+        _end_step(inflight, other)
+    inflight[key] = inflight.get(key, 0) + 1
+    worker._otr_latest = key
+
+
+@guarded
+def _settled(worker: Any, key: tuple[int, str] | None) -> None:
+    """A prompt of ``key`` settled (every session in TransferQueue, or failed)."""
+    inflight = getattr(worker, "_otr_inflight", None)
+    if key is None or inflight is None or key not in inflight:
+        return
+    inflight[key] -= 1
+    if inflight[key] == 0 and key != getattr(worker, "_otr_latest", None):
+        _end_step(inflight, key)
+
+
+def _end_step(inflight: dict[tuple[int, str], int], key: tuple[int, str]) -> None:
+    from otel_rollouts import end_step
+
+    del inflight[key]
+    end_step(key[0], split=key[1])
+
+
+@guarded
+def observe_session(worker: Any, output: Any, validate: Any, sample: Mapping[str, Any]) -> int:
+    """Record the session ``AgentLoopWorkerTQ._agent_loop_postprocess`` just put into TransferQueue:
+    ``output`` (an ``AgentLoopOutput`` or a list; the last one carries the reward), ``sample``: the
+    prompt's fields with ``session_id``. Returns how many episodes (0 or 1)."""
+    check_release(_FRAMEWORK, "verl", _verl.TESTED)
+    _ensure_configured()
+    outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+    if not outputs:
+        return 0
+    if len(outputs) > 1:
+        warn_unknown(_FRAMEWORK, "AgentLoopOutput", f"{len(outputs)} outputs for one session: the last one "
+                     "is recorded")
+    final = outputs[-1]
+    step, session = field(sample, "global_steps"), field(sample, "session_id")
+    if step is None or session is None:
+        warn_unknown(_FRAMEWORK, "global_steps", "the session has no global_steps or session_id: not recorded")
+        return 0
+    import numpy as np
+    import torch
+
+    prompt_ids = torch.tensor(list(final.prompt_ids), dtype=torch.int64)[None]
+    response_ids = torch.tensor(list(final.response_ids), dtype=torch.int64)[None]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    tensors = {"prompts": prompt_ids, "responses": response_ids, "input_ids": input_ids,
+               "attention_mask": torch.ones_like(input_ids),
+               "response_mask": torch.tensor(list(final.response_mask), dtype=torch.int64)[None]}
+    if final.reward_score is not None:  # as AgentLoopOutput.as_dict: the score on the last token
+        rm_scores = torch.zeros(response_ids.shape, dtype=torch.float32)
+        rm_scores[0, -1] = float(final.reward_score)
+        tensors["rm_scores"] = rm_scores
+    else:
+        warn_unknown(_FRAMEWORK, "rm_scores", "the session has no reward (a colocated reward model scores "
+                     "it later, from TransferQueue): episodes carry no rl.reward")
+    extra = dict(getattr(final, "extra_fields", None) or {})
+    reward_info = extra.get("reward_extra_info") or {}
+    columns: dict[str, Any] = {"uid": [field(sample, "uid")], "index": [field(sample, "index")],
+                               _verl.ROLLOUT_N_COLUMN: [int(session)], "__num_turns__": [final.num_turns]}
+    if field(sample, "data_source") is not None:
+        columns["data_source"] = [field(sample, "data_source")]
+    for name in ("min_global_steps", "max_global_steps", *_verl._METADATA_COLUMNS):
+        if extra.get(name) is not None:
+            columns[name] = [extra[name]]
+    for name, value in reward_info.items():
+        columns.setdefault(name, [value])
+    non_tensor = {name: np.array(values, dtype=object) for name, values in columns.items()}
+    meta = {"validate": bool(validate), "reward_extra_keys": list(reward_info)}
+    return _verl.record_batch({"batch": tensors, "non_tensor_batch": non_tensor, "meta_info": meta},
+                              step=int(step), tokenizer=worker.tokenizer,
+                              split="eval" if validate else "train") or 0
 
 
 async def _record_when_done(manager: Any, prompts: Any, pending: Any) -> Any:
