@@ -87,8 +87,9 @@ TOOL_CALL = ('<think>\nI should use the tool.\n</think>\n\n<tool_call>\n{"name":
              '"arguments": {"expression": "17 * 23"}}\n</tool_call><|im_end|>')
 
 
-def tool_group(tok, renderer, texts, stop_reason="stop"):
-    """``build_agent_tool_env`` with a calculator ``@tool``; graded by a ``reward_fn``."""
+def calculator_builder(renderer):
+    """The cookbook's ``build_agent_tool_env`` with a calculator ``@tool`` asked 17 * 23, graded
+    by a ``reward_fn``: one env per group."""
     types = require("tinker_cookbook.rl.types")
     tools = require("tinker_cookbook.tool_use.tools")
     agent = require("tinker_cookbook.tool_use.agent_tool_message_env")
@@ -114,7 +115,11 @@ def tool_group(tok, renderer, texts, stop_reason="stop"):
         def logging_tags(self):
             return ["calculator"]
 
-    builder = CalculatorGroup()
+    return CalculatorGroup()
+
+
+def tool_group(tok, renderer, texts, stop_reason="stop"):
+    builder = calculator_builder(renderer)
     return builder, rollout(builder, fixed_tokens(tok, texts, stop_reason))
 
 
@@ -523,27 +528,7 @@ def real_inkling():
 
 
 def inkling_tool_group(tok, renderer, encode, texts):
-    types = require("tinker_cookbook.rl.types")
-    tools = require("tinker_cookbook.tool_use.tools")
-    agent = require("tinker_cookbook.tool_use.agent_tool_message_env")
     completers = require("tinker_cookbook.completers")
-
-    @tools.tool
-    async def calculator(expression: Annotated[str, "an arithmetic expression"]):
-        """Evaluate an arithmetic expression."""
-        a, b = expression.split("*")
-        return tools.simple_tool_result(str(int(a) * int(b)))
-
-    async def reward_fn(history):
-        correct = float("391" in str(history[-1]["content"]))
-        return correct, {"correct": correct}
-
-    class CalculatorGroup(types.EnvGroupBuilder):
-        async def make_envs(self):
-            return [agent.build_agent_tool_env(
-                renderer, [calculator],
-                [{"role": "system", "content": "Use the calculator tool."},
-                 {"role": "user", "content": "What is 17 * 23?"}], reward_fn, max_turns=3)]
 
     class Fixed(completers.TokenCompleter):
         def __init__(self):
@@ -553,7 +538,7 @@ def inkling_tool_group(tok, renderer, encode, texts):
             ids = encode(self.texts.pop(0))
             return completers.TokensWithLogprobs(ids, [-0.25] * len(ids), "stop")
 
-    builder = CalculatorGroup()
+    builder = calculator_builder(renderer)
     return builder, rollout(builder, Fixed())
 
 
