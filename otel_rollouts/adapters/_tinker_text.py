@@ -49,7 +49,7 @@ def special_strings(tokenizer: Any) -> tuple[str, ...]:
         pass
     tml = getattr(tokenizer, "tml_tokenizer", None)
     names = getattr(tml, "special_tokens", None)
-    if callable(names):  # tml-renderers: names; their decoded form is what a text holds
+    if callable(names) and tml is not None:  # tml-renderers: names; their decoded form is what a text holds
         try:
             for name in names():
                 try:
@@ -280,7 +280,7 @@ def _tool_header(renderer: Any, render: Any, ends: list[str]) -> str | None:
     try:
         from tinker_cookbook.renderers.base import ToolCall  # the cookbook's own type
 
-        call = ToolCall(function=ToolCall.FunctionBody(name=_S["name"], arguments="{}"), id="call_0")
+        call: Any = ToolCall(function=ToolCall.FunctionBody(name=_S["name"], arguments="{}"), id="call_0")
     except Exception:  # noqa: BLE001 - an older cookbook: a plain mapping
         call = {"type": "function", "id": "call_0", "function": {"name": _S["name"], "arguments": "{}"}}
     messages = [{"role": "user", "content": _S["user"]},

@@ -100,9 +100,9 @@ def _build_tq() -> type:
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ as VerlManagerTQ
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ as VerlWorkerTQ
 
-    base = getattr(VerlWorkerTQ, "__ray_actor_class__", VerlWorkerTQ)  # the class under @ray.remote
+    base: Any = getattr(VerlWorkerTQ, "__ray_actor_class__", VerlWorkerTQ)  # the class under @ray.remote
 
-    class RecordingAgentLoopWorkerTQ(base):
+    class RecordingAgentLoopWorkerTQ(base):  # type: ignore[misc, valid-type]
         """verl's ``AgentLoopWorkerTQ`` that records each session it puts into TransferQueue."""
 
         async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict,
