@@ -49,19 +49,17 @@ def calculator(expression: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster on the loopback address (TransferQueue binds its ZMQ sockets to
-    Ray's node address); the test modules importable in its workers (``ScriptedServer``)."""
+def cluster(ray_cluster):
+    """The session's local Ray cluster (tests/conftest.py: loopback only, the test modules
+    importable in its workers for ``ScriptedServer``); TransferQueue binds its ZMQ sockets to
+    Ray's node address. A second ``ray.init`` in this process would fail: one cluster serves
+    every Ray test."""
     require("verl")
     require("transfer_queue")  # the v1 trainer imports it: .ci/run installs transferqueue
     import ray
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
-    yield ray
-    ray.shutdown()
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    return ray
 
 
 def v1_config(tmp_path, tok):

@@ -21,8 +21,9 @@ from version_matrix import MATRIX, ROOT, Entry
 
 
 def _child_env() -> dict[str, str]:
-    # The parent's PYTEST_ADDOPTS carries CI's --junitxml: the child must not write over it.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    # The parent's PYTEST_ADDOPTS carries CI's --junitxml, and its conftest set TRACKIO_DIR (one
+    # temporary store per session): the child gets its own of both.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TRACKIO_", "OTEL_"))}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 

@@ -4,6 +4,7 @@ processes (fork and spawn), and fork safety of the buffered episodes."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -23,6 +24,23 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 
 METHODS = [m for m in ("fork", "spawn") if m in multiprocessing.get_all_start_methods()]
+
+
+@contextlib.contextmanager
+def _pool(ctx, processes: int) -> Iterator:
+    """``ctx.Pool(processes)`` closed and joined on the way out (its workers leave on their own)
+    rather than ``Pool.__exit__``'s ``terminate()``: SIGTERM reaches a forked worker through
+    whatever handler the parent had at fork time, and once another test has started Ray in
+    this process that is Ray's C-level failure handler, which can deadlock a forked child."""
+    pool = ctx.Pool(processes)
+    try:
+        yield pool
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 # --- what the workers run (module level: picklable by reference) ----------------------------------
@@ -178,7 +196,7 @@ def test_process_pool_spans_join_the_episode_and_are_dropped_with_it(exported, m
 
 def test_multiprocessing_pool_map_with_adopt(exported):
     ctx = multiprocessing.get_context(METHODS[0])
-    with ctx.Pool(2) as pool:
+    with _pool(ctx, 2) as pool:
         with otr.episode(step=0) as ep:
             with ep.turn():
                 turn_id = _current_span_id()
@@ -217,7 +235,7 @@ def test_carrier_is_plain_strings_and_works_through_any_payload(exported):
         # the carrier travels as JSON (a queue message, a Ray payload) and is re-attached there
         payload = json.loads(json.dumps({"carrier": carrier, "text": "hello"}))
         ctx = multiprocessing.get_context(METHODS[0])
-        with ctx.Pool(1) as pool:
+        with _pool(ctx, 1) as pool:
             result = pool.apply(otr.with_context(score, payload["carrier"]), (payload["text"],))
         assert otr.adopt(result)["length"] == 5
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in carrier.items())
@@ -232,7 +250,7 @@ def test_carrier_is_plain_strings_and_works_through_any_payload(exported):
 def test_adopt_passes_plain_values_through_and_worker_outside_an_episode_records_nothing(exported):
     assert otr.adopt(7) == 7
     ctx = multiprocessing.get_context(METHODS[0])
-    with ctx.Pool(1) as pool:
+    with _pool(ctx, 1) as pool:
         result = pool.apply(otr.with_context(plain), ("abc",))
     assert isinstance(result, otr.WorkerResult) and result.spans == b""
     assert otr.adopt(result) == 3
@@ -333,7 +351,7 @@ def test_an_explicit_carrier_in_the_same_process_joins_the_episode(exported):
 
 def test_secrets_in_worker_content_are_redacted(exported):
     ctx = multiprocessing.get_context(METHODS[0])
-    with ctx.Pool(1) as pool:
+    with _pool(ctx, 1) as pool:
         with otr.episode(step=0) as ep:
             otr.adopt(pool.apply(otr.with_context(leak), ("x",)))
             ep.reward(1.0)
