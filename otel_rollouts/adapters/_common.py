@@ -31,6 +31,7 @@ stand beside the recording API, below the package root: they import ``otel_rollo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -451,11 +452,8 @@ def check_release(adapter: str, distribution: str, tested: Sequence[str]) -> str
     unparsable version is no warning.
     """
     try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            installed = version(distribution)
-        except PackageNotFoundError:
+        installed = _installed_release(distribution)
+        if installed is None:
             return None
         if not tested or _release_key(installed) <= max(_release_key(t) for t in tested):
             return installed
@@ -472,6 +470,19 @@ def check_release(adapter: str, distribution: str, tested: Sequence[str]) -> str
             adapter, distribution, installed, ", ".join(tested),
         )
     return installed
+
+
+@functools.lru_cache(maxsize=32)
+def _installed_release(distribution: str) -> str | None:
+    """The installed release of ``distribution`` (None: not installed), read once per process:
+    the lookup scans the installed distributions (~2 ms) and entry points call it per batch or
+    per trajectory, on the training thread."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def _release_key(text: str) -> tuple[int, ...]:
