@@ -255,20 +255,14 @@ def learn_from_renderer(renderer: Any, decode: Any, special: tuple[str, ...]) ->
     generation = tail[len(end_user):]
     headers = {"user": header_user}
     ends = [end_user, generation]
-    three = render([{"role": "user", "content": _S["user"]}, {"role": "assistant", "content": _S["assistant"]},
-                    {"role": "user", "content": _S["user2"]}])
-    ua = between(three or "", _S["user"], _S["assistant"])
-    au = between(three or "", _S["assistant"], _S["user2"])
-    if ua is not None and au is not None and ua.startswith(end_user) and au.endswith(header_user):
-        headers["assistant"] = ua[len(end_user):]
-        ends.append(au[: len(au) - len(header_user)])
-    four = render([{"role": "user", "content": _S["user"]}, {"role": "system", "content": _S["system"]},
-                   {"role": "user", "content": _S["user2"]}])
-    us = between(four or "", _S["user"], _S["system"])
-    su = between(four or "", _S["system"], _S["user2"])
-    if us is not None and su is not None and us.startswith(end_user) and su.endswith(header_user):
-        headers["system"] = us[len(end_user):]
-        ends.append(su[: len(su) - len(header_user)])
+    for role in ("assistant", "system"):  # a user message, this role's, another user message
+        text = render([{"role": "user", "content": _S["user"]}, {"role": role, "content": _S[role]},
+                       {"role": "user", "content": _S["user2"]}])
+        before = between(text or "", _S["user"], _S[role])
+        after = between(text or "", _S[role], _S["user2"])
+        if before is not None and after is not None and before.startswith(end_user) and after.endswith(header_user):
+            headers[role] = before[len(end_user):]
+            ends.append(after[: len(after) - len(header_user)])
     tool = _tool_header(renderer, render, ends)
     if tool is not None:
         headers["tool"] = tool
