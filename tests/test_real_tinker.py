@@ -118,6 +118,17 @@ def calculator_builder(renderer):
     return CalculatorGroup()
 
 
+def assert_calculator_episode(ep):
+    """The calculator episode's tree (a turn with its ``execute_tool``, then the answer) and its
+    one tool call, whose result is 391; returns the call's span."""
+    assert tree(ep["spans"]) == [
+        (0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"), (2, "execute_tool calculator"),
+        (1, "turn"), (2, "chat"), (1, "reward")]
+    (call,) = ep["by_kind"]["tool"]
+    assert call.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
+    return call
+
+
 def tool_group(tok, renderer, texts, stop_reason="stop"):
     builder = calculator_builder(renderer)
     return builder, rollout(builder, fixed_tokens(tok, texts, stop_reason))
@@ -203,11 +214,7 @@ def test_tool_call_in_the_action_becomes_execute_tool_with_its_result(tok, rende
     otr.flush()
 
     (ep,) = episodes(mem).values()
-    assert tree(ep["spans"]) == [
-        (0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"), (2, "execute_tool calculator"),
-        (1, "turn"), (2, "chat"), (1, "reward")]
-    (call,) = ep["by_kind"]["tool"]
-    assert call.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
+    call = assert_calculator_episode(ep)
     assert "17 * 23" in str(call.attributes[c.GEN_AI_TOOL_CALL_ARGUMENTS])
 
     (row,) = trackio_rows(project)
@@ -368,11 +375,7 @@ def test_tool_markers_that_are_special_tokens_still_give_tool_calls_and_results(
     record_trajectory_groups([wrapped(group, builder, 0)], step=0, **kwargs)
     otr.flush()
     (ep,) = episodes(mem).values()
-    assert tree(ep["spans"]) == [
-        (0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"), (2, "execute_tool calculator"),
-        (1, "turn"), (2, "chat"), (1, "reward")]
-    (call,) = ep["by_kind"]["tool"]
-    assert call.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
+    assert_calculator_episode(ep)
     (msgs,) = messages_of(mem).values()
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
     assert msgs[3]["content"] == "391" and "I should use the tool." in msgs[2]["content"]
@@ -544,11 +547,7 @@ def inkling_tool_group(tok, renderer, encode, texts):
 
 def assert_inkling_episode(mem, system_messages):
     (ep,) = episodes(mem).values()
-    assert tree(ep["spans"]) == [
-        (0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"), (2, "execute_tool calculator"),
-        (1, "turn"), (2, "chat"), (1, "reward")]
-    (call,) = ep["by_kind"]["tool"]
-    assert call.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
+    assert_calculator_episode(ep)
     (msgs,) = messages_of(mem).values()
     assert [(m["role"], m["content"]) for m in msgs[: len(system_messages) + 1]] == [
         *(("system", s) for s in system_messages), ("user", "What is 17 * 23?")]
