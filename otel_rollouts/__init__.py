@@ -26,12 +26,15 @@ from otel_rollouts._rollouts import (  # noqa: E402
     configure,
     end_step,
     flush,
+    gateway,
     set_step,
     shutdown,
     stats,
     tracer_provider,
     version,
 )
+from otel_rollouts.correlate.baggage import copy_baggage_to_logs, copy_baggage_to_spans  # noqa: E402
+from otel_rollouts.correlate.gateway import GatewayOptions, SpanGateway  # noqa: E402
 from otel_rollouts.correlate.logs import instrument_logging, uninstrument_logging  # noqa: E402
 from otel_rollouts.correlate.propagation import (  # noqa: E402
     extract_context,
@@ -84,6 +87,8 @@ __all__ = [
     "tracer_provider",
     "adopt",
     "context_carrier",
+    "copy_baggage_to_logs",
+    "copy_baggage_to_spans",
     "extract_context",
     "httpx_event_hooks",
     "inject_headers",
@@ -113,8 +118,11 @@ __all__ = [
     "Errors",
     "First",
     "flush",
+    "gateway",
+    "GatewayOptions",
     "Generation",
     "Groups",
+    "SpanGateway",
     "InvalidValue",
     "Policy",
     "RayBudget",

@@ -30,6 +30,8 @@ from otel_rollouts._core.redaction import (
 from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, resolve
 from otel_rollouts._core.stats import Stats
+from otel_rollouts.correlate.gateway import GatewayOptions, SpanGateway
+from otel_rollouts.correlate.gateway_logs import LogOutlet, default_log_exporter
 from otel_rollouts.correlate.metrics import RolloutMetrics
 from otel_rollouts.delivery.defaults import default_exporters
 from otel_rollouts.delivery.dispatch import Delivery
@@ -113,6 +115,8 @@ class Rollouts(_runtime.Runtime):
         self._ticker_stop = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self.gateway: SpanGateway | None = None
+        self._log_outlet: LogOutlet | None = None
         if self.enabled:
             self._build()
 
@@ -201,6 +205,7 @@ class Rollouts(_runtime.Runtime):
             if not self.enabled:
                 return self
             _redact_own_logs(self.redactor)
+            self._start_gateway()  # after the run it replaces let go of the ports
             if self.settings.set_global_provider and self.provider is not None:
                 from opentelemetry import trace
 
@@ -217,6 +222,17 @@ class Rollouts(_runtime.Runtime):
             return Rollouts(settings).install()
 
         return rebuild
+
+    def _start_gateway(self) -> None:
+        options = self.settings.gateway
+        if options is None or self.sampling_pipeline is None or self.delivery is None or self.counters is None:
+            return
+        if options is True:
+            options = GatewayOptions()
+        exporter = options.log_exporter if options.log_exporter is not None else default_log_exporter()
+        self._log_outlet = LogOutlet(exporter, self.counters)
+        self.gateway = SpanGateway(options, self.sampling_pipeline, self.counters, self._log_outlet,
+                                   self.delivery.spans).start()
 
     def _start_ticker(self) -> None:
         if self._ticker is not None and self._ticker.is_alive():
@@ -317,6 +333,8 @@ class Rollouts(_runtime.Runtime):
                 return True
             self._stopped = True
             deadline = time.monotonic() + timeout
+            if self.gateway is not None:  # no more server spans: what is held settles
+                self.gateway.stop(timeout=min(timeout / 8, 2.0))
             self.settle()  # spans of finished remote calls join before the last decisions
             pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
             self.enabled = False
@@ -326,6 +344,9 @@ class Rollouts(_runtime.Runtime):
                 # step summaries go before the exporters stop
                 metrics.flush(max(deadline - time.monotonic(), 0.0) / 2)
             ok = self.delivery.shutdown(max(deadline - time.monotonic(), 0.0))
+            if self._log_outlet is not None:  # kept episodes' server logs were queued there
+                self._log_outlet.flush(int(max(deadline - time.monotonic(), 0.0) * 1000 / 2))
+                self._log_outlet.shutdown()
             if metrics is not None:
                 metrics.shutdown(max(deadline - time.monotonic(), 0.0))
             return ok and closed
@@ -373,6 +394,7 @@ def configure(
     episode_timeout_s: float | None = None,
     max_pending_bytes: int = 64 * 1024 * 1024,
     max_queue_bytes: int = 64 * 1024 * 1024,
+    gateway: GatewayOptions | bool | None = None,
     install: bool = True,
 ) -> Rollouts:
     """Set up tracing of episodes for this process and return the run (``otr.Rollouts``).
@@ -404,6 +426,9 @@ def configure(
       back (default: a private temporary directory, removed when empty), and its cap;
       ``max_request_bytes``: OTLP requests are split under the collector's message-size limit.
     * ``handle_signals`` / ``exit_timeout``: flush at exit, SIGTERM included, within this time.
+    * ``gateway``: ``True`` or ``otr.GatewayOptions(...)`` receives OTLP (HTTP 4318, gRPC 4317 on
+      127.0.0.1 by default) from inference servers and other services: their spans and log
+      records are kept or dropped with their episode (``otr.gateway()`` says where it listens).
     * ``agent_name``: ``gen_ai.agent.name`` on every episode root (default: the service name).
     * ``episode_timeout_s``: an episode still open after this long is ended as truncated
       (``rl.timed_out``), decided and counted (``episodes.timed_out``); default None: never.
@@ -439,6 +464,12 @@ def _metrics(resource: Resource, readers: Sequence[Any] | None, exporters: Seque
 def _installed() -> Rollouts | None:
     rt = _runtime.installed()
     return rt if isinstance(rt, Rollouts) else None
+
+
+def gateway() -> SpanGateway | None:
+    """The installed run's span gateway (``configure(gateway=...)``), None without one."""
+    rollouts = _installed()
+    return rollouts.gateway if rollouts is not None else None
 
 
 def tracer_provider() -> TracerProvider | None:

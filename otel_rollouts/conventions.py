@@ -316,11 +316,14 @@ ENV_SDK_DISABLED = "OTEL_SDK_DISABLED"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_OTLP_LOGS_ENDPOINT = "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT"
 ENV_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 ENV_OTLP_METRICS_PROTOCOL = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
 ENV_OTLP_LOGS_PROTOCOL = "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL"
 ENV_TRACKIO_PROJECT = "OTEL_ROLLOUTS_TRACKIO_PROJECT"
+# the run id every process of one run shares (rl.run.id); random per process when unset
+ENV_RUN_ID = "OTEL_ROLLOUTS_RUN_ID"
 ENV_SPOOL_DIR = "OTEL_ROLLOUTS_SPOOL_DIR"  # where batches wait for an exporter that failed
 ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT = "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"
 ENV_SPAN_ATTRIBUTE_COUNT_LIMIT = "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"
@@ -355,3 +358,41 @@ LOG_TRACE_ID = "trace_id"
 LOG_SPAN_ID = "span_id"
 LOG_RL_STEP = "rl_step"
 LOG_RL_EPISODE_ID = "rl_episode_id"
+
+# --- episode identity as W3C baggage (sent by any propagator inside an episode) --------------
+# the keys every request made inside an episode carries in its ``baggage`` header
+BAGGAGE_KEYS = (RL_RUN_ID, RL_STEP, RL_EPISODE_ID, RL_GROUP_ID)
+ENV_TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
+
+# --- what the tail sampler decided, on the root of every kept episode -------------------------
+# A shared Collector's tail_sampling keeps a trace when one of its spans says so (a
+# boolean_attribute policy on this key): a server's spans for a dropped episode never see it.
+RL_SAMPLING_KEPT = "rl.sampling.kept"
+
+# --- span gateway: serving-engine timings --------------------------------------------------------
+# vLLM's and SGLang's request spans carry per-request timings (seconds) as ``gen_ai.latency.*``;
+# the gateway copies them onto the generation span that made the request, under rl.server.*.
+GEN_AI_LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
+GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
+GEN_AI_LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
+GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
+GEN_AI_LATENCY_E2E = "gen_ai.latency.e2e"
+RL_SERVER_QUEUE_SECONDS = "rl.server.queue.seconds"
+RL_SERVER_TTFT_SECONDS = "rl.server.time_to_first_token.seconds"
+RL_SERVER_PREFILL_SECONDS = "rl.server.prefill.seconds"
+RL_SERVER_DECODE_SECONDS = "rl.server.decode.seconds"
+RL_SERVER_INFERENCE_SECONDS = "rl.server.inference.seconds"
+RL_SERVER_E2E_SECONDS = "rl.server.e2e.seconds"
+RL_SERVER_SPANS = "rl.server.spans"  # how many server spans joined this generation span
+SERVER_TIMINGS = {
+    GEN_AI_LATENCY_TIME_IN_QUEUE: RL_SERVER_QUEUE_SECONDS,
+    GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: RL_SERVER_TTFT_SECONDS,
+    GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: RL_SERVER_PREFILL_SECONDS,
+    GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: RL_SERVER_DECODE_SECONDS,
+    GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE: RL_SERVER_INFERENCE_SECONDS,
+    GEN_AI_LATENCY_E2E: RL_SERVER_E2E_SECONDS,
+}
+# the OTLP exporters' timeouts (seconds), read to give our span exporter a short default
+ENV_OTLP_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
+ENV_OTLP_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"

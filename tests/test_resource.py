@@ -100,3 +100,23 @@ def test_traces_metrics_and_logs_carry_the_identical_resource(monkeypatch):
     assert trace_resource[c.RL_RUN_ID] == "run-7"
     assert trace_resource[c.SERVICE_NAME] == "grpo"
     assert (trace_resource[c.RL_RANK], trace_resource[c.RL_WORLD_SIZE]) == (2, 4)
+
+
+def test_every_process_of_a_run_shares_the_run_id_from_the_environment(monkeypatch) -> None:
+    """``rl.run.id`` is the join key across processes: the launcher's OTEL_ROLLOUTS_RUN_ID gives
+    every process the same one (each would draw its own otherwise); an argument still wins."""
+    monkeypatch.setenv(c.ENV_RUN_ID, "grpo-run-7")
+    spans = InMemorySpanExporter()
+    otr.configure(exporters=[spans], handle_signals=False)
+    try:
+        with otr.episode(step=0) as ep:
+            ep.reward(1.0)
+        otr.flush()
+        assert {s.resource.attributes[c.RL_RUN_ID] for s in spans.get_finished_spans()} == {"grpo-run-7"}
+        child = subprocess.run(
+            [sys.executable, "-c", "import otel_rollouts as otr; print(otr.configure(exporters=[]).run_id)"],
+            env={**os.environ}, capture_output=True, text=True, timeout=120, check=True)
+        assert child.stdout.strip().splitlines()[-1] == "grpo-run-7"
+        assert otr.configure(exporters=[], run_id="explicit", handle_signals=False).run_id == "explicit"
+    finally:
+        otr.shutdown()

@@ -516,3 +516,62 @@ def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, ray_clust
         _wait(browser, lambda d: "move 0" in _io(panel)["input"], "the env step's action in its panel")
         _wait(browser, lambda d: "move 0:6:12" in _io(panel)["output"], "the env step's observation")
         save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "ray-step-panel.png")
+
+
+def test_a_server_behind_the_gateway_shows_in_the_episode(browser, tmp_path: Path) -> None:
+    """An OpenTelemetry-instrumented inference server exports to the span gateway: the kept
+    episode's tree in Trackio holds the server's request span under the chat span, and the chat
+    span's panel shows the engine's queue / prefill / decode timings."""
+    import httpx
+    from instrumented_server import ENGINE_SPAN, serve, timings
+    from selenium.webdriver.common.by import By
+
+    import otel_rollouts as otr
+    from otel_rollouts import conventions as c
+    from otel_rollouts.exporters import TrackioExporter
+
+    project = "browser-gateway"
+    otr.configure(exporters=[TrackioExporter(project, run="gateway")], sampler=otr.TailSampler(2, "top_bottom"),
+                  gateway=otr.GatewayOptions(http_port=0, grpc_port=None), handle_signals=False)
+    gateway = otr.gateway()
+    assert gateway is not None and gateway.http_endpoint
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": gateway.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BLRP_SCHEDULE_DELAY": "50"}
+    try:
+        with serve(env) as server:
+            client = httpx.Client(base_url=server.url, event_hooks=otr.httpx_event_hooks())
+            for i, reward in enumerate([0.1, 0.8, 0.5]):
+                with otr.episode(step=40, sample_index=i) as ep:
+                    ep.prompt([{"role": "user", "content": f"Move the box to cell {i}."}])
+                    with ep.turn() as turn, turn.generation(MODEL) as gen:
+                        body = {"model": MODEL, "max_tokens": 400, "messages": [{"role": "user", "content": "go"}]}
+                        gen.output(client.post("/v1/chat/completions", json=body).json()["choices"][0]
+                                   ["message"]["content"])
+                    ep.reward(reward)
+            deadline = time.monotonic() + TIMEOUT
+            while otr.stats()["totals"].get("gateway.spans", 0) < 3 * 2:  # the server's spans are in
+                assert time.monotonic() < deadline, otr.stats()["totals"]
+                time.sleep(0.02)
+        otr.end_step(40)
+    finally:
+        assert otr.shutdown(60)
+    queue = timings(400)[c.GEN_AI_LATENCY_TIME_IN_QUEUE]
+    with _serve(Path(os.environ["TRACKIO_DIR"]), tmp_path / "dashboard.log") as base:
+        browser.get(f"{base}/traces?project={project}")
+        rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
+                     and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
+        worst = next(r for r in rows if "cell 0" in r.text)
+        expanded = _expand(browser, worst)
+        span_rows = _wait(browser, lambda d: expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row"),
+                          "the execution tree")
+        tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
+        chat = next(depth for depth, name in tree if name == f"chat {MODEL}")
+        engine = [depth for depth, name in tree if name == ENGINE_SPAN]
+        _expect(browser, len(engine) == 1 and engine[0] > chat, f"the engine span under the chat span: {tree}")
+        panel = _select_span(browser, expanded, f"chat {MODEL}")
+        for summary in panel.find_elements(By.CSS_SELECTOR, "summary"):
+            if "Metadata" in summary.text:
+                summary.click()  # the span's attributes: folded by default
+        _wait(browser, lambda d: c.RL_SERVER_QUEUE_SECONDS in panel.text and str(queue) in panel.text,
+              "the server's queue time in the chat span's panel")
+        save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "gateway-episode.png")

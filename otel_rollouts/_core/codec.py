@@ -10,10 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry._logs import LogRecord, SeverityNumber
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import SpanFlags
+from opentelemetry.sdk._logs import ReadWriteLogRecord
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -22,7 +26,7 @@ from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
 
-__all__ = ["count_episodes", "decode", "encode", "spans_from_request", "with_resource"]
+__all__ = ["count_episodes", "decode", "encode", "logs_from_request", "spans_from_request", "with_resource"]
 
 _KIND = {
     PbSpan.SpanKind.SPAN_KIND_INTERNAL: SpanKind.INTERNAL,
@@ -134,6 +138,45 @@ def spans_from_request(request: ExportTraceServiceRequest) -> list[ReadableSpan]
             )
             spans.extend(_span(pb, resource, scope) for pb in scope_spans.spans)
     return spans
+
+
+def logs_from_request(request: ExportLogsServiceRequest,
+                      resource: Resource | None = None) -> list[tuple[int, ReadWriteLogRecord, int]]:
+    """``(trace id or 0, SDK record, bytes on the wire)`` for every record of one OTLP logs
+    request, with its own resource and scope (``resource``: stamped with that one instead)."""
+    out: list[tuple[int, ReadWriteLogRecord, int]] = []
+    for resource_logs in request.resource_logs:
+        own = resource or Resource(_attributes(resource_logs.resource.attributes), resource_logs.schema_url or None)
+        for scope_logs in resource_logs.scope_logs:
+            pb_scope = scope_logs.scope
+            scope = InstrumentationScope(pb_scope.name, pb_scope.version or None,
+                                         scope_logs.schema_url or None, _attributes(pb_scope.attributes) or None)
+            for pb in scope_logs.log_records:
+                trace_id = int.from_bytes(pb.trace_id, "big") if len(pb.trace_id) == 16 else 0
+                span_id = int.from_bytes(pb.span_id, "big") if len(pb.span_id) == 8 else 0
+                context = None
+                if trace_id and span_id:
+                    parent = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(pb.flags & 0xFF))
+                    context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
+                record = LogRecord(
+                    timestamp=pb.time_unix_nano or None,
+                    observed_timestamp=pb.observed_time_unix_nano or None,
+                    context=context,
+                    severity_text=pb.severity_text or None,
+                    severity_number=_severity(pb.severity_number),
+                    body=_value(pb.body) if pb.HasField("body") else None,
+                    attributes=_attributes(pb.attributes),
+                    event_name=pb.event_name or None,
+                )
+                out.append((trace_id, ReadWriteLogRecord(record, own, scope), pb.ByteSize()))
+    return out
+
+
+def _severity(number: int) -> SeverityNumber | None:
+    try:
+        return SeverityNumber(number) if number else None
+    except ValueError:
+        return None
 
 
 def encode(spans: Sequence[ReadableSpan]) -> bytes:

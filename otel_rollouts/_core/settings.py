@@ -41,6 +41,7 @@ __all__ = [
     "check_environment",
     "env_flag",
     "phoenix_annotations",
+    "traces_exporter_names",
 ]
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
@@ -185,6 +186,57 @@ def _propagators(text: str) -> str:
     return text.strip()
 
 
+# OTEL_TRACES_EXPORTER: the names configure() builds itself; any other name must be an installed
+# entry point of the SDK's group (as the SDK's own auto-configuration requires)
+TRACES_EXPORTER_NONE = "none"
+BUILTIN_TRACES_EXPORTERS = ("trackio", "otlp", "otlp_proto_http", "otlp_proto_grpc", "console",
+                            TRACES_EXPORTER_NONE)
+TRACES_EXPORTER_GROUP = "opentelemetry_traces_exporter"
+_TRACES_EXPORTER_DEFAULT = "the default exporters (Trackio, plus OTLP when an OTLP endpoint is set)"
+
+
+def _traces_exporters(text: str) -> tuple[str, ...]:
+    """``OTEL_TRACES_EXPORTER``: a comma separated list of exporter names, each built in or an
+    installed ``opentelemetry_traces_exporter`` entry point, or ``none`` alone; the names in
+    order, lowercase, without repeats."""
+    names: list[str] = []
+    for item in text.split(","):
+        name = item.strip().lower()
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("names no exporter")
+    if TRACES_EXPORTER_NONE in names and len(names) > 1:
+        raise ValueError("names none together with other exporters")
+    unknown = [n for n in names if n not in BUILTIN_TRACES_EXPORTERS]
+    if unknown:
+        from importlib.metadata import entry_points
+
+        installed = {point.name.lower() for point in entry_points(group=TRACES_EXPORTER_GROUP)}
+        missing = [n for n in unknown if n not in installed]
+        if missing:
+            raise ValueError(f"names an exporter that is neither built in ({', '.join(BUILTIN_TRACES_EXPORTERS)}) "
+                             f"nor installed ({', '.join(repr(n) for n in missing)})")
+    return tuple(names)
+
+
+def traces_exporter_names(environ: MutableMapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """The exporters ``OTEL_TRACES_EXPORTER`` names (``()`` for ``none``), or None when it is
+    unset or invalid (then the default exporters are used). An invalid value is warned about
+    and removed here too, for a caller that did not go through ``check_environment`` first."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(c.ENV_TRACES_EXPORTER)
+    if text is None or not text.strip():
+        return None
+    try:
+        names = _traces_exporters(text)
+    except ValueError as exc:
+        _warn(c.ENV_TRACES_EXPORTER, text, str(exc), _TRACES_EXPORTER_DEFAULT, secret=False)
+        environ.pop(c.ENV_TRACES_EXPORTER, None)
+        return None
+    return () if names == (TRACES_EXPORTER_NONE,) else names
+
+
 def _key_values(text: str) -> str:
     for item in text.split(","):
         if item.strip() and "=" not in item:
@@ -258,6 +310,7 @@ class Settings:
     set_global_provider: bool = False
     metric_readers: tuple[Any, ...] | None = None
     disabled: bool = False
+    gateway: Any = None  # GatewayOptions (correlate.gateway) or None: no span gateway
     content: ContentSettings = field(default_factory=ContentSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
@@ -267,7 +320,7 @@ class Settings:
         """A forked child's settings: a metric reader belongs to one MeterProvider (the
         parent's) and a spool directory to the parent: the child takes metric settings from the
         environment only and spools to its own default place."""
-        return replace(self, metric_readers=None,
+        return replace(self, metric_readers=None, gateway=None,
                        delivery=replace(self.delivery, spool_dir=None))
 
 
@@ -304,6 +357,7 @@ ENV_VARIABLES: tuple[EnvOption, ...] = (
     EnvOption(c.ENV_SDK_DISABLED, "disabled", _flag, "false (enabled)"),
     EnvOption(c.ENV_CAPTURE_CONTENT, "content.capture_content", _flag, "true (content captured)"),
     EnvOption(c.ENV_TRACKIO_PROJECT, "trackio_project", _text, "the project otel-rollouts"),
+    EnvOption(c.ENV_RUN_ID, "run_id", _text, "a random run id per process"),
     EnvOption(c.ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, "content.max_attribute_chars",
               _positive_int, f"{ContentSettings.max_attribute_chars} characters"),
     EnvOption(c.ENV_SPAN_ATTRIBUTE_COUNT_LIMIT, "limits.max_attributes_per_span", _positive_int,
@@ -317,6 +371,7 @@ ENV_VARIABLES: tuple[EnvOption, ...] = (
     EnvOption(c.ENV_SERVICE_NAME, "", _text, "the service name otel-rollouts"),
     EnvOption("OTEL_RESOURCE_ATTRIBUTES", "", _key_values, "no resource attributes from the environment",
               secret=True),
+    EnvOption(c.ENV_TRACES_EXPORTER, "", _traces_exporters, _TRACES_EXPORTER_DEFAULT),
     EnvOption(c.ENV_METRICS_EXPORTER, "", _text, "no metrics exporter from the environment"),
     EnvOption(c.ENV_LOGS_EXPORTER, "", _text, "no logs exporter from the environment"),
     EnvOption("OTEL_PROPAGATORS", "", _propagators, "tracecontext,baggage"),

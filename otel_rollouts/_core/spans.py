@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -264,6 +264,7 @@ class EpisodeRecord:
         "split",
         "spans",
         "foreign",
+        "logs",
         "root",
         "reward_span",
         "state",
@@ -284,6 +285,8 @@ class EpisodeRecord:
         self.split = split
         self.spans: list[SpanRecord] = []
         self.foreign: list[ReadableSpan] = []
+        # log records of this episode held until it is decided: (where they go if kept, records, bytes)
+        self.logs: list[tuple[Any, Sequence[Any], int]] | None = None
         self.root: SpanRecord | None = None
         self.reward_span: SpanRecord | None = None
         self.state = OPEN
@@ -319,6 +322,7 @@ class EpisodeRecord:
         still updates (a cycle of three objects, not of the whole tree)."""
         self.spans = []
         self.foreign = []
+        self.logs = None
         self.handle = None
         if not keep_root:
             self.root = None

@@ -59,7 +59,8 @@ def request_limit(exporter: Any, configured: int | None) -> int | None:
     The one place that reads the OTLP exporter's private ``_max_request_size``: the SDK has no
     public accessor for it."""
     module = type(exporter).__module__ or ""
-    if not configured or not module.startswith("opentelemetry.exporter.otlp"):
+    # the SDK's OTLP exporters, and ours for OTLP/JSON (built on the SDK's HTTP ones)
+    if not configured or not module.startswith(("opentelemetry.exporter.otlp", "otel_rollouts.exporters.otlp_http_json")):
         return None
     own = getattr(exporter, "_max_request_size", None)
     if isinstance(own, int) and 0 < own < configured:

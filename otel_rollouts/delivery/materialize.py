@@ -291,6 +291,8 @@ class Materializer:
         merged = {**recorded, **settle(view.main)} if view is not None else dict(recorded)
         if s.kind == c.KIND_EPISODE:
             merged.update(self.views.root(merged))
+            # only kept episodes are rendered: a shared Collector's tail_sampling keys on this
+            merged[c.RL_SAMPLING_KEPT] = True
         if s.status_code is StatusCode.ERROR:
             merged[c.ERROR_TYPE] = error_type(s.events or ())
         return self._attributes(merged, redact=redact)

@@ -32,6 +32,9 @@ _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule),
 
 _MAX_CLAIMED = 16_384  # deterministic trace ids remembered to tell a repeated episode id (~2 MB)
 
+_MAX_DECIDED = 32_768  # decided trace ids remembered (→ kept?) for spans and logs arriving later
+_MAX_HELD_LOG_BYTES = 32 * 1024 * 1024  # log records held with undecided episodes, all together
+
 _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
 
 class _Step:
@@ -67,6 +70,10 @@ class Pipeline(SpanProcessor):
         # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
         self._claimed: OrderedDict[int, None] = OrderedDict()
         self._claim_lock = threading.Lock()
+        # episodes decided lately, trace id → kept: spans and logs of another process (the span
+        # gateway, worker tasks) arriving after the decision follow it
+        self._decided: OrderedDict[int, bool] = OrderedDict()
+        self._held_log_bytes = 0
 
     # --- deterministic ids ---------------------------------------------------------------------
     def claim_trace_id(
@@ -339,11 +346,19 @@ class Pipeline(SpanProcessor):
             record = row.record
         record.state = KEPT
         self._live.pop(record.trace_id, None)
+        self._remember(record.trace_id, True)
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
         self._observe("decided", record, None)
+        logs, record.logs = record.logs, None
+        if record.foreign:
+            _lend_timings(record)
         self.delivery.episode(record)
+        if logs:
+            for outlet, items, size in logs:
+                self._held_log_bytes -= size
+                self._send_logs(outlet, items)
 
     def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
         """``reason`` None: counted already (a row dropped before its record arrived)."""
@@ -357,6 +372,12 @@ class Pipeline(SpanProcessor):
             record = row.record
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
+        self._remember(record.trace_id, False)
+        if record.logs:
+            for _, items, size in record.logs:
+                self._held_log_bytes -= size
+                self.stats.add("dropped.episode_logs", len(items))
+            record.logs = None
         if reason is not None:
             self.stats.step((record.step, record.split), "dropped." + reason)
             self._observe("decided", record, reason)
@@ -597,6 +618,93 @@ class Pipeline(SpanProcessor):
         if late:
             self.delivery.spans(late)
 
+    # --- telemetry of other processes: the span gateway, worker tasks' logs -------------------
+    def _remember(self, trace_id: int, kept: bool) -> None:
+        decided = self._decided
+        decided[trace_id] = kept
+        if len(decided) > _MAX_DECIDED:
+            decided.popitem(last=False)
+
+    def _owner(self, trace_id: int, record: EpisodeRecord | None) -> tuple[EpisodeRecord | None, bool | None]:
+        """The undecided episode of ``trace_id``, else whether it was kept (None: unknown)."""
+        if record is not None and record.trace_id == trace_id and record.state in (OPEN, OFFERED):
+            return record, None
+        owner = self._live.get(trace_id)
+        if owner is not None and owner.state in (OPEN, OFFERED):
+            return owner, None
+        if record is not None and record.trace_id == trace_id and record.state >= KEPT:
+            return None, record.state == KEPT
+        return None, self._decided.get(trace_id)
+
+    def join_spans(self, spans: Sequence[ReadableSpan]) -> list[ReadableSpan]:
+        """Spans made in another process (an inference server through the span gateway) for
+        episodes of this one: held with their episode while it is undecided, exported if it was
+        kept, dropped (counted ``dropped.gateway_spans``) if it was dropped. Returns the spans
+        whose trace is no episode known here: the caller holds them a while and asks again.
+
+        A server span whose parent is a generation span lends that span the serving engine's
+        per-request timings (``gen_ai.latency.*`` → ``rl.server.*``)."""
+        unknown: list[ReadableSpan] = []
+        late: list[ReadableSpan] = []
+        with self._lock:
+            for span in spans:
+                ctx = span.context
+                if ctx is None:
+                    continue
+                owner, kept = self._owner(ctx.trace_id, None)
+                if owner is not None:
+                    if len(owner.spans) + len(owner.foreign) < owner.max_spans:
+                        owner.foreign.append(span)
+                    else:
+                        owner.dropped_spans += 1
+                elif kept is None:
+                    unknown.append(span)
+                elif kept:
+                    late.append(span)
+                else:
+                    self.stats.add("dropped.gateway_spans")
+        if late:
+            self.delivery.spans(late)
+        return unknown
+
+    def join_logs(self, trace_id: int, logs: Sequence[Any], outlet: Callable[[Sequence[Any]], None],
+                  size: int, record: EpisodeRecord | None = None) -> bool:
+        """Log records of episode ``trace_id`` (any objects ``outlet`` takes, e.g. SDK log
+        records): held with it while undecided and handed to ``outlet`` if it is kept; handed
+        over at once if it was kept already; dropped (counted ``dropped.episode_logs``) if it
+        was or will be dropped. ``size``: their bytes (all held records are bounded together).
+        False: the trace is no episode known here, nothing was done (the caller sends them on)."""
+        if not logs:
+            return True
+        with self._lock:
+            owner, kept = self._owner(trace_id, record)
+            if owner is not None:
+                if self._held_log_bytes + size > _MAX_HELD_LOG_BYTES:
+                    self.stats.add("dropped.episode_logs_full", len(logs))
+                    return True
+                if owner.logs is None:
+                    owner.logs = []
+                owner.logs.append((outlet, logs, size))
+                self._held_log_bytes += size
+                return True
+            if kept is None:
+                return False
+            if not kept:
+                self.stats.add("dropped.episode_logs", len(logs))
+                return True
+        self._send_logs(outlet, logs)
+        return True
+
+    def _send_logs(self, outlet: Callable[[Sequence[Any]], None], logs: Sequence[Any]) -> None:
+        try:
+            outlet(logs)
+        except Exception:  # noqa: BLE001 - a log outlet never breaks the pipeline
+            self.stats.add("errors.episode_logs", len(logs))
+
+    def knows(self, trace_id: int) -> bool:
+        """Whether ``trace_id`` is an episode held here or decided lately."""
+        return trace_id in self._live or trace_id in self._decided
+
     def shutdown(self) -> None:
         """OpenTelemetry's ``provider.shutdown()``: end open episodes (truncated), close every
         step and deliver, then stop delivery. The library's own ``otr.shutdown()`` does the same
@@ -615,3 +723,40 @@ class Pipeline(SpanProcessor):
         if not self.close_all(timeout=max(deadline - time.monotonic(), 0.0)):
             return False
         return self.delivery.flush(max(deadline - time.monotonic(), 0.0))
+
+
+def _lend_timings(record: EpisodeRecord) -> None:
+    """Copy a serving engine's per-request timings (a server span's ``gen_ai.latency.*``) onto
+    the generation span that made the request, where a researcher reads the generation. Done
+    when the episode is kept, so the order the server's spans arrived in does not matter."""
+    ours: dict[int, SpanRecord] | None = None
+    theirs: dict[int, ReadableSpan] | None = None
+    for span in record.foreign:
+        attributes = span.attributes
+        if not attributes or span.parent is None:
+            continue
+        timings = {ours_key: value for theirs_key, ours_key in c.SERVER_TIMINGS.items()
+                   if isinstance(value := attributes.get(theirs_key), (int, float)) and not isinstance(value, bool)}
+        if not timings:
+            continue
+        if ours is None or theirs is None:
+            ours = {s.span_id: s for s in record.spans}
+            theirs = {f.context.span_id: f for f in record.foreign if f.context is not None}
+        target = _generation_above(ours, theirs, span.parent.span_id)
+        if target is not None:
+            target.attributes.update(timings)
+
+
+def _generation_above(ours: dict[int, SpanRecord], theirs: dict[int, ReadableSpan],
+                      span_id: int) -> SpanRecord | None:
+    """The generation span ``span_id`` is, or is under through other processes' spans (the
+    server's route span, an instrumented HTTP client's span sit between)."""
+    for _ in range(16):
+        mine = ours.get(span_id)
+        if mine is not None:
+            return mine if mine.kind == c.KIND_GENERATION else None
+        foreign = theirs.get(span_id)
+        if foreign is None or foreign.parent is None:
+            return None
+        span_id = foreign.parent.span_id
+    return None

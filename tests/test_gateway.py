@@ -1,0 +1,251 @@
+"""The span gateway with a real OpenTelemetry-instrumented server process.
+
+The server (``tests/instrumented_server.py``: FastAPI + the stock FastAPI instrumentation, the
+SDK's OTLP span and log exporters, configured only from the standard environment variables)
+exports to the gateway over gRPC or OTLP/HTTP. otel_rollouts exports what it keeps to a real
+OTLP/HTTP receiver process (``tests/otlp_sink.py``): the "collector". Kept episodes must hold the
+server's spans under their generation span and its log records; a dropped episode must leave
+nothing there at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from instrumented_server import ENGINE_SPAN, LOGGER_NAME, serve, timings
+from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext, TraceFlags
+from otlp_sink import OtlpSink
+
+import otel_rollouts as otr
+from otel_rollouts import conventions as c
+
+EPISODES = 6
+KEPT = 2
+
+
+def _totals() -> dict[str, Any]:
+    return otr.stats()["totals"]
+
+
+def _wait(condition: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; stats: {_totals()}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def sink(tmp_path: Path) -> Iterator[OtlpSink]:
+    with OtlpSink(tmp_path / "sink") as running:
+        yield running
+
+
+def _configure(sink: OtlpSink, **options: Any) -> otr.SpanGateway:
+    otr.configure(
+        service_name="trainer",
+        run_id="gateway-run",
+        exporters=[OTLPSpanExporter(endpoint=sink.endpoint)],
+        sampler=otr.TailSampler(KEPT, "top_bottom"),
+        gateway=otr.GatewayOptions(http_port=0, grpc_port=0,
+                                   log_exporter=OTLPLogExporter(endpoint=sink.logs_endpoint), **options),
+        handle_signals=False,
+    )
+    gateway = otr.gateway()
+    assert gateway is not None and gateway.http_port and gateway.grpc_port
+    return gateway
+
+
+def _server_env(gateway: otr.SpanGateway, protocol: str) -> dict[str, str]:
+    endpoint = gateway.grpc_endpoint if protocol == "grpc" else gateway.http_endpoint
+    assert endpoint is not None
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_BLRP_SCHEDULE_DELAY": "50",
+        "OTEL_SERVICE_NAME": "toy-vllm",
+    }
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_server_spans_and_logs_follow_their_episode(sink: OtlpSink, protocol: str) -> None:
+    gateway = _configure(sink)
+    try:
+        with serve(_server_env(gateway, protocol)) as server:
+            client = httpx.Client(base_url=server.url, event_hooks=otr.httpx_event_hooks())
+            trace_ids: dict[int, str] = {}
+            for i in range(EPISODES):
+                with otr.episode(step=0, group_id="g", sample_index=i) as ep:
+                    trace_ids[i] = ep.trace_id
+                    ep.prompt([{"role": "user", "content": f"question {i}"}])
+                    with ep.turn() as turn, turn.generation("policy") as gen:
+                        body = {"model": "policy", "max_tokens": 100 * (i + 1),
+                                "messages": [{"role": "user", "content": f"question {i}"}]}
+                        reply = client.post("/v1/chat/completions", json=body).json()
+                        gen.output(reply["choices"][0]["message"]["content"])
+                    ep.reward(float(i))
+            assert client.get("/health").status_code == 200  # outside any episode
+            # every server span (route + engine + the ASGI send/receive spans) and log arrived
+            _wait(lambda: _totals().get("gateway.spans", 0) >= 2 * EPISODES + 1
+                  and _totals().get("gateway.logs", 0) >= EPISODES, "the server's telemetry")
+        otr.end_step(0)
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+
+    spans = sink.spans()
+    roots = [s for s in spans if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_EPISODE]
+    kept = {r["trace_id"] for r in roots}
+    assert kept == {trace_ids[0], trace_ids[EPISODES - 1]}  # top 1 and bottom 1 by reward
+    dropped = set(trace_ids.values()) - kept
+    # orphans: nothing of a dropped episode reached the collector, spans or logs
+    assert [s for s in spans if s["trace_id"] in dropped] == []
+    logs = sink.logs()
+    assert [r for r in logs if r["trace_id"] in dropped] == []
+    by_id = {s["span_id"]: s for s in spans}
+    for i in (0, EPISODES - 1):
+        tid = trace_ids[i]
+        trace = [s for s in spans if s["trace_id"] == tid]
+        engine = [s for s in trace if s["name"] == ENGINE_SPAN]
+        assert len(engine) == 1, [s["name"] for s in trace]
+        # the engine span sits under the generation span that made the request
+        node, chain = engine[0], []
+        while node["parent_id"] is not None:
+            node = by_id[node["parent_id"]]
+            chain.append(node["attributes"].get(c.RL_SPAN_KIND))
+        assert c.KIND_GENERATION in chain and chain[-1] == c.KIND_EPISODE
+        assert engine[0]["service"] == "toy-vllm"  # the server's own resource
+        assert engine[0]["attributes"][c.RL_EPISODE_ID]  # baggage copied by the server
+        generation = [s for s in trace if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_GENERATION]
+        expected = timings(100 * (i + 1))
+        assert generation[0]["attributes"][c.RL_SERVER_QUEUE_SECONDS] == pytest.approx(
+            expected[c.GEN_AI_LATENCY_TIME_IN_QUEUE])
+        assert generation[0]["attributes"][c.RL_SERVER_DECODE_SECONDS] == pytest.approx(
+            expected[c.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE])
+        served = [r for r in logs if r["trace_id"] == tid]
+        assert len(served) == 1 and served[0]["body"].startswith("served"), served
+        assert served[0]["scope"] == LOGGER_NAME and served[0]["resource"]["service.name"] == "toy-vllm"
+    # the health check's span belongs to no episode: it passes through
+    assert [s for s in spans if s["name"] == "GET /health"]
+    totals = otr.stats()["totals"]
+    assert totals.get("dropped.gateway_unknown.spans", 0) == 0
+    assert totals["dropped.episode_logs"] == EPISODES - KEPT
+
+
+def _span(trace_id: int, span_id: int, parent: int, name: str = "late") -> ReadableSpan:
+    ctx = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    parent_ctx = SpanContext(trace_id, parent, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    now = time.time_ns()
+    return ReadableSpan(name=name, context=ctx, parent=parent_ctx, start_time=now, end_time=now + 1000)
+
+
+def test_spans_arriving_after_the_decision_follow_it(sink: OtlpSink) -> None:
+    gateway = _configure(sink, hold_s=0.2)
+    try:
+        ids = {}
+        for i in range(4):
+            with otr.episode(step=0, sample_index=i) as ep:
+                ids[i] = (int(ep.trace_id, 16), ep.root.span_id)
+                ep.reward(float(i))
+        otr.end_step(0)  # keeps 0 and 3
+        # the stock OTLP/HTTP exporter, aimed at the gateway, sends spans of decided episodes
+        to_gateway = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces")
+        spans = [_span(tid, 0x1000 + i, root, f"late-{i}") for i, (tid, root) in ids.items()]
+        stranger = _span(0xABCDEF, 0x2000, 0x3000, "stranger")  # no episode of this process
+        assert to_gateway.export([*spans, stranger]).name == "SUCCESS"
+        _wait(lambda: _totals().get("dropped.gateway_unknown.spans", 0) == 1, "the stranger let go")
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    names = {s["name"] for s in sink.spans()}
+    assert {"late-0", "late-3"} <= names
+    assert not names & {"late-1", "late-2", "stranger"}
+    totals = otr.stats()["totals"]
+    assert totals["dropped.gateway_spans"] == 2
+
+
+def test_unknown_traces_can_be_exported_instead(sink: OtlpSink) -> None:
+    gateway = _configure(sink, hold_s=0.2, unknown="export")
+    try:
+        to_gateway = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces")
+        assert to_gateway.export([_span(0xABCDEF, 0x2000, 0x3000, "stranger")]).name == "SUCCESS"
+        _wait(lambda: _totals().get("gateway.unknown_exported.spans", 0) == 1, "the stranger exported")
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    assert "stranger" in {s["name"] for s in sink.spans()}
+
+
+def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_http_json_gzip_and_bad_requests(sink: OtlpSink) -> None:
+    gateway = _configure(sink, max_request_bytes=64 * 1024)
+    url = f"{gateway.http_endpoint}/v1/traces"
+    try:
+        with otr.episode(step=0) as ep:
+            tid, root = int(ep.trace_id, 16), ep.root.span_id
+            ep.reward(1.0)
+            # OTLP/JSON: hex ids, as the OTLP specification writes them; gzip, as exporters send
+            request = {"resourceSpans": [{"resource": {"attributes": [
+                {"key": "service.name", "value": {"stringValue": "json-server"}}]},
+                "scopeSpans": [{"spans": [{
+                    "traceId": f"{tid:032x}", "spanId": "00000000000000aa", "parentSpanId": f"{root:016x}",
+                    "name": "json-span", "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]}
+            status, answer = _post(url, gzip.compress(json.dumps(request).encode()),
+                                   {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+            assert status == 200 and json.loads(answer) == {}
+        assert _post(url, b"\x00garbage", {"Content-Type": "application/x-protobuf"})[0] == 400
+        assert _post(url, b"{not json", {"Content-Type": "application/json"})[0] == 400
+        assert _post(url, b"x" * (65 * 1024), {"Content-Type": "application/x-protobuf"})[0] == 413
+        bomb = gzip.compress(b"\x00" * (1024 * 1024))  # 1 KiB on the wire, 1 MiB inflated
+        assert _post(url, bomb, {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"})[0] == 400
+        assert _post(f"{gateway.http_endpoint}/v1/metrics", b"", {})[0] == 404
+        otr.end_step(0)
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    span = [s for s in sink.spans() if s["name"] == "json-span"]
+    assert span and span[0]["service"] == "json-server" and span[0]["trace_id"] == f"{tid:032x}"
+    assert otr.stats()["totals"]["errors.gateway_decode"] == 3
+
+
+def test_a_busy_port_is_reported_not_raised(sink: OtlpSink, caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        otr.configure(exporters=[OTLPSpanExporter(endpoint=sink.endpoint)], handle_signals=False,
+                      gateway=otr.GatewayOptions(http_port=port, grpc_port=0))
+        try:
+            gateway = otr.gateway()
+            assert gateway is not None and gateway.http_port is None and gateway.grpc_port
+            assert "could not listen" in caplog.text
+            assert _totals()["errors.gateway_bind"] == 1
+            with otr.episode(step=0) as ep:  # recording is unaffected
+                ep.reward(1.0)
+            assert otr.flush(30)
+        finally:
+            otr.shutdown()
+    assert sink.roots()
