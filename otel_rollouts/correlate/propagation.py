@@ -2,9 +2,11 @@
 
 An episode's spans are light records, but the current one sits in the OpenTelemetry context as
 a real ``Span`` with the episode's trace id, so OpenTelemetry's own propagators serialise it as
-is. On top of ``traceparent``/``tracestate`` the W3C ``baggage`` header carries ``rl.step`` and
-``rl.episode.id`` so a server (vLLM, SGLang, a reward model) can tag its own spans or logs with
-the episode they served.
+is. On top of ``traceparent``/``tracestate`` the W3C ``baggage`` header carries ``rl.run.id``,
+``rl.step``, ``rl.episode.id`` and ``rl.group.id`` so a server (vLLM, SGLang, a reward model) can
+tag its own spans or logs with the episode they served (``otr.copy_baggage_to_spans()`` there).
+The episode's handles put these keys in the OpenTelemetry context itself, so the stock client
+instrumentations (httpx, requests, aiohttp, grpc) send them as well.
 
     with turn.generation("policy") as gen:
         response = client.chat.completions.create(..., extra_headers=otr.openai_extra_headers())
@@ -22,14 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_rollouts import conventions as c
-from otel_rollouts._core.spans import SpanRecord
+from otel_rollouts.record.episode import with_identity
 
 __all__ = [
     "extract_context",
@@ -51,17 +52,12 @@ def propagator() -> CompositePropagator:
 
 
 def _episode_context(ctx: otel_context.Context | None = None) -> otel_context.Context:
-    """``ctx`` (default: current) with ``rl.step`` and ``rl.episode.id`` added to its baggage."""
+    """``ctx`` (default: current) whose baggage carries the identity of its current span's
+    episode. Inside an entered episode the context carries it already (the episode's handles
+    put it there, once per episode) and is returned as is; a context made some other way (a
+    span set current with OpenTelemetry's own API) gets it here."""
     ctx = ctx if ctx is not None else otel_context.get_current()
-    span = trace.get_current_span(ctx)
-    if isinstance(span, SpanRecord):
-        root = span.episode.root
-        attrs = root.attributes if root is not None else {}
-        for key in (c.RL_STEP, c.RL_EPISODE_ID):
-            value = attrs.get(key)
-            if value is not None:
-                ctx = baggage.set_baggage(key, str(value), ctx)
-    return ctx
+    return with_identity(trace.get_current_span(ctx), ctx)
 
 
 def inject_headers(

@@ -24,8 +24,8 @@ from random import getrandbits as _getrandbits
 from types import TracebackType
 from typing import Any, TypeVar
 
+from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.status import StatusCode
 
@@ -113,6 +113,59 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
     return span
 
 
+# the context key under which a context names the episode whose identity its baggage carries
+_IDENTITY = otel_context.create_key("otel_rollouts.episode_identity")
+# the context key OpenTelemetry keeps the baggage under (private to its API): found once, through
+# the public API, so that an episode's keys are set with one context copy, not one per key
+_BAGGAGE = next(iter(baggage.set_baggage("k", "v", Context())))
+
+
+def span_context(span: Any, ctx: Context | None = None) -> Context:
+    """``ctx`` (default: the current context) with ``span`` as its current span and, for a span
+    of an episode, the episode's identity in its baggage (see ``with_identity``): any propagator
+    (ours, or a stock instrumentation's) sends it with each request made while it is current."""
+    if ctx is None:
+        ctx = otel_context.get_current()
+    return trace.set_span_in_context(span, with_identity(span, ctx))
+
+
+def with_identity(span: Any, ctx: Context) -> Context:
+    """``ctx`` whose W3C baggage carries the identity of ``span``'s episode
+    (``conventions.BAGGAGE_KEYS``, each when known); ``ctx`` itself for a span of no episode.
+
+    Computed once per episode: the context made for the episode (and every context derived
+    from it: its turns, calls, tasks) names the episode, and is returned as it is; only a context
+    that does not (the episode being entered, a span entered in another thread, a worker's
+    context carried from another process) is looked at, and gets the keys set. The rest of the
+    baggage stays: entries the user set (including an rl.* value set inside the episode) are
+    kept; the episode's keys replace those of another episode (an upstream one, say). An
+    episode's identity is fixed when it starts (``otr.set_step`` applies to later episodes).
+    """
+    if not isinstance(span, SpanRecord):
+        return ctx
+    record = span.episode
+    if ctx.get(_IDENTITY) is record:
+        return ctx
+    root = record.root
+    if root is None:
+        return ctx
+    attributes = root.attributes
+    current = ctx.get(_BAGGAGE)
+    entries: dict[str, object] = dict(current) if isinstance(current, dict) else {}
+    if entries.get(c.RL_EPISODE_ID) != attributes.get(c.RL_EPISODE_ID):
+        for key in c.BAGGAGE_KEYS:
+            value = attributes.get(key)
+            if value is not None:
+                entries[key] = str(value)
+            else:
+                entries.pop(key, None)  # another episode's, not this one's
+    # (same episode id: a worker's context, carried with the keys this side may not know)
+    values = dict(ctx)
+    values[_BAGGAGE] = entries
+    values[_IDENTITY] = record
+    return Context(values)
+
+
 def leave_context(token: Token[Context] | None) -> None:
     """The context before a ``with`` block, back (a token from another context is let be)."""
     if token is not None:
@@ -171,7 +224,7 @@ class _SpanHandle:
     def __enter__(self: _H) -> _H:
         self._entered = True
         if self._span is not None:
-            self._token = otel_context.attach(trace.set_span_in_context(self._span))
+            self._token = otel_context.attach(span_context(self._span))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -218,7 +271,7 @@ class CallHandle(_SpanHandle):
     def __enter__(self: _H) -> _H:
         self._entered = True
         if self._span is not None:
-            ctx = otel_context.set_value(OPEN_CALL, self, trace.set_span_in_context(self._span))
+            ctx = otel_context.set_value(OPEN_CALL, self, span_context(self._span))
             self._token = otel_context.attach(ctx)
         return self
 
@@ -609,7 +662,7 @@ class Episode:
         self.start()
         record = self._record
         if record is not None and record.root is not None:
-            self._token = otel_context.attach(trace.set_span_in_context(record.root))
+            self._token = otel_context.attach(span_context(record.root))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

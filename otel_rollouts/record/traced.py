@@ -33,6 +33,7 @@ from otel_rollouts.record.episode import (
     child_span,
     leave_context,
     record_usage,
+    span_context,
 )
 from otel_rollouts.record.response import read_response
 
@@ -59,7 +60,7 @@ class _Call:
         self.merged = merged
 
     def attach(self) -> Token[Context]:
-        return otel_context.attach(trace.set_span_in_context(self.span))
+        return otel_context.attach(span_context(self.span))
 
     def fail(self, exc: BaseException) -> None:
         try:
