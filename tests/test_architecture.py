@@ -147,6 +147,9 @@ ALLOWED_MODULE_STATE: dict[str, set[str]] = {
     "otel_rollouts._core.exit": {"_hooks"},  # signal dispositions are per process
     "otel_rollouts.decode.batch": {"TOKENIZERS"},  # what was learned of each tokenizer (a cache)
     "otel_rollouts.adapters._tinker_groups": {"_LAYOUTS"},  # each tokenizer's message layout (a weak cache)
+    # context variables (a value per thread / task, as OpenTelemetry's own context): the worker
+    # task whose log records travel back with its result; the handler's re-entry guard
+    "otel_rollouts.correlate.logs": {"TASK_LOGS", "_EMITTING"},
 }
 
 _MUTABLE_CALLS = {

@@ -13,29 +13,54 @@ log line to its trace in Jaeger/Phoenix/Trackio. Outside an episode the fields a
 With ``exporter=`` (any OpenTelemetry ``LogExporter``), ``otlp=True`` or
 ``OTEL_LOGS_EXPORTER=otlp``, records also go out through an SDK ``LoggerProvider`` with the
 run's resource (the same as traces and metrics), carrying the trace context and ``rl.step`` /
-``rl.episode.id`` attributes. Logs are not tail-sampled: a dropped episode's log records are
-exported all the same (they name a trace that will not exist).
+``rl.episode.id`` attributes, and what the standard OpenTelemetry handler keeps (``extra=``
+fields, ``code.*``, a traceback as ``exception.*``), redacted as spans are.
+
+Logs follow their episode (``EpisodeLogProcessor``, before the batch processor): a record made
+inside an episode is held with it and exported only if the tail sampler keeps the episode; a
+dropped episode leaves no log record behind (counted ``dropped.episode_logs``). Records made in
+a worker process inside a task (``otr.submit`` / ``otr.with_context``) travel back with the
+task's result and join the episode in the parent, with the run's resource; a worker's records
+outside an episode go out through its own exporter, stamped with the run's ``service.name`` and
+``rl.run.id``, flushed when the task that logged them ends.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import threading
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
+from opentelemetry.sdk._logs import LogRecordProcessor
+
+try:  # the standard handler's translation: in the SDK, moving to opentelemetry-instrumentation-logging
+    from opentelemetry.sdk._logs import LoggingHandler
+except ImportError:  # pragma: no cover - an SDK that no longer ships it
+    from opentelemetry.instrumentation.logging.handler import (  # type: ignore[no-redef,import-not-found]
+        LoggingHandler,
+    )
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import type_name
-from otel_rollouts._core.env import uses_http
+from otel_rollouts._core.content import cut, exception_text, type_name
 from otel_rollouts._core.redaction import Redactor
 from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import check_environment
-from otel_rollouts._core.spans import SpanRecord
+from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 
-__all__ = ["EpisodeLogFilter", "LoggingIntegration", "instrument_logging", "uninstrument_logging"]
+__all__ = [
+    "EpisodeLogFilter",
+    "EpisodeLogProcessor",
+    "LoggingIntegration",
+    "instrument_logging",
+    "uninstrument_logging",
+]
 
 
 def episode_fields() -> dict[str, Any]:
@@ -82,67 +107,131 @@ class EpisodeLogFilter(logging.Filter):
         return True
 
 
-_SEVERITY = ((logging.CRITICAL, 21, "FATAL"), (logging.ERROR, 17, "ERROR"),
-             (logging.WARNING, 13, "WARN"), (logging.INFO, 9, "INFO"), (logging.DEBUG, 5, "DEBUG"))
+# log records held with their episode: a record's size is its text plus this much (ids, times,
+# severity, scope): what ``Pipeline.join_logs`` counts against its byte bound
+_RECORD_OVERHEAD = 96
+_STAMPED = (c.LOG_TRACE_ID, c.LOG_SPAN_ID, c.LOG_RL_STEP, c.LOG_RL_EPISODE_ID)
+# what an attribute value may be as it leaves (OpenTelemetry's AnyValue); anything else is text
+_PLAIN = (str, bool, int, float, bytes)
+_EMITTING: ContextVar[bool] = ContextVar("otel_rollouts_log_emitting", default=False)
 
 
-class _OtlpHandler(logging.Handler):
+def record_size(body: Any, attributes: Any) -> int:
+    """Approximate bytes of a log record: its body and attributes as text, plus a fixed part."""
+    size = _RECORD_OVERHEAD
+    if isinstance(body, (str, bytes)):
+        size += len(body)
+    elif body is not None:
+        size += 16
+    for key, value in (attributes or {}).items():
+        size += len(key) + (len(value) if isinstance(value, (str, bytes)) else 16)
+    return size
+
+
+def _count(name: str, n: int = 1) -> None:
+    rt = _runtime.installed()
+    if rt is not None and rt.counters is not None:
+        rt.counters.add(name, n)
+
+
+def _problem(what: str, exc: BaseException) -> None:
+    """A failure in the log path: counted and logged once per run, never raised."""
+    _count("errors.logs")
+    try:
+        from otel_rollouts._core.guard import report
+
+        report(f"{what}: {exception_text(exc)}")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class _OtlpHandler(LoggingHandler):
     """Records out through an SDK ``LoggerProvider``, in the caller's trace context.
 
-    Redacted as spans are (the configured run's redactor; the default patterns before
-    ``configure()``): the body, the logger's name and the attributes.
+    The record is translated by the SDK's own ``LoggingHandler`` (so it keeps what the standard
+    handler keeps: ``extra=`` fields as attributes, ``code.*`` attributes, a traceback as
+    ``exception.type`` / ``exception.message`` / ``exception.stacktrace``), then stamped with
+    ``rl.step`` / ``rl.episode.id`` and made fit to leave as spans are: the configured run's
+    redactor (the default patterns before ``configure()``) on the body, the logger's name and
+    the attributes, text cut to the run's attribute limit, and the content rule: with content
+    capture off the body is the message's template without its arguments, and an exception
+    keeps only its type (``EXCEPTION_LABEL_KEYS``, as span exception events do).
     """
 
     def __init__(self, provider: Any, level: int = logging.NOTSET) -> None:
-        super().__init__(level)
+        # not LoggingHandler.__init__: it only stores the provider and warns that the class
+        # moves to opentelemetry-instrumentation-logging; its translation is what is used here
+        logging.Handler.__init__(self, level)
+        self._logger_provider = provider
+        self._log_code_attributes = True  # the instrumentation package's handler: code.* as the SDK's
         self.provider = provider
         self.fallback = Redactor()
 
-    def _rules(self) -> tuple[Redacting | None, bool]:
-        """The redactor and whether content is captured, of the configured run."""
+    def _rules(self) -> tuple[Redacting | None, bool, int]:
+        """The redactor, whether content is captured, and the text limit of the configured run."""
         rt = _runtime.installed()
         if rt is None or not rt.enabled:
-            return self.fallback, True
-        return rt.redactor, rt.capture_content
+            return self.fallback, True, _runtime.Runtime.max_attribute_chars
+        return rt.redactor, rt.capture_content, rt.max_attribute_chars
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _EMITTING.get():  # a warning logged while this handler emits: never re-entered
+            return
+        token = _EMITTING.set(True)
         try:
-            from opentelemetry._logs import SeverityNumber
-
-            number, text = 1, record.levelname
-            for level, n, name in _SEVERITY:
-                if record.levelno >= level:
-                    number, text = n, name
-                    break
             _stamp(record)
-            attributes: dict[str, Any] = {}
-            step = getattr(record, c.LOG_RL_STEP, None)
-            episode_id = getattr(record, c.LOG_RL_EPISODE_ID, None)
-            if step is not None:
-                attributes[c.RL_STEP] = step
-            if episode_id is not None:
-                attributes[c.RL_EPISODE_ID] = str(episode_id)
-            redactor, capture = self._rules()
-            # content off: the message's template without its arguments (the values may be
-            # content); an f-string message is its own template and cannot be told apart
-            if capture:
-                body = record.getMessage()
-            else:
-                body = record.msg if isinstance(record.msg, str) else type_name(record.msg)
-            name = record.name
-            if redactor is not None:
-                body, name = redactor(body), redactor.name(name)
-                attributes = redactor.mapping(attributes)
-            self.provider.get_logger(name).emit(
-                timestamp=int(record.created * 1e9),
-                context=otel_context.get_current(),
-                severity_number=SeverityNumber(number),
-                severity_text=text,
-                body=body,
-                attributes=attributes,
-            )
-        except Exception:  # noqa: BLE001
-            self.handleError(record)
+            translated = self._translate(record)
+            name = self.shape(record, translated)
+            self.provider.get_logger(name).emit(translated)
+        except Exception as exc:  # noqa: BLE001 - logging never fails because of us
+            _problem("log record", exc)
+        finally:
+            _EMITTING.reset(token)
+
+    def shape(self, record: logging.LogRecord, translated: Any) -> str:
+        """Apply the run's rules to the SDK's translation of ``record`` (in place); return the
+        logger name as it leaves."""
+        redactor, capture, limit = self._rules()
+        attributes: dict[str, Any] = {}
+        for key, value in dict(translated.attributes or {}).items():
+            if key in _STAMPED:
+                continue  # our stamps on the LogRecord: they leave as the trace context and rl.*
+            if not capture and key in (c.EXCEPTION_MESSAGE, c.EXCEPTION_STACKTRACE):
+                continue
+            attributes[key] = _plain(value, capture)
+        step = getattr(record, c.LOG_RL_STEP, None)
+        episode_id = getattr(record, c.LOG_RL_EPISODE_ID, None)
+        if step is not None:
+            attributes[c.RL_STEP] = step
+        if episode_id is not None:
+            attributes[c.RL_EPISODE_ID] = str(episode_id)
+        # content off: the message's template without its arguments (the values may be
+        # content); an f-string message is its own template and cannot be told apart
+        if capture:
+            body = translated.body
+        else:
+            body = record.msg if isinstance(record.msg, str) else type_name(record.msg)
+        if not isinstance(body, _PLAIN) and body is not None:
+            body = str(body) if capture else type_name(body)
+        name = record.name
+        bounded = getattr(redactor, "bounded", None)
+
+        def text(value: str) -> str:
+            if bounded is not None:
+                value = bounded(value, limit)
+            elif redactor is not None:
+                value = redactor(value)
+            return cut(value, limit)[0]
+
+        if isinstance(body, str):
+            body = text(body)
+        attributes = {k: text(v) if isinstance(v, str) else v for k, v in attributes.items()}
+        if redactor is not None:
+            name = redactor.name(name)
+            attributes = redactor.mapping(attributes)
+        translated.body = body
+        translated.attributes = attributes
+        return name
 
     def flush(self) -> None:
         try:
@@ -151,16 +240,228 @@ class _OtlpHandler(logging.Handler):
             pass
 
 
+def _plain(value: Any, capture: bool) -> Any:
+    """An attribute value OpenTelemetry takes: text for an object it would drop (its type's
+    name with content capture off: its ``str`` may be content)."""
+    if value is None or isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
+        return list(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, capture) for k, v in value.items()}
+    return str(value) if capture else type_name(value)
+
+
+# --- worker tasks: their records travel back with the result ------------------------------
+MAX_TASK_LOG_BYTES = 1 << 20
+
+
+class TaskLogs:
+    """The log records of one worker task's episode, kept to travel back with its result
+    (bounded: ``MAX_TASK_LOG_BYTES``; what does not fit is counted, then dropped)."""
+
+    __slots__ = ("trace_id", "records", "size", "lost", "lock")
+
+    def __init__(self, trace_id: int) -> None:
+        self.trace_id = trace_id
+        self.records: list[Any] = []
+        self.size = 0
+        self.lost = 0
+        self.lock = threading.Lock()  # the task's own threads may log too
+
+    def add(self, log_record: Any, size: int) -> None:
+        with self.lock:
+            if self.size + size > MAX_TASK_LOG_BYTES:
+                self.lost += 1
+                return
+            self.size += size
+            self.records.append(log_record)
+
+    def encoded(self) -> tuple[bytes, int]:
+        """The records as OTLP protobuf, and how many were lost (never raises)."""
+        with self.lock:
+            records, lost = list(self.records), self.lost
+        if not records:
+            return b"", lost
+        try:
+            return encode_records(records), lost
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks the task
+            from otel_rollouts._core.guard import report
+
+            report(f"worker log records: {exception_text(exc)}")
+            return b"", lost + len(records)
+
+
+# the log records of the worker task running in this context (None: not in a task's episode)
+TASK_LOGS: ContextVar[TaskLogs | None] = ContextVar("otel_rollouts_task_logs", default=None)
+
+
+def capture_log(log_record: Any, size: int) -> bool:
+    """Keep a log record made inside a worker task's episode to travel back with its result
+    (True), or leave it to the caller (False: not in a task, or another trace's record)."""
+    task = TASK_LOGS.get()
+    if task is None or log_record.log_record.trace_id != task.trace_id:
+        return False
+    task.add(log_record, size)
+    return True
+
+
+
+class EpisodeLogProcessor(LogRecordProcessor):
+    """Log records follow their episode: placed before the batch processor (``downstream``).
+
+    A record made inside an episode this process holds is handed to the tail sampler
+    (``Pipeline.join_logs``): held with the episode while it is undecided, passed to
+    ``downstream`` if it is kept, dropped and counted if it is dropped. A record made inside a
+    worker task (``otr.submit`` / ``otr.with_context`` in another process) is captured and
+    travels back with the task's result, to join its episode in the parent. Anything else
+    (outside every episode) passes straight to ``downstream``. ``on_emit`` only hands over or
+    queues: nothing is exported on the caller's thread.
+    """
+
+    def __init__(self, downstream: LogRecordProcessor, resource: Any = None) -> None:
+        self.downstream = downstream
+        self.resource = resource  # the run's: records adopted from workers are stamped with it
+        self.forwarded = 0  # records passed on (a worker flushes after a task that sent some)
+        self._resource: Any = None  # the run's identity, once a worker task brought it
+        self._merged: dict[int, Any] = {}
+
+    # --- where a record goes ---------------------------------------------------------------
+    def on_emit(self, log_record: Any) -> None:  # noqa: D401 - the SDK's hook
+        try:
+            if capture_log(log_record, _size_of(log_record)):
+                return
+            trace_id = log_record.log_record.trace_id or 0
+            if trace_id and self._join(trace_id, [_detached(log_record)], _size_of(log_record),
+                                       _current_episode(trace_id)):
+                return
+        except Exception as exc:  # noqa: BLE001 - never the caller's problem
+            _problem("log record", exc)
+        self.forward([log_record])
+
+    # the SDK before 1.35 called ``emit(log_data)``
+    emit = on_emit
+
+    def _join(self, trace_id: int, records: list[Any], size: int, record: Any = None) -> bool:
+        rt = _runtime.installed()
+        pipeline = getattr(rt, "pipeline", None) if rt is not None and rt.enabled else None
+        join = getattr(pipeline, "join_logs", None)
+        if join is None:
+            return False
+        return bool(join(trace_id, records, self.forward, size, record))
+
+    def adopt(self, trace_id: int, records: Sequence[Any], record: Any = None) -> None:
+        """Records made for episode ``trace_id`` in another process (already re-stamped with
+        this run's resource): they join the episode, or pass on when it is not known here."""
+        if not records:
+            return
+        size = sum(_size_of(r) for r in records)
+        try:
+            if trace_id and self._join(trace_id, list(records), size, record):
+                return
+        except Exception as exc:  # noqa: BLE001
+            _problem("worker log records", exc)
+        self.forward(records)
+
+    def forward(self, records: Sequence[Any]) -> None:
+        """Pass ``records`` to the downstream processor (its ``on_emit`` only queues)."""
+        for log_record in records:
+            try:
+                if self._resource is not None and log_record.resource is not None:
+                    log_record.resource = self._run_resource(log_record.resource)
+                self.forwarded += 1
+                self.downstream.on_emit(log_record)
+            except Exception as exc:  # noqa: BLE001
+                _problem("log record", exc)
+
+    # --- a worker learns the run it works for --------------------------------------------
+    def use_run(self, identity: Mapping[str, Any] | None) -> None:
+        """Stamp records sent from this process with the run's identity (``service.name``,
+        ``rl.run.id``): a worker process logs as part of the run it works for."""
+        if not identity:
+            return
+        from opentelemetry.sdk.resources import Resource
+
+        current = self._resource
+        if current is not None and dict(current.attributes) == dict(identity):
+            return
+        self._merged = {}
+        self._resource = Resource(dict(identity))
+
+    def _run_resource(self, resource: Any) -> Any:
+        key = id(resource)
+        merged = self._merged.get(key)
+        if merged is None:
+            if len(self._merged) > 64:
+                self._merged.clear()
+            merged = self._merged[key] = resource.merge(self._resource)
+        return merged
+
+    def shutdown(self) -> None:
+        self.downstream.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return bool(self.downstream.force_flush(timeout_millis))
+
+
+def _size_of(log_record: Any) -> int:
+    inner = log_record.log_record
+    return record_size(inner.body, inner.attributes)
+
+
+def _detached(log_record: Any) -> Any:
+    """``log_record`` for holding: its API record copied without the caller's context (which
+    may hold large values), other processors' view left as it was."""
+    inner = copy.copy(log_record.log_record)
+    try:
+        inner.context = None
+    except Exception:  # noqa: BLE001 - an SDK whose record has no settable context
+        pass
+    held = copy.copy(log_record)
+    held.log_record = inner
+    return held
+
+
+def _current_episode(trace_id: int) -> EpisodeRecord | None:
+    """The episode record of the current span when it is ``trace_id``'s (a faster join)."""
+    span = trace.get_current_span()
+    if isinstance(span, SpanRecord) and span.episode.trace_id == trace_id:
+        return span.episode
+    return None
+
+
+# --- log records across processes (OTLP protobuf, as worker spans travel) ------------------------
+def encode_records(records: Sequence[Any]) -> bytes:
+    """The OTLP protobuf encoding of SDK log records (one ``ExportLogsServiceRequest``)."""
+    from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+
+    return bytes(encode_logs(records).SerializeToString())
+
+
+def decode_records(data: bytes, resource: Any) -> list[Any]:
+    """SDK log records from ``encode_records``'s bytes, stamped with ``resource`` (records made
+    in a worker belong to the run that adopts them)."""
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    from otel_rollouts._core.codec import logs_from_request
+
+    request = ExportLogsServiceRequest()
+    request.ParseFromString(data)
+    return [record for _, record, _ in logs_from_request(request, resource)]
+
+
 class LoggingIntegration:
     """What ``instrument_logging`` installed; ``uninstall()`` removes it."""
 
     def __init__(self, logger: logging.Logger | None, filter_: EpisodeLogFilter | None,
-                 factory: Any, previous_factory: Any, handler: _OtlpHandler | None) -> None:
+                 factory: Any, previous_factory: Any, handler: _OtlpHandler | None,
+                 processor: EpisodeLogProcessor | None = None) -> None:
         self.logger = logger
         self.filter = filter_
         self.factory = factory
         self.previous_factory = previous_factory
         self.handler = handler
+        self.processor = processor
 
     @property
     def logger_provider(self) -> Any:
@@ -232,10 +533,12 @@ def instrument_logging(
             check_environment()
             wanted = os.environ.get(c.ENV_LOGS_EXPORTER, "").lower().split(",")
             otlp = "otlp" in [w.strip() for w in wanted]
+        processor = None
         if exporter is not None or otlp:
-            handler = _OtlpHandler(_logger_provider(exporter), level)
+            provider, processor = _logger_provider(exporter)
+            handler = _OtlpHandler(provider, level)
             (target or logging.getLogger()).addHandler(handler)
-        integration = LoggingIntegration(target, filter_, factory, previous, handler)
+        integration = LoggingIntegration(target, filter_, factory, previous, handler, processor)
         slot.logging_integration = integration
         return integration
 
@@ -246,7 +549,16 @@ def uninstrument_logging() -> None:
         _uninstall_active()
 
 
-def _logger_provider(exporter: Any) -> Any:
+def active_processor() -> EpisodeLogProcessor | None:
+    """The episode-aware processor of this process's logging integration (None: no records are
+    exported from this process)."""
+    active = _runtime.slot().logging_integration
+    return active.processor if isinstance(active, LoggingIntegration) else None
+
+
+def _logger_provider(exporter: Any) -> tuple[Any, EpisodeLogProcessor]:
+    """An SDK ``LoggerProvider`` with the run's resource: records go through the episode-aware
+    processor, then a batch processor (export on its own thread)."""
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 
@@ -263,15 +575,14 @@ def _logger_provider(exporter: Any) -> Any:
     if exporter is None:
         exporter = _otlp_log_exporter()
     provider = LoggerProvider(resource=resource, shutdown_on_exit=True)
-    provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
-    return provider
+    processor = EpisodeLogProcessor(BatchLogRecordProcessor(exporter), resource)
+    provider.add_log_record_processor(processor)
+    return provider, processor
 
 
 def _otlp_log_exporter() -> Any:
-    if uses_http(c.ENV_OTLP_LOGS_PROTOCOL):
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as Http
+    """The OTLP log exporter for ``OTEL_EXPORTER_OTLP_(LOGS_)PROTOCOL``: grpc, http/protobuf or
+    http/json (the same choice, and the same refusal by name, as traces and metrics)."""
+    from otel_rollouts.delivery.defaults import otlp_log_exporter
 
-        return Http()
-    from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as Grpc
-
-    return Grpc()
+    return otlp_log_exporter()

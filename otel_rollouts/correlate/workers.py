@@ -13,7 +13,15 @@ What a worker task records: spans made through otel_rollouts (``@otr.traced`` fu
 their nesting). Spans of other OpenTelemetry instrumentation in the worker (an httpx client
 span) get the right parent in the context but are exported, or not, by the worker's own SDK
 setup; they are not carried back. Log records in the worker are stamped with the episode's
-step and id (``instrument_logging`` in the worker's initializer).
+step and id (``instrument_logging`` in the worker's initializer; a forked worker inherits the
+parent's). With the worker's records exported (``instrument_logging(otlp=True)`` or
+``exporter=``), those made inside a task of an episode travel back with the task's result (at
+most ``MAX_TASK_LOG_BYTES`` a task, the rest counted ``dropped.worker_logs``) and join the
+episode in the parent, kept or dropped with it, with the run's resource: the worker exports none
+of them, and none is lost when the pool shuts down right after the task. Records made in a task
+outside an episode go out through the worker's own exporter, stamped with the run's
+``service.name`` and ``rl.run.id`` (carried by the task), and are flushed before the task
+returns.
 
     # ThreadPoolExecutor or ProcessPoolExecutor: a future of the plain value
     future = otr.submit(executor, score, completion)
@@ -48,6 +56,7 @@ from otel_rollouts._core.codec import decode, encode, with_resource
 from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.settings import ContentSettings, env_flag
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
+from otel_rollouts.correlate.logs import TASK_LOGS, TaskLogs
 from otel_rollouts.correlate.propagation import extract_context, inject_headers
 
 __all__ = [
@@ -60,6 +69,10 @@ __all__ = [
 ]
 
 _EXC_ATTR = "_otel_rollouts_worker_spans"
+_EXC_LOGS_ATTR = "_otel_rollouts_worker_logs"  # (records, lost) of a failed task, beside its spans
+# the log records one worker task may carry back to its episode (bytes, approximate)
+# a worker flushes the records it sent itself during a task (outside an episode) this long at most
+_TASK_FLUSH_MILLIS = 5_000
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -71,23 +84,29 @@ def context_carrier() -> dict[str, str]:
 
 
 class WorkerResult:
-    """A worker task's return value plus the spans it made (OTLP protobuf bytes)."""
+    """A worker task's return value plus the spans and log records it made (OTLP protobuf
+    bytes), and how many of its log records did not fit ``MAX_TASK_LOG_BYTES``."""
 
-    __slots__ = ("value", "spans", "trace_id")
+    __slots__ = ("value", "spans", "trace_id", "logs", "lost_logs")
 
-    def __init__(self, value: Any, spans: bytes, trace_id: int) -> None:
+    def __init__(self, value: Any, spans: bytes, trace_id: int, logs: bytes = b"",
+                 lost_logs: int = 0) -> None:
         self.value = value
         self.spans = spans
         self.trace_id = trace_id
+        self.logs = logs
+        self.lost_logs = lost_logs
 
-    def __getstate__(self) -> tuple[Any, bytes, int]:
-        return (self.value, self.spans, self.trace_id)
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.value, self.spans, self.trace_id, self.logs, self.lost_logs)
 
-    def __setstate__(self, state: tuple[Any, bytes, int]) -> None:
-        self.value, self.spans, self.trace_id = state
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.value, self.spans, self.trace_id = state[:3]
+        self.logs, self.lost_logs = (state[3], state[4]) if len(state) >= 5 else (b"", 0)
 
     def __repr__(self) -> str:
-        return f"WorkerResult(value={self.value!r}, spans={len(self.spans)} bytes)"
+        return (f"WorkerResult(value={self.value!r}, spans={len(self.spans)} bytes,"
+                f" logs={len(self.logs)} bytes)")
 
 
 class ContextTask:
@@ -104,12 +123,14 @@ class ContextTask:
         self.pid = os.getpid()
         # the live context (with the episode's own span record): same process only
         self.context = otel_context.get_current() if carrier is None else None
+        self.run = run_identity()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"fn": self.fn, "carrier": self.carrier, "pid": self.pid}
+        return {"fn": self.fn, "carrier": self.carrier, "pid": self.pid, "run": self.run}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.fn, self.carrier, self.pid = state["fn"], state["carrier"], state["pid"]
+        self.run = state.get("run") or {}
         self.context = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -127,7 +148,7 @@ class ContextTask:
                 adopt_exception(exc)
                 raise
             return adopt(result)
-        return _run_captured(self.fn, self.carrier, args, kwargs)
+        return _run_captured(self.fn, self.carrier, args, kwargs, self.run)
 
 
 def with_context(fn: Callable[..., Any], carrier: Mapping[str, str] | None = None) -> ContextTask:
@@ -159,7 +180,7 @@ class _Capture:
     """One task's spans, recorded under the carried context (same trace, parent span id from the
     carrier's ``traceparent``): entered around the task's call, sync or async."""
 
-    __slots__ = ("context", "record", "trace_id", "token")
+    __slots__ = ("context", "record", "trace_id", "token", "logs", "logs_token")
 
     def __init__(self, carrier: Mapping[str, str]) -> None:
         remote = extract_context(carrier)
@@ -168,6 +189,8 @@ class _Capture:
         self.trace_id = 0
         self.token: object | None = None
         self.context: otel_context.Context | None = None
+        self.logs: TaskLogs | None = None
+        self.logs_token: object | None = None
         if not parent.is_valid:
             return
         # an unconfigured worker records this task's spans all the same (they go back to the
@@ -190,25 +213,53 @@ class _Capture:
         record.root = anchor
         self.record, self.trace_id = record, parent.trace_id
         self.context = trace.set_span_in_context(anchor, remote)
+        self.logs = TaskLogs(parent.trace_id)
 
     def __enter__(self) -> _Capture:
         if self.context is not None:
             self.token = otel_context.attach(self.context)
+        if self.logs is not None:
+            self.logs_token = TASK_LOGS.set(self.logs)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self.logs_token is not None:
+            try:
+                TASK_LOGS.reset(self.logs_token)  # type: ignore[arg-type]
+            except ValueError:  # exited in another context (an async task moved): let it be
+                TASK_LOGS.set(None)
+            self.logs_token = None
         if self.token is not None:
             otel_context.detach(self.token)  # type: ignore[arg-type]
             self.token = None
         if exc is not None and self.record is not None:
             try:
                 setattr(exc, _EXC_ATTR, (_encode(self.record), self.trace_id))
+                if self.logs is not None:
+                    setattr(exc, _EXC_LOGS_ATTR, self.logs.encoded())
             except Exception:  # noqa: BLE001 - an exception type that refuses attributes
                 pass
 
     def result(self, value: Any) -> WorkerResult:
         spans = _encode(self.record) if self.record is not None else b""
-        return WorkerResult(value, spans, self.trace_id)
+        logs, lost = self.logs.encoded() if self.logs is not None else (b"", 0)
+        return WorkerResult(value, spans, self.trace_id, logs, lost)
+
+
+def run_identity() -> dict[str, Any]:
+    """The run's ``service.name`` and ``rl.run.id`` (from the configured run, else from the
+    logging integration's resource): what a worker process stamps on the records it sends."""
+    rt = _runtime.installed()
+    resource = rt.provider.resource if rt is not None and rt.enabled and rt.provider is not None else None
+    if resource is None:
+        from otel_rollouts.correlate.logs import active_processor
+
+        processor = active_processor()
+        resource = processor.resource if processor is not None else None
+    if resource is None:
+        return {}
+    attributes = resource.attributes
+    return {key: attributes[key] for key in (c.SERVICE_NAME, c.RL_RUN_ID) if key in attributes}
 
 
 def _note_unconfigured() -> None:
@@ -231,10 +282,14 @@ def _note_unconfigured() -> None:
 
 
 def _run_captured(fn: Callable[..., Any], carrier: Mapping[str, str], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> WorkerResult:
+                  kwargs: dict[str, Any], run: Mapping[str, Any] | None = None) -> WorkerResult:
     _note_unconfigured()
-    with _Capture(carrier) as capture:
-        value = fn(*args, **kwargs)
+    processor, sent = _task_logging(run)
+    try:
+        with _Capture(carrier) as capture:
+            value = fn(*args, **kwargs)
+    finally:
+        _flush_task_logs(processor, sent)
     return capture.result(value)
 
 
@@ -245,6 +300,39 @@ async def _run_captured_async(fn: Callable[..., Any], carrier: Mapping[str, str]
     with _Capture(carrier) as capture:
         value = await fn(*args, **kwargs)
     return capture.result(value)
+
+
+def _task_logging(run: Mapping[str, Any] | None) -> tuple[Any, int]:
+    """Before a worker task: the records this process sends itself carry the run's identity.
+    Returns the process's log processor (None: no records exported here) and its count of
+    records sent so far."""
+    try:
+        from otel_rollouts.correlate.logs import active_processor
+
+        processor = active_processor()
+        if processor is None:
+            return None, 0
+        processor.use_run(run)
+        return processor, processor.forwarded
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the task
+        from otel_rollouts._core.guard import report
+
+        report(f"worker logging: {exception_text(exc)}")
+        return None, 0
+
+
+def _flush_task_logs(processor: Any, sent: int) -> None:
+    """After a worker task that sent log records itself (outside an episode): flush them now,
+    so a pool shut down right after the task loses none (a pool's worker exits without its
+    exit hooks). On the worker's thread, never the training loop's."""
+    if processor is None or processor.forwarded == sent:
+        return
+    try:
+        processor.force_flush(_TASK_FLUSH_MILLIS)
+    except Exception as exc:  # noqa: BLE001
+        from otel_rollouts._core.guard import report
+
+        report(f"worker logging: {exception_text(exc)}")
 
 
 def _int(value: Any) -> int | None:
@@ -310,6 +398,34 @@ def _decode(data: bytes) -> list[ReadableSpan]:
     return spans
 
 
+def _hand_over_logs(data: bytes, lost: int, trace_id: int, record: EpisodeRecord | None = None) -> None:
+    """A worker task's log records join their episode here (kept or dropped with it), with the
+    run's resource; never raises."""
+    if not data and not lost:
+        return
+    rt = _runtime.installed()
+    counters = rt.counters if rt is not None else None
+    try:
+        from otel_rollouts.correlate.logs import active_processor, decode_records
+
+        processor = active_processor()
+        if lost and counters is not None:
+            counters.add("dropped.worker_logs", lost)
+        if not data:
+            return
+        if processor is None:  # this process exports no log records: nowhere for them to go
+            if counters is not None:
+                counters.add("dropped.worker_logs")
+            return
+        processor.adopt(trace_id, decode_records(data, processor.resource), record)
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the caller
+        if counters is not None:
+            counters.add("errors.worker_logs")
+        from otel_rollouts._core.guard import report
+
+        report(f"worker log records: {exception_text(exc)}")
+
+
 def _hand_over(data: bytes, trace_id: int, record: EpisodeRecord | None = None) -> None:
     if not data:
         return
@@ -335,6 +451,7 @@ def adopt(result: Any, record: EpisodeRecord | None = None) -> Any:
     if not isinstance(result, WorkerResult):
         return result
     _hand_over(result.spans, result.trace_id, record)
+    _hand_over_logs(result.logs, result.lost_logs, result.trace_id, record)
     return result.value
 
 
@@ -342,11 +459,15 @@ def adopt_exception(exc: BaseException, record: EpisodeRecord | None = None) -> 
     """Adopt the spans a failed worker task attached to its exception; returns ``exc``."""
     carried = getattr(exc, _EXC_ATTR, None)
     if carried is not None:
-        try:
-            delattr(exc, _EXC_ATTR)
-        except Exception:  # noqa: BLE001
-            pass
+        logs = getattr(exc, _EXC_LOGS_ATTR, None)
+        for name in (_EXC_ATTR, _EXC_LOGS_ATTR):
+            try:
+                delattr(exc, name)
+            except Exception:  # noqa: BLE001
+                pass
         _hand_over(carried[0], carried[1], record)
+        if logs is not None:
+            _hand_over_logs(logs[0], logs[1], carried[1], record)
     return exc
 
 
