@@ -33,9 +33,10 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
@@ -46,6 +47,8 @@ from otel_rollouts._core.files import open_private
 __all__ = [
     "OtlpJsonFileExporter",
     "decode_line",
+    "decode_message",
+    "encode_message",
     "encode_request",
     "read_lines",
     "read_requests",
@@ -53,25 +56,50 @@ __all__ = [
 ]
 
 logger = logging.getLogger("otel_rollouts")
+_M = TypeVar("_M", bound=Message)
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 _ID_BYTES = {"traceId": 16, "spanId": 8, "parentSpanId": 8}
 
 
 # --- the format: proto <-> one JSON line -----------------------------------------------------
-def _ids(request: dict[str, Any], convert: Callable[[str, Any], Any]) -> dict[str, Any]:
-    """Apply ``convert(field, value)`` to the id fields of every span and link, in place.
+# Where OTLP messages hold ids (``bytes`` that OTLP/JSON writes as hex): spans and their links,
+# log records, and the exemplars of every kind of metric data point. One table for all three
+# signals, so the OTLP/HTTP JSON exporters (``otlp_http_json``) share this encoding.
+_METRIC_DATA = ("sum", "gauge", "histogram", "exponentialHistogram", "summary")
 
-    Anything not shaped like a request is left alone for ``ParseDict`` to reject clearly.
-    """
+
+def _id_holders(request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every object of an OTLP request (traces, logs or metrics, as a dict) that may hold ids."""
     for resource_spans in _items(request.get("resourceSpans")):
         for scope_spans in _items(resource_spans.get("scopeSpans")):
             for span in _items(scope_spans.get("spans")):
-                for item in (span, *_items(span.get("links"))):
-                    for field in _ID_FIELDS:
-                        value = item.get(field)
-                        if value and isinstance(value, str):
-                            item[field] = convert(field, value)
+                yield span
+                yield from _items(span.get("links"))
+    for resource_logs in _items(request.get("resourceLogs")):
+        for scope_logs in _items(resource_logs.get("scopeLogs")):
+            yield from _items(scope_logs.get("logRecords"))
+    for resource_metrics in _items(request.get("resourceMetrics")):
+        for scope_metrics in _items(resource_metrics.get("scopeMetrics")):
+            for metric in _items(scope_metrics.get("metrics")):
+                for kind in _METRIC_DATA:
+                    data = metric.get(kind)
+                    if isinstance(data, dict):
+                        for point in _items(data.get("dataPoints")):
+                            yield from _items(point.get("exemplars"))
+
+
+def _ids(request: dict[str, Any], convert: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """Apply ``convert(field, value)`` to the id fields of every span, link, log record and
+    exemplar, in place.
+
+    Anything not shaped like a request is left alone for ``ParseDict`` to reject clearly.
+    """
+    for item in _id_holders(request):
+        for field in _ID_FIELDS:
+            value = item.get(field)
+            if value and isinstance(value, str):
+                item[field] = convert(field, value)
     return request
 
 
@@ -93,10 +121,33 @@ def _hex_to_b64(field: str, value: str) -> str:
     return value
 
 
+def encode_message(message: Message) -> str:
+    """OTLP/JSON for one OTLP request message (``ExportTraceServiceRequest``,
+    ``ExportLogsServiceRequest`` or ``ExportMetricsServiceRequest``): protobuf's JSON mapping
+    with hex ids and integer enums, compact, on one line."""
+    as_dict = json_format.MessageToDict(message, use_integers_for_enums=True)
+    return json.dumps(_ids(as_dict, _b64_to_hex), separators=(",", ":"), ensure_ascii=False)
+
+
 def encode_request(spans: Sequence[ReadableSpan]) -> str:
     """One OTLP/JSON line (without the newline) for ``spans``."""
-    as_dict = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)
-    return json.dumps(_ids(as_dict, _b64_to_hex), separators=(",", ":"), ensure_ascii=False)
+    return encode_message(encode_spans(spans))
+
+
+def decode_message(text: str | bytes, message: _M) -> _M:
+    """Parse OTLP/JSON ``text`` (hex or base64 ids, enum names or numbers) into ``message`` (an
+    empty OTLP request of the expected type) and return it.
+
+    Raises ``ValueError`` (naming what is wrong) on text that is not such a request.
+    """
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    try:
+        json_format.ParseDict(_ids(data, _hex_to_b64), message)
+    except json_format.ParseError as exc:  # not a ValueError subclass
+        raise ValueError(str(exc)) from exc
+    return message
 
 
 def decode_line(line: str | bytes) -> ExportTraceServiceRequest:
@@ -104,15 +155,7 @@ def decode_line(line: str | bytes) -> ExportTraceServiceRequest:
 
     Raises ``ValueError`` (naming what is wrong) on text that is not such a request.
     """
-    data = json.loads(line)
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-    request = ExportTraceServiceRequest()
-    try:
-        json_format.ParseDict(_ids(data, _hex_to_b64), request)
-    except json_format.ParseError as exc:  # not a ValueError subclass
-        raise ValueError(str(exc)) from exc
-    return request
+    return decode_message(line, ExportTraceServiceRequest())
 
 
 def rotated_paths(path: str | os.PathLike[str]) -> list[Path]:

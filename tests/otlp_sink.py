@@ -105,6 +105,8 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                     state.update(json.loads(data or b"{}"))
                 self._reply(200, b"{}")
                 return
+            if self._json_request(data):
+                return
             with lock:
                 phoenix = state["phoenix_version"] is not None
             if phoenix and self.path.split("?")[0] == "/v1/span_annotations":
@@ -189,6 +191,39 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 response.partial_success.rejected_spans = rejected
                 response.partial_success.error_message = "scripted rejection"
             self._reply(200, response.SerializeToString(), "application/x-protobuf")
+
+        def _json_request(self, data: bytes) -> bool:
+            """An OTLP/JSON request (``Content-Type: application/json``) to ``/v1/traces``,
+            ``/v1/logs`` or ``/v1/metrics``: its body, decompressed, and how it was sent, appended
+            to ``json_requests.jsonl`` beside the spans, and answered 200 with an empty JSON
+            response (as a collector answers OTLP/JSON). False for any other request."""
+            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            path = self.path.split("?")[0]
+            if ctype != "application/json" or path not in ("/v1/traces", "/v1/logs", "/v1/metrics"):
+                return False
+            encoding = (self.headers.get("Content-Encoding") or "").strip().lower()
+            if encoding == "gzip":
+                import gzip
+
+                body = gzip.decompress(data)
+            elif encoding == "deflate":
+                import zlib
+
+                body = zlib.decompress(data)
+            else:
+                body = data
+            with lock:
+                state["requests"] += 1
+                state["accepted"] += 1
+                auth = self.headers.get("Authorization")
+                if auth is not None:
+                    state["authorization"].append(auth)
+                with open(out.with_name("json_requests.jsonl"), "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"path": path, "content_type": self.headers.get("Content-Type"),
+                                         "content_encoding": encoding or None,
+                                         "body": body.decode("utf-8")}) + "\n")
+            self._reply(200, b"{}")
+            return True
 
         def _annotations(self, data: bytes) -> None:
             """Phoenix's ``POST /v1/span_annotations``: each item kept in ``annotations.jsonl``
@@ -291,6 +326,25 @@ class OtlpSink:
             return []
         with open(path, encoding="utf-8") as fh:
             return [json.loads(line) for line in fh if line.endswith("\n")]
+
+    def json_requests(self, path: str | None = None) -> list[dict[str, Any]]:
+        """The OTLP/JSON requests received (``path``, ``content_type``, ``content_encoding``,
+        decompressed ``body`` text), oldest first; only those to ``path`` when given."""
+        file = self.out.with_name("json_requests.jsonl")
+        if not file.exists():
+            return []
+        with open(file, encoding="utf-8") as fh:
+            found = [json.loads(line) for line in fh if line.endswith("\n")]
+        return [r for r in found if path is None or r["path"] == path]
+
+    def wait_for_json(self, path: str, count: int = 1, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Poll until ``count`` OTLP/JSON requests to ``path`` arrived (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.json_requests(path)
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
 
     def start(self, **control: Any) -> OtlpSink:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port), "--out", str(self.out)]

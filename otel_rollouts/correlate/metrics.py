@@ -36,7 +36,6 @@ from opentelemetry.trace import NonRecordingSpan
 from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.env import uses_http
 from otel_rollouts._core.spans import EpisodeRecord
 
 logger = logging.getLogger("otel_rollouts")
@@ -65,11 +64,10 @@ def meter_provider(resource, metric_readers: Sequence[Any] | None):
 
 
 def _otlp_metric_exporter():
-    if uses_http(c.ENV_OTLP_METRICS_PROTOCOL):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter()
+    # grpc, http/protobuf or http/json, per OTEL_EXPORTER_OTLP_(METRICS_)PROTOCOL
+    from otel_rollouts.delivery.defaults import otlp_metric_exporter
+
+    return otlp_metric_exporter()
 
 
 def step_summary_names(split: str) -> str:
