@@ -222,13 +222,19 @@ def test_http_json_gzip_and_bad_requests(sink: OtlpSink) -> None:
         bomb = gzip.compress(b"\x00" * (1024 * 1024))  # 1 KiB on the wire, 1 MiB inflated
         assert _post(url, bomb, {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"})[0] == 400
         assert _post(f"{gateway.http_endpoint}/v1/metrics", b"", {})[0] == 404
+        # a chunked body (no Content-Length) is read whole, not taken for an empty request
+        chunked = json.dumps(request).replace("json-span", "chunked-span").encode()
+        status, _ = _post(url, iter([chunked[:100], chunked[100:]]),  # type: ignore[arg-type]
+                          {"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        assert status == 200
         otr.end_step(0)
         assert otr.flush(30)
     finally:
         otr.shutdown()
+    assert [s["trace_id"] for s in sink.spans() if s["name"] == "chunked-span"] == [f"{tid:032x}"]
     span = [s for s in sink.spans() if s["name"] == "json-span"]
     assert span and span[0]["service"] == "json-server" and span[0]["trace_id"] == f"{tid:032x}"
-    assert otr.stats()["totals"]["errors.gateway_decode"] == 3
+    assert otr.stats()["totals"]["errors.gateway_decode"] == 4  # 2 malformed, 1 too large, 1 bomb
 
 
 def test_a_busy_port_is_reported_not_raised(sink: OtlpSink, caplog: pytest.LogCaptureFixture) -> None:
@@ -249,3 +255,75 @@ def test_a_busy_port_is_reported_not_raised(sink: OtlpSink, caplog: pytest.LogCa
         finally:
             otr.shutdown()
     assert sink.roots()
+
+
+def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink, monkeypatch) -> None:
+    """Server spans held with undecided episodes count against one byte budget: past it they
+    are dropped and counted, never held without bound; a decision gives the bytes back."""
+    from otel_rollouts.sampling import pipeline
+
+    monkeypatch.setattr(pipeline, "_MAX_HELD_BYTES", 1200)
+    gateway = _configure(sink)
+    to_gateway = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces")
+    padding = {"pad": "x" * 200}  # ~260 bytes a span on the wire
+    try:
+        for step in (0, 1):
+            with otr.episode(step=step) as ep:
+                tid, root = int(ep.trace_id, 16), ep.root.span_id
+                spans = [_span(tid, 0x100 + i, root, f"s{step}-{i}") for i in range(8)]
+                spans = [ReadableSpan(name=s.name, context=s.context, parent=s.parent, attributes=padding,
+                                      start_time=s.start_time, end_time=s.end_time) for s in spans]
+                assert to_gateway.export(spans).name == "SUCCESS"
+                ep.reward(1.0)
+            otr.end_step(step)  # kept: its bytes are given back for the next step's episode
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    totals = otr.stats()["totals"]
+    names = [s["name"] for s in sink.spans() if s["name"].startswith("s")]
+    held = {step: len([n for n in names if n.startswith(f"s{step}-")]) for step in (0, 1)}
+    assert held[0] == held[1] and 2 <= held[0] < 8, held  # the same share both steps: bytes given back
+    assert totals["dropped.held_bytes_full.spans"] == 2 * (8 - held[0])
+
+
+def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix) -> None:
+    """The server's spans keep their own resource (no Phoenix project): Phoenix files them with
+    the trace they belong to, in the run's project, not in ``default`` (the episode's spans go
+    out first in each request); a dropped episode leaves nothing in any project."""
+    import uuid
+
+    project = f"otr-gateway-{uuid.uuid4().hex[:8]}"
+    otr.configure(exporters=[OTLPSpanExporter(endpoint=phoenix.http_endpoint)],
+                  sampler=otr.TailSampler(1, "top_bottom"), handle_signals=False,
+                  resource_attributes={c.OPENINFERENCE_PROJECT_NAME: project},
+                  gateway=otr.GatewayOptions(http_port=0, grpc_port=None))
+    gateway = otr.gateway()
+    assert gateway is not None and gateway.http_endpoint
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": gateway.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BLRP_SCHEDULE_DELAY": "50"}
+    trace_ids = []
+    try:
+        with serve(env) as server:
+            client = httpx.Client(base_url=server.url, event_hooks=otr.httpx_event_hooks())
+            for i in range(2):
+                with otr.episode(step=0, sample_index=i) as ep:
+                    trace_ids.append(ep.trace_id)
+                    with ep.turn() as turn, turn.generation("policy") as gen:
+                        body = {"model": "policy", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+                        gen.output(client.post("/v1/chat/completions", json=body).json()["choices"][0]
+                                   ["message"]["content"])
+                    ep.reward(float(i))
+            _wait(lambda: _totals().get("gateway.spans", 0) >= 4, "the server's spans")
+        otr.end_step(0)  # one kept (the better), one dropped
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    kept, dropped = trace_ids[1], trace_ids[0]
+    spans = phoenix.wait_for_spans(project, 1, trace_ids=[kept])
+    deadline = time.monotonic() + 60
+    while ENGINE_SPAN not in {s["name"] for s in spans} and time.monotonic() < deadline:
+        time.sleep(0.2)
+        spans = phoenix.spans(project, trace_id=[kept])
+    assert ENGINE_SPAN in {s["name"] for s in spans}, sorted(s["name"] for s in spans)
+    assert phoenix.spans("default", trace_id=[kept, dropped]) == []
+    assert phoenix.spans(project, trace_id=[dropped]) == []

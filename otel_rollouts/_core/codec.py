@@ -7,7 +7,7 @@ in (a damaged or hostile file must name the bad field, not crash later).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -26,7 +26,10 @@ from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
 
-__all__ = ["count_episodes", "decode", "encode", "logs_from_request", "spans_from_request", "with_resource"]
+__all__ = [
+    "PendingSpan", "count_episodes", "decode", "encode", "logs_from_request", "pending_from_request",
+    "spans_from_request", "with_resource",
+]
 
 _KIND = {
     PbSpan.SpanKind.SPAN_KIND_INTERNAL: SpanKind.INTERNAL,
@@ -119,6 +122,44 @@ def _span(pb: PbSpan, resource: Resource, scope: InstrumentationScope) -> Readab
         end_time=pb.end_time_unix_nano,
         instrumentation_scope=scope,
     )
+
+
+class PendingSpan:
+    """A span received as OTLP (the span gateway), kept as its protobuf bytes until it is needed:
+    decoded only when its episode is kept (most episodes are dropped). Ids are read and checked
+    on arrival; ``size`` is what it holds."""
+
+    __slots__ = ("data", "origin", "trace_id", "span_id", "parent_span_id")
+
+    def __init__(self, pb: PbSpan, origin: tuple[Resource, InstrumentationScope]) -> None:
+        self.trace_id = _int_id(pb.trace_id, "trace_id", 16)
+        self.span_id = _int_id(pb.span_id)
+        self.parent_span_id = _int_id(pb.parent_span_id, "parent_span_id", required=False)
+        self.data = pb.SerializeToString()
+        self.origin = origin
+
+    @property
+    def size(self) -> int:
+        return len(self.data) + 120  # the object and its references
+
+    def decode(self) -> ReadableSpan:
+        return _span(PbSpan.FromString(self.data), *self.origin)
+
+
+def pending_from_request(request: ExportTraceServiceRequest,
+                         select: Callable[[PbSpan], bool] | None = None) -> list[PendingSpan]:
+    """The spans of one OTLP trace request as ``PendingSpan``s (ids checked, nothing else
+    decoded); with ``select``, only those it accepts. Raises ``ValueError`` naming a bad id."""
+    spans: list[PendingSpan] = []
+    for resource_spans in request.resource_spans:
+        resource = Resource(_attributes(resource_spans.resource.attributes), resource_spans.schema_url or None)
+        for scope_spans in resource_spans.scope_spans:
+            pb_scope = scope_spans.scope
+            origin = (resource, InstrumentationScope(pb_scope.name, pb_scope.version or None,
+                                                     scope_spans.schema_url or None,
+                                                     _attributes(pb_scope.attributes) or None))
+            spans.extend(PendingSpan(pb, origin) for pb in scope_spans.spans if select is None or select(pb))
+    return spans
 
 
 def spans_from_request(request: ExportTraceServiceRequest) -> list[ReadableSpan]:

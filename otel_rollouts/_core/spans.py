@@ -25,6 +25,8 @@ from otel_rollouts._core.content import call_user, exception_text, text, type_na
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
 
+    from otel_rollouts._core.codec import PendingSpan
+
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 # Budgets for attribute names other instrumentation or the user chose (metadata keys, reward
@@ -265,6 +267,7 @@ class EpisodeRecord:
         "spans",
         "foreign",
         "logs",
+        "held_bytes",
         "root",
         "reward_span",
         "state",
@@ -284,9 +287,10 @@ class EpisodeRecord:
         self.step = step
         self.split = split
         self.spans: list[SpanRecord] = []
-        self.foreign: list[ReadableSpan] = []
+        self.foreign: list[ReadableSpan | PendingSpan] = []  # other instrumentation's, other processes'
         # log records of this episode held until it is decided: (where they go if kept, records, bytes)
         self.logs: list[tuple[Any, Sequence[Any], int]] | None = None
+        self.held_bytes = 0  # of the above and of other processes' spans (the pipeline's bound)
         self.root: SpanRecord | None = None
         self.reward_span: SpanRecord | None = None
         self.state = OPEN

@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,7 +46,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace import ReadableSpan
 
-from otel_rollouts._core.codec import logs_from_request, spans_from_request
+from otel_rollouts._core.codec import PendingSpan, logs_from_request, pending_from_request
 from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.correlate.gateway_logs import LogOutlet
@@ -121,7 +121,7 @@ class SpanGateway:
     """The running gateway of one configured run (``otr.gateway()``)."""
 
     def __init__(self, options: GatewayOptions, pipeline: Pipeline, stats: Stats,
-                 outlet: LogOutlet, export: Callable[[list[ReadableSpan]], None]) -> None:
+                 outlet: LogOutlet, export: Callable[[Sequence[ReadableSpan | PendingSpan]], None]) -> None:
         self.options = options
         self.pipeline = pipeline
         self.stats = stats
@@ -204,24 +204,35 @@ class SpanGateway:
     # --- the data: spans and logs in ---------------------------------------------------------
     def receive_traces(self, request: ExportTraceServiceRequest) -> None:
         """Place every span of one OTLP request (the receiving thread; never raises)."""
+        late = 0
+        dropped = self.pipeline.dropped
+
+        def select(pb: Any) -> bool:
+            # a span of an episode dropped already is counted, never kept: the common case when
+            # the sampler lets go of candidates as a step fills (top_bottom)
+            nonlocal late
+            if len(pb.trace_id) == 16 and pb.parent_span_id and dropped(int.from_bytes(pb.trace_id, "big")):
+                late += 1
+                return False
+            return True
+
         try:
-            sizes = [pb.ByteSize() for rs in request.resource_spans for ss in rs.scope_spans for pb in ss.spans]
-            spans = spans_from_request(request)
+            spans = pending_from_request(request, select)
         except Exception as exc:  # noqa: BLE001 - a malformed request is counted, not fatal
             self.stats.add("errors.gateway_decode")
             logger.warning("otel_rollouts: span gateway refused a trace request: %s", exception_text(exc))
             raise ValueError(exception_text(exc)) from None
-        self.stats.add("gateway.spans", len(spans))
-        roots = [s for s in spans if s.parent is None]
-        children = [s for s in spans if s.parent is not None]
+        self.stats.add("gateway.spans", len(spans) + late)
+        if late:
+            self.stats.add("dropped.gateway_spans", late)
+        roots = [s for s in spans if not s.parent_span_id]
+        children = [s for s in spans if s.parent_span_id]
         if roots:
             self._export(roots)  # no episode's: a request made outside any episode
         if children:
-            size_of = {id(s): n for s, n in zip(spans, sizes, strict=True)}
-            unknown = self.pipeline.join_spans(children)
             deadline = time.monotonic() + self.options.hold_s
-            for span in unknown:
-                if not self._held.add(deadline, "span", span, size_of.get(id(span), 256)):
+            for span in self.pipeline.join_spans(children):
+                if not self._held.add(deadline, "span", span, span.size):
                     self.stats.add("dropped.gateway_full")
 
     def receive_logs(self, request: ExportLogsServiceRequest) -> None:
@@ -293,12 +304,13 @@ def _http_server(gateway: SpanGateway, host: str, port: int) -> ThreadingHTTPSer
         def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
             path = self.path.split("?", 1)[0].rstrip("/")
             kind = {"/v1/traces": "traces", "/v1/logs": "logs"}.get(path)
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > limit:
-                self._reply(413, b"request too large", "text/plain")
+            try:
+                body = self._body()
+            except ValueError as exc:  # too large, or a malformed length or chunk
+                gateway.stats.add("errors.gateway_decode")
+                self._reply(413 if "larger" in str(exc) else 400, str(exc).encode(), "text/plain")
                 self.close_connection = True
                 return
-            body = self.rfile.read(length) if length else b""
             if kind is None:
                 self._reply(404, b"not found", "text/plain")
                 return
@@ -324,6 +336,28 @@ def _http_server(gateway: SpanGateway, host: str, port: int) -> ThreadingHTTPSer
                 self._reply(200, json_format.MessageToJson(response).encode(), _JSON)
             else:
                 self._reply(200, response.SerializeToString(), _PROTOBUF)
+
+        def _body(self) -> bytes:
+            """The request body (``Content-Length`` or chunked), refused past ``limit`` bytes."""
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                chunks: list[bytes] = []
+                size = 0
+                while True:
+                    line = self.rfile.readline(1024)
+                    n = int(line.split(b";")[0].strip() or b"0", 16)
+                    if n == 0:
+                        while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                            pass  # trailers
+                        return b"".join(chunks)
+                    size += n
+                    if size > limit:
+                        raise ValueError(f"request larger than {limit} bytes")
+                    chunks.append(self.rfile.read(n))
+                    self.rfile.readline(8)  # the CRLF after the chunk
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > limit:
+                raise ValueError(f"request larger than {limit} bytes")
+            return self.rfile.read(length) if length > 0 else b""
 
         def _reply(self, code: int, body: bytes, content_type: str) -> None:
             self.send_response(code)

@@ -45,6 +45,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.content import exception_text, type_name
 from otel_rollouts._core.guard import first_time
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES
@@ -210,7 +211,7 @@ class Delivery:
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)
 
-    def spans(self, spans: list[ReadableSpan]) -> None:
+    def spans(self, spans: Sequence[ReadableSpan | PendingSpan]) -> None:
         self._put(("spans", spans, 0), "spans", 0)
 
     def _put(self, item: Any, what: str, size: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -16,6 +16,7 @@ from opentelemetry.trace.status import Status, StatusCode
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import redaction
+from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.content import Deferred, cut, jsonable, precut, to_json
 from otel_rollouts._core.messages import EpisodeViews, SpanView, error_type, settle
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
@@ -75,6 +76,11 @@ class Materializer:
         self.views = EpisodeViews(agent_name or _service_name(resource), capture_content)
 
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
+        # other processes' spans (a server's, through the span gateway) are decoded now that the
+        # episode is kept; a server span under a generation lends it the engine's timings
+        foreign = [f.decode() if isinstance(f, PendingSpan) else f for f in record.foreign]
+        if any(isinstance(f, PendingSpan) for f in record.foreign):
+            lend_timings(record.spans, foreign)
         self._budget = self.max_episode_chars
         self._redacted = {}
         self._redacted_whole = {}
@@ -95,13 +101,15 @@ class Materializer:
             self._budget = None
             self._redacted = None
             self._redacted_whole = None
-        spans.extend(self.foreign(s) for s in record.foreign)
+        spans.extend(self.foreign(s) for s in foreign)
         return spans
 
-    def foreign(self, span: ReadableSpan) -> ReadableSpan:
+    def foreign(self, span: ReadableSpan | PendingSpan) -> ReadableSpan:
         """A span of other instrumentation, redacted as ours are: its name, attribute keys and
         values, events, links and status. Its attributes keep the content its own
         instrumentation chose to record; its exceptions follow our content rule."""
+        if isinstance(span, PendingSpan):
+            span = span.decode()
         if self.redact is None and self.capture_content:
             return span
         events = tuple(
@@ -555,3 +563,35 @@ def _homogeneous(values) -> bool:
     if first not in _PRIMITIVES:
         return False
     return all(type(v) is first for v in values)
+
+
+def lend_timings(ours: Sequence[SpanRecord], theirs: Sequence[ReadableSpan]) -> None:
+    """Copy a serving engine's per-request timings (a server span's ``gen_ai.latency.*``, as
+    vLLM and SGLang write them) onto the generation span that made the request, as
+    ``rl.server.*``: where a researcher reads the generation. The server span sits under the
+    generation span, directly or through other spans (the server's route span, an HTTP client
+    span); the order the spans arrived in does not matter."""
+    mine: dict[int, SpanRecord] | None = None
+    by_id: dict[int, ReadableSpan] | None = None
+    for span in theirs:
+        attributes = span.attributes
+        if not attributes or span.parent is None:
+            continue
+        timings = {key: value for theirs_key, key in c.SERVER_TIMINGS.items()
+                   if isinstance(value := attributes.get(theirs_key), (int, float)) and not isinstance(value, bool)}
+        if not timings:
+            continue
+        if mine is None or by_id is None:
+            mine = {s.span_id: s for s in ours}
+            by_id = {f.context.span_id: f for f in theirs if f.context is not None}
+        span_id = span.parent.span_id
+        for _ in range(16):
+            target = mine.get(span_id)
+            if target is not None:
+                if target.kind == c.KIND_GENERATION:
+                    target.attributes.update(timings)
+                break
+            above = by_id.get(span_id)
+            if above is None or above.parent is None:
+                break
+            span_id = above.parent.span_id

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
@@ -33,7 +34,9 @@ _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule),
 _MAX_CLAIMED = 16_384  # deterministic trace ids remembered to tell a repeated episode id (~2 MB)
 
 _MAX_DECIDED = 32_768  # decided trace ids remembered (→ kept?) for spans and logs arriving later
-_MAX_HELD_LOG_BYTES = 32 * 1024 * 1024  # log records held with undecided episodes, all together
+# what other processes sent for undecided episodes (server spans through the gateway, log
+# records), held with them until they are decided: all episodes together
+_MAX_HELD_BYTES = 64 * 1024 * 1024
 
 _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
 
@@ -73,7 +76,7 @@ class Pipeline(SpanProcessor):
         # episodes decided lately, trace id → kept: spans and logs of another process (the span
         # gateway, worker tasks) arriving after the decision follow it
         self._decided: OrderedDict[int, bool] = OrderedDict()
-        self._held_log_bytes = 0
+        self._held_bytes = 0
 
     # --- deterministic ids ---------------------------------------------------------------------
     def claim_trace_id(
@@ -346,18 +349,17 @@ class Pipeline(SpanProcessor):
             record = row.record
         record.state = KEPT
         self._live.pop(record.trace_id, None)
+        self._held_bytes -= record.held_bytes
+        record.held_bytes = 0
         self._remember(record.trace_id, True)
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
         self._observe("decided", record, None)
         logs, record.logs = record.logs, None
-        if record.foreign:
-            _lend_timings(record)
         self.delivery.episode(record)
         if logs:
-            for outlet, items, size in logs:
-                self._held_log_bytes -= size
+            for outlet, items, _ in logs:
                 self._send_logs(outlet, items)
 
     def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
@@ -372,10 +374,11 @@ class Pipeline(SpanProcessor):
             record = row.record
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
+        self._held_bytes -= record.held_bytes
+        record.held_bytes = 0
         self._remember(record.trace_id, False)
         if record.logs:
-            for _, items, size in record.logs:
-                self._held_log_bytes -= size
+            for _, items, _ in record.logs:
                 self.stats.add("dropped.episode_logs", len(items))
             record.logs = None
         if reason is not None:
@@ -636,27 +639,33 @@ class Pipeline(SpanProcessor):
             return None, record.state == KEPT
         return None, self._decided.get(trace_id)
 
-    def join_spans(self, spans: Sequence[ReadableSpan]) -> list[ReadableSpan]:
-        """Spans made in another process (an inference server through the span gateway) for
+    def _hold(self, record: EpisodeRecord, size: int) -> bool:
+        """Count ``size`` more bytes held for ``record``; False (nothing counted) past the cap."""
+        if self._held_bytes + size > _MAX_HELD_BYTES:
+            return False
+        self._held_bytes += size
+        record.held_bytes += size
+        return True
+
+    def join_spans(self, spans: Sequence[PendingSpan]) -> list[PendingSpan]:
+        """Spans made in another process (an inference server, through the span gateway) for
         episodes of this one: held with their episode while it is undecided, exported if it was
         kept, dropped (counted ``dropped.gateway_spans``) if it was dropped. Returns the spans
         whose trace is no episode known here: the caller holds them a while and asks again.
-
-        A server span whose parent is a generation span lends that span the serving engine's
-        per-request timings (``gen_ai.latency.*`` → ``rl.server.*``)."""
-        unknown: list[ReadableSpan] = []
-        late: list[ReadableSpan] = []
+        What is held is bounded in bytes, all episodes together. Nothing is decoded here: a
+        span is decoded when its episode is rendered (``delivery``), if it is kept."""
+        unknown: list[PendingSpan] = []
+        late: list[ReadableSpan | PendingSpan] = []
         with self._lock:
             for span in spans:
-                ctx = span.context
-                if ctx is None:
-                    continue
-                owner, kept = self._owner(ctx.trace_id, None)
+                owner, kept = self._owner(span.trace_id, None)
                 if owner is not None:
-                    if len(owner.spans) + len(owner.foreign) < owner.max_spans:
+                    if len(owner.spans) + len(owner.foreign) >= owner.max_spans:
+                        owner.dropped_spans += 1
+                    elif self._hold(owner, span.size):
                         owner.foreign.append(span)
                     else:
-                        owner.dropped_spans += 1
+                        self.stats.add("dropped.held_bytes_full.spans")
                 elif kept is None:
                     unknown.append(span)
                 elif kept:
@@ -679,13 +688,12 @@ class Pipeline(SpanProcessor):
         with self._lock:
             owner, kept = self._owner(trace_id, record)
             if owner is not None:
-                if self._held_log_bytes + size > _MAX_HELD_LOG_BYTES:
-                    self.stats.add("dropped.episode_logs_full", len(logs))
+                if not self._hold(owner, size):
+                    self.stats.add("dropped.held_bytes_full.logs", len(logs))
                     return True
                 if owner.logs is None:
                     owner.logs = []
                 owner.logs.append((outlet, logs, size))
-                self._held_log_bytes += size
                 return True
             if kept is None:
                 return False
@@ -700,6 +708,10 @@ class Pipeline(SpanProcessor):
             outlet(logs)
         except Exception:  # noqa: BLE001 - a log outlet never breaks the pipeline
             self.stats.add("errors.episode_logs", len(logs))
+
+    def dropped(self, trace_id: int) -> bool:
+        """Whether ``trace_id``'s episode was dropped lately (final: no lock needed)."""
+        return self._decided.get(trace_id) is False
 
     def knows(self, trace_id: int) -> bool:
         """Whether ``trace_id`` is an episode held here or decided lately."""
@@ -724,39 +736,3 @@ class Pipeline(SpanProcessor):
             return False
         return self.delivery.flush(max(deadline - time.monotonic(), 0.0))
 
-
-def _lend_timings(record: EpisodeRecord) -> None:
-    """Copy a serving engine's per-request timings (a server span's ``gen_ai.latency.*``) onto
-    the generation span that made the request, where a researcher reads the generation. Done
-    when the episode is kept, so the order the server's spans arrived in does not matter."""
-    ours: dict[int, SpanRecord] | None = None
-    theirs: dict[int, ReadableSpan] | None = None
-    for span in record.foreign:
-        attributes = span.attributes
-        if not attributes or span.parent is None:
-            continue
-        timings = {ours_key: value for theirs_key, ours_key in c.SERVER_TIMINGS.items()
-                   if isinstance(value := attributes.get(theirs_key), (int, float)) and not isinstance(value, bool)}
-        if not timings:
-            continue
-        if ours is None or theirs is None:
-            ours = {s.span_id: s for s in record.spans}
-            theirs = {f.context.span_id: f for f in record.foreign if f.context is not None}
-        target = _generation_above(ours, theirs, span.parent.span_id)
-        if target is not None:
-            target.attributes.update(timings)
-
-
-def _generation_above(ours: dict[int, SpanRecord], theirs: dict[int, ReadableSpan],
-                      span_id: int) -> SpanRecord | None:
-    """The generation span ``span_id`` is, or is under through other processes' spans (the
-    server's route span, an instrumented HTTP client's span sit between)."""
-    for _ in range(16):
-        mine = ours.get(span_id)
-        if mine is not None:
-            return mine if mine.kind == c.KIND_GENERATION else None
-        foreign = theirs.get(span_id)
-        if foreign is None or foreign.parent is None:
-            return None
-        span_id = foreign.parent.span_id
-    return None
