@@ -114,6 +114,31 @@ def test_tracebacks_and_extra_fields_are_kept_and_redacted(spans, app_logger):
     assert extras["client_secret"] == "[REDACTED]"
 
 
+class _Hostile:
+    """A user value whose every conversion raises what no ``except Exception`` catches."""
+
+    def __str__(self) -> str:
+        raise SystemExit("str")
+
+    def __repr__(self) -> str:
+        raise SystemExit("repr")
+
+
+def test_hostile_values_are_flagged_not_raised(spans, app_logger):
+    otr.configure(exporters=[spans], sampler=otr.TailSampler(8, "first"), handle_signals=False)
+    exporter = InMemoryLogRecordExporter()
+    integration = otr.instrument_logging(app_logger, exporter=exporter)
+    with otr.episode(step=1, episode_id="e1") as ep:
+        app_logger.info("value %s", _Hostile())  # SystemExit from the argument's __str__
+        app_logger.info("extra", extra={"value": _Hostile()})
+        ep.reward(1.0)
+    otr.flush()
+    assert integration.flush()
+    message, extra = (r.log_record for r in exporter.get_finished_logs())
+    assert message.body == "value %s [arguments not formatted: <_Hostile: str raised SystemExit>]"
+    assert dict(extra.attributes)["value"] == "<_Hostile: str raised SystemExit>"
+
+
 def test_content_off_keeps_the_exception_type_only(spans, app_logger):
     otr.configure(exporters=[spans], sampler=otr.TailSampler(8, "first"), handle_signals=False,
                   capture_content=False)

@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - an SDK that no longer ships it
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import cut, exception_text, type_name
+from otel_rollouts._core.content import cut, exception_text, reraise_interrupt, text, type_name
 from otel_rollouts._core.redaction import Redactor
 from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import check_environment
@@ -180,10 +180,12 @@ class _OtlpHandler(LoggingHandler):
         token = _EMITTING.set(True)
         try:
             _stamp(record)
+            _safe_message(record)
             translated = self._translate(record)
             name = self.shape(record, translated)
             self.provider.get_logger(name).emit(translated)
-        except Exception as exc:  # noqa: BLE001 - logging never fails because of us
+        except BaseException as exc:  # noqa: BLE001 - logging never fails because of us, even when
+            reraise_interrupt(exc)  # a value's __str__ raises SystemExit (Ctrl-C still stops)
             _problem("log record", exc)
         finally:
             _EMITTING.reset(token)
@@ -216,7 +218,7 @@ class _OtlpHandler(LoggingHandler):
         name = record.name
         bounded = getattr(redactor, "bounded", None)
 
-        def text(value: str) -> str:
+        def out(value: str) -> str:
             if bounded is not None:
                 value = bounded(value, limit)
             elif redactor is not None:
@@ -224,8 +226,8 @@ class _OtlpHandler(LoggingHandler):
             return cut(value, limit)[0]
 
         if isinstance(body, str):
-            body = text(body)
-        attributes = {k: text(v) if isinstance(v, str) else v for k, v in attributes.items()}
+            body = out(body)
+        attributes = {k: out(v) if isinstance(v, str) else v for k, v in attributes.items()}
         if redactor is not None:
             name = redactor.name(name)
             attributes = redactor.mapping(attributes)
@@ -249,7 +251,19 @@ def _plain(value: Any, capture: bool) -> Any:
         return list(value)
     if isinstance(value, Mapping):
         return {str(k): _plain(v, capture) for k, v in value.items()}
-    return str(value) if capture else type_name(value)
+    return text(value) if capture else type_name(value)
+
+
+def _safe_message(record: logging.LogRecord) -> None:
+    """A message whose arguments' ``__str__`` raises (anything, SystemExit included) keeps its
+    template and says which argument failed, instead of losing the record."""
+    try:
+        record.getMessage()
+    except BaseException as exc:  # noqa: BLE001 - a user value, hostile
+        reraise_interrupt(exc)
+        args = record.args if isinstance(record.args, tuple) else (record.args,)
+        shown = ", ".join(text(a) for a in args)
+        record.msg, record.args = f"{text(record.msg)} [arguments not formatted: {shown}]", None
 
 
 # --- worker tasks: their records travel back with the result ------------------------------
@@ -335,7 +349,8 @@ class EpisodeLogProcessor(LogRecordProcessor):
             if trace_id and self._join(trace_id, [_detached(log_record)], _size_of(log_record),
                                        _current_episode(trace_id)):
                 return
-        except Exception as exc:  # noqa: BLE001 - never the caller's problem
+        except BaseException as exc:  # noqa: BLE001 - never the caller's problem
+            reraise_interrupt(exc)
             _problem("log record", exc)
         self.forward([log_record])
 
