@@ -327,3 +327,57 @@ def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix) -> Non
     assert ENGINE_SPAN in {s["name"] for s in spans}, sorted(s["name"] for s in spans)
     assert phoenix.spans("default", trace_id=[kept, dropped]) == []
     assert phoenix.spans(project, trace_id=[dropped]) == []
+
+
+def test_async_episodes_with_the_stock_httpx_instrumentation_leave_no_orphans(sink: OtlpSink) -> None:
+    """The issue's async run: episodes run concurrently in one event loop, their requests go
+    through the stock ``HTTPXClientInstrumentor`` (no header helper of ours): the server gets
+    the episode's baggage from the context, its spans follow their episode, and the dropped
+    episodes leave nothing in the collector."""
+    import asyncio
+
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+
+    gateway = _configure(sink)
+    instrumentor = HTTPXClientInstrumentor()
+    instrumentor.instrument(tracer_provider=otr.tracer_provider())
+    trace_ids: dict[int, str] = {}
+    try:
+        with serve(_server_env(gateway, "grpc")) as server:
+
+            async def one(client: httpx.AsyncClient, i: int) -> None:
+                with otr.episode(step=0, group_id=f"g{i // 3}", sample_index=i) as ep:
+                    trace_ids[i] = ep.trace_id
+                    with ep.turn() as turn, turn.generation("policy") as gen:
+                        body = {"model": "policy", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+                        reply = await client.post("/v1/chat/completions", json=body)
+                        gen.output(reply.json()["choices"][0]["message"]["content"])
+                    ep.reward(float(i))
+
+            async def run() -> None:
+                async with httpx.AsyncClient(base_url=server.url) as client:
+                    await asyncio.gather(*(one(client, i) for i in range(EPISODES)))
+
+            asyncio.run(run())
+            _wait(lambda: _totals().get("gateway.spans", 0) >= 2 * EPISODES, "the server's spans")
+        otr.end_step(0)
+        assert otr.flush(30)
+    finally:
+        instrumentor.uninstrument()
+        otr.shutdown()
+    spans = sink.spans()
+    kept = {s["trace_id"] for s in spans if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_EPISODE}
+    assert kept == {trace_ids[0], trace_ids[EPISODES - 1]}
+    assert [s for s in spans if s["trace_id"] not in kept] == []  # no orphan
+    engine = [s for s in spans if s["name"] == ENGINE_SPAN]
+    assert {s["trace_id"] for s in engine} == kept
+    for span in engine:  # the stock instrumentation sent the episode's baggage
+        episode = next(i for i, t in trace_ids.items() if t == span["trace_id"])
+        assert span["attributes"][c.RL_GROUP_ID] == f"g{episode // 3}"
+        assert span["attributes"][c.RL_RUN_ID] == "gateway-run"
+    # the client span of the stock instrumentation sits between the generation and the server
+    clients = [s for s in spans if s["name"] == "POST" and s["service"] == "trainer"]
+    assert len(clients) == KEPT
+    generations = [s for s in spans if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_GENERATION]
+    assert [g["attributes"][c.RL_SERVER_QUEUE_SECONDS] for g in generations] == [
+        pytest.approx(timings(10)[c.GEN_AI_LATENCY_TIME_IN_QUEUE])] * KEPT  # lent through the client span
