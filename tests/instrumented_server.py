@@ -105,6 +105,7 @@ def build_app(tracer_provider: Any) -> Any:
     import logging
 
     from fastapi import FastAPI
+    from openai_server import chat_completion
     from opentelemetry import context as otel_context
     from opentelemetry import trace
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
@@ -136,16 +137,7 @@ def build_app(tracer_provider: Any) -> Any:
             for key, value in timings(max_tokens).items():
                 span.set_attribute(key, value)
             log.info("served %s", completion_id)
-        return {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        }
+        return chat_completion(completion_id, model, content, prompt_tokens, completion_tokens)
 
     FastAPIInstrumentor.instrument_app(app, tracer_provider=tracer_provider,
                                        excluded_urls="health", exclude_spans=["receive", "send"])

@@ -52,16 +52,8 @@ def build_app(provider: TracerProvider) -> FastAPI:
             span.set_attribute(c.GEN_AI_REQUEST_MODEL, model)
             span.set_attribute(c.GEN_AI_USAGE_INPUT_TOKENS, prompt_tokens)
             span.set_attribute(c.GEN_AI_USAGE_OUTPUT_TOKENS, completion_tokens)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        }
+        return chat_completion(f"chatcmpl-{uuid.uuid4().hex[:12]}", model, content, prompt_tokens,
+                               completion_tokens)
 
     FastAPIInstrumentor.instrument_app(app, tracer_provider=provider,
                                        exclude_spans=["receive", "send"])
@@ -94,3 +86,18 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def chat_completion(completion_id: str, model: str, content: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    """A minimal OpenAI chat completion body, as an OpenAI-compatible server answers."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
