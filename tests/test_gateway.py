@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -286,7 +287,7 @@ def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink,
     assert totals["dropped.held_bytes_full.spans"] == 2 * (8 - held[0])
 
 
-def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix) -> None:
+def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix, tmp_path: Path) -> None:
     """The server's spans keep their own resource (no Phoenix project): Phoenix files them with
     the trace they belong to, in the run's project, not in ``default`` (the episode's spans go
     out first in each request); a dropped episode leaves nothing in any project."""
@@ -327,6 +328,21 @@ def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix) -> Non
     assert ENGINE_SPAN in {s["name"] for s in spans}, sorted(s["name"] for s in spans)
     assert phoenix.spans("default", trace_id=[kept, dropped]) == []
     assert phoenix.spans(project, trace_id=[dropped]) == []
+    generation = [s for s in spans if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_GENERATION]
+    assert generation[0]["attributes"][c.RL_SERVER_QUEUE_SECONDS] == pytest.approx(
+        timings(50)[c.GEN_AI_LATENCY_TIME_IN_QUEUE])
+    # as a person sees it: the engine's span in the episode's trace tree, under the chat span
+    from browser_support import chromium, save_screenshot, wait_for
+    from selenium.webdriver.common.by import By
+    from test_phoenix_browser import _tree_node
+
+    shots = Path(os.environ.get("OTR_SCREENSHOTS", tmp_path))
+    with chromium(tmp_path / "profile") as browser:
+        browser.get(f"{phoenix.base_url}/redirects/traces/{kept}")
+        wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node(ENGINE_SPAN))
+                 and d.find_elements(By.XPATH, _tree_node("chat policy")),
+                 "the engine span and the chat span in Phoenix's trace tree", shots / "phoenix-gateway.png")
+        save_screenshot(browser, shots / "phoenix-gateway.png")
 
 
 def test_async_episodes_with_the_stock_httpx_instrumentation_leave_no_orphans(sink: OtlpSink) -> None:
