@@ -151,6 +151,7 @@ class SpanGateway:
     def start(self) -> SpanGateway:
         """Bind and serve; a port that cannot be bound is reported (warning) and left off."""
         o = self.options
+        self.pipeline.remember_decisions = True  # what arrives after its episode was decided follows it
         if o.http_port is not None:
             try:
                 self._http = _http_server(self, o.host, o.http_port)

@@ -74,8 +74,11 @@ class Pipeline(SpanProcessor):
         self._claimed: OrderedDict[int, None] = OrderedDict()
         self._claim_lock = threading.Lock()
         # episodes decided lately, trace id → kept: spans and logs of another process (the span
-        # gateway, worker tasks) arriving after the decision follow it
+        # gateway) arriving after the decision follow it. Only remembered while something needs
+        # it (a running gateway: ~140 bytes an episode, up to _MAX_DECIDED), so a run without one
+        # keeps memory flat from the first step
         self._decided: OrderedDict[int, bool] = OrderedDict()
+        self.remember_decisions = False
         self._held_bytes = 0
 
     # --- deterministic ids ---------------------------------------------------------------------
@@ -623,6 +626,8 @@ class Pipeline(SpanProcessor):
 
     # --- telemetry of other processes: the span gateway, worker tasks' logs -------------------
     def _remember(self, trace_id: int, kept: bool) -> None:
+        if not self.remember_decisions:
+            return
         decided = self._decided
         decided[trace_id] = kept
         if len(decided) > _MAX_DECIDED:
