@@ -115,6 +115,63 @@ def otel_context_of(ep: otr.Episode) -> Iterator[None]:
         otel_context.detach(token)
 
 
+def per_span_costs(repeat: int = 20, episodes: int = 86) -> None:
+    """CPU per received span on the receiving thread, by the episode's state, next to decoding
+    every span into an SDK span (what a gateway that parsed everything on arrival would pay).
+    One OTLP request of ``6 × episodes`` spans, parsed from its bytes each time."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from otel_rollouts._core.codec import spans_from_request
+
+    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(1, "top_bottom"),
+                  handle_signals=False, gateway=otr.GatewayOptions(http_port=None, grpc_port=None))
+    gateway = otr.gateway()
+    assert gateway is not None
+    flags, resource = TraceFlags(TraceFlags.SAMPLED), Resource({"service.name": "vllm-server"})
+    open_episodes, spans = [], []
+    for i in range(episodes):
+        ep = otr.episode(step=0, sample_index=i).start()
+        open_episodes.append(ep)
+        tid, root = int(ep.trace_id, 16), ep.root.span_id
+        route = SpanContext(tid, 10_000 + i, False, flags)
+        spans.append(ReadableSpan("POST /v1/chat/completions", route, SpanContext(tid, root, True, flags),
+                                  resource=resource, attributes={"http.route": "/v1/chat/completions"},
+                                  start_time=1, end_time=2))
+        spans.extend(ReadableSpan(f"part {k}", SpanContext(tid, 20_000 + 8 * i + k, False, flags), route,
+                                  resource=resource, attributes={c.GEN_AI_LATENCY_E2E: 2.2, "k": k},
+                                  start_time=1, end_time=2) for k in range(5))
+    data = encode_spans(spans).SerializeToString()
+
+    def cost(receive) -> float:
+        started = time.thread_time()
+        for _ in range(repeat):
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(data)
+            receive(request)
+        return (time.thread_time() - started) * 1e6 / (repeat * len(spans))
+
+    try:
+        decode_all = cost(spans_from_request)
+        held = cost(gateway.receive_traces)  # every episode still running
+        for i, ep in enumerate(open_episodes):
+            ep.reward(float(i))
+            ep.end()
+        otr.end_step(0)  # one kept, the rest dropped
+        after = cost(gateway.receive_traces)
+        held_total = otr.stats()["totals"]
+    finally:
+        otr.shutdown()
+    assert held_total.get("dropped.gateway_spans", 0) >= repeat * 6 * (episodes - 2), held_total
+    print(f"receiving thread CPU per span ({len(spans)} spans a request, {repeat} requests):")
+    print(f"  decode every span to an SDK span (the naive gateway) {decode_all:6.1f} µs")
+    print(f"  gateway, episodes running (held as bytes)          {held:6.1f} µs  ({held / decode_all:.2f}x)")
+    print(f"  gateway, episodes decided (dropped: never decoded) {after:6.1f} µs  ({after / decode_all:.2f}x)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per way (alternated)")
@@ -122,7 +179,11 @@ def main() -> int:
     parser.add_argument("--arrival", choices=["after", "during"], default="after",
                         help="server spans arrive after each episode ended (the sampler may have "
                              "dropped it already) or while every episode of the step is running")
+    parser.add_argument("--costs-only", action="store_true", help="only the per-span costs")
     args = parser.parse_args()
+    per_span_costs()
+    if args.costs_only:
+        return 0
 
     latency = {c.GEN_AI_LATENCY_TIME_IN_QUEUE: 0.4, c.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 0.6,
                c.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: 0.2, c.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: 1.6,
