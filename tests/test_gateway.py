@@ -397,3 +397,37 @@ def test_async_episodes_with_the_stock_httpx_instrumentation_leave_no_orphans(si
     generations = [s for s in spans if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_GENERATION]
     assert [g["attributes"][c.RL_SERVER_QUEUE_SECONDS] for g in generations] == [
         pytest.approx(timings(10)[c.GEN_AI_LATENCY_TIME_IN_QUEUE])] * KEPT  # lent through the client span
+
+
+def test_reconfiguring_with_a_gateway_leaks_no_thread_and_frees_the_ports(sink: OtlpSink) -> None:
+    """A run replaced by another stops its gateway: its threads end and its ports are free for
+    the next run (the default ports are fixed: the new one must be able to take them)."""
+    import threading
+
+    def gateway_threads() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("otel-rollouts-gateway")}
+
+    assert gateway_threads() == set()
+    first = _configure(sink)
+    ports = (first.http_port, first.grpc_port)
+    to_gateway = OTLPSpanExporter(endpoint=f"{first.http_endpoint}/v1/traces")
+    assert to_gateway.export([_span(0xABC, 0x1, 0x2)]).name == "SUCCESS"  # its threads have worked
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    over_grpc = GrpcExporter(endpoint=f"127.0.0.1:{first.grpc_port}", insecure=True)
+    assert over_grpc.export([_span(0xABC, 0x3, 0x2)]).name == "SUCCESS"
+    over_grpc.shutdown()
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", ports[0])) == 0
+    try:
+        for _ in range(3):
+            otr.configure(exporters=[OTLPSpanExporter(endpoint=sink.endpoint)], handle_signals=False,
+                          gateway=otr.GatewayOptions(http_port=ports[0], grpc_port=ports[1]))
+            again = otr.gateway()
+            assert again is not None and (again.http_port, again.grpc_port) == ports
+    finally:
+        otr.shutdown()
+    deadline = time.monotonic() + 10
+    while gateway_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gateway_threads() == set()

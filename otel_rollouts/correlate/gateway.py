@@ -131,6 +131,7 @@ class SpanGateway:
         self._stop = threading.Event()
         self._http: ThreadingHTTPServer | None = None
         self._grpc: Any = None
+        self._grpc_pool: futures.ThreadPoolExecutor | None = None  # its threads end with stop()
         self._threads: list[threading.Thread] = []
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -185,6 +186,8 @@ class SpanGateway:
                 self._grpc.stop(grace=min(timeout, 1.0)).wait(timeout)
             except Exception:  # noqa: BLE001
                 pass
+        if self._grpc_pool is not None:
+            self._grpc_pool.shutdown(wait=False)
         if self._http is not None:
             try:
                 self._http.shutdown()
@@ -443,10 +446,9 @@ def _grpc_server(gateway: SpanGateway, host: str, port: int) -> tuple[Any, int]:
             return ExportLogsServiceResponse()
 
     limit = gateway.options.max_request_bytes
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="otel-rollouts-gateway-grpc"),
-        options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
-    )
+    gateway._grpc_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="otel-rollouts-gateway-grpc")
+    server = grpc.server(gateway._grpc_pool,
+                         options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
     logs_service_pb2_grpc.add_LogsServiceServicer_to_server(Logs(), server)
     bound = server.add_insecure_port(f"{_host(host)}:{port}")
