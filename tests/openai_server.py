@@ -60,6 +60,21 @@ def build_app(provider: TracerProvider) -> FastAPI:
     return app
 
 
+def chat_completion(completion_id: str, model: str, content: str, prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    """A minimal OpenAI chat completion body, as an OpenAI-compatible server answers."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
 def main() -> None:
     import uvicorn
 
@@ -87,17 +102,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def chat_completion(completion_id: str, model: str, content: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
-    """A minimal OpenAI chat completion body, as an OpenAI-compatible server answers."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": content}}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
