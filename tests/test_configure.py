@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -44,8 +45,11 @@ def test_reconfigure_does_not_leak_threads(otr_shutdown):
         # (tokenizers, Ray, an earlier test's stragglers) come and go on their own schedule
         return sum(1 for t in threading.enumerate() if t.name.startswith("otel-rollouts"))
 
+    def names() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("otel-rollouts"))
+
     otr.configure(exporters=[InMemorySpanExporter()])
-    baseline = ours()
+    baseline, before = ours(), names()
     assert baseline > 0
     exporters = []
     for _ in range(10):
@@ -53,7 +57,12 @@ def test_reconfigure_does_not_leak_threads(otr_shutdown):
         exporters.append(exporter)
         otr.configure(exporters=[exporter])
         _one_episode()
-    assert ours() <= baseline
+    # a replaced run's threads end once its shutdown has let go of them: on a loaded machine a
+    # moment after configure() returned (a leak never ends: the deadline catches it)
+    deadline = time.monotonic() + 10
+    while ours() > baseline and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ours() <= baseline, (before, names())
     otr.flush()
     # each configuration delivered its own episode before being replaced
     assert all(len(e.get_finished_spans()) == 2 for e in exporters)
@@ -139,3 +148,34 @@ def test_unconfigured_library_records_nothing_and_does_not_raise():
             t.record_generation("y")
         ep.reward(1)
     assert ep.trace_id is None and not ep.recording
+
+
+def test_a_replaced_run_ends_its_step_metrics_thread(otr_shutdown):
+    """A run whose exporter takes step summaries (Trackio's ``log_metrics``) sends them from
+    its own thread: replacing the run ends that thread, after the last summary was sent."""
+    class Scalars(InMemorySpanExporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[int] = []
+
+        def log_metrics(self, step: int, values: dict) -> None:
+            self.steps.append(step)
+
+        def export(self, spans):
+            super().export(spans)
+            return SpanExportResult.SUCCESS
+
+    def metrics_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "otel-rollouts-metrics")
+
+    before = metrics_threads()
+    exporters = []
+    for _ in range(5):
+        exporter = Scalars()
+        exporters.append(exporter)
+        otr.configure(exporters=[exporter], handle_signals=False)
+        _one_episode()
+        otr.end_step(0)
+    otr.shutdown()
+    assert metrics_threads() == before  # was one more thread per run, forever
+    assert all(e.steps == [0] for e in exporters)  # each run's summary was sent before its thread ended

@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -147,7 +148,10 @@ class _ScalarSender:
 
     def _run(self) -> None:
         while True:
-            step, values = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # stop(): the run is over
+                return
+            step, values = item
             for sink in self.sinks:
                 try:
                     sink.log_metrics(step, values)
@@ -162,6 +166,19 @@ class _ScalarSender:
     def flush(self, timeout: float) -> bool:
         with self._lock:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def stop(self, timeout: float) -> None:
+        """End the thread once what is queued was sent (within ``timeout``): a run replaced by
+        another leaves no thread behind."""
+        with self._lock:
+            thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.0))
+        except queue.Full:
+            return
+        thread.join(max(timeout, 0.0))
 
 
 class RolloutMetrics:
@@ -315,7 +332,10 @@ class RolloutMetrics:
         return ok
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
         self.flush(timeout)
+        if self._sender is not None:
+            self._sender.stop(max(deadline - time.monotonic(), 0.0))
         if self.provider is not None:
             self.provider.shutdown()
 
