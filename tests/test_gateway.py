@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from instrumented_server import ENGINE_SPAN, LOGGER_NAME, serve, timings
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan
@@ -412,8 +413,6 @@ def test_reconfiguring_with_a_gateway_leaks_no_thread_and_frees_the_ports(sink: 
     ports = (first.http_port, first.grpc_port)
     to_gateway = OTLPSpanExporter(endpoint=f"{first.http_endpoint}/v1/traces")
     assert to_gateway.export([_span(0xABC, 0x1, 0x2)]).name == "SUCCESS"  # its threads have worked
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
     over_grpc = GrpcExporter(endpoint=f"127.0.0.1:{first.grpc_port}", insecure=True)
     assert over_grpc.export([_span(0xABC, 0x3, 0x2)]).name == "SUCCESS"
     over_grpc.shutdown()
