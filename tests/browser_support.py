@@ -77,3 +77,26 @@ def save_screenshot(driver, path: Path) -> Path:
         Path(keep).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(keep) / path.name)
     return path
+
+
+def click_when_ready(driver, find, what: str, screenshot: Path | None = None):
+    """Click the element ``find(driver)`` returns, once the page lets a click reach it: right
+    after a navigation Phoenix is still laying the page out, and another element (a panel
+    sliding in, a spinner) takes the click. Retried until it lands or ``wait_for`` times out;
+    returns the element."""
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        ElementNotInteractableException,
+    )
+
+    def clicked(d):
+        element = find(d)
+        if not element:
+            return False
+        try:
+            element.click()
+        except (ElementClickInterceptedException, ElementNotInteractableException):
+            return False
+        return element
+
+    return wait_for(driver, clicked, what, screenshot)

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from browser_support import chromium, save_screenshot, wait_for
+from browser_support import chromium, click_when_ready, save_screenshot, wait_for
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from receivers import PhoenixReceiver
 from test_phoenix_integration import (
@@ -97,22 +97,24 @@ def test_phoenix_lists_each_episode_by_question_and_answer_and_renders_chat(
         # an LLM span in Phoenix's message view: the conversation up to it, and the tool call it made
         question, answer, _ = EPISODES[2]  # reward 0.8
         browser.get(f"{phoenix.base_url}/redirects/traces/{trace_ids[2]}")
-        chats = wait_for(browser, lambda d: len(e := d.find_elements(By.XPATH, _tree_node("chat policy"))) == 2 and e,
-                         "the chat spans in the trace tree", tmp_path / "phoenix-trace.png")
-        chats[-1].click()  # the second turn: it saw the prompt, the first answer and the tool's result
+        def chat(index: int):
+            return lambda d: len(e := d.find_elements(By.XPATH, _tree_node("chat policy"))) == 2 and e[index]
+
+        # the second turn: it saw the prompt, the first answer and the tool's result
+        click_when_ready(browser, chat(-1), "the second chat span in the trace tree", tmp_path / "phoenix-trace.png")
         expected = ["Messages", "system", SYSTEM, "user", question, "assistant", "Let me work it out.",
                     "tool", "21", answer]
         wait_for(browser, lambda d: all(t in d.find_element(By.TAG_NAME, "body").text for t in expected),
                  f"{expected} in the LLM span's message view", tmp_path / "phoenix-llm.png")
         save_screenshot(browser, tmp_path / "phoenix-llm.png")
-        chats[0].click()
+        click_when_ready(browser, chat(0), "the first chat span", tmp_path / "phoenix-trace.png")
         wait_for(browser, lambda d: "Tool Call" in d.find_element(By.TAG_NAME, "body").text,
                  "the first turn's tool call in its output", tmp_path / "phoenix-tool-call.png")
 
         # the reward, where an evaluator's result is shown
         # the tree's node (an annotation pill named reward may be on the page too)
-        browser.find_element(
-            By.XPATH, _tree_node("reward")).click()
+        click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, _tree_node("reward"))), None),
+                         "the reward span in the tree")
         wait_for(browser, lambda d: '"reward": 0.8' in d.find_element(By.TAG_NAME, "body").text,
                  "the reward on the evaluator span", tmp_path / "phoenix-reward.png")
         save_screenshot(browser, tmp_path / "phoenix-reward.png")

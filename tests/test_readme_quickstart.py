@@ -113,7 +113,7 @@ def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixR
                                                                 tmp_path: Path) -> None:
     """Phoenix's chat span says "1 tool call" and shows one; Trackio's conversation holds one tool
     result, its tree one execute_tool span."""
-    from browser_support import chromium, save_screenshot, wait_for
+    from browser_support import chromium, click_when_ready, save_screenshot, wait_for
     from selenium.webdriver.common.by import By
     from test_phoenix_browser import _tree_node
     from test_trackio_browser import _expand, _serve
@@ -131,7 +131,8 @@ def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixR
         wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("reward")), "the whole trace tree")
         tools = browser.find_elements(By.XPATH, _tree_node("execute_tool calculator"))
         assert len(chats) == 1 and len(tools) == 1
-        chats[0].click()
+        click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, _tree_node("chat qwen-0.5b"))), None),
+                         "the chat span", tmp_path / "phoenix-chat.png")
         wait_for(browser, lambda d: "Tool Call: c1" in body(d), "the tool call in the chat span's output",
                  tmp_path / "phoenix-chat.png")
         text = body(browser)
