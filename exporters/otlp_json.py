@@ -134,9 +134,10 @@ def encode_request(spans: Sequence[ReadableSpan]) -> str:
     return encode_message(encode_spans(spans))
 
 
-def decode_message(text: str | bytes, message: _M) -> _M:
+def decode_message(text: str | bytes, message: _M, *, ignore_unknown_fields: bool = False) -> _M:
     """Parse OTLP/JSON ``text`` (hex or base64 ids, enum names or numbers) into ``message`` (an
-    empty OTLP request of the expected type) and return it.
+    empty OTLP request of the expected type) and return it. ``ignore_unknown_fields``: what a
+    receiver does with fields of a newer OTLP version (the specification asks receivers to).
 
     Raises ``ValueError`` (naming what is wrong) on text that is not such a request.
     """
@@ -144,7 +145,7 @@ def decode_message(text: str | bytes, message: _M) -> _M:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     try:
-        json_format.ParseDict(_ids(data, _hex_to_b64), message)
+        json_format.ParseDict(_ids(data, _hex_to_b64), message, ignore_unknown_fields=ignore_unknown_fields)
     except json_format.ParseError as exc:  # not a ValueError subclass
         raise ValueError(str(exc)) from exc
     return message

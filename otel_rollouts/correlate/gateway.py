@@ -22,7 +22,6 @@ ticker); the training thread never waits for it.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -50,6 +49,7 @@ from otel_rollouts._core.codec import PendingSpan, logs_from_request, pending_fr
 from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.correlate.gateway_logs import LogOutlet
+from otel_rollouts.exporters.otlp_json import decode_message
 from otel_rollouts.sampling.pipeline import Pipeline
 
 __all__ = ["GatewayOptions", "SpanGateway"]
@@ -285,10 +285,6 @@ class SpanGateway:
         else:
             self.stats.add(f"dropped.gateway_unknown.{kind}s")
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of spans and records waiting for their trace to be known."""
-        return self._held.bytes
 
 
 def _host(host: str) -> str:
@@ -390,37 +386,10 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
 
 def _parse(kind: str, body: bytes, is_json: bool) -> ExportTraceServiceRequest | ExportLogsServiceRequest:
     message: Any = ExportTraceServiceRequest() if kind == "traces" else ExportLogsServiceRequest()
-    if not is_json:
-        message.ParseFromString(body)
-        return message
-    data = json.loads(body)
-    if not isinstance(data, dict):
-        raise ValueError("an OTLP/JSON request must be a JSON object")
-    json_format.ParseDict(_hex_ids(data), message, ignore_unknown_fields=True)
+    if is_json:  # OTLP/JSON: hex ids, read by the project's one OTLP/JSON codec
+        return decode_message(body, message, ignore_unknown_fields=True)
+    message.ParseFromString(body)
     return message
-
-
-_ID_BYTES = {"traceId": 16, "spanId": 8, "parentSpanId": 8}
-
-
-def _hex_ids(value: Any) -> Any:
-    """OTLP/JSON writes trace and span ids in hex; protobuf's JSON mapping reads base64."""
-    import base64
-
-    if isinstance(value, list):
-        return [_hex_ids(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    out = {}
-    for key, item in value.items():
-        size = _ID_BYTES.get(key)
-        if size and isinstance(item, str) and len(item) == 2 * size:
-            try:
-                item = base64.b64encode(bytes.fromhex(item)).decode("ascii")
-            except ValueError:
-                pass  # not hex: base64 already
-        out[key] = _hex_ids(item)
-    return out
 
 
 # --- OTLP/gRPC -------------------------------------------------------------------------------------
@@ -429,21 +398,21 @@ def _grpc_server(gateway: SpanGateway, host: str, port: int) -> tuple[Any, int]:
     from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
+    def export(receive: Callable[[Any], None], response: type) -> Callable[[Any, Any, Any], Any]:
+        def method(_servicer: Any, request: Any, context: Any) -> Any:
             try:
-                gateway.receive_traces(request)
-            except ValueError as exc:
+                receive(request)
+            except ValueError as exc:  # malformed: refused, as a collector refuses it
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return ExportTraceServiceResponse()
+            return response()
+
+        return method
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        Export = export(gateway.receive_traces, ExportTraceServiceResponse)
 
     class Logs(logs_service_pb2_grpc.LogsServiceServicer):
-        def Export(self, request: ExportLogsServiceRequest, context: Any) -> ExportLogsServiceResponse:  # noqa: N802
-            try:
-                gateway.receive_logs(request)
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return ExportLogsServiceResponse()
+        Export = export(gateway.receive_logs, ExportLogsServiceResponse)
 
     limit = gateway.options.max_request_bytes
     gateway._grpc_pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="otel-rollouts-gateway-grpc")

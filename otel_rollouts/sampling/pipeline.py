@@ -718,10 +718,6 @@ class Pipeline(SpanProcessor):
         """Whether ``trace_id``'s episode was dropped lately (final: no lock needed)."""
         return self._decided.get(trace_id) is False
 
-    def knows(self, trace_id: int) -> bool:
-        """Whether ``trace_id`` is an episode held here or decided lately."""
-        return trace_id in self._live or trace_id in self._decided
-
     def shutdown(self) -> None:
         """OpenTelemetry's ``provider.shutdown()``: end open episodes (truncated), close every
         step and deliver, then stop delivery. The library's own ``otr.shutdown()`` does the same
