@@ -180,8 +180,12 @@ class _OtlpHandler(LoggingHandler):
         token = _EMITTING.set(True)
         try:
             _stamp(record)
-            _safe_message(record)
-            translated = self._translate(record)
+            try:
+                translated = self._translate(record)
+            except BaseException as exc:  # noqa: BLE001 - an argument's __str__ raised: formatted
+                reraise_interrupt(exc)  # once, here, only when it fails (never on the common path)
+                record = _flagged(record)
+                translated = self._translate(record)
             name = self.shape(record, translated)
             self.provider.get_logger(name).emit(translated)
         except BaseException as exc:  # noqa: BLE001 - logging never fails because of us, even when
@@ -254,16 +258,15 @@ def _plain(value: Any, capture: bool) -> Any:
     return text(value) if capture else type_name(value)
 
 
-def _safe_message(record: logging.LogRecord) -> None:
-    """A message whose arguments' ``__str__`` raises (anything, SystemExit included) keeps its
-    template and says which argument failed, instead of losing the record."""
-    try:
-        record.getMessage()
-    except BaseException as exc:  # noqa: BLE001 - a user value, hostile
-        reraise_interrupt(exc)
-        args = record.args if isinstance(record.args, tuple) else (record.args,)
-        shown = ", ".join(text(a) for a in args)
-        record.msg, record.args = f"{text(record.msg)} [arguments not formatted: {shown}]", None
+def _flagged(record: logging.LogRecord) -> logging.LogRecord:
+    """A copy of ``record`` whose message could not be formatted (an argument's ``__str__``
+    raised anything, SystemExit included): its template, and which arguments failed, instead of
+    losing the record. A copy: the caller's other handlers see the record as it was."""
+    flagged = copy.copy(record)
+    args = record.args if isinstance(record.args, tuple) else (record.args,)
+    shown = ", ".join(text(a) for a in args)
+    flagged.msg, flagged.args = f"{text(record.msg)} [arguments not formatted: {shown}]", None
+    return flagged
 
 
 # --- worker tasks: their records travel back with the result ------------------------------
