@@ -66,6 +66,6 @@ def default_log_exporter() -> Any:
         return None
     if "otlp" not in wanted and not (os.environ.get(c.ENV_OTLP_ENDPOINT) or os.environ.get(c.ENV_OTLP_LOGS_ENDPOINT)):
         return None
-    from otel_rollouts.correlate.logs import _otlp_log_exporter
+    from otel_rollouts.delivery.defaults import otlp_log_exporter
 
-    return _otlp_log_exporter()
+    return otlp_log_exporter()

@@ -591,16 +591,10 @@ def _logger_provider(exporter: Any) -> tuple[Any, EpisodeLogProcessor]:
 
         resource = run_resource()
     if exporter is None:
-        exporter = _otlp_log_exporter()
+        from otel_rollouts.delivery.defaults import otlp_log_exporter
+
+        exporter = otlp_log_exporter()  # per OTEL_EXPORTER_OTLP_(LOGS_)PROTOCOL, http/json included
     provider = LoggerProvider(resource=resource, shutdown_on_exit=True)
     processor = EpisodeLogProcessor(BatchLogRecordProcessor(exporter), resource)
     provider.add_log_record_processor(processor)
     return provider, processor
-
-
-def _otlp_log_exporter() -> Any:
-    """The OTLP log exporter for ``OTEL_EXPORTER_OTLP_(LOGS_)PROTOCOL``: grpc, http/protobuf or
-    http/json (the same choice, and the same refusal by name, as traces and metrics)."""
-    from otel_rollouts.delivery.defaults import otlp_log_exporter
-
-    return otlp_log_exporter()
