@@ -63,16 +63,20 @@ from otel_rollouts.record.episode import (  # noqa: E402
     current_episode,
     current_generation,
     episode,
+    prompt_hash,
     trace_id_for,
 )
 from otel_rollouts.record.traced import traced  # noqa: E402
+from otel_rollouts.sampling.hung import HangOptions  # noqa: E402
 from otel_rollouts.sampling.policies import (  # noqa: E402
     Bucket,
     Compose,
+    DegenerateGroups,
     Errors,
     First,
     Groups,
     Policy,
+    Slowest,
     TailSampler,
     TopBottom,
     Uniform,
@@ -102,6 +106,10 @@ __all__ = [
     "with_context",
     "WorkerResult",
     "Compose",
+    "DegenerateGroups",
+    "HangOptions",
+    "Slowest",
+    "prompt_hash",
     "CountingExporter",
     "DeliveryCounts",
     "SplittingExporter",

@@ -396,3 +396,49 @@ SERVER_TIMINGS = {
 # the OTLP exporters' timeouts (seconds), read to give our span exporter a short default
 ENV_OTLP_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
 ENV_OTLP_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+
+# --- the questions researchers ask of a step: time, group health, why kept, watchlist, hangs ---
+# An episode's wall time in seconds as measured: the root span's duration for an episode recorded
+# while it ran (the episode API, @traced), or what the framework measured (adapters); absent,
+# never 0, when nothing measured it (an episode recorded after the fact from data without times)
+RL_DURATION_SECONDS = "rl.duration.seconds"
+# why the tail sampler kept this episode (on every kept root): one of the reasons below, or a
+# custom policy's own ``label``
+RL_SAMPLING_REASON = "rl.sampling.reason"
+REASON_TOP = "top"
+REASON_BOTTOM = "bottom"
+REASON_ERROR = "error"
+REASON_TRUNCATED = "truncated"  # kept by the errors part as a cut-short episode
+REASON_SLOWEST = "slowest"
+REASON_GROUP = "group"  # a whole group kept by the groups policy
+REASON_DEGENERATE_GROUP = "degenerate_group"  # a whole degenerate group (degenerate_groups)
+REASON_UNIFORM = "uniform"
+REASON_FIRST = "first"
+REASON_WATCH = "watch"  # a watched prompt (TailSampler(watch=...)): kept outside the cap
+REASON_LATE = "late"  # finished after its step closed, kept under the late rule
+REASON_COMPANION = "companion"  # kept with a kept episode of the same rl.companions.id
+REASON_POLICY = "policy"  # a custom policy without a label of its own
+# the health of the episode's GRPO group in its step (on kept members of groups; counted per step)
+RL_GROUP_SIZE = "rl.group.size"  # members seen in the step
+RL_GROUP_EXPECTED_SIZE = "rl.group.expected_size"  # members the framework sampled (when known)
+RL_GROUP_REWARD_SPREAD = "rl.group.reward_spread"  # max - min reward of its members
+RL_GROUP_ALL_EQUAL = "rl.group.all_equal"  # every member the same reward: zero advantage
+RL_GROUP_LOST = "rl.group.lost"  # members lost: missing, filtered, failed or truncated
+# why the group is degenerate (absent when it is not): all_equal | lost_members
+RL_GROUP_DEGENERATE = "rl.group.degenerate"
+DEGENERATE_ALL_EQUAL = "all_equal"
+DEGENERATE_LOST = "lost_members"
+EVENT_DEGENERATE_GROUP = "rl.group.degenerate"  # span event on kept members' roots
+# a prompt followed across the run (TailSampler(watch=...)): its hash, and the watch key matched
+RL_PROMPT_HASH = "rl.prompt.hash"
+RL_WATCH_KEY = "rl.watch.key"
+# a snapshot of an episode still running after the hang threshold (never the finished episode)
+RL_PENDING = "rl.pending"  # true on a snapshot's root
+RL_PENDING_SPAN = "rl.pending.span"  # the innermost span still open (its name)
+RL_PENDING_SPAN_SECONDS = "rl.pending.span.seconds"  # how long that span has been open
+RL_PENDING_SECONDS = "rl.pending.seconds"  # how long the episode has been open
+METRIC_STAGE_DURATION = "rl.stage.duration"  # histogram by rl.stage (s)
+RL_STAGE = "rl.stage"  # metric attribute: generation | tool | environment | reward | waiting
+METRIC_GROUPS = "rl.groups"  # counter by rl.group.degenerate (none | all_equal | lost_members)
+METRIC_HUNG = "rl.episodes.hung"  # counter: episodes that never ended (after a snapshot)
+DEGENERATE_NONE = "none"  # rl.group.degenerate on the rl.groups counter: a healthy group

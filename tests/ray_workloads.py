@@ -160,6 +160,8 @@ class Rollouts:
     def run_step(self, step: int, episodes: list[dict]) -> None:
         for e in episodes:
             with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
+                if "seconds" in e:  # what a framework measured (the slowest part ranks by it)
+                    ep.set_attribute(otr.conventions.RL_DURATION_SECONDS, e["seconds"])
                 ep.reward(e["reward"])
 
     def end_step(self, step: int) -> dict:

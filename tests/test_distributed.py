@@ -38,7 +38,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                             world_size=world)
     result: dict = {"rank": rank, "phases": {}}
 
-    def phase(name, sampler, steps, end_steps=True, status_of=lambda i: None):
+    def phase(name, sampler, steps, end_steps=True, status_of=lambda i: None, seconds_of=lambda i: None):
         exporter = InMemorySpanExporter()
         otr.configure(exporters=[exporter], sampler=sampler, run_id=f"job-{name}")
         recorded = []
@@ -49,14 +49,17 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                     ep.prompt("p")
                     if status_of(i):
                         ep.finish(status=status_of(i))
+                    if seconds_of(i) is not None:  # a framework's measure of the episode's time
+                        ep.set_attribute(c.RL_DURATION_SECONDS, seconds_of(i))
                     ep.reward(reward)
                 recorded.append({"trace_id": int(ep.trace_id, 16), "step": step, "reward": reward,
-                                 "status": status_of(i) or "ok"})
+                                 "status": status_of(i) or "ok", "seconds": seconds_of(i)})
             if end_steps:
                 otr.end_step(step)
         otr.flush()
         kept = [
-            {"trace_id": s.context.trace_id, "step": s.attributes[c.RL_STEP]}
+            {"trace_id": s.context.trace_id, "step": s.attributes[c.RL_STEP],
+             "reason": s.attributes.get(c.RL_SAMPLING_REASON)}
             for s in exporter.get_finished_spans()
             if s.parent is None
         ]
@@ -92,6 +95,9 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         status_of=lambda i: "error" if i in (5, 9) else None,
     )
     phase("first", otr.TailSampler(4, "first", step_lag=None), steps=[0])
+    # the stragglers of the whole job, by each episode's measured seconds (distinct across ranks)
+    phase("slowest", otr.TailSampler(4, "slowest", step_lag=None), steps=[0],
+          seconds_of=lambda i: float((i * 7 + rank * 3) % 37) + rank / 10)
     phase("no_end_step", otr.TailSampler(8, "top_bottom", step_lag=None), steps=[0], end_steps=False)
 
     # ranks out of step: rank r closes step r. The collective finds the mismatch on every rank;
@@ -198,6 +204,13 @@ def test_global_composition_errors_top_bottom_rest(three_ranks):
     assert 2 <= len(errors) <= 3
     rest = sorted((e for e in recorded if e["trace_id"] not in errors), key=lambda e: e["reward"])
     assert {rest[0]["trace_id"], rest[1]["trace_id"], rest[-1]["trace_id"], rest[-2]["trace_id"]} <= ids
+
+
+def test_global_slowest_across_ranks_says_why(three_ranks):
+    recorded, kept = _union(three_ranks, "slowest")
+    slowest = sorted(recorded, key=lambda e: e["seconds"], reverse=True)[:4]
+    assert {e["trace_id"] for e in kept} == {e["trace_id"] for e in slowest}
+    assert {e["reason"] for e in kept} == {"slowest"}
 
 
 def test_first_is_held_and_agreed_not_streamed_per_rank(three_ranks):

@@ -85,7 +85,7 @@ def test_groups_merge_exactly_when_each_group_is_recorded_on_one_rank(layout, ca
     chosen = set()
     for r, episodes in enumerate(ranks):
         held = payloads[r][KEY]
-        for index in merge(policy, cap, payloads, r).get(KEY, []):
+        for index, _ in merge(policy, cap, payloads, r).get(KEY, []):
             trace_id = held[index][0]
             chosen.add(next(e.attrs[c.RL_GROUP_ID] for e in episodes if e.trace_id == trace_id))
     assert chosen == _ideal([e for episodes in ranks for e in episodes], cap)

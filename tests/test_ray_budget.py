@@ -32,12 +32,14 @@ def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
     """Each actor's episodes of ``step``: distinct rewards, groups of four recorded on one actor."""
     rng = random.Random(seed * 1000 + step)
     rewards = rng.sample(range(10_000), actors * PER_ACTOR)
+    durations = rng.sample(range(10_000), actors * PER_ACTOR)  # distinct: no tie to break
     out: list[list[dict]] = [[] for _ in range(actors)]
     for a in range(actors):
         for i in range(PER_ACTOR):
             out[a].append({
                 "id": f"s{step}-a{a}-e{i}", "group": f"s{step}-a{a}-g{i // 4}", "index": i % 4,
                 "reward": rewards[a * PER_ACTOR + i] / 100,
+                "seconds": durations[a * PER_ACTOR + i] / 1000,
             })
     return out
 
@@ -54,6 +56,7 @@ def _reference(policy: str, episodes: list[dict], step: int) -> list[str]:
     try:
         for e in sorted(episodes, key=lambda e: e["id"]):
             with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
+                ep.set_attribute(otr.conventions.RL_DURATION_SECONDS, e["seconds"])
                 ep.reward(e["reward"])
         otr.end_step(step)
         assert otr.flush(10)
@@ -81,7 +84,7 @@ def _coordinator(name: str):
 
 @pytest.mark.parametrize(("policy", "kind"), [
     ("top_bottom", "plain"), ("uniform", "plain"), ("groups", "plain"),
-    ("top_bottom", "threaded"), ("groups", "async"),
+    ("top_bottom", "threaded"), ("groups", "async"), ("slowest+top_bottom", "plain"),
 ])
 def test_three_rollout_actors_keep_exactly_the_global_choice(ray_cluster, policy, kind):
     name = f"budget-{uuid.uuid4().hex[:8]}"

@@ -596,5 +596,10 @@ def _count(value: Any) -> int | None:
 
 
 _METADATA_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_EPISODE_ID, c.RL_GROUP_ID, c.RL_SAMPLE_INDEX, c.RL_STATUS,
-                  c.RL_REWARD, c.RL_ADVANTAGE, c.RL_FINISH_REASON, c.RL_POLICY_VERSION)
-_TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS)
+                  c.RL_REWARD, c.RL_ADVANTAGE, c.RL_FINISH_REASON, c.RL_POLICY_VERSION,
+                  # what a researcher filters a step by in Phoenix: why kept, how slow, where the
+                  # time went, how its group fared, which watched prompt
+                  c.RL_SAMPLING_REASON, c.RL_DURATION_SECONDS, *(c.stage_seconds(s) for s in c.STAGES),
+                  c.RL_GROUP_DEGENERATE, c.RL_GROUP_REWARD_SPREAD, c.RL_GROUP_LOST, c.RL_DATASET_INDEX,
+                  c.RL_WATCH_KEY)
+_TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS, c.RL_SAMPLING_REASON)

@@ -37,6 +37,8 @@ MAX_ATTRIBUTES = 1024  # attributes per span (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT, w
 ATTRIBUTE_RESERVE = 64  # of those, kept for the library's own attributes (added at render too)
 _MAX_INVALID = 32  # rl.invalid notes per span: the flags themselves stay bounded
 # the library's own attribute names (conventions): never counted against the user's share
+# span kinds that are a stage of an episode's time, by their index in EpisodeRecord.timing
+_STAGE_INDEX = {c.KIND_GENERATION: 0, c.KIND_TOOL: 1, c.KIND_REWARD: 2}
 _OWN_KEYS = frozenset(v for k, v in vars(c).items() if k.isupper() and isinstance(v, str))
 
 # Episode record states
@@ -150,8 +152,23 @@ class SpanRecord(trace.Span):
     def end(self, end_time: int | None = None) -> None:
         if self.end_ns is not None:
             return
-        self.end_ns = end_time if end_time is not None else time.time_ns()
+        end = self.end_ns = end_time if end_time is not None else time.time_ns()
         episode = self.episode  # the sink is told when the root or the reward span ends
+        stage = _STAGE_INDEX.get(self.kind)
+        if stage is not None and episode.state < KEPT:
+            # where the episode's time goes, added up as its spans end (a few integer operations
+            # on timestamps that exist already): stages.stage_totals reads it in O(1)
+            timing = episode.timing
+            if timing is None:
+                timing = episode.timing = [0, 0, 0, -1, -1, -1, -1, 0]
+            start = self.start_ns
+            if start < timing[3 + stage] or start < timing[6]:
+                timing[7] = 1  # overlapping or out of order: the exact union is computed instead
+            timing[stage] += end - start
+            if end > timing[3 + stage]:
+                timing[3 + stage] = end
+            if end > timing[6]:
+                timing[6] = end
         if episode.state >= KEPT:  # already decided: a late span of a kept episode still goes out
             if self.held is None or episode.state != KEPT:
                 episode.sink.late_span(episode, self)
@@ -279,6 +296,11 @@ class EpisodeRecord:
         "handle",
         "capture_content",
         "max_attributes",
+        "timed",
+        "reason",
+        "notes",
+        "stages",
+        "timing",
         "__weakref__",
     )
 
@@ -302,6 +324,18 @@ class EpisodeRecord:
         self.max_spans = max_spans
         self.max_attributes = MAX_ATTRIBUTES  # per span; user-named keys get all but a reserve
         self.handle: Any = None  # the user-facing Episode object
+        # whether its root's times are the episode's own (recorded while it ran), so that its
+        # duration is measured; False for an episode recorded after the fact (an adapter, a batch)
+        self.timed = True
+        self.reason: str | None = None  # why the sampler kept it (rl.sampling.reason)
+        # root attributes the sampler adds when it keeps it: its group's health (rl.group.*), the
+        # watch key it matched
+        self.notes: dict[str, Any] | None = None
+        self.stages: dict[str, float] | None = None  # seconds per stage, once computed
+        # ns per stage kind as its spans ended (SpanRecord.end): [generation, tool, reward sums,
+        # their latest ends, the latest end of all, 1 if any overlapped or came out of order];
+        # None until a stage span ends
+        self.timing: list[int] | None = None
 
     def add(self, span: SpanRecord) -> SpanRecord:
         """Put ``span`` in this episode's tree, or count it cut by the span limit. A span made
@@ -348,4 +382,23 @@ class EpisodeRecord:
 
     def attribute(self, key: str) -> Any:
         root = self.root
-        return None if root is None else root.attributes.get(key)
+        if root is None:
+            return None
+        value = root.attributes.get(key)
+        if value is None and key == c.RL_DURATION_SECONDS:
+            return self.duration()
+        return value
+
+    def duration(self) -> float | None:
+        """The episode's measured wall time in seconds: ``rl.duration.seconds`` when set (a
+        framework's measure), else its root's duration when the root is the episode's own time
+        (``timed``) and has ended; None when nothing measured it (never 0 for unknown)."""
+        root = self.root
+        if root is None:
+            return None
+        value = root.attributes.get(c.RL_DURATION_SECONDS)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if not self.timed or root.end_ns is None:
+            return None
+        return max(root.end_ns - root.start_ns, 0) / 1e9

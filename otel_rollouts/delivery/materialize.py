@@ -20,6 +20,7 @@ from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.content import Deferred, cut, jsonable, precut, to_json
 from otel_rollouts._core.messages import EpisodeViews, SpanView, error_type, settle
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
+from otel_rollouts._core.stages import stage_totals
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)
@@ -298,6 +299,7 @@ class Materializer:
         """The span's own content, in the conventions' shape, under the episode's budget."""
         merged = {**recorded, **settle(view.main)} if view is not None else dict(recorded)
         if s.kind == c.KIND_EPISODE:
+            merged.update(sampling_notes(s.episode, merged))  # before the views: in Phoenix's metadata
             merged.update(self.views.root(merged))
             # only kept episodes are rendered: a shared Collector's tail_sampling keys on this
             merged[c.RL_SAMPLING_KEPT] = True
@@ -488,6 +490,31 @@ class Materializer:
             return text, was_cut
         return cut(text, limit)
 
+    def pending(self, record: EpisodeRecord) -> list[ReadableSpan]:
+        """A pending snapshot (``sampling.hung``: a copy of an episode still running, its open
+        spans ended at the snapshot's time) rendered as a kept episode is (views, redaction,
+        limits), except that its root does not claim to be kept: no ``rl.sampling.kept`` or
+        ``rl.sampling.reason`` (a Collector's tail sampling keys on them), ``rl.pending`` true."""
+        spans = self.episode(record)
+        root = record.root
+        if root is None:
+            return spans
+        out: list[ReadableSpan] = []
+        for span in spans:
+            if span.context is None or span.context.span_id != root.span_id:
+                out.append(span)
+                continue
+            attributes = {k: v for k, v in (span.attributes or {}).items()
+                          if k not in (c.RL_SAMPLING_KEPT, c.RL_SAMPLING_REASON)}
+            attributes[c.RL_PENDING] = True
+            out.append(ReadableSpan(
+                name=span.name, context=span.context, parent=span.parent, resource=span.resource,
+                attributes=attributes, events=span.events, links=span.links, kind=span.kind,
+                status=span.status, start_time=span.start_time, end_time=span.end_time,
+                instrumentation_scope=span.instrumentation_scope,
+            ))
+        return out
+
 
 def _json(value: Any) -> str:
     """JSON text of a value that is JSON-safe already (``_resolved`` made it so; the views are
@@ -563,6 +590,30 @@ def _homogeneous(values) -> bool:
     if first not in _PRIMITIVES:
         return False
     return all(type(v) is first for v in values)
+
+
+def sampling_notes(record: EpisodeRecord, attributes: dict[str, Any]) -> dict[str, Any]:
+    """What a kept root says beyond what was recorded on it: why the sampler kept it, how long it
+    ran and where its time went (unless the framework said so already), its group's health, the
+    watch key it matched. Computed here, on the render thread, for kept episodes only."""
+    out: dict[str, Any] = {}
+    if record.reason:
+        out[c.RL_SAMPLING_REASON] = record.reason
+    if c.RL_DURATION_SECONDS not in attributes:
+        duration = record.duration()
+        if duration is not None:
+            out[c.RL_DURATION_SECONDS] = duration
+    try:
+        stages = record.stages if record.stages is not None else stage_totals(record)
+    except Exception:  # noqa: BLE001 - a view of the spans: the episode goes out without it
+        stages = {}
+    for stage, seconds in stages.items():
+        key = c.stage_seconds(stage)
+        if key not in attributes:
+            out[key] = seconds
+    if record.notes:
+        out.update(record.notes)
+    return out
 
 
 def lend_timings(ours: Sequence[SpanRecord], theirs: Sequence[ReadableSpan]) -> None:

@@ -71,6 +71,7 @@ class Rows:
     episode_ids: Sequence[Any] | None = None
     policy_versions: Sequence[Any] | None = None
     dataset_indices: Sequence[Any] | None = None
+    durations: Sequence[Any] | None = None  # seconds each sample ran, as the framework measured
     statuses: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
     dataset_name: str | list[Any] | None = None  # one name, or one per sample
     framework: str | None = None
@@ -99,6 +100,11 @@ class Rows:
 
 def _at(column: Sequence[Any] | None, i: int) -> Any:
     return None if column is None else column[i]
+
+
+def _seconds(column: Sequence[Any]) -> list[float | None]:
+    """Measured durations: a finite non-negative float, else None (not measured)."""
+    return [v if v is not None and v >= 0 else None for v in _floats(column)]
 
 
 def _floats(column: Sequence[Any]) -> list[float | None]:
@@ -145,6 +151,10 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
     if rows.advantages is not None:
         columns[c.RL_ADVANTAGE] = lambda: _floats(rows.advantages or ())
     columns[c.RL_STATUS] = _statuses(rows)
+    if rows.dataset_indices is not None:  # the watch list's key
+        columns[c.RL_DATASET_INDEX] = rows.dataset_indices
+    if rows.durations is not None:  # what the slowest part ranks by
+        columns[c.RL_DURATION_SECONDS] = lambda: _seconds(rows.durations or ())
     columns[c.RL_GROUP_ID] = lambda: [None if g is None else text(g) for g in (rows.group_ids or [None] * rows.size)]
     columns[c.RL_SAMPLE_INDEX] = lambda: [
         i if v is None else to_int(v, "sample_index")[0]
@@ -248,6 +258,7 @@ def record_batch(
     finish_reasons: Any = None,
     dataset_name: str | Sequence[str | None] | None = None,
     dataset_indices: Any = None,
+    durations: Any = None,
     framework: str | None = None,
     metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
     record: Recorder | None = None,
@@ -258,7 +269,9 @@ def record_batch(
     Each column holds one value per sample (a list, a numpy array or a tensor); None: none.
     ``reward_components``: name -> column. ``statuses``: ``ok``/``error``/``truncated``
     (``truncated`` is also inferred from a ``length`` finish reason). ``dataset_name`` and
-    ``metadata``: one for all samples, or one per sample. ``record(i, episode)`` records sample
+    ``metadata``: one for all samples, or one per sample. ``durations``: seconds each sample
+    ran, as the framework measured them (``rl.duration.seconds``, what the ``slowest`` part
+    ranks by; without them a batch row has no duration). ``record(i, episode)`` records sample
     ``i``'s content (``episode.prompt``, ``episode.turn()``...) and is called only for the
     samples that may be kept, before the columns' reward and finish are recorded (the spans read
     in the order an episode made them); an exception from it is reported naming the sample, and
@@ -306,6 +319,7 @@ def record_batch(
         episode_ids=_column("episode_ids", episode_ids, n, problems),
         policy_versions=_column("policy_versions", policy_versions, n, problems),
         dataset_indices=_column("dataset_indices", dataset_indices, n, problems),
+        durations=_column("durations", durations, n, problems),
         statuses=status_col, dataset_name=names, framework=framework, metadata=meta,
     )
 
@@ -319,6 +333,10 @@ def record_batch(
         finish, status = _at(finish_col, i), _at(status_col, i)
         if finish is not None or status is not None:
             ep.finish(reason=finish, status=status)
+        if rows.durations is not None:
+            seconds = _seconds([rows.durations[i]])[0]
+            if seconds is not None:
+                ep.set_attribute(c.RL_DURATION_SECONDS, seconds)
 
     summary.offered = n
     summary.recorded, summary.failed = record_rows(rows, build)

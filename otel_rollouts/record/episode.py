@@ -17,6 +17,7 @@ under ``rl.invalid`` on the span; user code never sees an exception unless stric
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping
 from contextvars import Token
@@ -31,7 +32,7 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import Deferred, snapshot, text
+from otel_rollouts._core.content import Deferred, jsonable, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
 from otel_rollouts._core.spans import (
     DROPPED,
@@ -82,6 +83,23 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]] | Def
     if isinstance(messages, Mapping):
         return [_message(snapshot(messages), role)]
     return [{"role": role, "content": text(messages)}]
+
+
+def prompt_hash(prompt: Any) -> str | None:
+    """A short stable key of a prompt (16 hex digits), the same in every process and run: what
+    ``TailSampler(watch=[...])`` matches against the prompt an episode recorded with
+    ``ep.prompt(prompt)``. Plain text and a one-message list ``[{"role": "user", "content":
+    text}]`` hash alike. Never raises: a part whose ``str`` raises hashes as its placeholder
+    (``<Type: str raised ...>``), the same each time. None for a prompt known only later (a
+    deferred message list)."""
+    try:
+        messages = as_messages(prompt)
+        if isinstance(messages, Deferred):
+            return None
+        canonical = json.dumps(jsonable(messages), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    except Exception:  # noqa: BLE001 - never an error for a prompt (jsonable contains user code)
+        return None
+    return hashlib.blake2b(canonical.encode("utf-8", "replace"), digest_size=8).hexdigest()
 
 
 def _message(copied: Any, role: str) -> dict[str, Any]:
@@ -571,6 +589,9 @@ class Episode:
         (step, split, group_id, sample_index, policy_version, episode_id, dataset_name, dataset_index,
          framework, metadata, name) = request
         problems: list[str] = []
+        # an adapter (framework) or a batch row (trace id given) records after the fact: its
+        # root's times are when it was recorded, not how long it ran
+        timed = trace_id is None and framework is None
         if step is None:
             step_value = rt.current_step
         else:
@@ -598,6 +619,7 @@ class Episode:
         record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
         record.handle = self
         record.capture_content = rt.capture_content
+        record.timed = timed
         record.max_attributes = rt.max_attributes_per_span
         attrs: dict[str, Any] = {
             c.RL_STEP: step_value,
@@ -748,6 +770,11 @@ class Episode:
                     attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)
             span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
             span.end(span.start_ns)
+            root = record.root
+            if root is not None and getattr(record.sink, "watch_hashes", False):
+                digest = prompt_hash(messages)  # only a run watching prompts by hash pays for it
+                if digest is not None:
+                    root.attributes[c.RL_PROMPT_HASH] = digest
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Episode.prompt", exc)
 

@@ -62,7 +62,7 @@ class RowBatch:
 
     def has(self, name: str) -> bool:
         """Whether the batch can answer ``attribute(name)`` (a column it was given)."""
-        return name in self._columns or name in _ALWAYS
+        return name in self._columns or name in _ALWAYS or name in _ABSENT_IS_NONE
 
     def column(self, name: str) -> Sequence[Any] | None:
         made = self._made.get(name)
@@ -110,6 +110,9 @@ class RowBatch:
 
 
 _ALWAYS = (c.RL_STEP, c.RL_SPLIT)
+# columns a batch may lack, each row then having none: no status is ``ok``, no duration and no
+# expected group size are "not measured" (a policy reading them finds nothing, never a 0)
+_ABSENT_IS_NONE = (c.RL_STATUS, c.RL_DURATION_SECONDS, c.RL_GROUP_EXPECTED_SIZE)
 
 
 def _number(value: Any) -> float:
@@ -124,7 +127,7 @@ class BatchRow:
     It answers what a bucket and the distributed budget ask of a record (``attribute``,
     ``trace_id``, ``seq``, ``root``); once promoted, ``record`` is the episode recorded for it."""
 
-    __slots__ = ("batch", "index", "trace_id", "seq", "record", "decision", "built")
+    __slots__ = ("batch", "index", "trace_id", "seq", "record", "decision", "built", "reason", "notes")
 
     spans: tuple[()] = ()  # what metrics read of a record: a row has no span of its own
 
@@ -136,6 +139,8 @@ class BatchRow:
         self.record: EpisodeRecord | None = None
         self.decision = UNDECIDED  # decided before its record arrived
         self.built = False  # the caller tried to record it (record None: that failed)
+        self.reason: str | None = None  # why the sampler keeps it (rl.sampling.reason)
+        self.notes: dict[str, Any] | None = None  # root attributes the sampler adds (EpisodeRecord.notes)
 
     def attribute(self, name: str) -> Any:
         record = self.record

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from otel_rollouts.sampling.policies import Policy
+from otel_rollouts.sampling.policies import Policy, reason_of
 
 __all__ = ["Coordinator", "Member", "coordinator_for", "merge", "merge_all", "summaries"]
 
@@ -61,10 +61,11 @@ def coordinator_for(setting: Any) -> Member | None:
 class _Summary:
     """What a rank tells the others about one candidate: enough to run the policy on it."""
 
-    __slots__ = ("trace_id", "attrs", "rank", "index")
+    __slots__ = ("trace_id", "attrs", "rank", "index", "reason")
 
     def __init__(self, trace_id: int, attrs: dict[str, Any], rank: int, index: int) -> None:
         self.trace_id, self.attrs, self.rank, self.index = trace_id, attrs, rank, index
+        self.reason: str | None = None  # why the global choice keeps it
 
     def attribute(self, key: str) -> Any:
         return self.attrs.get(key)
@@ -84,7 +85,7 @@ class Member:
         """What one member may keep of a step closed without agreement."""
         return cap // max(self.members, 1)
 
-    def exchange(self, policy: Policy, cap: int, payload: Payload, step: int) -> dict[tuple[int, str], list[int]]:
+    def exchange(self, policy: Policy, cap: int, payload: Payload, step: int) -> dict[tuple[int, str], Kept]:
         """Send this member's summaries; the indices of its own candidates that it keeps."""
         raise NotImplementedError
 
@@ -98,7 +99,17 @@ class Member:
     ) -> dict[tuple[int, str], list[Any]]:
         """This member's records of the global choice, per (step, split)."""
         keep = self.exchange(policy, cap, summaries(policy, candidates), step)
-        return {key: [candidates[key][i] for i in indices] for key, indices in keep.items() if key in candidates}
+        out: dict[tuple[int, str], list[Any]] = {}
+        for key, chosen in keep.items():
+            if key not in candidates:
+                continue
+            records = out[key] = []
+            for i, reason in chosen:
+                record = candidates[key][i]
+                if reason is not None and getattr(record, "reason", None) is None:
+                    record.reason = reason
+                records.append(record)
+        return out
 
 
 class Coordinator(Member):
@@ -114,7 +125,7 @@ class Coordinator(Member):
     def usable(self) -> bool:
         return _torch_distributed() is self.dist
 
-    def exchange(self, policy: Policy, cap: int, payload: Payload, step: int) -> dict[tuple[int, str], list[int]]:
+    def exchange(self, policy: Policy, cap: int, payload: Payload, step: int) -> dict[tuple[int, str], Kept]:
         gathered: list[Any] = [None] * self.members
         self.dist.all_gather_object(gathered, (step, payload), group=self.group)
         for other in gathered:
@@ -127,6 +138,7 @@ class Coordinator(Member):
 
 
 Payload = dict[tuple[int, str], list[tuple[int, int, int, dict[str, Any]]]]
+Kept = list[tuple[int, str | None]]  # a member's kept candidates: (index, rl.sampling.reason)
 
 
 def summaries(policy: Policy, candidates: dict[tuple[int, str], list[Any]]) -> Payload:
@@ -147,14 +159,14 @@ def summaries(policy: Policy, candidates: dict[tuple[int, str], list[Any]]) -> P
     }
 
 
-def merge_all(policy: Policy, cap: int, payloads: list[Payload]) -> dict[tuple[int, str], list[list[int]]]:
+def merge_all(policy: Policy, cap: int, payloads: list[Payload]) -> dict[tuple[int, str], list[Kept]]:
     """The global choice over every member's candidates, per (step, split): for each member (in
     the order of ``payloads``), the indices of its own candidates that it keeps. One order for
     all (first to finish first), so every member computing it reaches the same choice. The
     bucket may hold every candidate (they are all in memory already): a bucket bounded by its
     memory rule (``Groups``' ``max_held``) would let groups go on partial evidence when their
     members arrive interleaved, and the merge would not be exact."""
-    out: dict[tuple[int, str], list[list[int]]] = {}
+    out: dict[tuple[int, str], list[Kept]] = {}
     for key in sorted({key for p in payloads for key in p}):
         rows = [
             (end_ns, r, seq, trace_id, attrs, index)
@@ -165,13 +177,13 @@ def merge_all(policy: Policy, cap: int, payloads: list[Payload]) -> dict[tuple[i
         bucket = policy.bucket(cap, key, margin=len(rows))
         for _, r, _, trace_id, attrs, index in rows:
             bucket.offer(_Summary(trace_id, attrs, r, index))
-        kept: list[list[int]] = [[] for _ in payloads]
-        for summary in bucket.decide(cap):
-            kept[summary.rank].append(summary.index)
+        kept: list[list[tuple[int, str | None]]] = [[] for _ in payloads]
+        for summary in bucket.decide(cap):  # (index, why it is kept)
+            kept[summary.rank].append((summary.index, summary.reason or reason_of(policy)))
         out[key] = kept
     return out
 
 
-def merge(policy: Policy, cap: int, payloads: list[Payload], rank: int) -> dict[tuple[int, str], list[int]]:
+def merge(policy: Policy, cap: int, payloads: list[Payload], rank: int) -> dict[tuple[int, str], Kept]:
     """``merge_all``, for one member: the indices of ``rank``'s own candidates that it keeps."""
     return {key: kept[rank] for key, kept in merge_all(policy, cap, payloads).items()}

@@ -25,7 +25,8 @@ from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecor
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch, rows
-from otel_rollouts.sampling.policies import Bucket, TailSampler
+from otel_rollouts.sampling.health import StepGroups
+from otel_rollouts.sampling.policies import Bucket, TailSampler, reason_of
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
@@ -41,12 +42,14 @@ _MAX_HELD_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
 
 class _Step:
-    __slots__ = ("bucket", "last_seen", "kept")
+    __slots__ = ("bucket", "last_seen", "kept", "groups", "watched")
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: Bucket, group_size: int | None = None) -> None:
         self.bucket = bucket
         self.last_seen = time.monotonic()
         self.kept = 0
+        self.groups = StepGroups(group_size)  # the health of the step's groups
+        self.watched = 0  # episodes of watched prompts kept (outside the cap)
 
 
 class Pipeline(SpanProcessor):
@@ -80,6 +83,10 @@ class Pipeline(SpanProcessor):
         self._decided: OrderedDict[int, bool] = OrderedDict()
         self.remember_decisions = False
         self._held_bytes = 0
+        # a watch list with prompt hashes: episodes hash their prompt when they record it
+        self.watch_hashes = any(isinstance(k, str) for k in sampler.watch)
+        self.hung: Any = None  # sampling.hung.HungWatcher: episodes shown while they hang
+        self._policy_reason = reason_of(sampler.policy)
 
     # --- deterministic ids ---------------------------------------------------------------------
     def claim_trace_id(
@@ -177,19 +184,24 @@ class Pipeline(SpanProcessor):
             if step is None:
                 if self._is_closed(key):
                     return self._late_batch(batch, key)
-                stream = self._distributed() is None
-                step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream))
+                step = self._new_step(key)
             step.last_seen = time.monotonic()
+            step.groups.add_batch(batch)
             bucket = step.bucket
             whole = getattr(bucket, "offer_batch", None)
             if callable(whole):  # the bucket takes the batch whole (Groups: a run at a time)
-                return self._offer_whole(batch, whole)
+                return self._offer_whole(batch, whole, step)
+            watched = self._watched_rows(batch, step)
             find = getattr(bucket, "candidates", None)
             chosen = find(batch) if callable(find) else None
             indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
+            if watched:
+                indices = [i for i in indices if i not in watched]
             offered = rows(batch, indices, self._seq)
-            dropped = batch.n - len(offered)  # rows never offered: dropped without an object
-            kept_now: list[BatchRow] = []
+            kept_now: list[BatchRow] = list(watched.values())
+            if watched:
+                self.stats.step(key, "kept.watch", len(watched))
+            dropped = batch.n - len(offered) - len(kept_now)  # never offered: dropped without an object
             for row in offered:
                 released, keep_now = bucket.offer(row)
                 for r in released:
@@ -209,19 +221,53 @@ class Pipeline(SpanProcessor):
                 self._keep(r)
             return sorted(survivors, key=lambda r: r.seq)
 
-    def _offer_whole(self, batch: RowBatch, offer: Any) -> list[BatchRow]:
+    def _offer_whole(self, batch: RowBatch, offer: Any, step: _Step) -> list[BatchRow]:
         """A bucket that is offered the batch at once: rows numbered in order as if offered one
-        by one; only the rows it still holds become objects."""
+        by one; only the rows it still holds become objects (and watched rows it let go)."""
         base = next(self._seq)
         if batch.n > 1:
             deque(itertools.islice(self._seq, batch.n - 1), maxlen=0)  # reserve the batch's numbers
         released, held = offer(batch, lambda i: BatchRow(batch, i, base + i))
         for r in released:
             self._drop(r, "sampled_out")
+        alive = {r.index for r in held}
+        watched = [r for i, r in self._watched_rows(batch, step, base).items() if i not in alive]
+        if watched:
+            self.stats.step(batch.key, "kept.watch", len(watched))
+        for r in watched:
+            self._keep(r)
+        held += watched
         if len(held) < batch.n:
             alive = {r.index for r in held}
             self._dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
         return sorted(held, key=lambda r: r.seq)
+
+    def _new_step(self, key: tuple[int, str]) -> _Step:
+        stream = self._distributed() is None
+        step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream), self.sampler.group_size)
+        return step
+
+    def _watched_rows(self, batch: RowBatch, step: _Step, base: int | None = None) -> dict[int, BatchRow]:
+        """The rows of watched prompts (by dataset index), kept outside the cap while the step's
+        watch budget lasts: index -> row, marked kept."""
+        watch = self.sampler.watch
+        if not watch or step.watched >= self.sampler.watch_per_step:
+            return {}
+        column = batch.column(c.RL_DATASET_INDEX)
+        if column is None:
+            return {}
+        out: dict[int, BatchRow] = {}
+        for i, index in enumerate(column):
+            if type(index) not in (int, str) or index not in watch:  # only ints and strings are keys
+                continue
+            row = BatchRow(batch, i, base + i if base is not None else next(self._seq))
+            row.reason = c.REASON_WATCH
+            row.notes = {c.RL_WATCH_KEY: str(index)}
+            out[i] = row
+            step.watched += 1
+            if step.watched >= self.sampler.watch_per_step:
+                break
+        return out
 
     def _late_batch(self, batch: RowBatch, key: tuple[int, str]) -> list[BatchRow]:
         """The late rule for a batch: its first rows kept while the step kept fewer than the
@@ -234,6 +280,7 @@ class Pipeline(SpanProcessor):
             self._closed[key] = kept + len(taken)
             self._trim_closed()
         for row in taken:
+            row.reason = c.REASON_LATE
             self._keep(row)
         if batch.n > len(taken):
             self._dropped_rows(batch, range(len(taken), batch.n), reason="late")
@@ -261,6 +308,8 @@ class Pipeline(SpanProcessor):
                     continue
                 record.seq = row.seq
                 record.state = OFFERED
+                record.reason = row.reason
+                record.notes = row.notes
                 row.record = record
                 if row.decision == KEEP:
                     self._keep(record)
@@ -284,6 +333,9 @@ class Pipeline(SpanProcessor):
         later goes out as a late span of a kept episode. Memory never holds it past its step."""
         if record.state != OPEN:
             return
+        hung = self.hung
+        if hung is not None and record.timed:
+            self._note_duration(hung, record)
         if not record.complete:
             root = record.root
             # the lock-free check (a dict lookup): a step closing meanwhile offers it itself,
@@ -294,12 +346,30 @@ class Pipeline(SpanProcessor):
             if record.state == OPEN:
                 self._offer(record)
 
+    @staticmethod
+    def _note_duration(hung: Any, record: EpisodeRecord) -> None:
+        """Once per episode, when its root ends (before or after its reward span): its duration
+        goes to the hang watcher, whose threshold follows the step's durations (an atomic
+        append, no lock)."""
+        root, reward = record.root, record.reward_span
+        if root is None or root.end_ns is None:
+            return
+        if reward is not None and reward.end_ns is not None and reward.end_ns > root.end_ns:
+            return  # the reward span ended after the root: noted when the root ended
+        seconds = record.duration()
+        if seconds is not None:
+            hung.finished.append(((record.step, record.split), seconds))
+
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         """A span of an already decided episode ended: it goes out only with a kept one."""
         if record.state == KEPT:
             self.delivery.late_span(record, span)
         else:
             self.stats.add("dropped.late_spans")
+
+    def is_closed(self, key: tuple[int, str]) -> bool:
+        """Whether (step, split) was closed (its episodes from now on are late)."""
+        return self._is_closed(key)
 
     def _is_closed(self, key: tuple[int, str]) -> bool:
         if key in self._closed:
@@ -317,9 +387,18 @@ class Pipeline(SpanProcessor):
             if self._is_closed(key):
                 self._late(record, key)
                 return
-            stream = self._distributed() is None
-            step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream))
+            step = self._new_step(key)
         step.last_seen = time.monotonic()
+        step.groups.add(record)
+        if self.sampler.watch and step.watched < self.sampler.watch_per_step:
+            watched = self.sampler.watched(record)
+            if watched is not None:  # kept outside the cap, the policy never sees it
+                step.watched += 1
+                self.stats.step(key, "kept.watch")
+                record.reason = c.REASON_WATCH
+                record.notes = {c.RL_WATCH_KEY: watched}
+                self._keep(record)
+                return
         released, keep_now = step.bucket.offer(record)
         for r in released:
             self._drop(r, "sampled_out")
@@ -337,6 +416,7 @@ class Pipeline(SpanProcessor):
         if kept < self.sampler.max_traces_per_step and self._distributed() is None:
             self._closed[key] = kept + 1
             self._trim_closed()
+            record.reason = record.reason or c.REASON_LATE
             self._keep(record)
         else:
             self._drop(record, "late")
@@ -350,7 +430,13 @@ class Pipeline(SpanProcessor):
                 row.decision = KEEP
                 return
             record = row.record
+            if record.reason is None:
+                record.reason = row.reason
+            if row.notes:
+                record.notes = {**(record.notes or {}), **row.notes}
         record.state = KEPT
+        if record.reason is None:  # a custom bucket that said nothing: the policy's own label
+            record.reason = self._policy_reason
         self._live.pop(record.trace_id, None)
         self._held_bytes -= record.held_bytes
         record.held_bytes = 0
@@ -500,10 +586,15 @@ class Pipeline(SpanProcessor):
         for record in step.bucket.held():
             if id(record) not in chosen_ids:
                 self._drop(record, "sampled_out")
+        groups = step.groups
         for record in chosen:
+            if groups.groups:  # each kept member says how its group fared
+                health = groups.attributes(record.attribute(c.RL_GROUP_ID))
+                if health is not None:
+                    record.notes = {**(record.notes or {}), **health}
             self._keep(record)
         self._closed[key] = step.kept + len(chosen)
-        self._observe("step_closed", key)
+        self._observe("step_closed", key, groups.summary())
 
     def _observe(self, event: str, *args: Any) -> None:
         observer = self.observer
@@ -536,6 +627,15 @@ class Pipeline(SpanProcessor):
         if self.sampler.step_timeout_s is not None and self._steps:
             with self._lock:
                 self._expire()
+        hung = self.hung
+        if hung is not None:  # also with nothing open: episodes shown hanging may have ended
+            hung.tick(list(self._live.values()))  # a copy made without the lock
+
+    def stop_watching(self) -> None:
+        """Before open episodes are ended at shutdown: those still hanging are counted hung."""
+        hung = self.hung
+        if hung is not None:
+            hung.stop()
 
     def end_stale(self, timeout_s: float) -> int:
         """End, as truncated, every episode whose root has been open longer than ``timeout_s``:
@@ -724,6 +824,7 @@ class Pipeline(SpanProcessor):
         with deadlines on every lock; after either, this is a no-op."""
         if self.delivery.closed:
             return
+        self.stop_watching()
         self.end_open(c.STATUS_TRUNCATED, timeout=_SHUTDOWN_S / 4)
         self.close_all(timeout=_SHUTDOWN_S / 4)
         self.delivery.shutdown(_SHUTDOWN_S / 2)

@@ -78,6 +78,28 @@ def _let_go(refs: dict[int, int], record: Any, out: list[Any]) -> None:
         out.append(record)
 
 
+def label(records: Iterable[Any], reason: str) -> None:
+    """Say why ``records`` are kept (``rl.sampling.reason``), unless a more specific part of the
+    policy said it already: a record carries its reason until the pipeline keeps it. Records
+    of other kinds (without a ``reason`` slot) are left as they are."""
+    for r in records:
+        try:
+            if getattr(r, "reason", None) is None:
+                r.reason = reason
+        except AttributeError:
+            pass
+
+
+def reason_of(policy: Any) -> str:
+    """The reason a policy gives for what it keeps: its ``label``, else its ``name``, else
+    ``policy`` (a custom policy without either)."""
+    for attr in ("label", "name"):
+        value = getattr(policy, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return c.REASON_POLICY
+
+
 @runtime_checkable
 class Bucket(Protocol):
     """The candidates of one (step, split) under one policy: what ``Policy.bucket`` returns.
@@ -140,6 +162,7 @@ class BasePolicy(Policy):
     """The built-in policies' base: a name, no attributes read, no budget of its own."""
 
     name = "policy"
+    label = c.REASON_POLICY  # rl.sampling.reason of what it keeps
     streaming = False  # True when decisions need no comparison and can be exported at once
     budget: int | None = None  # its own share of the cap inside a ``Compose`` (None: what is left)
 
@@ -181,6 +204,7 @@ class _RankedBucket(Bucket):
     """Holds the ``capacity`` best records by a key (smaller is better); releases the rest."""
 
     __slots__ = ("capacity", "heap", "seq", "later_wins")
+    reason = c.REASON_POLICY  # what the records it decides are kept for
 
     def __init__(self, capacity: int, *, later_wins: bool = False) -> None:
         self.capacity = capacity
@@ -232,6 +256,8 @@ class _RankedBucket(Bucket):
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         out: list[Any] = []
         _pick(self.ordered(), self.capacity if limit is None else limit, set(exclude or ()), out)
+        if self.reason:
+            label(out, self.reason)
         return out
 
     def held(self) -> list[Any]:
@@ -247,6 +273,7 @@ class First(BasePolicy):
     """
 
     name = "first"
+    label = c.REASON_FIRST
     streaming = True
 
     def __init__(self, n: int | None = None) -> None:
@@ -270,6 +297,7 @@ class _FirstStreamBucket(Bucket):
     def offer(self, record: Any) -> Decision:
         if self.kept < self.cap:
             self.kept += 1
+            label((record,), c.REASON_FIRST)
             return [], [record]
         return [record], []
 
@@ -300,6 +328,7 @@ class _FirstBucket(Bucket):
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         out: list[Any] = []
         _pick(self.records, self.capacity if limit is None else limit, set(exclude or ()), out)
+        label(out, c.REASON_FIRST)
         return out
 
     def held(self) -> list[Any]:
@@ -316,6 +345,7 @@ class Uniform(BasePolicy):
     """
 
     name = "uniform"
+    label = c.REASON_UNIFORM
 
     def __init__(self, n: int | None = None, *, seed: int = 0) -> None:
         self.budget = _check_budget(n, "Uniform(n)")
@@ -332,6 +362,7 @@ class Uniform(BasePolicy):
 
 class _UniformBucket(_RankedBucket):
     __slots__ = ("seed",)
+    reason = c.REASON_UNIFORM
 
     def __init__(self, capacity: int, seed: int) -> None:
         super().__init__(capacity)
@@ -357,6 +388,7 @@ class Errors(BasePolicy):
     """
 
     name = "errors"
+    label = c.REASON_ERROR
     _CLASS = {c.STATUS_ERROR: 0, c.STATUS_TRUNCATED: 1}
 
     def __init__(self, n: int | None = None) -> None:
@@ -375,9 +407,18 @@ class Errors(BasePolicy):
 
 class _ErrorsBucket(_RankedBucket):
     __slots__ = ()
+    reason = ""  # labelled by status in decide
 
     def rank(self, record: Any) -> Any:
         return Errors._CLASS.get(record.attribute(c.RL_STATUS))
+
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+        out = super().decide(limit, exclude)  # errors first, then truncated: each says which
+        for r in out:
+            if r.attribute(c.RL_STATUS) == c.STATUS_TRUNCATED:
+                label((r,), c.REASON_TRUNCATED)
+        label(out, c.REASON_ERROR)
+        return out
 
     def batch_keys(self, batch: RowBatch) -> Any:
         import numpy as np
@@ -402,6 +443,7 @@ class TopBottom(BasePolicy):
     """
 
     name = "top_bottom"
+    label = c.REASON_TOP
 
     def __init__(self, score: str = c.RL_REWARD, top: int | None = None,
                  bottom: int | None = None):
@@ -485,11 +527,20 @@ class _TopBottomBucket(Bucket):
         out: list[Any] = []
         best, worst = self.best.ordered(), self.worst.ordered()
         _pick(best, k_top, taken, out)
+        label(out, c.REASON_TOP)
+        n = len(out)
         _pick(worst, k_bottom, taken, out)
+        label(out[n:], c.REASON_BOTTOM)
         # the other side (or unscored ones) fill what one side could not
+        n = len(out)
         _pick(best, limit - len(out), taken, out)
+        label(out[n:], c.REASON_TOP)
+        n = len(out)
         _pick(worst, limit - len(out), taken, out)
+        label(out[n:], c.REASON_BOTTOM)
+        n = len(out)
         _pick(self.unscored, limit - len(out), taken, out)
+        label(out[n:], c.REASON_FIRST)  # no score: first come
         return out
 
     def held(self) -> list[Any]:
@@ -501,6 +552,7 @@ class _TopBottomBucket(Bucket):
 
 class _ScoreBucket(_RankedBucket):
     __slots__ = ("score", "sign")
+    reason = c.REASON_TOP  # TopBottom labels both sides itself
 
     def __init__(self, capacity: int, score: str, sign: float, *, later_wins: bool = False) -> None:
         super().__init__(capacity, later_wins=later_wins)
@@ -512,6 +564,11 @@ class _ScoreBucket(_RankedBucket):
 
     def batch_keys(self, batch: RowBatch) -> Any:
         return self.sign * batch.scores(self.score)
+
+
+class _SlowestBucket(_ScoreBucket):
+    __slots__ = ()
+    reason = c.REASON_SLOWEST
 
 
 # --- groups --------------------------------------------------------------------------------------
@@ -535,6 +592,7 @@ class Groups(BasePolicy):
     """
 
     name = "groups"
+    label = c.REASON_GROUP
     RULES = ("spread", "uniform", "first")
 
     def __init__(self, n: int | None = None, *, rule: str = "spread", score: str = c.RL_REWARD,
@@ -553,18 +611,77 @@ class Groups(BasePolicy):
     def needs(self) -> set[str]:
         return {c.RL_GROUP_ID, self.score}
 
+    max_groups = 1 << 62  # whole groups kept at most (DegenerateGroups bounds it)
+
     def __repr__(self) -> str:
         return f"Groups({self.budget}, rule={self.rule!r}, score={self.score!r})"
 
 
+LOST_STATUSES = frozenset((c.STATUS_FILTERED, c.STATUS_ERROR, c.STATUS_TRUNCATED))
+
+
+class DegenerateGroups(Groups):
+    """Up to ``groups`` whole *degenerate* groups (default 2): groups of two or more members
+    that all got the same score (zero GRPO advantage: they teach nothing) or that lost members
+    (a member filtered, failed or truncated, or fewer members than ``rl.group.expected_size``:
+    the advantage of the rest is biased). First come first. A part for a composition, e.g.
+    ``"errors+top_bottom+degenerate_groups"``; each kept member says ``degenerate_group``."""
+
+    name = "degenerate_groups"
+    label = c.REASON_DEGENERATE_GROUP
+
+    def __init__(self, groups: int = 2, n: int | None = None, *, score: str = c.RL_REWARD,
+                 max_held: int | None = None) -> None:
+        super().__init__(n, rule="first", score=score, max_held=max_held)
+        self.rule = "degenerate"
+        self.max_groups = _check_budget(groups, "DegenerateGroups(groups)") or 0
+
+    def needs(self) -> set[str]:
+        return {c.RL_GROUP_ID, self.score, c.RL_STATUS, c.RL_GROUP_EXPECTED_SIZE}
+
+    def __repr__(self) -> str:
+        return f"DegenerateGroups({self.max_groups}, n={self.budget}, score={self.score!r})"
+
+
+# --- slowest -------------------------------------------------------------------------------------
+class Slowest(BasePolicy):
+    """The ``n`` (default: its share of the cap) slowest episodes of the step: the stragglers
+    that held it back. Ranked by ``rl.duration.seconds`` (the root's duration for an episode
+    recorded while it ran; what the framework measured for an adapter's); an episode whose time
+    nobody measured is never chosen. Ties: the earlier to finish."""
+
+    name = "slowest"
+    label = c.REASON_SLOWEST
+
+    def __init__(self, n: int | None = None) -> None:
+        self.budget = _check_budget(n, "Slowest(n)")
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        return _SlowestBucket(cap + margin, c.RL_DURATION_SECONDS, -1.0)
+
+    def needs(self) -> set[str]:
+        return {c.RL_DURATION_SECONDS}
+
+    def __repr__(self) -> str:
+        return f"Slowest({self.budget})" if self.budget is not None else "Slowest()"
+
+
 class _Group:
-    __slots__ = ("gid", "members", "lo", "hi", "first")
+    __slots__ = ("gid", "members", "lo", "hi", "first", "lost", "expected")
 
     def __init__(self, gid: Any, first: int) -> None:
         self.gid, self.first = gid, first
         self.members: list[Any] = []
         self.lo = math.inf
         self.hi = -math.inf
+        self.lost = 0  # members filtered, failed or truncated
+        self.expected = 0  # the largest expected size a member gave (0: unknown)
+
+    def degenerate(self) -> bool:
+        """All its (two or more) members scored the same, or it lost members."""
+        n = len(self.members)
+        return (n >= 2 and self.hi == self.lo) or self.lost > 0 or n < self.expected
 
 
 class _GroupsBucket(Bucket):
@@ -583,6 +700,8 @@ class _GroupsBucket(Bucket):
             return (spread, -g.first)
         if rule == "uniform":
             return (-_stable_hash(self.policy.seed, g.gid), -g.first)
+        if rule == "degenerate":  # the degenerate ones, then those too small to tell, first come
+            return (2.0 if g.degenerate() else 1.0 if len(g.members) < 2 else 0.0, -g.first)
         return (-g.first,)
 
     def offer(self, record: Any) -> Decision:
@@ -600,6 +719,12 @@ class _GroupsBucket(Bucket):
         score = score_of(record, self.policy.score)
         if score is not None:
             g.lo, g.hi = min(g.lo, score), max(g.hi, score)
+        if self.policy.rule == "degenerate":
+            if record.attribute(c.RL_STATUS) in LOST_STATUSES:
+                g.lost += 1
+            expected = record.attribute(c.RL_GROUP_EXPECTED_SIZE)
+            if isinstance(expected, int) and not isinstance(expected, bool):
+                g.expected = max(g.expected, expected)
         released: list[Any] = []
         if len(g.members) > self.cap:
             self._evict(g, released)
@@ -625,6 +750,9 @@ class _GroupsBucket(Bucket):
         ]
         starts = [0] + [i for i in range(1, n) if gids[i] != gids[i - 1]] if n else []
         scores = batch.scores(self.policy.score)
+        degenerate = self.policy.rule == "degenerate"
+        statuses = (batch.column(c.RL_STATUS) or [None] * n) if degenerate else ()
+        expected = (batch.column(c.RL_GROUP_EXPECTED_SIZE) or [None] * n) if degenerate else ()
         lows = np.fmin.reduceat(scores, starts).tolist() if n else []
         highs = np.fmax.reduceat(scores, starts).tolist() if n else []
         released: list[Any] = []
@@ -645,6 +773,10 @@ class _GroupsBucket(Bucket):
             self.count += take
             if take == stop - start and lows[run] == lows[run]:  # not NaN: a row has a score
                 g.lo, g.hi = min(g.lo, lows[run]), max(g.hi, highs[run])
+            if degenerate:
+                g.lost += sum(1 for i in range(start, start + take) if statuses[i] in LOST_STATUSES)
+                sizes = [v for v in expected[start:start + take] if isinstance(v, int) and not isinstance(v, bool)]
+                g.expected = max([g.expected, *sizes])
             if self.count > self.max_held:  # the others, in the order one by one would evict them
                 for h in sorted((h for h in self.groups.values() if h is not g), key=self.priority):
                     if self.count <= self.max_held:
@@ -672,10 +804,17 @@ class _GroupsBucket(Bucket):
         limit = self.cap if limit is None else limit
         taken = set(exclude or ())
         out: list[Any] = []
+        policy = self.policy
+        only_degenerate = policy.rule == "degenerate"
+        groups = 0
         for g in sorted(self.groups.values(), key=self.priority, reverse=True):
+            if only_degenerate and (not g.degenerate() or groups >= policy.max_groups):
+                break  # ordered: the degenerate ones come first
             fresh = [r for r in g.members if id(r) not in taken]
             if fresh and len(fresh) <= limit - len(out):
                 _pick(fresh, len(fresh), taken, out)
+                groups += 1
+        label(out, policy.label)
         return out
 
     def held(self) -> list[Any]:
@@ -796,7 +935,9 @@ class _ComposeBucket(Bucket):
                 room = min(room, budget)
             if room <= 0:
                 continue
-            for r in sub.decide(room, taken):
+            chosen = sub.decide(room, taken)
+            label(chosen, reason_of(part))  # a custom part's own label, if it set none
+            for r in chosen:
                 taken.add(id(r))
                 out.append(r)
         return out[:cap]
@@ -816,14 +957,26 @@ POLICIES: dict[str, Any] = {
     TopBottom.name: TopBottom,
     Errors.name: lambda: Compose(Errors(), Uniform()),
     Groups.name: Groups,
+    Slowest.name: Slowest,
+    DegenerateGroups.name: DegenerateGroups,
 }
+DEFAULT_POLICY = "default"
+ERROR_SHARE = 4  # the default policy keeps errors within a quarter of the cap (at least one)
+
+
+def default_policy(cap: int) -> Compose:
+    """What ``TailSampler()`` keeps: errors (failed first, then truncated) within a quarter of
+    the cap (at least one, while the cap allows), then the best and worst by reward. A step's
+    crash is never lost for want of a rule, and failures never crowd out the ranked episodes."""
+    return Compose(Errors(min(max(cap // ERROR_SHARE, 1), cap)), TopBottom())
 
 
 def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
     """A policy from an object, a name (``"first"``, ``"uniform"``, ``"top_bottom"``,
     ``"errors"``, ``"groups"``) or names joined by ``+`` (``"errors+top_bottom+uniform"``:
     a ``Compose(..., equal_shares=True)`` of those parts: each gets ``cap // n`` of the cap, the
-    remainder to the last parts, and what a part leaves of its share passes on to the next)."""
+    remainder to the last parts, and what a part leaves of its share passes on to the next).
+    Parts for compositions: ``"slowest"`` (the stragglers) and ``"degenerate_groups"``."""
     if isinstance(policy, Policy):
         return policy
     if not isinstance(policy, str):
@@ -894,6 +1047,7 @@ class _CompanionsBucket(Bucket):
         if self.kept:
             cid = companions_of(record)
             if cid is not None and cid in self.kept and self._take():
+                label((record,), c.REASON_COMPANION)
                 return [], [record]
         released, keep_now = self.inner.offer(record)
         if keep_now or (released and _has_companions(released)):
@@ -911,6 +1065,7 @@ class _CompanionsBucket(Bucket):
             for p in self.parked.pop(cid, ()):
                 self.n_parked -= 1
                 if self._take():
+                    label((p,), c.REASON_COMPANION)
                     keep.append(p)
                 else:
                     released = [*released, p]
@@ -920,6 +1075,7 @@ class _CompanionsBucket(Bucket):
             if cid is None:
                 out.append(r)
             elif cid in self.kept and self._take():
+                label((r,), c.REASON_COMPANION)
                 keep.append(r)
             elif cid not in self.kept and self._room_to_park(cid, out):
                 self.parked.setdefault(cid, []).append(r)
@@ -965,6 +1121,7 @@ class _CompanionsBucket(Bucket):
         out = list(chosen)
         for r in self.held():
             if id(r) not in taken and companions_of(r) in cids and self._take():
+                label((r,), c.REASON_COMPANION)
                 out.append(r)
                 taken.add(id(r))
         return out
@@ -1007,8 +1164,21 @@ class TailSampler:
     """Keeps at most ``max_traces_per_step`` whole episodes per (rl.step, rl.split).
 
     ``policy`` is a name (``"first"``, ``"uniform"``, ``"top_bottom"``, ``"errors"``,
-    ``"groups"``, or several joined by ``+``) or a ``Policy`` object such as
-    ``Compose(Errors(2), TopBottom(top=4, bottom=4), Uniform())``.
+    ``"groups"``, or several joined by ``+``, e.g. ``"errors+slowest+top_bottom"`` or
+    ``"errors+top_bottom+degenerate_groups"``) or a ``Policy`` object such as
+    ``Compose(Errors(2), TopBottom(top=4, bottom=4), Uniform())``. The default keeps errors
+    (failed, then truncated) within a quarter of the cap, then the best and worst by reward
+    (``default_policy``). Every kept root says why in ``rl.sampling.reason``.
+
+    ``watch``: prompts followed across the run, by dataset index (``rl.dataset.index``, an int
+    or a string) or prompt hash (``otr.prompt_hash(prompt)``, matched against what
+    ``ep.prompt()`` recorded): every episode of a watched prompt is kept when it finishes, with
+    the reason ``watch``, outside the cap, at most ``watch_per_step`` per (step, split) (then
+    the policy decides as for any other). At most ``MAX_WATCH`` keys.
+
+    ``group_size``: how many episodes the framework samples per group (GRPO's group size), when
+    every group has the same; a group with fewer members that step lost some (group health).
+    An episode's own ``rl.group.expected_size`` wins.
 
     When a step closes (the decision is taken then):
 
@@ -1033,12 +1203,15 @@ class TailSampler:
     def __init__(
         self,
         max_traces_per_step: int = 32,
-        policy: str | Policy = "top_bottom",
+        policy: str | Policy = DEFAULT_POLICY,
         *,
         step_lag: int | None = 2,
         step_timeout_s: float | None = None,
         seed: int = 0,
         distributed: Any = "auto",
+        watch: Any = None,
+        watch_per_step: int = 16,
+        group_size: int | None = None,
     ) -> None:
         if (
             isinstance(max_traces_per_step, bool)
@@ -1053,7 +1226,16 @@ class TailSampler:
         if step_timeout_s is not None and not step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s!r}")
         self.max_traces_per_step = max_traces_per_step
-        self.policy = make_policy(policy, seed)
+        self.policy = (default_policy(max_traces_per_step) if isinstance(policy, str) and policy == DEFAULT_POLICY
+                       else make_policy(policy, seed))
+        self.watch = _watch_keys(watch)
+        if isinstance(watch_per_step, bool) or not isinstance(watch_per_step, int) or watch_per_step < 0:
+            raise ValueError(f"watch_per_step must be a non-negative int, got {watch_per_step!r}")
+        self.watch_per_step = watch_per_step
+        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                       or group_size < 1):
+            raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+        self.group_size = group_size
         self.step_lag = step_lag
         self.step_timeout_s = step_timeout_s
         self.seed = seed
@@ -1066,5 +1248,37 @@ class TailSampler:
     def __repr__(self) -> str:
         return (
             f"TailSampler(max_traces_per_step={self.max_traces_per_step}, policy={self.policy!r},"
-            f" step_lag={self.step_lag}, step_timeout_s={self.step_timeout_s})"
+            f" step_lag={self.step_lag}, step_timeout_s={self.step_timeout_s}"
+            + (f", watch={sorted(map(str, self.watch))}" if self.watch else "") + ")"
         )
+
+    def watched(self, record: Any) -> str | None:
+        """The watch key ``record`` matches (its dataset index or prompt hash), or None."""
+        watch = self.watch
+        index = record.attribute(c.RL_DATASET_INDEX)
+        if type(index) in (int, str) and index in watch:
+            return str(index)
+        digest = record.attribute(c.RL_PROMPT_HASH)
+        if type(digest) is str and digest in watch:
+            return str(digest)
+        return None
+
+
+MAX_WATCH = 4096  # watched prompts at most (a set of their keys: a few hundred KB)
+
+
+def _watch_keys(watch: Any) -> frozenset[Any]:
+    """The watch list as a set of ints and strings; a clear error for anything else."""
+    if watch is None:
+        return frozenset()
+    if isinstance(watch, (str, int)):
+        watch = [watch]
+    keys: set[Any] = set()
+    for i, key in enumerate(watch):
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise ValueError(f"watch[{i}]: expected a dataset index (int or str) or a prompt hash (str), "
+                             f"got {type(key).__name__}")
+        keys.add(key)
+        if len(keys) > MAX_WATCH:
+            raise ValueError(f"watch: at most {MAX_WATCH} prompts")
+    return frozenset(keys)

@@ -140,7 +140,7 @@ class RayMember(distributed.Member):
 
     def exchange(
         self, policy: Policy, cap: int, payload: distributed.Payload, step: int
-    ) -> dict[tuple[int, str], list[int]]:
+    ) -> dict[tuple[int, str], distributed.Kept]:
         try:
             ref = self._coordinator().submit.remote(
                 self.member_id, step, payload, policy, cap, self.budget.members, self.budget.timeout_s, _run_id()
@@ -156,7 +156,7 @@ class RayMember(distributed.Member):
             )
             raise
         self.members = max(int(reply["members"]), 1)
-        keep: dict[tuple[int, str], list[int]] = reply["keep"]
+        keep: dict[tuple[int, str], distributed.Kept] = reply["keep"]
         if reply.get("new_run"):
             logger.info(
                 "otel_rollouts: RayBudget %r: step %s starts a new run's budgets (configured without run_id;"
@@ -216,7 +216,7 @@ class _Step:
         self.policy = policy
         self.cap = cap
         self.decided = False
-        self.keep: dict[str, dict[tuple[int, str], list[int]]] = {}
+        self.keep: dict[str, dict[tuple[int, str], distributed.Kept]] = {}
         self.kept: dict[tuple[int, str], int] = {}  # per (step, split): how many were kept
         self.event = asyncio.Event()
 
@@ -330,7 +330,7 @@ class BudgetCoordinator:
     def _late(self, runs: _Run, state: _Step, payload: distributed.Payload) -> dict[str, Any]:
         """A member's summaries for a step already decided: the best of them within what the
         step has left of the cap."""
-        keep: dict[tuple[int, str], list[int]] = {}
+        keep: dict[tuple[int, str], distributed.Kept] = {}
         for key, rows in payload.items():
             left = state.cap - state.kept.get(key, 0)
             if left <= 0 or not rows:
