@@ -38,6 +38,7 @@ from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.record.episode import Episode
+from otel_rollouts.sampling.hung import HangOptions, HungWatcher
 from otel_rollouts.sampling.pipeline import Pipeline
 from otel_rollouts.sampling.policies import TailSampler
 
@@ -157,6 +158,10 @@ class Rollouts(_runtime.Runtime):
             max_queue_bytes=delivery_settings.max_queue_bytes,
         )
         pipeline = Pipeline(sampler, delivery, stats, episode_timeout_s=limits.episode_timeout_s)
+        hang = HangOptions.of(s.sampling.hang)
+        if hang is not None:  # episodes still running past the threshold are shown as they hang
+            pipeline.hung = HungWatcher(hang, delivery, stats, is_closed=pipeline.is_closed,
+                                        on_hung=self._hung)
         provider = TracerProvider(
             resource=resource,
             shutdown_on_exit=False,
@@ -183,6 +188,11 @@ class Rollouts(_runtime.Runtime):
         self.redactor = redactor
         self.metrics = _metrics(resource, s.metric_readers, exporters, stats, redactor)
         pipeline.observer = self.metrics
+
+    def _hung(self, key: tuple[int, str], n: int) -> None:
+        hung = getattr(self.metrics, "hung", None)
+        if hung is not None:
+            hung(key, n)
 
     def tracer_provider(self) -> TracerProvider | None:
         """This run's OpenTelemetry tracer provider: give it to other instrumentation so that
@@ -336,6 +346,7 @@ class Rollouts(_runtime.Runtime):
             if self.gateway is not None:  # no more server spans: what is held settles
                 self.gateway.stop(timeout=min(timeout / 8, 2.0))
             self.settle()  # spans of finished remote calls join before the last decisions
+            pipeline.stop_watching()  # episodes still hanging now are counted hung
             pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
             self.enabled = False
             closed = pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)
@@ -395,6 +406,7 @@ def configure(
     max_pending_bytes: int = 64 * 1024 * 1024,
     max_queue_bytes: int = 64 * 1024 * 1024,
     gateway: GatewayOptions | bool | None = None,
+    hang: HangOptions | bool | float | None = None,
     install: bool = True,
 ) -> Rollouts:
     """Set up tracing of episodes for this process and return the run (``otr.Rollouts``).
@@ -429,6 +441,11 @@ def configure(
     * ``gateway``: ``True`` or ``otr.GatewayOptions(...)`` receives OTLP (HTTP 4318, gRPC 4317 on
       127.0.0.1 by default) from inference servers and other services: their spans and log
       records are kept or dropped with their episode (``otr.gateway()`` says where it listens).
+    * ``hang``: an episode still running past a threshold is shown while it hangs, as a pending
+      snapshot (its tree so far, the span it is stuck in) to exporters that show them (Trackio),
+      and counted ``hung`` if it never ends. Default (None or True): 3 × the step's median
+      episode duration, at least 30 s (``otr.HangOptions``); a number: that many seconds;
+      ``False``: off.
     * ``agent_name``: ``gen_ai.agent.name`` on every episode root (default: the service name).
     * ``episode_timeout_s``: an episode still open after this long is ended as truncated
       (``rl.timed_out``), decided and counted (``episodes.timed_out``); default None: never.

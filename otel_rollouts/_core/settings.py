@@ -294,6 +294,7 @@ class SamplingSettings:
 
     sampler: Any = None
     deterministic_ids: bool = False
+    hang: Any = None  # HangOptions (sampling.hung), True/None: automatic, a number: seconds, False: off
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,30 @@ class Delivery:
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)
 
+    @property
+    def shows_pending(self) -> bool:
+        """Whether any exporter shows pending snapshots (has ``show_pending``)."""
+        return any(callable(getattr(e, "show_pending", None)) for e in self.exporters)
+
+    def pending(self, snapshots: Sequence[EpisodeRecord], ended: Sequence[int]) -> bool:
+        """Pending snapshots of episodes still running past the hang threshold (copies made by
+        ``sampling.hung``, never the live records), and the trace ids of shown episodes that
+        ended since. Best effort: queued (bounded in items and bytes, never blocking) for the
+        render thread, which renders them with the same ``Materializer`` as kept episodes
+        (redaction, limits) and hands them to every exporter that has ``show_pending(spans,
+        ended)``; the others never see them. A snapshot is not a kept episode: it never enters
+        the ledger, and an exporter's failure to show it is counted, not retried.
+
+        OTLP exporters get none: a snapshot under the episode's real trace id would put the
+        same span ids into Jaeger or Phoenix twice (once running, once finished), and a
+        snapshot of an episode the sampler later drops would leave a fragment of a dropped
+        episode there, which OTLP cannot take back. Returns False (counted
+        ``dropped.queue_full.pending``) when the queue had no room."""
+        if not snapshots and not ended:
+            return True
+        size = sum(record_bytes(s) for s in snapshots)
+        return self._put(("pending", (list(snapshots), list(ended)), size), "pending", size)
+
     def spans(self, spans: Sequence[ReadableSpan | PendingSpan]) -> None:
         self._put(("spans", spans, 0), "spans", 0)
 
@@ -373,6 +397,9 @@ class Delivery:
         if size:
             with self._bytes_lock:
                 self._queued_bytes -= size
+        if kind == "pending":
+            self._show_pending(*payload)
+            return
         try:
             if kind == "episode":
                 spans = self.materializer.episode(payload)
@@ -401,6 +428,34 @@ class Delivery:
                 self.stats.add(f"errors.offer.{sender.name}")
                 self._log_once(f"{sender.name}.offer", exc)
                 sender.counts.dropped("offer_error", spans)
+
+    def _show_pending(self, snapshots: list[EpisodeRecord], ended: list[int]) -> None:
+        """Render pending snapshots and hand them, with the ended trace ids, to every exporter
+        that shows them (on this thread: they are few, bounded per step and refresh interval).
+        A snapshot that fails to render is left out, an exporter that raises is skipped: both
+        counted (``errors.render_pending``, ``errors.show_pending.<exporter>``)."""
+        spans: list[ReadableSpan] = []
+        rendered = 0
+        for snapshot in snapshots:
+            try:
+                spans.extend(self.materializer.pending(snapshot))
+                rendered += 1
+            except BaseException as exc:  # noqa: BLE001 - rendering must never kill the thread
+                self.stats.add("errors.render_pending")
+                self._log_once("render_pending", exc)
+        if not rendered and not ended:
+            return
+        for sender in self.senders:
+            show = getattr(sender.user_exporter, "show_pending", None)
+            if not callable(show):
+                continue
+            try:
+                show(spans, ended)
+            except BaseException as exc:  # noqa: BLE001 - an exporter bug never reaches training
+                self.stats.add(f"errors.show_pending.{sender.name}")
+                self._log_once(f"{sender.name}.show_pending", exc)
+        if rendered:
+            self.stats.add("exported.pending_snapshots", rendered)
 
     def _call(self, sender: SpoolingSender, method: str, *args: Any) -> Any:
         try:
