@@ -92,7 +92,8 @@ def test_splits_are_separate_series_and_steps_are_not(reader):
     metrics, _ = _metrics(reader)
     seen = {tuple(sorted(p.attributes.items())): p.value for p in metrics[c.METRIC_EPISODES_SEEN]}
     # one series per split: a series per step would grow memory for as long as the run lasts
-    assert seen == {((c.RL_SPLIT, "train"),): 2, ((c.RL_SPLIT, "eval"),): 1}
+    # (and per status: a handful of values, never a step)
+    assert seen == {((c.RL_SPLIT, "train"), (c.RL_STATUS, "ok")): 2, ((c.RL_SPLIT, "eval"), (c.RL_STATUS, "ok")): 1}
 
 
 def test_no_reader_and_no_trackio_means_no_metrics_at_all():

@@ -19,18 +19,45 @@ Trackio plots them at the same step as the traces.
 No instrument has a per-step or per-episode attribute: a series per step would grow the SDK's
 memory (and a backend's cardinality) for as long as the run lasts. The step is the time axis;
 per-step numbers are in ``otr.stats()["steps"]`` and in the Trackio scalars. A step's summary
-is a few running aggregates (count, sum, min, max), never a list of its values.
+is a few running aggregates (count, sum, min, max) and, for the percentiles of time, a bounded
+sample of its values.
+
+Where time went and what was not kept (the questions a researcher opens a step for):
+
+* episode duration and time per stage (``_core.stages``: generation, tool, environment,
+  reward, waiting): the ``rl.stage.duration`` histogram (``rl.stage``, ``rl.split``), and per
+  step the Trackio scalars ``episode_duration_s_p50/_p95/_max`` and
+  ``stage/<stage>_s_p50/_p95/_max``. Only measured durations count (``record.duration()``): an
+  episode recorded after the fact with no measure is counted in ``episodes_unmeasured``, never
+  as 0 s. The percentiles come from a deterministic reservoir of at most ``_RESERVOIR`` (1024)
+  values per series per step (exact below that; the max is always exact), and all open steps'
+  reservoirs together hold at most ``_MAX_SAMPLES`` values (8 MiB): past that a series keeps
+  sampling within what it holds. A step's numbers are computed when it closes, then freed.
+* seen / kept / dropped by ``rl.status``: the counters carry ``rl.status``; per step the scalars
+  ``episodes_seen/<status>``, ``episodes_kept/<status>``, ``episodes_dropped/<status>`` for each
+  status the step saw (0 included: "3 errors seen, 0 kept" is said, not implied), and
+  ``errors_unkept`` (error episodes seen but not kept) whenever the step saw an error.
+* why kept: ``episodes_kept_by/<reason>`` (``rl.sampling.reason`` of each kept episode).
+* group health (``_core.health.StepHealth``, told when the step closes): the scalars ``groups``,
+  ``groups_all_equal``, ``groups_lost``, ``group_members_lost``, ``groups_degenerate`` and the
+  ``rl.groups`` counter by ``rl.group.degenerate`` (none | all_equal | lost_members), each group
+  counted once: a group that lost members *and* is all-equal counts as ``lost_members`` (what
+  it lost is the first thing to fix; its equal rewards may only be the survivors').
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
 import time
+from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan
@@ -38,6 +65,12 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.spans import EpisodeRecord
+from otel_rollouts._core.stages import stage_totals
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from otel_rollouts._core.health import StepHealth
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -46,6 +79,17 @@ __all__ = ["RolloutMetrics", "meter_provider", "step_summary_names"]
 _REWARD_BUCKETS = (-1.0, -0.5, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 2.0, 5.0)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _MAX_PENDING_STEPS = 4096
+# the percentiles of time: a reservoir of at most this many values per series per step (exact
+# below it), and all open steps' reservoirs together at most _MAX_SAMPLES values (8 bytes each)
+_RESERVOIR = 1024
+_MAX_SAMPLES = 1 << 20
+# a custom policy's labels are its author's: past this many reasons in a step, "policy"
+_MAX_REASONS = 32
+_STATUSES = frozenset(c.STATUSES)
+# the reservoir's generator: a 64-bit LCG (Knuth's MMIX constants), the same for every series,
+# so that the same values in the same order give the same sample
+_LCG_A, _LCG_C, _MASK = 6364136223846793005, 1442695040888963407, (1 << 64) - 1
+_SEED = 0x2545F4914F6CDD1D
 
 
 def meter_provider(resource, metric_readers: Sequence[Any] | None):
@@ -76,10 +120,79 @@ def step_summary_names(split: str) -> str:
     return "rollouts/" if split == "train" else f"{split}/rollouts/"
 
 
+class _Series:
+    """A step's values of one time series (episode duration, one stage): how many, the exact
+    max, and a deterministic reservoir sample (Algorithm R) for p50/p95, as float64."""
+
+    __slots__ = ("count", "max", "values", "rng")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.max = float("-inf")
+        self.values = array("d")
+        self.rng = _SEED
+
+    def add(self, value: float, room: bool) -> bool:
+        """Count ``value``; True when it took a new slot (``room``: the global bound allows)."""
+        self.count += 1
+        if value > self.max:
+            self.max = value
+        values = self.values
+        if room and len(values) < _RESERVOIR:
+            values.append(value)
+            return True
+        if values:
+            self.rng = rng = (self.rng * _LCG_A + _LCG_C) & _MASK
+            slot = (rng >> 11) % self.count
+            if slot < len(values):
+                values[slot] = value
+        return False
+
+    def add_many(self, new: np.ndarray, room: int) -> int:
+        """``add`` for an array of values at once (a batch's column), vectorised; returns how
+        many slots it took (at most ``room``)."""
+        import numpy as np
+
+        n = int(new.size)
+        if not n:
+            return 0
+        self.max = max(self.max, float(new.max()))
+        values = self.values
+        take = max(min(_RESERVOIR - len(values), room, n), 0)
+        if take:
+            values.frombytes(np.ascontiguousarray(new[:take], dtype=np.float64).tobytes())
+        rest = new[take:]
+        if rest.size and values:
+            # Algorithm R for the rest: value t (0-based, of all this series saw) replaces slot
+            # j ~ U[0, t] when j falls inside the sample; a later value wins a slot drawn twice
+            self.rng = seed = (self.rng * _LCG_A + _LCG_C) & _MASK
+            seen = self.count + take + np.arange(1, rest.size + 1, dtype=np.int64)
+            slots = np.random.Generator(np.random.PCG64(seed)).integers(0, seen)
+            hit = slots < len(values)
+            view = np.frombuffer(values, dtype=np.float64)
+            view[slots[hit]] = rest[hit]
+            del view  # the array may grow again only once no view of it is left
+        self.count += n
+        return take
+
+    def summary(self, out: dict[str, float], name: str) -> None:
+        """``name_p50``, ``name_p95`` (linear interpolation over the sample) and ``name_max``."""
+        if not self.count:
+            return
+        if self.values:
+            import numpy as np
+
+            p50, p95 = np.percentile(np.frombuffer(self.values, dtype=np.float64), (50, 95))
+            out[name + "_p50"] = float(p50)
+            out[name + "_p95"] = float(p95)
+        out[name + "_max"] = self.max
+
+
 class _Step:
     __slots__ = ("seen", "kept", "dropped", "rewards", "reward_sum", "reward_min", "reward_max",
                  "durations", "duration_sum", "tokens_in", "tokens_out", "tokens_in_known",
-                 "tokens_out_known", "tool_errors")
+                 "tokens_out_known", "tool_errors", "duration", "stages", "unmeasured",
+                 "by_status", "kept_by", "stored")
 
     def __init__(self) -> None:
         self.seen = self.kept = self.dropped = 0
@@ -90,6 +203,26 @@ class _Step:
         self.tokens_in = self.tokens_out = self.tool_errors = 0
         # whether any generation of the step reported its usage: absent is not 0
         self.tokens_in_known = self.tokens_out_known = False
+        self.duration = _Series()  # measured episode durations
+        self.stages: dict[str, _Series] = {}
+        self.unmeasured = 0  # episodes with no measured duration
+        self.by_status: dict[str, list[int]] = {}  # status -> [seen, kept]
+        self.kept_by: dict[str, int] = {}  # rl.sampling.reason -> kept
+        self.stored = 0  # reservoir slots held (of the global _MAX_SAMPLES)
+
+    def add_status(self, status: str, seen: int, kept: int) -> None:
+        counts = self.by_status.get(status)
+        if counts is None:
+            self.by_status[status] = [seen, kept]
+        else:
+            counts[0] += seen
+            counts[1] += kept
+
+    def stage(self, stage: str) -> _Series:
+        series = self.stages.get(stage)
+        if series is None:
+            series = self.stages[stage] = _Series()
+        return series
 
     def add_reward(self, reward: float) -> None:
         self.rewards += 1
@@ -101,7 +234,7 @@ class _Step:
         self.durations += 1
         self.duration_sum += duration
 
-    def summary(self, prefix: str) -> dict[str, float]:
+    def summary(self, prefix: str, health: StepHealth | None = None) -> dict[str, float]:
         out: dict[str, float] = {
             prefix + "episodes_seen": self.seen,
             prefix + "episodes_kept": self.kept,
@@ -118,6 +251,29 @@ class _Step:
             out[prefix + "reward_max"] = self.reward_max
         if self.durations:
             out[prefix + "episode_duration_s_mean"] = self.duration_sum / self.durations
+        self.duration.summary(out, prefix + "episode_duration_s")
+        for stage in c.STAGES:
+            series = self.stages.get(stage)
+            if series is not None:
+                series.summary(out, f"{prefix}stage/{stage}_s")
+        out[prefix + "episodes_unmeasured"] = self.unmeasured
+        for status, (seen, kept) in self.by_status.items():
+            out[f"{prefix}episodes_seen/{status}"] = seen
+            out[f"{prefix}episodes_kept/{status}"] = kept
+            out[f"{prefix}episodes_dropped/{status}"] = seen - kept
+        errors = self.by_status.get(c.STATUS_ERROR)
+        if errors is not None:  # said whenever the step saw an error: 0 is "all kept"
+            out[prefix + "errors_unkept"] = errors[0] - errors[1]
+        for reason, kept in self.kept_by.items():
+            out[f"{prefix}episodes_kept_by/{reason}"] = kept
+        if health is not None and (health.groups or health.untracked):
+            out[prefix + "groups"] = health.groups
+            out[prefix + "groups_all_equal"] = health.all_equal
+            out[prefix + "groups_lost"] = health.lost
+            out[prefix + "group_members_lost"] = health.lost_members
+            out[prefix + "groups_degenerate"] = health.degenerate
+            if health.untracked:
+                out[prefix + "groups_untracked"] = health.untracked
         return out
 
 
@@ -133,7 +289,7 @@ class _ScalarSender:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
 
-    def send(self, step: int, values: dict[str, float]) -> None:
+    def send(self, step: int, values: dict[str, float] | Callable[[], dict[str, float]]) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="otel-rollouts-metrics",
@@ -152,6 +308,13 @@ class _ScalarSender:
             if item is None:  # stop(): the run is over
                 return
             step, values = item
+            if callable(values):  # a closed step's summary, computed here, off the pipeline's lock
+                try:
+                    values = values()
+                except Exception:  # noqa: BLE001 - a summary's failure never stops this thread
+                    if self.stats is not None:
+                        self.stats.add("errors.step_summary")
+                    values = {}
             for sink in self.sinks:
                 try:
                     sink.log_metrics(step, values)
@@ -192,6 +355,7 @@ class RolloutMetrics:
         self.label = label
         self._lock = threading.Lock()
         self._steps: dict[tuple[int, str], _Step] = {}
+        self._samples = 0  # reservoir values held by all open steps (bounded by _MAX_SAMPLES)
         self._sender = _ScalarSender(scalar_sinks, stats) if scalar_sinks else None
         self._instruments = provider is not None
         if provider is None:
@@ -212,6 +376,15 @@ class RolloutMetrics:
                                            "Tokens in (prompt) and out (generated)")
         self.tool_errors = meter.create_counter(c.METRIC_TOOL_ERRORS, "{call}",
                                                 "Tool calls that failed")
+        self.hung_episodes = meter.create_counter(c.METRIC_HUNG, "{episode}",
+                                                  "Episodes shown hanging that never ended by themselves")
+        self.stage_duration = meter.create_histogram(
+            c.METRIC_STAGE_DURATION, "s",
+            "Episode time per stage (generation, tool, environment, reward, waiting)",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
+        self.groups = meter.create_counter(
+            c.METRIC_GROUPS, "{group}",
+            "GRPO groups of closed steps, by why they are degenerate (none: healthy)")
 
     def _step(self, key: tuple[int, str]) -> _Step:
         """The summary of (step, split), made on first use; the oldest is forgotten past
@@ -219,61 +392,113 @@ class RolloutMetrics:
         step = self._steps.get(key)
         if step is None:
             if len(self._steps) >= _MAX_PENDING_STEPS:
-                self._steps.pop(next(iter(self._steps)))
+                self._samples -= self._steps.pop(next(iter(self._steps))).stored
             step = self._steps[key] = _Step()
         return step
+
+    def _time(self, step: _Step, duration: float | None, stages: dict[str, float]) -> None:
+        """One episode's measured duration and stage seconds into its step (under the lock)."""
+        if duration is None:
+            step.unmeasured += 1
+        elif step.duration.add(duration, self._samples < _MAX_SAMPLES):
+            step.stored += 1
+            self._samples += 1
+        for stage, seconds in stages.items():
+            if step.stage(stage).add(seconds, self._samples < _MAX_SAMPLES):
+                step.stored += 1
+                self._samples += 1
+
+    def _time_column(self, step: _Step, series: _Series, values: np.ndarray) -> None:
+        taken = series.add_many(values, max(_MAX_SAMPLES - self._samples, 0))
+        step.stored += taken
+        self._samples += taken
 
     # --- called by the pipeline (under its lock) --------------------------------------------------
     def dropped_rows(self, batch: Any, indices: Sequence[int], reason: str) -> None:
         """Rows of a batch (``sampling.batch.RowBatch``) dropped before their episodes were
-        recorded: counted and their rewards summarised at once (they have no duration, no
-        spans). Rewards still reach the histogram one by one: it has no bulk call."""
+        recorded: counted (by status) and their rewards summarised at once, with numpy, never a
+        Python object per row. They have no spans: a duration or stage time only where the batch
+        has that column (``rl.duration.seconds``, ``rl.stage.<stage>.seconds``), else they are
+        unmeasured. Values still reach the histograms one by one: they have no bulk call."""
         n = len(indices)
         if not n:
             return
         import numpy as np
 
-        scores = batch.scores(c.RL_REWARD)[np.asarray(indices, dtype=np.int64)]
+        rows = np.asarray(indices, dtype=np.int64)
+        scores = batch.scores(c.RL_REWARD)[rows]
         rewards = scores[~np.isnan(scores)]
+        by_status = _status_counts(batch, rows)
+        durations = _measured(batch, c.RL_DURATION_SECONDS, rows)
+        stages = {stage: values for stage in c.STAGES
+                  if (values := _measured(batch, c.stage_seconds(stage), rows)) is not None}
         split = self.label(batch.split) if self.label is not None else batch.split
         with self._lock:
             step = self._step((batch.step, split))
             step.seen += n
             step.dropped += n
+            for status, count in by_status.items():
+                step.add_status(status, count, 0)
             if rewards.size:
                 step.rewards += int(rewards.size)
                 step.reward_sum += float(rewards.sum())
                 step.reward_min = min(step.reward_min, float(rewards.min()))
                 step.reward_max = max(step.reward_max, float(rewards.max()))
+            if durations is None:
+                step.unmeasured += n
+            else:
+                step.unmeasured += n - int(durations.size)
+                step.durations += int(durations.size)
+                step.duration_sum += float(durations.sum())
+                self._time_column(step, step.duration, durations)
+            for stage, values in stages.items():
+                self._time_column(step, step.stage(stage), values)
         if not self._instruments:
             return
         by_split = {c.RL_SPLIT: split}
-        self.seen.add(n, by_split)
-        self.dropped.add(n, {**by_split, c.RL_DROP_REASON: reason})
+        for status, count in by_status.items():
+            by_status_attrs = {**by_split, c.RL_STATUS: status}
+            self.seen.add(count, by_status_attrs)
+            self.dropped.add(count, {**by_status_attrs, c.RL_DROP_REASON: reason})
         for value in rewards.tolist():
             self.reward.record(value, by_split)
+        if durations is not None:
+            for value in durations.tolist():
+                self.duration.record(value, by_split)
+        for stage, values in stages.items():
+            by_stage = {**by_split, c.RL_STAGE: stage}
+            for value in values.tolist():
+                self.stage_duration.record(value, by_stage)
 
     def decided(self, record: EpisodeRecord, reason: str | None) -> None:
         """``reason`` None: kept; else why it was dropped. Called before its spans are freed."""
         root = record.root
         reward = record.attribute(c.RL_REWARD)
         reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
-        duration = None
-        if root is not None and root.end_ns is not None:
-            duration = max(root.end_ns - root.start_ns, 0) / 1e9
+        # measured time only: an episode recorded after the fact has none (never 0 s)
+        duration = record.duration()
+        if duration is not None and not (math.isfinite(duration) and duration >= 0):
+            duration = None
+        stages = stage_totals(record)
+        status = record.attribute(c.RL_STATUS)
+        if status not in _STATUSES:  # statuses are checked where they are set; None is ok
+            status = c.STATUS_OK
+        kept_by = record.reason if reason is None else None
         tokens_in = tokens_out = errors = 0
         in_known = out_known = False
-        for span in record.spans:
-            attrs = span.attributes
-            count = _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
-            if count is not None:
-                tokens_in += count
-                in_known = True
-            count = _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
-            if count is not None:
-                tokens_out += count
-                out_known = True
-            if span.kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
+        for span in record.spans:  # usage is a generation's; a failure counted is a tool's
+            kind = span.kind
+            if kind == c.KIND_GENERATION:
+                attrs = span.attributes
+                count = _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+                if count is not None:
+                    tokens_in += count
+                    in_known = True
+                count = _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+                if count is not None:
+                    tokens_out += count
+                    out_known = True
+            elif kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
                 errors += 1
         split = self.label(record.split) if self.label is not None else record.split
         key = (record.step, split)
@@ -284,10 +509,16 @@ class RolloutMetrics:
                 step.kept += 1
             else:
                 step.dropped += 1
+            step.add_status(status, 1, 1 if reason is None else 0)
+            if kept_by is not None:
+                if kept_by not in step.kept_by and len(step.kept_by) >= _MAX_REASONS:
+                    kept_by = c.REASON_POLICY
+                step.kept_by[kept_by] = step.kept_by.get(kept_by, 0) + 1
             if reward is not None:
                 step.add_reward(reward)
             if duration is not None:
                 step.add_duration(duration)
+            self._time(step, duration, stages)
             step.tokens_in += tokens_in
             step.tokens_out += tokens_out
             step.tokens_in_known = step.tokens_in_known or in_known
@@ -296,19 +527,23 @@ class RolloutMetrics:
         if not self._instruments:
             return
         by_split = {c.RL_SPLIT: split}
+        by_status = {c.RL_SPLIT: split, c.RL_STATUS: status}
         # exemplars point at a trace only when it will exist (kept)
         ctx = None
         if reason is None and root is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(root.get_span_context()))
-        self.seen.add(1, by_split, context=ctx)
+        self.seen.add(1, by_status, context=ctx)
         if reason is None:
-            self.kept.add(1, by_split, context=ctx)
+            self.kept.add(1, by_status, context=ctx)
         else:
-            self.dropped.add(1, {**by_split, c.RL_DROP_REASON: reason})
+            self.dropped.add(1, {**by_status, c.RL_DROP_REASON: reason})
         if reward is not None:
             self.reward.record(reward, by_split, context=ctx)
         if duration is not None:
             self.duration.record(duration, by_split, context=ctx)
+        for stage, seconds in stages.items():
+            self.stage_duration.record(seconds, {c.RL_SPLIT: split, c.RL_STAGE: stage},
+                                       context=ctx)
         if tokens_in:
             self.tokens.add(tokens_in, {**by_split, c.GEN_AI_TOKEN_TYPE: "input"}, context=ctx)
         if tokens_out:
@@ -316,11 +551,38 @@ class RolloutMetrics:
         if errors:
             self.tool_errors.add(errors, by_split, context=ctx)
 
-    def step_closed(self, key: tuple[int, str]) -> None:
+    def step_closed(self, key: tuple[int, str], health: StepHealth | None = None) -> None:
+        """(step, split) closed: its summary goes to the scalar sinks, its group ``health``
+        (when the pipeline assessed it) to the ``rl.groups`` counter, and the step is freed."""
         with self._lock:
             step = self._steps.pop(key, None)
+            if step is not None:
+                self._samples -= step.stored
         if step is not None and self._sender is not None:
-            self._sender.send(key[0], step.summary(step_summary_names(key[1])))
+            split = key[1]
+            # percentiles sort each series: done on the metrics thread, not the caller's
+            self._sender.send(key[0], partial(step.summary, step_summary_names(split), health))
+        if health is None or not health.groups or not self._instruments:
+            return
+        split = key[1]
+        # each group once: lost members first (a group both lost and all-equal is "lost")
+        lost = health.lost
+        all_equal = max(health.degenerate - lost, 0)
+        healthy = max(health.groups - health.degenerate, 0)
+        for kind, count in ((c.DEGENERATE_LOST, lost), (c.DEGENERATE_ALL_EQUAL, all_equal),
+                            (c.DEGENERATE_NONE, healthy)):
+            if count:
+                self.groups.add(count, {c.RL_SPLIT: split, c.RL_GROUP_DEGENERATE: kind})
+
+    def hung(self, key: tuple[int, str], n: int) -> None:
+        """``n`` episodes of (step, split) hung: shown running past the hang threshold, they
+        never ended by themselves (still open when their step closed, at shutdown, or ended by
+        ``episode_timeout_s``). A Trackio scalar at that step, and the ``rl.episodes.hung`` counter."""
+        split = self.label(key[1]) if self.label is not None else key[1]
+        if self._sender is not None:
+            self._sender.send(key[0], {step_summary_names(split) + "episodes_hung": n})
+        if self._instruments:
+            self.hung_episodes.add(n, {c.RL_SPLIT: split})
 
     # --- configuration's controls ---------------------------------------------------------------
     def flush(self, timeout: float = 10.0) -> bool:
@@ -338,6 +600,46 @@ class RolloutMetrics:
             self._sender.stop(max(deadline - time.monotonic(), 0.0))
         if self.provider is not None:
             self.provider.shutdown()
+
+
+def _status_counts(batch: Any, rows: np.ndarray) -> dict[str, int]:
+    """How many of ``rows`` have each ``rl.status`` (None, or anything not a status: ok).
+    Counted in C (``Counter`` over the column), less the rows not in ``rows`` when those are
+    the few (the dropped rows of a batch are nearly all of it): no Python object per row."""
+    import numpy as np
+
+    column = batch.column(c.RL_STATUS)
+    if column is None:
+        return {c.STATUS_OK: int(rows.size)}
+    n = len(column)
+    if rows.size * 2 > n:
+        counts = Counter(column)
+        mask = np.ones(n, dtype=bool)
+        mask[rows] = False
+        counts.subtract(column[i] for i in np.flatnonzero(mask).tolist())
+    else:
+        counts = Counter(column[i] for i in rows.tolist())
+    out: dict[str, int] = {}
+    rest = int(rows.size)
+    for status in c.STATUSES:
+        count = counts.get(status, 0)
+        if count and status != c.STATUS_OK:
+            out[status] = count
+            rest -= count
+    if rest:
+        out[c.STATUS_OK] = rest
+    return out
+
+
+def _measured(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
+    """The measured seconds of ``rows`` in the batch's column ``name`` (finite, not negative),
+    or None when the batch has no such column."""
+    if not batch.has(name):
+        return None
+    import numpy as np
+
+    values = batch.scores(name)[rows]
+    return values[np.isfinite(values) & (values >= 0)]
 
 
 def _count(value: Any) -> int | None:
