@@ -43,9 +43,10 @@ import json
 import logging
 import math
 import os
+import re
 import sqlite3
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -95,6 +96,7 @@ def _persist_failures(run: Any) -> list[str]:
     Trackio's warnings only) and the trackio-failure tests say so.
     """
     return sorted(key for key in getattr(run, "_warned_failures", ()) if key.startswith(_PERSIST_FAILURES))
+_UNSAFE_KEY = re.compile(r"[^A-Za-z0-9_.-]+")
 _TRACKIO_KIND = {c.KIND_GENERATION: "generation", c.KIND_TOOL: "tool"}
 # Trackio's own vocabulary (keys of its trace metadata and span dicts, its span statuses)
 TRACKIO_SUCCESS = "success"
@@ -107,8 +109,35 @@ META_SPAN_ERRORS = "span_errors"
 MARK_FAILED = "\u26a0"  # ⚠: a span failed in an episode that did not
 MARK_TRUNCATED = "\u2702"  # ✂: the episode was cut short
 TABLE_SUFFIX = "table"
+# the step table's columns: the first eight as before (what a person reads first: the outcome and
+# the conversation), then why the sampler kept the episode, its group's health, and its time
+COLUMN_REASON = "kept because"
+COLUMN_SECONDS = "seconds"
+COLUMN_GROUP_HEALTH = "group health"
+# one column per stage of c.STAGES (rl.stage.<stage>.seconds), in that order
+STAGE_COLUMNS = {c.STAGE_GENERATION: "gen s", c.STAGE_TOOL: "tool s", c.STAGE_ENVIRONMENT: "env s",
+                 c.STAGE_REWARD: "reward s", c.STAGE_WAITING: "wait s"}
 TABLE_COLUMNS = ("reward", "advantage", "status", "question", "answer", "turns", "input tokens",
-                 "output tokens", "trace id", "group", "sample", "episode")
+                 "output tokens", COLUMN_REASON, COLUMN_GROUP_HEALTH, COLUMN_SECONDS, *STAGE_COLUMNS.values(),
+                 "trace id", "group", "sample", "episode")
+# the step's kept episodes again, slowest first: which rollouts held the step back, and where
+# their time went (``most time in``: the stage with the most seconds, and its share)
+SLOWEST_SUFFIX = "slowest"
+COLUMN_MOST_TIME = "most time in"
+SLOWEST_COLUMNS = (COLUMN_SECONDS, COLUMN_MOST_TIME, *STAGE_COLUMNS.values(), COLUMN_REASON, "status", "reward",
+                   COLUMN_GROUP_HEALTH, "trace id", "question", "episode")
+# a watched prompt's history (rl.watch.key): one row per kept episode of it, oldest step first
+WATCH_SUFFIX = "watch"
+WATCH_COLUMNS = ("step", "reward", "status", "answer", "trace id")
+WATCH_MAX_KEYS = 64  # watch keys followed at once: the one updated longest ago is forgotten first
+WATCH_MAX_ROWS = 200  # rows per watch key: the oldest is dropped first
+WATCH_KEY_CHARS = 64  # a watch key in a Trackio key: at most this many characters of [A-Za-z0-9_.-]
+# episodes still running (show_pending): their snapshots, and a table of what runs now
+RUNNING_SUFFIX = "running"
+RUNNING_COLUMNS = ("episode", "open for", "stuck in", "trace id")
+RUNNING_MARK = "running"  # a snapshot's status, and its open spans' (no glyph: fonts lack ⏳)
+RUNNING_NONE = "nothing running"  # the one row of a running table when every episode ended
+RUNNING_MAX = 256  # episodes shown running at once (beyond: the earliest shown is forgotten, its row kept)
 TABLE_LINK = "link"
 TABLE_ABSENT = "\u2014"  # —: what the table shows for a value nobody recorded (never 0)
 PREVIEW_CHARS = 80  # the table's question and answer previews, "…" included
@@ -357,11 +386,15 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
             turns += 1
         input_tokens = _add_count(input_tokens, span_attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
         output_tokens = _add_count(output_tokens, span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+    reason = attrs.get(c.RL_SAMPLING_REASON)
     values = (
-        _number(attrs.get(c.RL_REWARD)), _number(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
+        _readable(attrs.get(c.RL_REWARD)), _readable(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
         preview(attrs.get(c.INPUT_VALUE)), preview(attrs.get(c.OUTPUT_VALUE)),
         turns, TABLE_ABSENT if input_tokens is None else input_tokens,
         TABLE_ABSENT if output_tokens is None else output_tokens,
+        reason if isinstance(reason, str) and reason else TABLE_ABSENT, group_health(attrs),
+        _seconds(attrs.get(c.RL_DURATION_SECONDS)),
+        *(_seconds(attrs.get(c.stage_seconds(stage))) for stage in STAGE_COLUMNS),
         hex_id(root.context.trace_id, 32) if root is not None else None,
         None if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID)),
         attrs.get(c.RL_SAMPLE_INDEX), attrs.get(c.RL_EPISODE_ID),
@@ -370,6 +403,135 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
     if trace_url is not None:
         row[TABLE_LINK] = trace_url
     return row
+
+
+def _seconds(value: Any) -> float | str:
+    """Seconds as a table shows them (rounded to what a person reads: 3 decimals under 10 s,
+    2 above), or ``—`` when nothing measured them (never 0)."""
+    number = _number(value)
+    if number is None or not math.isfinite(number) or number < 0:
+        return TABLE_ABSENT
+    return round(float(number), 3 if number < 10 else 2)
+
+
+def group_health(attrs: Mapping[str, Any]) -> str:
+    """An episode's GRPO group in one cell, from the ``rl.group.*`` attributes on its root:
+    ``all equal ×8`` (every member the same reward: zero advantage, no learning signal),
+    ``lost 2/8`` (members lost of those expected, or of those seen when the expected size is
+    unknown), both joined by ``, ``, else ``ok 8`` (``ok 6/8`` when fewer were seen than
+    expected); ``—`` for an episode without a group's health."""
+    size = attrs.get(c.RL_GROUP_SIZE)
+    if not isinstance(size, int) or isinstance(size, bool):
+        return TABLE_ABSENT
+    expected = attrs.get(c.RL_GROUP_EXPECTED_SIZE)
+    expected = expected if isinstance(expected, int) and not isinstance(expected, bool) and expected > 0 else None
+    lost = attrs.get(c.RL_GROUP_LOST)
+    lost = lost if isinstance(lost, int) and not isinstance(lost, bool) and lost > 0 else 0
+    parts = []
+    if attrs.get(c.RL_GROUP_ALL_EQUAL) is True:
+        parts.append(f"all equal \u00d7{size}")
+    if lost:
+        parts.append(f"lost {lost}/{expected or size}")
+    if not parts:
+        degenerate = attrs.get(c.RL_GROUP_DEGENERATE)
+        if isinstance(degenerate, str) and degenerate:
+            return degenerate.replace("_", " ")  # a reason this version has no words for
+        return f"ok {size}" if expected is None or expected == size else f"ok {size}/{expected}"
+    return ", ".join(parts)
+
+
+def most_time_in(row: Mapping[str, Any]) -> str:
+    """The stage a table row's episode spent the most seconds in, with its share of the
+    episode's duration (``tool 41.2 s (83%)``); ``—`` when no stage was measured."""
+    stages = [(value, stage) for stage, column in STAGE_COLUMNS.items()
+              if isinstance(value := row.get(column), (int, float))]
+    if not stages:
+        return TABLE_ABSENT
+    value, stage = max(stages)
+    total = row.get(COLUMN_SECONDS)
+    share = f" ({100 * value / total:.0f}%)" if isinstance(total, (int, float)) and total > 0 else ""
+    return f"{stage} {value:g} s{share}"
+
+
+def slowest_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A step table's rows with a measured duration, slowest first, as ``SLOWEST_COLUMNS`` (the
+    ``link`` kept when there is one); empty when no episode of the step was timed."""
+    timed = [row for row in rows if isinstance(row.get(COLUMN_SECONDS), (int, float))]
+    timed.sort(key=lambda row: -row[COLUMN_SECONDS])
+    out = []
+    for row in timed:
+        item = {column: most_time_in(row) if column == COLUMN_MOST_TIME else row.get(column)
+                for column in SLOWEST_COLUMNS}
+        if TABLE_LINK in row:
+            item[TABLE_LINK] = row[TABLE_LINK]
+        out.append(item)
+    return out
+
+
+def watch_key(value: Any) -> str | None:
+    """A watch key (``rl.watch.key``) as part of a Trackio key: ``[A-Za-z0-9_.-]`` only (every
+    other run of characters becomes ``_``: a ``/`` would nest it), at most ``WATCH_KEY_CHARS``;
+    None for a root without one."""
+    if value is None or isinstance(value, bool):
+        return None
+    text = _UNSAFE_KEY.sub("_", as_text(value)).strip("_")[:WATCH_KEY_CHARS]
+    return text or None
+
+
+def watch_row(step: int, attrs: Mapping[str, Any], trace_id: int) -> dict[str, Any]:
+    """One row of a watched prompt's history: step, reward, status, the answer's head, trace id."""
+    return dict(zip(WATCH_COLUMNS, (step, _readable(attrs.get(c.RL_REWARD)), attrs.get(c.RL_STATUS),
+                                    preview(attrs.get(c.OUTPUT_VALUE)), hex_id(trace_id, 32)), strict=True))
+
+
+def _fmt_seconds(value: Any) -> str:
+    """Seconds in a running episode's status and table (``45.2s``, ``312s``), ``?`` unknown."""
+    number = _number(value)
+    if number is None or not math.isfinite(number):
+        return "?"
+    return f"{number:.1f}s" if number < 100 else f"{number:.0f}s"
+
+
+def running_label(attrs: Mapping[str, Any]) -> str:
+    """A snapshot's status in the trace list: ``running <span it is stuck in> <its seconds>s``."""
+    span = attrs.get(c.RL_PENDING_SPAN)
+    where = f" {as_text(span)}" if span else ""
+    return f"{RUNNING_MARK}{where} {_fmt_seconds(attrs.get(c.RL_PENDING_SPAN_SECONDS))}"
+
+
+def running_row(attrs: Mapping[str, Any], trace_id: int) -> dict[str, Any]:
+    """One row of the running table: episode id, how long it has been open, the span it is stuck
+    in and for how long, the trace id."""
+    span = attrs.get(c.RL_PENDING_SPAN)
+    stuck = f"{as_text(span)} ({_fmt_seconds(attrs.get(c.RL_PENDING_SPAN_SECONDS))})" if span else TABLE_ABSENT
+    episode = attrs.get(c.RL_EPISODE_ID)
+    return dict(zip(RUNNING_COLUMNS, (as_text(episode) if episode is not None else TABLE_ABSENT,
+                                      _fmt_seconds(attrs.get(c.RL_PENDING_SECONDS)), stuck,
+                                      hex_id(trace_id, 32)), strict=True))
+
+
+def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, Any]]) -> None:
+    """Mark a snapshot's open spans in its Trackio tree (``tree``, from ``episode_spans``) as
+    ``running``: the root, the span it is stuck in (the latest started one of that name among
+    those still open: their end is the snapshot's "now") and the spans between them."""
+    root = root_of(spans)
+    if root is None:
+        return
+    attrs = root.attributes or {}
+    now = root.end_time or 0
+    by_id = {span.context.span_id: span for span in spans}
+    open_ids = {root.context.span_id}
+    stuck_name = attrs.get(c.RL_PENDING_SPAN)
+    candidates = [span for span in spans if span.name == stuck_name and (span.end_time or 0) >= now - 1_000_000]
+    if candidates:
+        span: ReadableSpan | None = max(candidates, key=lambda s: s.start_time or 0)
+        while span is not None and span.context.span_id not in open_ids:
+            open_ids.add(span.context.span_id)
+            span = by_id.get(span.parent.span_id) if span.parent is not None else None
+    marked = {hex_id(span_id) for span_id in open_ids}
+    for item in tree:
+        if item.get("id") in marked and item.get("status") != TRACKIO_ERROR:
+            item["status"] = RUNNING_MARK
 
 
 def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
@@ -390,6 +552,15 @@ def _add_count(total: int | None, value: Any) -> int | None:
 
 def _number(value: Any) -> float | int | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _readable(value: Any) -> float | int | None:
+    """A score as a table shows it: 6 significant digits (``1.136``, not the float sum's
+    ``1.1360000000000001``); the exact value stays on the span."""
+    number = _number(value)
+    if isinstance(number, float) and math.isfinite(number):
+        return float(f"{number:.6g}")
+    return number
 
 
 def _unstorable(messages: Any, metadata: Any, spans: Any) -> str | None:
@@ -448,6 +619,16 @@ class _Episode(NamedTuple):
     trace: Any  # trackio.Trace
     row: dict[str, Any]
     started: str | None  # the episode's start, as Trackio stamps rows (its request time)
+    watch: tuple[str, dict[str, Any]] | None = None  # (its watch table's key, its history row)
+
+
+class _Running(NamedTuple):
+    """An episode shown running (``show_pending``): where its snapshot is, and its table row."""
+
+    step: int
+    key: str  # the running traces' key (``rollouts/running``)
+    row: dict[str, Any]
+    row_ids: tuple[str, ...]  # the Trackio rows of its snapshot (local storage only)
 
 
 def _first_existing(path: Path) -> Path:
@@ -567,7 +748,7 @@ def stored_trace_ids(db_path: Path, run_name: str, since: str) -> set[str]:
         except (TypeError, ValueError):
             continue
         trace_id = value.get(META_TRACE_ID) if isinstance(value, dict) else None
-        if isinstance(trace_id, str):
+        if isinstance(trace_id, str) and not _is_snapshot(value):  # a snapshot is no stored episode
             found.add(trace_id)
     return found
 
@@ -606,13 +787,56 @@ def stamp_request_times(db_path: Path, run_id: str | None, run_name: str, since:
             except (TypeError, ValueError):
                 continue
             trace_id = value.get(META_TRACE_ID) if isinstance(value, dict) else None
-            if isinstance(trace_id, str) and trace_id in times:
+            if isinstance(trace_id, str) and trace_id in times and not _is_snapshot(value):
                 updates.append((times[trace_id], row_id))
         with conn:
             conn.executemany("UPDATE traces SET timestamp = ? WHERE id = ?", updates)
         return len(updates)
     finally:
         conn.close()
+
+
+def _read_rows(db_path: Path, run_id: Any, run_name: str, since: str) -> list[tuple[str, str, Any]]:
+    """(row id, key, decoded metadata) of the run's trace rows written at or after ``since``
+    (by Trackio's run id where there is one: an indexed read of that write's rows only)."""
+    if not db_path.exists():
+        return []
+    conn = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+    try:
+        if isinstance(run_id, str) and run_id:
+            rows = conn.execute("SELECT id, key, metadata FROM traces WHERE run_id = ? AND timestamp >= ?",
+                                (run_id, since)).fetchall()
+        else:
+            rows = conn.execute("SELECT id, key, metadata FROM traces WHERE run_name = ? AND timestamp >= ?",
+                                (run_name, since)).fetchall()
+    finally:
+        conn.close()
+    out = []
+    for row_id, key, metadata in rows:
+        try:
+            out.append((row_id, key, json.loads(metadata)))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def delete_trace_rows(db_path: Path, row_ids: Sequence[str]) -> int:
+    """Delete Trackio trace rows by their ids (a running episode's snapshot, once it ended);
+    returns how many were deleted."""
+    if not row_ids or not db_path.exists():
+        return 0
+    conn = sqlite3.connect(str(db_path), timeout=5.0)
+    try:
+        with conn:
+            cursor = conn.executemany("DELETE FROM traces WHERE id = ?", [(row_id,) for row_id in row_ids])
+        return cursor.rowcount
+    finally:
+        conn.close()
+
+
+def _is_snapshot(metadata: Any) -> bool:
+    """Whether a stored trace's metadata is a running episode's snapshot (``show_pending``)."""
+    return isinstance(metadata, dict) and metadata.get(c.RL_PENDING) is True
 
 
 def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
@@ -679,6 +903,12 @@ class TrackioExporter(SpanExporter):
         self._not_stored_lock = threading.Lock()
         self._warned_unstorable = False
         self._warned_problems: set[str] = set()
+        # watched prompts: table key -> its history rows (bounded), and (step, key) tables due
+        self._watch: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
+        self._watch_due: set[tuple[int, str]] = set()
+        # episodes shown running (show_pending), earliest shown first
+        self._running: OrderedDict[int, _Running] = OrderedDict()
+        self.pending_failures = 0  # show_pending calls (or replacements) that failed or were skipped
         self._import_lock = threading.Lock()
         self._imported = False
         try:
@@ -786,8 +1016,11 @@ class TrackioExporter(SpanExporter):
                 trace = None if problem is not None else trackio.Trace(messages=messages, metadata=metadata,
                                                                        spans=tree)
                 row = table_row(group, url)
+                watched = watch_key(attrs.get(c.RL_WATCH_KEY))
+                watch = None if watched is None else (
+                    f"{key}/{WATCH_SUFFIX}/{watched}", watch_row(step, attrs, trace_id))
             except Exception as exc:  # noqa: BLE001 - one episode's odd value never loses the others
-                problem, trace = f"{type(exc).__name__}: {str(exc)[:120]}", None
+                problem, trace, watch = f"{type(exc).__name__}: {str(exc)[:120]}", None, None
             if problem is not None or trace is None:
                 # Trackio would skip the whole step's traces with a warning of its own: leave this
                 # one out, and say so (counted lost, never delivered)
@@ -797,7 +1030,7 @@ class TrackioExporter(SpanExporter):
                     logger.warning("otel_rollouts: TrackioExporter: trace %s cannot be stored by Trackio (%s); "
                                    "counted lost in otr.stats()", hex_id(trace_id, 32), problem)
                 continue
-            episodes.append(_Episode(trace_id, step, key, trace, row, iso_utc(root.start_time)))
+            episodes.append(_Episode(trace_id, step, key, trace, row, iso_utc(root.start_time), watch))
         result = self._write(episodes)
         if result is SpanExportResult.SUCCESS and unstorable:
             self._not_stored_add(NOT_STORED_UNSTORABLE, unstorable)
@@ -832,6 +1065,9 @@ class TrackioExporter(SpanExporter):
                 for episode in stored:
                     self._rows[(episode.step, f"{episode.key}/{TABLE_SUFFIX}")][hex_id(episode.trace_id, 32)] = \
                         episode.row
+                    if episode.watch is not None:
+                        self._watch_add(episode.step, *episode.watch)
+            self._replace_running(run, [e.trace_id for e in stored])
             if stored:
                 # the steps before the latest one here are over: their tables can be logged
                 self._log_tables(before=max(e.step for e in stored))
@@ -961,28 +1197,219 @@ class TrackioExporter(SpanExporter):
         return out
 
     def _log_tables(self, before: int | None = None) -> None:
-        """Log the collected step tables (those of steps before ``before``; all when None).
+        """Log the collected step tables (those of steps before ``before``; all when None): for
+        each, its ``slowest`` table when an episode of it was timed, and the watched prompts'
+        history tables due at those steps.
 
         A table is a view of traces already logged: failing to log one never fails an export
         (which would be retried); it is logged once and its rows are dropped.
         """
-        import trackio
-
         for step, key in sorted(self._rows):
             if before is not None and step >= before:
                 continue
             rows = sorted(self._rows.pop((step, key)).values(), key=_worst_first)
-            columns = list(rows[0])
-            try:
-                table = trackio.Table(columns=columns, data=[[row.get(col) for col in columns] for row in rows])
-                self._trackio_run().log({key: table}, step=step)
-            except Exception as exc:  # noqa: BLE001 - a view: never fail the export for it
-                self.table_failures += 1
-                if self.table_failures == 1:
-                    logger.warning("otel_rollouts: TrackioExporter could not log the step %d table: %r",
-                                   step, exc)
+            self._log_table(key, step, rows)
+            slowest = slowest_rows(rows)
+            if slowest:
+                self._log_table(f"{key[: -len(TABLE_SUFFIX)]}{SLOWEST_SUFFIX}", step, slowest)
+        for step, key in sorted(self._watch_due):
+            if before is not None and step >= before:
                 continue
-            self.tables_logged += 1
+            self._watch_due.discard((step, key))
+            history = self._watch.get(key)
+            rows = sorted((row for row in history or () if row["step"] <= step), key=lambda row: row["step"])
+            if rows:
+                self._log_table(key, step, rows)
+
+    def _log_table(self, key: str, step: int, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Log one ``trackio.Table`` of ``rows`` (dicts, the first one's keys as the columns) at
+        ``step``; a failure is counted (``table_failures``) and said once, never raised."""
+        import trackio
+
+        columns = list(rows[0])
+        try:
+            table = trackio.Table(columns=columns, data=[[row.get(col) for col in columns] for row in rows])
+            self._trackio_run().log({key: table}, step=step)
+        except Exception as exc:  # noqa: BLE001 - a view: never fail the export for it
+            self.table_failures += 1
+            if self.table_failures == 1:
+                logger.warning("otel_rollouts: TrackioExporter could not log the step %d table %s: %r",
+                               step, key, exc)
+            return False
+        self.tables_logged += 1
+        return True
+
+    def _watch_add(self, step: int, key: str, row: dict[str, Any]) -> None:
+        """Add a stored episode of a watched prompt to its history (``key``: its table's key), to
+        be logged with its step's tables. Bounded: ``WATCH_MAX_ROWS`` rows per key (the oldest
+        dropped first) and ``WATCH_MAX_KEYS`` keys (the one updated longest ago forgotten)."""
+        history = self._watch.get(key)
+        if history is None:
+            history = self._watch[key] = deque(maxlen=WATCH_MAX_ROWS)
+            while len(self._watch) > WATCH_MAX_KEYS:
+                forgotten, _ = self._watch.popitem(last=False)
+                self._watch_due = {due for due in self._watch_due if due[1] != forgotten}
+        self._watch.move_to_end(key)
+        if any(old["trace id"] == row["trace id"] for old in history):
+            return  # the same episode exported again (a retried export)
+        history.append(row)
+        self._watch_due.add((step, key))
+
+    def show_pending(self, snapshots: Sequence[ReadableSpan], ended: Sequence[int]) -> None:
+        """Show which episodes are still running, and stop showing those that ended.
+
+        ``snapshots``: the spans of snapshots of episodes still running (their roots carry
+        ``rl.pending``, the span they are stuck in and for how long; open spans end "now");
+        ``ended``: OpenTelemetry trace ids of episodes shown running before that have ended
+        (kept, dropped or given up). Called by the delivery thread, never the training thread.
+
+        Each snapshot becomes a ``trackio.Trace`` under ``rollouts/running`` (``<split>/...``
+        for other splits) at its step, its status ``running <span> <seconds>s``, its open spans
+        ``running`` in the tree; a newer snapshot of the same episode replaces the older one.
+        With Trackio's local storage an episode that ended (or whose finished episode was
+        exported) has its snapshot's row deleted: only what runs reads as running. Then a
+        ``rollouts/running/table`` is logged at the step: what runs now (episode, open for, stuck
+        in, trace id), or one ``nothing running`` row. Best effort: a view, never counted as an
+        episode delivered or lost; a failure is counted (``pending_failures``) and said once.
+        """
+        try:
+            self._import_trackio()
+            with self._lock:
+                self._show_pending(snapshots, ended)
+        except Exception as exc:  # noqa: BLE001 - a view of episodes still running: never raise
+            self.pending_failures += 1
+            if self.pending_failures == 1:
+                logger.warning("otel_rollouts: TrackioExporter could not show the running episodes: %s: %s",
+                               type(exc).__name__, exc)
+
+    def _show_pending(self, snapshots: Sequence[ReadableSpan], ended: Sequence[int]) -> None:
+        import trackio
+
+        problem = self._cannot_write()
+        if problem is not None:
+            self.pending_failures += 1
+            return
+        shown: dict[int, tuple[int, str, Any, dict[str, Any]]] = {}
+        for trace_id, group in by_trace(snapshots).items():
+            root = root_of(group)
+            if root is None:
+                continue
+            attrs = root.attributes or {}
+            step = attrs.get(c.RL_STEP)
+            step = step if isinstance(step, int) and not isinstance(step, bool) and fits_int64(step) else 0
+            split = str(attrs.get(c.RL_SPLIT) or "train")
+            key = f"{self.trace_key if split == 'train' else f'{split}/{self.trace_key}'}/{RUNNING_SUFFIX}"
+            metadata = episode_metadata(root, self.trace_url(trace_id), group)
+            metadata[META_STATUS] = running_label(attrs)
+            tree = episode_spans(group)
+            running_spans(group, tree)
+            messages = episode_messages(group)
+            if _unstorable(messages, metadata, tree) is not None:
+                continue
+            shown[trace_id] = (step, key, trackio.Trace(messages=messages, metadata=metadata, spans=tree),
+                               running_row(attrs, trace_id))
+        run = self._trackio_run()
+        local = self._confirmable(run)
+        since = datetime.now(timezone.utc).isoformat()
+        by_key: dict[tuple[int, str], list[Any]] = defaultdict(list)
+        for step, key, trace, _ in shown.values():
+            by_key[(step, key)].append(trace)
+        for (step, key), traces in sorted(by_key.items()):
+            run.log({key: traces}, step=step)
+        new_rows: dict[str, list[str]] = {}
+        if local and shown:
+            self._write_now(run)
+            new_rows = self._pending_rows(run, since, {key for _, key, _, _ in shown.values()})
+        stale: list[str] = []
+        touched: dict[str, int] = {}
+        for trace_id, (step, key, _, row) in shown.items():
+            old = self._running.pop(trace_id, None)
+            if old is not None:
+                stale.extend(old.row_ids)
+            self._running[trace_id] = _Running(step, key, row, tuple(new_rows.get(hex_id(trace_id, 32), ())))
+            touched[key] = max(touched.get(key, step), step)
+        while len(self._running) > RUNNING_MAX:
+            self._running.popitem(last=False)
+        stale.extend(self._end_running(ended, touched))
+        if local and stale:
+            self._delete_rows(run, stale)
+        self._log_running_tables(touched)
+        if local and touched:
+            self._write_now(run)  # a view of now: on the dashboard at once, not at the next write
+
+    def _end_running(self, trace_ids: Sequence[int], touched: dict[str, int]) -> list[str]:
+        """Forget the episodes of ``trace_ids`` shown running; their snapshots' row ids (to
+        delete). ``touched`` gains each running key whose table changed, at its latest step."""
+        stale: list[str] = []
+        for trace_id in trace_ids:
+            old = self._running.pop(trace_id, None)
+            if old is not None:
+                stale.extend(old.row_ids)
+                touched[old.key] = max(touched.get(old.key, old.step), old.step)
+        return stale
+
+    def _replace_running(self, run: Any, trace_ids: Sequence[int]) -> None:
+        """Episodes just stored that were shown running: their finished episode replaces the
+        snapshot (deleted; a fresh running table is logged). Never fails the export."""
+        if not self._running or not any(t in self._running for t in trace_ids):
+            return
+        try:
+            touched: dict[str, int] = {}
+            stale = self._end_running(trace_ids, touched)
+            if stale and self._confirmable(run):
+                self._delete_rows(run, stale)
+            self._log_running_tables(touched)
+            if self._confirmable(run):
+                self._write_now(run)
+        except Exception as exc:  # noqa: BLE001 - a view: the export stored its episodes
+            self.pending_failures += 1
+            if self.pending_failures == 1:
+                logger.warning("otel_rollouts: TrackioExporter could not replace a running episode: %s: %s",
+                               type(exc).__name__, exc)
+
+    def _log_running_tables(self, touched: Mapping[str, int]) -> None:
+        """For each running key in ``touched`` (key -> step), the table of what runs now."""
+        if not self.table:
+            return
+        for key, step in sorted(touched.items()):
+            running = [r for r in self._running.values() if r.key == key]
+            rows = [r.row for r in sorted(running, key=lambda r: r.step)]
+            if not rows:
+                rows = [dict(zip(RUNNING_COLUMNS, (TABLE_ABSENT, TABLE_ABSENT, RUNNING_NONE, TABLE_ABSENT),
+                                 strict=True))]
+            else:
+                step = max(r.step for r in running)
+            self._log_table(f"{key}/{TABLE_SUFFIX}", step, rows)
+
+    def _pending_rows(self, run: Any, since: str, keys: set[str]) -> dict[str, list[str]]:
+        """OpenTelemetry trace id -> the Trackio row ids of the snapshots written since ``since``
+        under ``keys`` (read back from the local database)."""
+        found: dict[str, list[str]] = defaultdict(list)
+        for row_id, key, metadata in _read_rows(self._db_path(), getattr(run, "id", None), run.name, since):
+            if key in keys and isinstance(metadata, dict) and metadata.get(c.RL_PENDING) is True:
+                trace_id = metadata.get(META_TRACE_ID)
+                if isinstance(trace_id, str):
+                    found[trace_id].append(row_id)
+        return found
+
+    def _delete_rows(self, run: Any, row_ids: Sequence[str]) -> None:
+        """Delete Trackio rows of snapshots no longer running (and their session files, best
+        effort), under the run's client lock: never while its writer thread writes."""
+        client_lock = getattr(run, "_client_lock", None)
+        if client_lock is not None:
+            with client_lock:
+                delete_trace_rows(self._db_path(), row_ids)
+        else:
+            delete_trace_rows(self._db_path(), row_ids)
+        try:
+            from trackio import agent_sessions
+            from trackio.utils import project_trace_sessions_dir
+
+            directory = project_trace_sessions_dir(self.project) / agent_sessions.safe_id(run.name or "run")
+            for row_id in row_ids:
+                (directory / agent_sessions.trace_session_filename(row_id)).unlink(missing_ok=True)
+        except Exception:  # noqa: BLE001, S110 - Trackio's rendering artifact; its database is what it reads
+            pass
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
@@ -1017,7 +1444,7 @@ class TrackioExporter(SpanExporter):
 
     def _finish(self) -> None:
         with self._lock:
-            if self._rows:
+            if self._rows or self._watch_due:
                 self._log_tables()
             if self._run is not None:
                 run, self._run = self._run, None

@@ -100,3 +100,35 @@ def click_when_ready(driver, find, what: str, screenshot: Path | None = None):
         return element
 
     return wait_for(driver, clicked, what, screenshot)
+
+
+def media_tables(driver, url: str, key: str, screenshot: Path | None = None,
+                 count: int | None = None) -> list[tuple[int, list[dict[str, str]]]]:
+    """(step, rows as the page shows them, by lowercase column) of the tables logged under
+    ``key`` on Trackio's Media & Tables page at ``url``, newest step first (the page's order);
+    waits until ``count`` of them show (None: at least one)."""
+    from selenium.webdriver.common.by import By
+
+    def sections(d):
+        found = [s for s in d.find_elements(By.CSS_SELECTOR, ".table-section")
+                 if s.find_element(By.CSS_SELECTOR, ".media-label").text.strip() == key]
+        return (len(found) == count if count is not None else bool(found)) and found
+
+    driver.get(url)
+    out = []
+    for section in wait_for(driver, sections, f"{count or 'the'} tables {key}", screenshot):
+        header = section.find_element(By.CSS_SELECTOR, ".table-header").text
+        columns = [th.text.strip().lower() for th in section.find_elements(By.CSS_SELECTOR, "thead th")]
+        rows = [dict(zip(columns, (td.text.strip() for td in tr.find_elements(By.CSS_SELECTOR, "td")), strict=True))
+                for tr in section.find_elements(By.CSS_SELECTOR, "tbody tr")]
+        out.append((int(header.rsplit("Step:", 1)[1].split()[0]), rows))
+    return out
+
+
+def scroll_to_table(driver, key: str, index: int = 0) -> None:
+    """Bring the ``index``-th table of ``key`` on the Media & Tables page into view."""
+    from selenium.webdriver.common.by import By
+
+    sections = [s for s in driver.find_elements(By.CSS_SELECTOR, ".table-section")
+                if s.find_element(By.CSS_SELECTOR, ".media-label").text.strip() == key]
+    driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", sections[index])

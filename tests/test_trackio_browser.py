@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_support import TIMEOUT, chromium, save_screenshot, wait_for
+from browser_support import TIMEOUT, chromium, media_tables, save_screenshot, wait_for
 from otr_scenario import MODEL, TOOL_ERROR, TOOL_FAILS, TOOL_OK, run_python, trackio_traces
 from receivers import PhoenixReceiver, free_ports
 from test_trackio_exporter import BAD_EXPRESSION, FINAL_ANSWER, QUESTION, SINGLE_ANSWER, TRACE_UI
@@ -413,27 +413,18 @@ def test_search_by_the_opentelemetry_trace_id_finds_the_episode(browser, outcome
 def test_step_table_lists_the_kept_episodes_worst_first(browser, outcomes, tmp_path: Path) -> None:
     """Media & Tables: one ``rollouts/table`` per step. Trackio 0.43 cannot sort a table in the
     browser (its headers are plain text), so the rows come sorted: lowest reward first."""
-    from selenium.webdriver.common.by import By
 
     base, recorded = outcomes
-    browser.get(f"{base}/media?project={PROJECT}")
-    sections = _wait(browser, lambda d: (t := d.find_elements(By.CSS_SELECTOR, ".table-section"))
-                     and len(t) == 2 and t, "a table per step")
-    for section in sections:
-        header = section.find_element(By.CSS_SELECTOR, ".table-header").text
-        _expect(browser, "rollouts/table" in header, f"table header {header!r}")
-        step = int(header.rsplit("Step:", 1)[1].split()[0])
-        columns = [th.text.strip().lower() for th in section.find_elements(By.CSS_SELECTOR, "thead th")]
-        rows = [dict(zip(columns, (td.text.strip() for td in tr.find_elements(By.CSS_SELECTOR, "td")),
-                         strict=True))
-                for tr in section.find_elements(By.CSS_SELECTOR, "tbody tr")]
+    tables = media_tables(browser, f"{base}/media?project={PROJECT}", "rollouts/table",
+                          tmp_path / "failure-table.png", count=2)
+    for step, rows in tables:
         kept = sorted((e for e in recorded.values() if e["step"] == step), key=lambda e: e["reward"])
         shown = [(r["trace id"], float(r["reward"]), r["status"]) for r in rows]
         _expect(browser, shown == [(e["trace_id"], e["reward"], e["status"]) for e in kept],
                 f"step {step}'s table shows {shown}")
         _expect(browser, all(r["link"] == f"{TRACE_UI}/trace/{r['trace id']}" for r in rows), rows)
-        _expect(browser, columns[:8] == ["reward", "advantage", "status", "question", "answer", "turns",
-                                         "input tokens", "output tokens"], f"columns {columns}")
+        _expect(browser, list(rows[0])[:8] == ["reward", "advantage", "status", "question", "answer", "turns",
+                                               "input tokens", "output tokens"], f"columns {list(rows[0])}")
     save_screenshot(browser, tmp_path / "trackio-table.png")
 
 

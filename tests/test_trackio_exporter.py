@@ -338,7 +338,9 @@ def test_one_table_per_step_lists_its_kept_episodes_worst_first(otr_shutdown):
         assert [r["status"] for r in rows] == [e["status"] for e in kept]
         assert [r["link"] for r in rows] == [f"{TRACE_UI}/trace/{e['trace_id']}" for e in kept]
         assert list(rows[0]) == ["reward", "advantage", "status", "question", "answer", "turns", "input tokens",
-                                 "output tokens", "trace id", "group", "sample", "episode", "link"]
+                                 "output tokens", "kept because", "group health", "seconds", "gen s",
+                                 "tool s", "env s", "reward s", "wait s", "trace id", "group", "sample",
+                                 "episode", "link"]
         assert [(r["question"], r["answer"]) for r in rows] == [(e["question"], e["answer"]) for e in kept]
     by_trace = {r["trace id"]: r for r in tables[0][1]}
     retried = by_trace[recorded["retried"]["trace_id"]]

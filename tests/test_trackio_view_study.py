@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_support import chromium, save_screenshot
+from browser_support import chromium, media_tables, save_screenshot
 from otr_scenario import run_python, trackio_traces
 from test_trackio_browser import _expand, _expect, _io, _select_span, _serve, _wait
 
@@ -347,20 +347,7 @@ def test_the_episode_spans_metadata_shows_each_value_once(browser, study, tmp_pa
 # --- 5 and 6: the step table, and the token plots ----------------------------------------------
 def _tables(driver, base: str) -> dict[int, list[dict[str, str]]]:
     """Media & Tables: step -> the rows of its ``rollouts/table`` as shown (column -> text)."""
-    from selenium.webdriver.common.by import By
-
-    driver.get(f"{base}/media?project={PROJECT}")
-    sections = _wait(driver, lambda d: (t := d.find_elements(By.CSS_SELECTOR, ".table-section"))
-                     and len(t) == 2 and t, "a table per step")
-    out = {}
-    for section in sections:
-        header = section.find_element(By.CSS_SELECTOR, ".table-header").text
-        step = int(header.rsplit("Step:", 1)[1].split()[0])
-        columns = [th.text.strip().lower() for th in section.find_elements(By.CSS_SELECTOR, "thead th")]
-        out[step] = [dict(zip(columns, (td.text.strip() for td in tr.find_elements(By.CSS_SELECTOR, "td")),
-                              strict=True))
-                     for tr in section.find_elements(By.CSS_SELECTOR, "tbody tr")]
-    return out
+    return dict(media_tables(driver, f"{base}/media?project={PROJECT}", "rollouts/table", count=2))
 
 
 def test_step_table_previews_the_question_and_the_answer(browser, study, tmp_path: Path) -> None:
