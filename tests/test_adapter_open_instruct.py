@@ -343,3 +343,17 @@ def test_unknown_structures_warn_once_and_are_recorded_as_far_as_understood(capl
     tool_sample = eps["train-2-1"]
     assert not [k for k in tool_sample["root"] if k.startswith(c.RL_REWARD_PREFIX)]
     assert len(tool_sample["by_kind"][c.KIND_TOOL]) == 1
+
+
+def test_tool_runtime_is_the_tool_stage_only_for_samples_that_called_tools(memory):
+    """``tool_runtimes[i]`` (the engine's sum over the calls it awaited in turn) is the sample's
+    tool time; a sample without calls has none measured (absent, not 0), and no sample has a
+    duration (Open-Instruct times no whole rollout)."""
+    batch, result, adv = source_batch()
+    open_instruct.record_batch(batch, result, step=7, advantages=adv, num_samples_per_prompt=G, tokenizer=TOK)
+    assert otr.flush()
+    roots = {ep["root"][c.RL_EPISODE_ID]: ep["root"] for ep in episodes(memory).values()}
+    tool = c.stage_seconds(c.STAGE_TOOL)
+    assert {eid: r[tool] for eid, r in roots.items() if tool in r} == {"train-7-1": 0.25}
+    assert all(c.RL_DURATION_SECONDS not in r for r in roots.values())
+    assert {r[c.RL_DATASET_INDEX] for r in roots.values()} == {100, 101}

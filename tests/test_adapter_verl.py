@@ -213,3 +213,38 @@ def test_placeholder_policy_versions_are_ignored(memory):
     eps = episodes(memory)
     assert c.RL_POLICY_VERSION not in eps["train-8-uid-0-0"]["root"]
     assert eps["train-8-uid-0-1"]["root"][c.RL_POLICY_VERSION] == 4
+
+
+# --- stage times (issue 32) -------------------------------------------------------------------------
+def test_fully_async_per_sample_times_are_stage_seconds_and_per_step_timing_is_not_copied(memory):
+    from frameworks import require
+
+    detach_utils = require("verl.experimental.fully_async_policy.detach_utils")
+    AgentLoopMetrics = require("verl.experimental.agent_loop.agent_loop").AgentLoopMetrics
+    batch = make()
+    # the agent loop's per-sample metrics, as verl's fully async rollouter collects them
+    batch.meta_info["metrics"] = [AgentLoopMetrics(generate_sequences=g, tool_calls=t).model_dump()
+                                  for g, t in [(2.5, 0.75), (1.25, 0.0), (0.5, 0.0), (4.0, 0.0)]]
+    detach_utils.addition_process(batch)  # verl's own: processing_times / tool_calls_times columns
+    batch.meta_info["timing"] = {"agent_loop/generate_sequences/max": 4.0}  # per step: not an episode's
+    assert verl.record_batch(batch, step=5, tokenizer=TOK) == 4
+    assert otr.flush()
+    roots = {ep["root"][c.RL_EPISODE_ID]: ep["root"] for ep in episodes(memory).values()}
+    generation, tool = c.stage_seconds(c.STAGE_GENERATION), c.stage_seconds(c.STAGE_TOOL)
+    ordered = [roots[f"train-5-uid-{i // 2}-{i % 2}"] for i in range(4)]
+    assert [r[generation] for r in ordered] == [2.5, 1.25, 0.5, 4.0]
+    assert ordered[0][tool] == 0.75
+    assert all(tool not in r for r in ordered[1:])  # verl's 0.0 default: not timed, left out
+    for r in ordered:
+        assert c.RL_DURATION_SECONDS not in r  # verl measures no sample's wall time
+        assert not any(k.startswith(c.RL_METADATA_PREFIX + n) for k in r for n in ("processing", "tool_calls"))
+
+
+def test_a_batch_without_per_sample_times_has_no_stage_or_duration(memory):
+    batch = make()
+    batch.meta_info["timing"] = {"agent_loop/generate_sequences/max": 4.0, "agent_loop/tool_calls/max": 1.0}
+    verl.record_batch(batch, step=5, tokenizer=TOK)
+    assert otr.flush()
+    for ep in episodes(memory).values():
+        assert not any(k.startswith(c.RL_STAGE_PREFIX) for k in ep["root"])
+        assert c.RL_DURATION_SECONDS not in ep["root"]  # absent, never 0

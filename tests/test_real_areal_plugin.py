@@ -285,3 +285,46 @@ def test_strict_mode_never_turns_a_recording_problem_into_a_rejected_rollout(otr
         engine.destroy()
     assert result is not None and result["rewards"].isnan().all()  # accepted, as without the wrapper
     assert otr.stats()["totals"].get("errors.library", 0) + otr.stats()["totals"].get("invalid_values", 0) >= 1
+
+
+# --- durations (issue 32) ------------------------------------------------------------------------
+def test_the_wrapper_times_each_samples_arun_episode_and_the_explicit_call_has_none(memory):
+    """The wrapper's clock around ``arun_episode`` is the sample's wall time (AReaL's
+    ``GroupedRolloutWorkflow`` runs the group's samples as concurrent calls): a rollout held up
+    in its reward function shows it; ``record_trajectories`` (no time in AReaL's data) records
+    none rather than 0."""
+    import asyncio
+
+    class SlowReward:
+        """RLVRWorkflow's own episode, with a reward function that takes a while (a slow
+        sandbox), as the issue's stragglers do."""
+
+        def __init__(self, delay):
+            self.inner, self.delay = rlvr(), delay
+            self.tokenizer = TOK
+
+        async def arun_episode(self, engine, data):
+            trajectory = await self.inner.arun_episode(engine, data)
+            await asyncio.sleep(self.delay)
+            return trajectory
+
+    engine = scripted_remote_engine(batch_size=2)
+    try:
+        engine.prepare_batch(dataloader(["What is 2 + 2?"], 1), workflow=areal.traced(SlowReward(0.3)),
+                             group_size=2)
+        engine.set_version(1)
+        fast = engine.prepare_batch(dataloader(["What is 17 * 23?"], 1), workflow=areal.traced(SlowReward(0.0)),
+                                    group_size=2)
+    finally:
+        engine.destroy()
+    areal.record_trajectories(fast, step=7, tokenizer=TOK)
+    assert otr.flush()
+    roots = [ep["root"] for ep in episodes(memory).values()]
+    by_step = {s: [r for r in roots if r[c.RL_STEP] == s] for s in (0, 1, 7)}
+    assert all(len(v) == 2 for v in by_step.values())
+    slow_s = [r[c.RL_DURATION_SECONDS] for r in by_step[0]]
+    fast_s = [r[c.RL_DURATION_SECONDS] for r in by_step[1]]
+    # the 0.3 s the slow workflow sleeps is in its duration; the fast one's is its own (no bound
+    # on it: a loaded machine may take longer than 0.3 s for anything)
+    assert all(0.3 <= s < 300 for s in slow_s) and all(0 < s < 300 for s in fast_s)
+    assert all(c.RL_DURATION_SECONDS not in r for r in by_step[7])  # not measured: absent, never 0

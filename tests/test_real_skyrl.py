@@ -78,7 +78,8 @@ if "otr_calculator" not in skyrl_gym.registry:
 
 def generate(script: dict[str, list[str]], *, env_class: str = "gsm8k_multi_turn", n: int = 2,
              phase: str = "train", global_step: int = 1, step_wise: bool = False, uid: str = "q0",
-             truncated: tuple[str, ...] = (), overlong_filtering: bool = False, wrap=None):
+             truncated: tuple[str, ...] = (), overlong_filtering: bool = False, wrap=None,
+             extra_info: dict[str, Any] | None = None):
     """SkyRL's own path: prepare_generator_input -> SkyRLGymGenerator.generate (``wrap``: what
     a ``get_generator`` override returns around SkyRL's generator)."""
     cfg = skyrl_config.GeneratorConfig(max_turns=3, max_input_length=4096, n_samples_per_prompt=n,
@@ -90,7 +91,7 @@ def generate(script: dict[str, list[str]], *, env_class: str = "gsm8k_multi_turn
     if wrap is not None:
         generator = wrap(generator)
     prompts = [{"prompt": QUESTION, "env_class": env_class, "uid": uid,
-                "env_extras": {"reward_spec": {"ground_truth": "4"}, "extra_info": {}}}]
+                "env_extras": {"reward_spec": {"ground_truth": "4"}, "extra_info": extra_info or {}}}]
     generator_input, _ = generator_utils.prepare_generator_input(prompts, n, None, env_class, phase, global_step)
     generator_output = asyncio.run(generator.generate(generator_input, disable_tqdm=True))
     return generator_input, generator_output
@@ -327,3 +328,48 @@ def test_a_newer_release_and_an_unknown_output_field_are_warned_once(memory, cap
     assert sorted(roots) == ["q0_0", "q0_1"]  # recorded all the same, as far as understood
     assert roots["q0_0"][c.stage_seconds(c.STAGE_GENERATION)] == 0.5
     assert not any(k.startswith(c.RL_STAGE_PREFIX + "queue") for k in roots["q0_0"])
+
+
+# --- durations and dataset indices (issue 32) -----------------------------------------------------
+def test_the_agent_loops_e2e_time_is_the_episodes_duration(memory):
+    gi, go = generate(GSM8K)
+    times = go["trajectory_generation_times"]  # SkyRL's own e2e_time around each agent loop
+    assert len(times) == 2 and all(isinstance(t, float) and t > 0 for t in times)
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    assert otr.flush()
+    eps = episodes(memory)
+    assert [eps[tid]["root"][c.RL_DURATION_SECONDS] for tid in ("q0_0", "q0_1")] == times
+
+
+def test_step_wise_rows_take_their_trajectorys_duration(memory):
+    gi, go = generate(GSM8K, step_wise=True)
+    times = go["trajectory_generation_times"]
+    assert len(times) == 3 and times[0] == times[1]  # q0_0's two rows repeat its e2e_time
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    assert otr.flush()
+    eps = episodes(memory)
+    assert eps["q0_0"]["root"][c.RL_DURATION_SECONDS] == times[1]
+    assert eps["q0_1"]["root"][c.RL_DURATION_SECONDS] == times[2]
+
+
+def test_no_duration_where_the_agent_loop_did_not_time_it(memory):
+    gi, go = generate(GSM8K)
+    go["trajectory_generation_times"] = None  # what SkyRL returns when an agent loop leaves e2e_time None
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    assert otr.flush()
+    roots = [ep["root"] for ep in episodes(memory).values()]
+    assert len(roots) == 2 and all(c.RL_DURATION_SECONDS not in r for r in roots)  # absent, never 0
+
+
+def test_the_dataset_index_is_skyrls_uid_or_the_extra_info_index(memory):
+    # PromptDataset.__getitem__ makes the uid str(row): the row's dataset index
+    gi, go = generate({"17_0": ["#### 4"], "17_1": ["#### 4"]}, uid="17")
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    # a preprocessed dataset's extra_info.index (verl's column layout) wins over the uid
+    gi, go = generate({"q1_0": ["#### 4"], "q1_1": ["#### 4"]}, uid="q1", extra_info={"index": 42})
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    gi, go = generate({"q2_0": ["#### 4"], "q2_1": ["#### 4"]}, uid="q2")  # neither: none claimed
+    skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER)
+    assert otr.flush()
+    index = {tid: ep["root"].get(c.RL_DATASET_INDEX) for tid, ep in episodes(memory).items()}
+    assert index == {"17_0": 17, "17_1": 17, "q1_0": 42, "q1_1": 42, "q2_0": None, "q2_1": None}

@@ -309,3 +309,33 @@ def test_plugin_validation_skips_padding_and_closes_steps(tmp_path, actor_loop, 
 def _quiet_verl():
     logging.getLogger("verl").setLevel(logging.ERROR)
     yield
+
+
+def test_plugin_keeps_each_samples_agent_loop_times_as_stage_seconds(tmp_path, actor_loop, memory):
+    """verl's manager reduces the samples' AgentLoopMetrics to per-step min/mean/max; the plug-in
+    records each sample's own seconds (LLM calls, tool calls, reward) on its episode."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    require("verl")
+    tok = tokenizer()
+    cfg = config(tmp_path, tok, manager=PLUGIN)
+    manager = build_manager(cfg, tok, lambda turn: 2, actor_loop)
+    batch = dataset_batch(tmp_path, tok, cfg)
+    batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch.batch))], dtype=object)
+    gen_batch = RayPPOTrainer._get_gen_batch(SimpleNamespace(), batch)
+    gen_batch.meta_info["global_steps"] = 3
+    output = manager.generate_sequences(gen_batch.repeat(repeat_times=N, interleave=True))
+    timing = output.meta_info["timing"]  # verl's own per-step figures from the same metrics
+    assert "processing_times" not in output.non_tensor_batch  # verl's output is left as it was
+    assert otr.flush()
+    roots = [e["root"] for e in episodes(memory).values()]
+    assert len(roots) == len(output)
+    for stage, name in [(c.STAGE_GENERATION, "generate_sequences"), (c.STAGE_TOOL, "tool_calls"),
+                        (c.STAGE_REWARD, "compute_score")]:
+        values = [r[c.stage_seconds(stage)] for r in roots if c.stage_seconds(stage) in r]
+        assert values and max(values) == pytest.approx(timing[f"agent_loop/{name}/max"])
+    tool = c.stage_seconds(c.STAGE_TOOL)
+    # only the calculator question's samples (dataset index 10) ran a tool
+    assert {r[c.RL_DATASET_INDEX] for r in roots if tool in r} == {10}
+    assert all(c.RL_DURATION_SECONDS not in r for r in roots)  # no wall time per sample in verl
+    assert not manager._otr_sample_metrics  # taken by the recording, nothing held

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -66,7 +67,9 @@ __all__ = [
     "replay_messages",
     "Sample",
     "reward_total",
+    "seconds",
     "set_span_attribute",
+    "set_times",
     "split_name",
     "status_for",
     "to_cpu",
@@ -336,6 +339,10 @@ class Sample:
     status: str | None = None
     missing: Sequence[str] = ()  # ragged columns that do not cover it (rl.alignment=partial)
     problems: Sequence[str] = ()  # values refused while reading it (rl.invalid)
+    # what the framework measured: the episode's wall time and seconds per stage (absent: not
+    # measured, never 0), written on the root (rl.duration.seconds, rl.stage.<stage>.seconds)
+    duration: float | None = None
+    stages: Mapping[str, float] | None = None
 
 
 def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framework: str) -> list[Sample]:
@@ -374,6 +381,7 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
             _partial_attributes(ep, sample.missing)
         for problem in sample.problems:
             _flag_invalid(ep, problem)
+        set_times(ep, sample.duration, sample.stages)
         sample.content(ep)
 
     record_batch(
@@ -385,6 +393,7 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
         finish_reasons=[s.finish_reason for s in samples],
         dataset_name=[s.dataset_name for s in samples],
         dataset_indices=[s.dataset_index for s in samples], metadata=[s.metadata for s in samples],
+        durations=[s.duration for s in samples],
     )
     return n
 
@@ -642,6 +651,34 @@ def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
         return info.decoder.decode(ids, skip_special_tokens=False)
 
     return Deferred(decode)
+
+
+# --- time the framework measured -----------------------------------------------------------------
+def seconds(value: Any) -> float | None:
+    """``value`` as a duration in seconds when it is one (a finite number ≥ 0, numpy/torch
+    scalars too), else None: a framework's missing, NaN, infinite (AReaL's ``float("inf")``
+    default) or negative time is "not measured", never a number made up for it."""
+    number, _ = as_float(value, "seconds")
+    if number is None or not math.isfinite(number) or number < 0:
+        return None
+    return float(number)
+
+
+def set_times(ep: Any, duration: Any = None, stages: Mapping[str, Any] | None = None) -> None:
+    """Write what the framework measured on the episode's root: ``rl.duration.seconds`` (its
+    wall time) and ``rl.stage.<stage>.seconds`` for each stage of ``conventions.STAGES`` it
+    timed. An adapter records after the fact, so its root span's own duration is not the
+    rollout's: only these say how long it took. Values that are not durations are left out
+    (absent means "not measured"); a stage outside ``STAGES`` is a bug in the adapter."""
+    total = seconds(duration)
+    if total is not None:
+        ep.set_attribute(c.RL_DURATION_SECONDS, total)
+    for stage, value in (stages or {}).items():
+        if stage not in c.STAGES:
+            raise ValueError(f"not a stage: {stage!r} (conventions.STAGES)")
+        number = seconds(value)
+        if number is not None:
+            ep.set_attribute(c.stage_seconds(stage), number)
 
 
 def set_span_attribute(handle: Any, key: str, value: Any) -> None:

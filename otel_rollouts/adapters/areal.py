@@ -55,6 +55,9 @@ group / row                       ``rl.group.id`` = trajectory index; ``rl.metad
                                   ``rl.metadata.sample_index_in_group``; ``rl.sample.index`` counts
                                   rows across the groups of the call
 ``None`` (rejected)               an episode with ``rl.status=filtered``
+wrapper's clock around            ``rl.duration.seconds`` (``traced`` only): the sample's wall time
+``arun_episode``                  (AReaL's stock workflows return one sample per call; the
+                                  explicit ``record_trajectories`` has no time: none recorded)
 ``messages`` / ``conversation``   a custom workflow's chat messages, replayed instead of decoding
 ``interactions``                  AReaL's string-only trajectories (``concat_string_interactions``:
                                   ``request`` messages, ``response`` text, ``reward``)
@@ -79,6 +82,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -100,6 +104,7 @@ from otel_rollouts.adapters._common import (
     replay_messages,
     reward_total,
     set_policy,
+    set_times,
     split_name,
     to_list,
     warn_unknown,
@@ -237,9 +242,13 @@ def _keys(trajectory: Any) -> list[str]:
 @guarded
 def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split: str,
                   tokenizer: Any, model: str | None, trained_version: int | None,
-                  label: tuple[str, str, dict[str, Any]] | None = None) -> int | None:
+                  label: tuple[str, str, dict[str, Any]] | None = None,
+                  duration: float | None = None) -> int | None:
     """One group's rows as episodes. ``label``: (group id, episode-id prefix, metadata) when the
-    group is not the ``index``-th of a batch (the workflow wrapper: AReaL's task id)."""
+    group is not the ``index``-th of a batch (the workflow wrapper: AReaL's task id).
+    ``duration``: the seconds the workflow's ``arun_episode`` took (the wrapper's clock), the
+    episode's wall time when the trajectory is one sample (AReaL's stock workflows: groups are
+    ``GroupedRolloutWorkflow``'s concurrent calls); a multi-row trajectory's rows get none."""
     group, prefix, extra = label or (str(index), f"{split}-{step}-{index}", {"trajectory_index": index})
     for key in _keys(trajectory):
         if key not in _KNOWN:
@@ -274,9 +283,11 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         metadata.append({**extra, "sample_index_in_group": j})
         missing.append([f"{name}[{rows}!={size}]" for name, rows in ragged.items() if j >= rows])
     episode_ids = [f"{prefix}-{j}" for j in range(size)]
+    duration = duration if size == 1 else None
     if messages is not None and _has_structured(messages, size):
         _record_messages(messages, values, group, offset, episode_ids, metadata, missing,
-                         step=step, split=split, model=model, trained_version=trained_version)
+                         step=step, split=split, model=model, trained_version=trained_version,
+                         duration=duration)
         return size
     if input_ids is None:
         return 0
@@ -288,6 +299,7 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         set_policy(attrs, versions[j][1], trained_version)
         if turns[j] is not None:
             attrs[c.RL_TURN_COUNT] = turns[j]
+        set_times(attrs, duration)
         if missing[j]:
             attrs[c.RL_ALIGNMENT] = "partial"
             attrs[c.RL_ALIGNMENT_MISSING] = missing[j]
@@ -372,7 +384,8 @@ def _has_structured(messages: Any, size: int) -> bool:
 
 def _record_messages(messages: list[Any], values: dict[str, Any], group: str, offset: int,
                      episode_ids: list[str], metadata: list[dict[str, Any]], missing: list[list[str]],
-                     *, step: int, split: str, model: str | None, trained_version: int | None) -> None:
+                     *, step: int, split: str, model: str | None, trained_version: int | None,
+                     duration: float | None = None) -> None:
     """A workflow that stored chat messages per sample: replay them, no decoding needed."""
     # one host transfer per tensor for the whole group
     reward_list = to_list(values.get("rewards")) or []
@@ -383,6 +396,7 @@ def _record_messages(messages: list[Any], values: dict[str, Any], group: str, of
         with new_episode(step=step, split=split, group_id=group, sample_index=offset + j,
                          episode_id=episode_ids[j], framework=FRAMEWORK, metadata=metadata[j]) as ep:
             set_policy(ep, hi, trained_version)
+            set_times(ep, duration)
             if lo is not None and lo != hi:
                 ep.set_attribute(c.RL_POLICY_VERSION_MIN, lo)
                 ep.set_attribute(c.RL_POLICY_VERSION_MAX, hi)
@@ -499,13 +513,15 @@ def _traced_class() -> Any:
             self.end_steps = end_steps
 
         async def arun_episode(self, engine: Any, data: Any) -> Any:
+            started = time.monotonic()
             try:
                 trajectory = await self.workflow.arun_episode(engine, data)
             except Exception as exc:
-                _quietly(self.recorder.failed, engine, exc, end_steps=self.end_steps)
+                _quietly(self.recorder.failed, engine, exc, end_steps=self.end_steps,
+                         duration=time.monotonic() - started)
                 raise
             _quietly(self.recorder.finished, engine, trajectory, tokenizer=self.tokenizer, model=self.model,
-                     end_steps=self.end_steps)
+                     end_steps=self.end_steps, duration=time.monotonic() - started)
             return trajectory
 
     TracedWorkflow.__module__ = __name__  # the path AReaL's controllers derive from a class
@@ -566,7 +582,7 @@ class _Recorder:
 
     @guarded
     def finished(self, engine: Any, trajectory: Any, *, tokenizer: Any, model: str | None,
-                 end_steps: bool) -> None:
+                 end_steps: bool, duration: float | None = None) -> None:
         split, task = _context()
         step, trained = self._step(engine, split, end_steps)
         k = self._next_sample(split, task)
@@ -577,10 +593,10 @@ class _Recorder:
             return
         trajectory = _tensor_dict(trajectory)
         _record_group(trajectory, k, 0, step=step, split=split, tokenizer=tokenizer, model=model,
-                      trained_version=trained, label=label)
+                      trained_version=trained, label=label, duration=duration)
 
     @guarded
-    def failed(self, engine: Any, exc: BaseException, *, end_steps: bool) -> None:
+    def failed(self, engine: Any, exc: BaseException, *, end_steps: bool, duration: float | None = None) -> None:
         """The workflow raised (AReaL logs it and rejects the rollout): an error episode."""
         split, task = _context()
         step, _ = self._step(engine, split, end_steps)
@@ -588,6 +604,7 @@ class _Recorder:
         with new_episode(step=step, split=split, group_id=f"task-{task}",
                          episode_id=f"{split}-{step}-task-{task}-{k}-error", framework=FRAMEWORK,
                          metadata={"task_id": task, "trajectory_index": k}) as ep:
+            set_times(ep, duration)
             ep.prompt("")
             ep.finish(reason=f"workflow raised: {exception_text(exc)}", status=c.STATUS_ERROR)
 

@@ -62,11 +62,15 @@ Open-Instruct                                   recorded as
 ``result.finish_reasons[i]``                    ``rl.finish_reason``, ``rl.status``
 ``batch.datasets[i]`` / ``indices[i]``          ``rl.dataset.name`` / ``rl.dataset.index``,
                                                 ``rl.group.id`` = the dataset index
+``request_info.tool_runtimes[i]`` (when         ``rl.stage.tool.seconds`` (the engine awaits
+``num_calls[i]`` > 0)                           each call in turn: their sum is its tool time)
 ``num_calls``, ``timeouts``, ``tool_errors``,   ``rl.metadata.*`` (not reward terms)
 ``tool_runtimes``, ``ground_truths``
 ==============================================  ==============================================
 
 ``rl.metadata.ground_truth`` (the answer) is recorded only with content capture on.
+No ``rl.duration.seconds``: Open-Instruct times no sample's whole rollout (``token_statistics``
+has the batch's generation time only, not copied onto episodes).
 Not recorded: ``logprobs``, ``token_statistics`` (batch totals), ``active_tools``,
 ``rollout_states[i]`` other than its rewards. A structure not shaped as above is reported once
 with ``warn_unknown`` and recorded as far as understood.
@@ -93,6 +97,7 @@ from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters._common import (
     Columns,
     Sample,
+    as_float,
     captures_content,
     group_ids,
     items,
@@ -223,6 +228,10 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
         if value not in (None, "", [], 0, False):
             metadata[name] = value
     truth = _ground_truth(v("ground_truths", i))
+    # tool_runtimes[i]: the sum of its tool calls' runtimes, each awaited in turn by the engine
+    # (process_request): its seconds in tools, when it made calls (0 calls: none measured)
+    calls, _ = as_float(_scalar(v("num_calls", i)), "num_calls")
+    stages = {c.STAGE_TOOL: _scalar(v("tool_runtimes", i))} if calls else None
     if group is not None and n_per_group and n_per_group > 0:
         metadata["repetition"] = i % n_per_group
     finish = v("finish_reasons", i)
@@ -240,7 +249,7 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
     return Sample(
         content, episode_id=f"{split}-{step}-{i}", group_id=group, sample_index=i,
         dataset_name=_dataset_name(v("datasets", i)), dataset_index=v("indices", i),
-        metadata=metadata or None, reward=total,
+        metadata=metadata or None, reward=total, stages=stages,
         components=_env_rewards(v("rollout_states", i)) or None,
         advantage=v("advantages", i), finish_reason=finish, status=status_for(finish),
         missing=cols.missing(i), problems=[problem] if problem else (),

@@ -60,6 +60,11 @@ other ``env_metrics[i]`` scalars            ``rl.metadata.env_metrics.<name>`` (
 ``trajectory_time_splits`` (0.4.0)          ``rl.stage.generation.seconds`` (``llm``: model
                                             calls), ``rl.stage.environment.seconds`` (``env``:
                                             ``env.step``); absent when not measured
+``trajectory_generation_times``             ``rl.duration.seconds``: the agent loop's
+                                            ``e2e_time``, the trajectory's wall time (absent
+                                            when SkyRL leaves it None)
+``env_extras[j]["extra_info"]["index"]``,   ``rl.dataset.index`` (SkyRL's ``PromptDataset``
+else a numeric ``instance_id``              makes the uid ``str(row)``; other uids: none)
 ==========================================  ===================================================
 
 One SkyRL training step is counted as one update: the sampler's weights change once per step
@@ -70,8 +75,7 @@ turns: the response is recorded as one generation, with ``rl.metadata.loss_maske
 
 Not recorded: ``rollout_logprobs``, ``rollout_metrics`` (batch-level), ``rollout_expert_indices``,
 ``rollout_sample_support`` (0.4.0: the sampler's top-k vocabulary ids per response token, used to
-renormalise logprobs; token-level sampler state, not an episode fact), ``trajectory_generation_times``
-(the wall time the split divides), ``pixel_values``/``image_grid_thw``, non-scalar env metrics
+renormalise logprobs; token-level sampler state, not an episode fact), ``pixel_values``/``image_grid_thw``, non-scalar env metrics
 (warned once).
 
 Decoding: observation tokens are decoded when recorded (their messages and roles are the
@@ -108,6 +112,7 @@ from otel_rollouts.adapters._common import (
     read_samples,
     record_samples,
     reward_total,
+    seconds,
     set_policy,
     set_span_attribute,
     split_name,
@@ -210,7 +215,7 @@ def record_generator_output(
         keep, dups = first_occurrences(keys)
         count(COUNT_DUPLICATE, dups, step=step, split=split)
         episodes = [[i] for i in keep]
-    groups, _ = group_ids(
+    groups, grouped_by = group_ids(
         n,
         ids=row_tids,
         key=lambda t: field(t, "instance_id") if not isinstance(t, str) else t.rsplit("_", 1)[0],
@@ -232,6 +237,7 @@ def record_generator_output(
     env_classes, env_extras = field(generator_input, "env_classes"), field(generator_input, "env_extras")
 
     stage_times = _stage_times(field(out, "trajectory_time_splits"), n)
+    durations = _durations(field(out, "trajectory_generation_times"), n)
     _warn_unmapped_fields(out)
 
     def read(number: int) -> Sample:
@@ -249,6 +255,8 @@ def record_generator_output(
             episode_id=key if key is not None else f"{split}-{step}-{first}",
             group=groups[first], env_class=_at(env_classes, j), env_extras=_at(env_extras, j),
             text=text, model=model, sample_index=number, stages=stage_times.get(rows[-1]),
+            duration=durations.get(rows[-1]),
+            instance_id=groups[first] if grouped_by == "ids" else None,
         )
 
     samples = read_samples(range(len(episodes)), read, FRAMEWORK)
@@ -366,6 +374,46 @@ def _stage_times(splits: Any, n: int) -> dict[int, dict[str, float]]:
     return out
 
 
+def _durations(times: Any, n: int) -> dict[int, float]:
+    """``trajectory_generation_times`` as ``{row: seconds}``: each trajectory's ``e2e_time``, the
+    wall time of its whole agent loop (model calls, ``env.step``, waiting), measured by SkyRL's
+    generator around ``agent_loop`` — the episode's duration. One entry per row (step-wise rows
+    repeat their trajectory's); SkyRL leaves the field None unless every trajectory has one. A
+    list that does not fit the rows is warned, not guessed."""
+    values = to_list(times)
+    if values is None:
+        return {}
+    if len(values) != n:
+        warn_unknown(FRAMEWORK, "trajectory_generation_times", f"{len(values)} values for {n} rows: not recorded")
+        return {}
+    out: dict[int, float] = {}
+    for row, value in enumerate(values):
+        number = seconds(value)
+        if number is None:
+            if value is not None:
+                warn_unknown(FRAMEWORK, "trajectory_generation_times",
+                             f"not a duration in seconds: {type(value).__name__}")
+            continue
+        out[row] = number
+    return out
+
+
+def _dataset_index(env_extras: Any, instance_id: Any) -> int | None:
+    """The prompt's dataset index: ``env_extras["extra_info"]["index"]`` (SkyRL's dataset
+    preprocessing scripts write verl's ``extra_info`` column with the source row's index), else the
+    trajectory's ``instance_id`` when it is a number (``PromptDataset.__getitem__`` makes the uid
+    ``str(item)``: the row's index in the dataset); None for any other uid (never guessed)."""
+    extra = field(env_extras, "extra_info")
+    for value in (field(extra, "index") if isinstance(extra, Mapping) else None, instance_id):
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+    return None
+
+
 def _warn_unmapped_fields(out: Any) -> None:
     """Warn once per ``GeneratorOutput`` key this adapter neither maps nor knowingly skips (a
     newer SkyRL's field is named, never silently dropped)."""
@@ -472,7 +520,8 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
             trained: int | None, prompt: Any, prompt_found: bool, input_index: int | None,
             episode_id: str, group: str | None, env_class: Any, env_extras: Any,
             text: _Text | None, model: str | None, sample_index: int,
-            stages: Mapping[str, float] | None = None) -> Sample:
+            stages: Mapping[str, float] | None = None, duration: float | None = None,
+            instance_id: str | None = None) -> Sample:
     """One trajectory (its rows): the reward and status now, the turns only if it may be kept."""
     v = cols.value
     last = rows[-1]
@@ -534,8 +583,6 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
 
     def content(ep: Any) -> None:
         set_policy(ep, version, trained)
-        for stage, seconds in (stages or {}).items():
-            ep.set_attribute(c.stage_seconds(stage), seconds)
         shown = prompt
         if shown is None and text is not None:
             prompt_ids = to_list(v("prompt_token_ids", rows[0]))
@@ -551,7 +598,8 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
 
     return Sample(
         content, episode_id=episode_id, group_id=group, sample_index=sample_index,
-        dataset_name=env_class, metadata=metadata or None, reward=total,
+        dataset_name=env_class, dataset_index=_dataset_index(env_extras, instance_id),
+        metadata=metadata or None, reward=total, duration=duration, stages=stages,
         components={f"turn_{k}": r for k, r in enumerate(per_turn)} if len(per_turn) > 1 else None,
         finish_reason=finish, status=status_for(finish), missing=sorted(set(missing)),
         problems=problems,

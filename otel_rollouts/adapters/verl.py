@@ -53,8 +53,15 @@ What lands where (verl field → attribute):
   Validation samples get no staleness (nothing trains on them). Units are verl's weight
   versions: one per trainer step (a step's PPO mini-batches make several optimizer steps).
 * ``__num_turns__`` → ``rl.turn.count`` (verl counts user, assistant and tool messages);
-  ``num_cached_tokens``, ``spec_num_*``, ``processing_times``, ``tool_calls_times``,
-  ``agent_name`` → ``rl.metadata.<name>``.
+  ``num_cached_tokens``, ``spec_num_*``, ``agent_name`` → ``rl.metadata.<name>``.
+* Time: verl's agent loop times each sample (``AgentLoopMetrics``: ``generate_sequences``,
+  ``tool_calls``, ``compute_score``), but its synchronous trainer keeps only per-step aggregates
+  (``meta_info["timing"]``: min/mean/max, "slowest"), never copied onto episodes. Per sample they
+  reach the batch as ``processing_times`` / ``tool_calls_times`` (fully async trainer) →
+  ``rl.stage.generation.seconds`` / ``rl.stage.tool.seconds``; ``verl_loop`` also reads them
+  (and ``compute_score`` → ``rl.stage.reward.seconds``) before verl aggregates them. A 0.0 (verl's
+  default where nothing was timed) is left out. No ``rl.duration.seconds``: verl measures no
+  sample's wall time (the stages leave out waiting, tokenisation and environment steps).
 * Not recorded: ``turn_scores``, ``tool_rewards`` (per-turn lists), ``extras``, ``extra_info``, ``priority``,
   ``reward_model`` (ground truth), ``raw_prompt``, ``tools_kwargs``, ``multi_modal_*``,
   ``old_log_probs``/``ref_log_prob``/``values``/``returns``, ``position_ids``, ``meta_info``
@@ -76,14 +83,17 @@ from otel_rollouts.adapters._common import (
     check_release,
     count,
     field,
+    seconds,
     set_policy,
+    set_times,
     split_name,
     to_list,
     warn_unknown,
 )
 from otel_rollouts.decode.batch import record_token_batch
 
-__all__ = ["ROLLOUT_N_COLUMN", "mark_rollouts", "record_batch", "rollout_numbers"]
+__all__ = ["ROLLOUT_N_COLUMN", "STAGE_COLUMNS", "mark_rollouts", "record_batch", "rollout_numbers",
+           "stage_columns"]
 
 FRAMEWORK = "verl"
 TESTED = ("0.9.0", "0.9.1")  # the releases tests/test_real_verl*.py run on
@@ -91,7 +101,13 @@ ROLLOUT_N_COLUMN = "__otr_rollout_n__"  # non_tensor_batch column written by mar
 _REWARD_TENSORS = ("token_level_scores", "token_level_rewards", "rm_scores")
 _VERSION_COLUMNS = ("max_global_steps", "global_steps", "param_version", "policy_version")
 _METADATA_COLUMNS = ("num_cached_tokens", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-                     "spec_num_verify_steps", "processing_times", "tool_calls_times", "agent_name")
+                     "spec_num_verify_steps", "agent_name")
+# per-sample seconds of verl's ``AgentLoopMetrics`` (timed by the agent loop around its LLM calls,
+# its tool calls and the reward): the fully async trainer's columns (``addition_process``), and
+# the column ``verl_loop`` fills from the metrics verl's manager aggregates away
+SCORE_TIMES_COLUMN = "__otr_compute_score_times__"
+STAGE_COLUMNS = {"processing_times": c.STAGE_GENERATION, "tool_calls_times": c.STAGE_TOOL,
+                 SCORE_TIMES_COLUMN: c.STAGE_REWARD}
 # columns verl's dataset, agent loop, LLM server client and trainers add that are not rewards
 _NOT_REWARDS = {"uid", "index", "data_source", "extra_info", "reward_model", "raw_prompt",
                 "raw_prompt_ids", "prompt", "full_prompts", "tools_kwargs", "interaction_kwargs",
@@ -101,7 +117,7 @@ _NOT_REWARDS = {"uid", "index", "data_source", "extra_info", "reward_model", "ra
                 "tool_rewards", "extras", "tool_extra_fields", "prompt_len", "response_len",
                 "processing_times", "tool_calls_times", "spec_num_draft_tokens",
                 "spec_num_accepted_tokens", "spec_num_verify_steps", "num_preempted",
-                "priority", "__do_sample__", ROLLOUT_N_COLUMN}
+                "priority", "__do_sample__", ROLLOUT_N_COLUMN, SCORE_TIMES_COLUMN}
 
 
 class _Attributes(dict):
@@ -244,6 +260,8 @@ def record_batch(
     trained = trained_version if split != "eval" else None
     turns = _column_ints(columns.get("__num_turns__"), size)
     extra = {name: columns[name] for name in _METADATA_COLUMNS if columns.get(name) is not None}
+    stage_columns = {stage: columns[name] for name, stage in STAGE_COLUMNS.items()
+                     if columns.get(name) is not None and name not in ragged}
 
     metadata, episode_ids, attributes = [], [], []
     seen: dict[Any, Any] = {}
@@ -279,6 +297,10 @@ def record_batch(
             attrs[c.RL_POLICY_VERSION_MAX] = version
         if turns[i] is not None:
             attrs[c.RL_TURN_COUNT] = turns[i]
+        # verl's AgentLoopMetrics default to 0.0 where the loop timed nothing (no tool call, a
+        # reward scored outside the loop): 0 s is "not measured" here, left out
+        set_times(attrs, None, {stage: v for stage, values in stage_columns.items()
+                                if (v := _at(values, i)) is not None and _positive(v)})
         attributes.append(attrs or None)
     # partial samples are marked in their metadata (rl.metadata.alignment) and counted here
     count(COUNT_PARTIAL, partial, step=step, split=split)
@@ -307,6 +329,19 @@ def record_batch(
         attributes=attributes,
     )
     return size
+
+
+def _positive(value: Any) -> bool:
+    number = seconds(value)
+    return number is not None and number > 0
+
+
+def stage_columns(metrics: Sequence[Any]) -> dict[str, list[Any]]:
+    """``STAGE_COLUMNS`` from verl's per-sample ``AgentLoopMetrics`` (models or their dumps), one
+    entry per sample: ``generate_sequences``, ``tool_calls``, ``compute_score`` seconds."""
+    names = {"processing_times": "generate_sequences", "tool_calls_times": "tool_calls",
+             SCORE_TIMES_COLUMN: "compute_score"}
+    return {column: [field(m, name) for m in metrics] for column, name in names.items()}
 
 
 def _get(tensors: Any, key: str) -> Any:

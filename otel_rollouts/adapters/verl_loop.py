@@ -12,7 +12,9 @@ It sees, on the trainer's process, what the agent loop returns: tokens and ``res
 ``rm_scores`` and the reward terms the reward-loop workers streamed (verl's default layout, no
 reward model or one with its own resource pool), ``__num_turns__``, the weights versions, and
 from the input batch ``uid``, ``index``, ``data_source``, ``meta_info["global_steps"]`` (the step)
-and ``["validate"]`` (the split). It numbers each sample's ``rollout_n`` exactly as the agent
+and ``["validate"]`` (the split), and each sample's ``AgentLoopMetrics`` (seconds in LLM calls,
+tool calls and reward scoring: ``rl.stage.<stage>.seconds``), taken as verl's
+``_performance_metrics`` reduces them to per-step figures. It numbers each sample's ``rollout_n`` exactly as the agent
 loop's rollout traces do (the same chunks, before ``_balance_batch``).
 
 What it cannot see: advantages (``compute_advantage`` runs on the trainer's batch after the
@@ -75,6 +77,13 @@ def _build() -> type:
                 return _record_when_done(self, prompts, result)
             observe(self, prompts, result)
             return result
+
+        def _performance_metrics(self, metrics: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+            """verl's per-step aggregation of the samples' ``AgentLoopMetrics``; the per-sample
+            values it reads (one list per worker chunk, in the output's order) are kept for
+            ``observe`` first: verl discards them after this call."""
+            _keep_sample_metrics(self, metrics, output)
+            return super()._performance_metrics(metrics, output, *args, **kwargs)
 
         @classmethod
         def create(cls, *args: Any, **kwargs: Any) -> Any:
@@ -219,11 +228,34 @@ def observe_session(worker: Any, output: Any, validate: Any, sample: Mapping[str
             columns[name] = [extra[name]]
     for name, value in reward_info.items():
         columns.setdefault(name, [value])
+    metrics = getattr(final, "metrics", None)  # the session's AgentLoopMetrics (seconds per stage)
+    if metrics is not None:
+        for name, values in _verl.stage_columns([metrics]).items():
+            columns.setdefault(name, values)
     non_tensor = {name: np.array(values, dtype=object) for name, values in columns.items()}
     meta = {"validate": bool(validate), "reward_extra_keys": list(reward_info)}
     return _verl.record_batch({"batch": tensors, "non_tensor_batch": non_tensor, "meta_info": meta},
                               step=int(step), tokenizer=worker.tokenizer,
                               split="eval" if validate else "train") or 0
+
+
+_KEPT_METRICS = 8  # generations whose per-sample metrics wait for observe (normally 1)
+
+
+@guarded
+def _keep_sample_metrics(manager: Any, metrics: Any, output: Any) -> None:
+    """Keep the per-sample ``AgentLoopMetrics`` dumps of one generation, flattened in the output's
+    order (``DataProto.concat`` of the chunks), keyed by the output object until ``observe``
+    takes them; bounded (the oldest dropped) should ``observe`` never run for some."""
+    kept = manager.__dict__.setdefault("_otr_sample_metrics", {})
+    kept[id(output)] = [m for chunk in metrics for m in chunk]
+    while len(kept) > _KEPT_METRICS:
+        kept.pop(next(iter(kept)))
+
+
+def _sample_metrics(manager: Any, output: Any) -> list[Any] | None:
+    kept = getattr(manager, "__dict__", {}).get("_otr_sample_metrics")
+    return None if not kept else kept.pop(id(output), None)
 
 
 async def _record_when_done(manager: Any, prompts: Any, pending: Any) -> Any:
@@ -267,6 +299,10 @@ def observe(manager: Any, prompts: Any, output: Any) -> int:
         source = produced if name in produced else inputs
         columns[name] = source[name]
     columns[_verl.ROLLOUT_N_COLUMN] = np.asarray(_verl.rollout_numbers(index, workers), dtype=np.int64)
+    sample_metrics = _sample_metrics(manager, output)
+    if sample_metrics is not None and len(sample_metrics) == size:
+        for name, values in _verl.stage_columns(sample_metrics).items():
+            columns.setdefault(name, np.asarray(values, dtype=object))
     keep = _samples(columns, size, _repeats(config, validate))
     out_meta = dict(field(output, "meta_info", default={}) or {})
     batch_meta: dict[str, Any] = {"validate": validate}
