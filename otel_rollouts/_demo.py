@@ -5,6 +5,12 @@ word problems with a calculator tool over several turns. Some tool calls fail (d
 zero, malformed expressions), some episodes run out of turns (truncated), rewards vary, and the
 group-normalised advantage is recorded once the whole group is scored — after the episode block
 has closed, as real trainers do.
+
+What a researcher asks of such a run happens in it too: a slow ``search`` tool makes stragglers
+(a heavy tail: most calls take milliseconds, a few a quarter of a second), one prompt is so easy
+that its whole group scores the same (zero advantage) and one is impossible (every sample runs
+out of turns), and with ``hang_s`` one tool call hangs that long at ``hang_step`` before it times
+out, so the episode is visible as running while it hangs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ PROBLEMS = [
 ]
 
 
+EASY = {5}  # every sample answers right in the same format: an all-equal group
+SLOW_SEARCH = {2, 6}  # prompts whose first turn looks something up first (a slow tool, at times)
+HANG_PROMPT = 2  # the prompt whose first sample's fetch hangs at the hang step
+LEARNING_STEPS = 30  # steps over which the toy policy gets better
+
+
 class ToolError(Exception):
     """A tool call that failed in the environment."""
 
@@ -52,8 +64,27 @@ class Outcome:
     episode: otr.Episode
 
 
-async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random, max_turns: int) -> Outcome:
+async def _search(turn: otr.Turn, query: str, rng: random.Random) -> None:
+    """A lookup tool with a heavy tail: 1 call in 8 takes 0.1-0.3 s (a straggler's cause)."""
+    with turn.tool_call("search", arguments={"query": query}) as call:
+        await asyncio.sleep(rng.uniform(0.1, 0.3) if rng.random() < 0.125 else rng.uniform(0.001, 0.004))
+        call.result({"hits": 3, "top": "a worked example"})
+
+
+async def _fetch_that_hangs(turn: otr.Turn, hang_s: float) -> None:
+    """A tool call that never answers: cancelled by its own timeout after ``hang_s``."""
+    with turn.tool_call("fetch_page", arguments={"url": "http://reference.invalid/table"}) as call:
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), timeout=hang_s)
+        except asyncio.TimeoutError:
+            call.error(ToolError(f"fetch_page timed out after {hang_s:g} s"))
+            raise ToolError("fetch_page timed out") from None
+
+
+async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random, max_turns: int,
+                  hang_s: float = 0.0, hang_step: int = 1) -> Outcome:
     question, expression = PROBLEMS[prompt_index % len(PROBLEMS)]
+    easy = prompt_index % len(PROBLEMS) in EASY
     group = f"s{step}-p{prompt_index}"
     async with otr.episode(
         step=step,
@@ -67,21 +98,32 @@ async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random,
     ) as ep:
         ep.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
         answer = None
+        hung = False
+        learned = min(step / LEARNING_STEPS, 1.0)  # the policy gets better as training goes on
         for _ in range(max_turns):
             async with ep.turn() as turn:
-                await asyncio.sleep(rng.uniform(0.0005, 0.002))  # generation latency
-                garbled = rng.random() < 0.15
+                garbled = not easy and rng.random() < 0.25 - 0.15 * learned
                 expr = expression.replace("*", "x") if garbled else expression
                 call_id = f"call_{step}_{prompt_index}_{sample}_{turn.index}"
-                turn.record_generation(
-                    f"I'll compute `{expr}` with the calculator.",
-                    model=MODEL,
-                    tool_calls=[{"id": call_id, "type": "function",
-                                 "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}],
-                    input_tokens=40 + 25 * turn.index,
-                    output_tokens=12 + rng.randrange(8),
-                    finish_reason="tool_calls",
-                )
+                with turn.generation(model=MODEL) as gen:
+                    await asyncio.sleep(rng.uniform(0.0005, 0.002))  # generation latency
+                    gen.output(
+                        f"I'll compute `{expr}` with the calculator.",
+                        tool_calls=[{"id": call_id, "type": "function",
+                                     "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}],
+                        input_tokens=40 + 25 * turn.index,
+                        output_tokens=12 + rng.randrange(8),
+                        finish_reason="tool_calls",
+                    )
+                if turn.index == 0 and prompt_index % len(PROBLEMS) in SLOW_SEARCH:
+                    await _search(turn, question, rng)
+                if hang_s > 0 and turn.index == 0 and step == hang_step and sample == 0 \
+                        and prompt_index == HANG_PROMPT:
+                    try:
+                        await _fetch_that_hangs(turn, hang_s)
+                    except ToolError:
+                        hung = True
+                        break
                 with turn.tool_call("calculator", arguments={"expression": expr}, call_id=call_id) as call:
                     try:
                         value = calculator(expr)
@@ -89,19 +131,28 @@ async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random,
                         call.error(exc)
                         continue
                     call.result(value)
-                if rng.random() < 0.7:
+                if easy or rng.random() < 0.7:
                     answer = value
-                    turn.record_generation(f"The answer is {value:g}.", model=MODEL,
-                                           input_tokens=70, output_tokens=8, finish_reason="stop")
+                    # early on the policy hedges; later it answers plainly (a watched prompt's
+                    # answers show the change)
+                    text = f"The answer is {value:g}." if rng.random() < 0.3 + 0.7 * learned \
+                        else f"Hmm, maybe {value:g}? I am not sure."
+                    with turn.generation(model=MODEL) as gen:
+                        await asyncio.sleep(rng.uniform(0.0003, 0.001))
+                        gen.output(text, input_tokens=70, output_tokens=8, finish_reason="stop")
                     break
                 turn.feedback("Please double-check and state the final answer.", role="user")
-        if answer is None:
+        if hung:
+            ep.finish(reason="tool_timeout", status="truncated")
+            reward = 0.0
+            components = {"correct": 0.0, "format": 0.0}
+        elif answer is None:
             ep.finish(reason="max_turns", status="truncated")
             reward = 0.0
             components = {"correct": 0.0, "format": 0.0}
         else:
-            correct = 1.0 if rng.random() < 0.85 else 0.0
-            fmt = round(rng.uniform(0.5, 1.0), 2)
+            correct = 1.0 if easy or rng.random() < 0.6 + 0.35 * learned else 0.0
+            fmt = 1.0 if easy else round(rng.uniform(0.5, 1.0), 2)
             reward = correct + 0.2 * fmt
             components = {"correct": correct, "format": fmt}
             ep.finish(reason="stop", status="ok")
@@ -109,9 +160,10 @@ async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random,
     return Outcome(reward, ep)
 
 
-async def run_step(step: int, prompts: int, group_size: int, rng: random.Random, max_turns: int) -> list[Outcome]:
+async def run_step(step: int, prompts: int, group_size: int, rng: random.Random, max_turns: int,
+                   hang_s: float = 0.0, hang_step: int = 1) -> list[Outcome]:
     tasks = [
-        rollout(step, p, s, random.Random(rng.random()), max_turns)
+        rollout(step, p, s, random.Random(rng.random()), max_turns, hang_s, hang_step)
         for p in range(prompts)
         for s in range(group_size)
     ]
@@ -126,15 +178,16 @@ async def run_step(step: int, prompts: int, group_size: int, rng: random.Random,
     return outcomes
 
 
-def run(steps: int = 4, prompts: int = 8, group_size: int = 4, seed: int = 0,
-        max_turns: int = 3, progress: bool = True) -> dict:
-    """Run the loop; returns otr.stats(). Call otr.configure() first."""
+def run(steps: int = 4, prompts: int = 16, group_size: int = 4, seed: int = 0,
+        max_turns: int = 3, progress: bool = True, hang_s: float = 0.0, hang_step: int = 1) -> dict:
+    """Run the loop; returns otr.stats(). Call otr.configure() first. ``hang_s`` > 0: one tool
+    call of step ``hang_step`` hangs that long (then times out)."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
     bar = tqdm(total=steps * prompts * group_size, unit="episode", disable=not progress, desc="rollouts")
     for step in range(steps):
-        asyncio.run(run_step(step, prompts, group_size, rng, max_turns))
+        asyncio.run(run_step(step, prompts, group_size, rng, max_turns, hang_s, hang_step))
         otr.end_step(step)
         bar.update(prompts * group_size)
     bar.close()

@@ -60,6 +60,26 @@ def _policy(text: str) -> str:
     return text
 
 
+DEMO_POLICY = "errors+slowest+top_bottom+degenerate_groups"
+
+
+def _indices(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
@@ -87,19 +107,26 @@ def _demo(args: argparse.Namespace) -> int:
     otr.configure(
         service_name="otel-rollouts-demo",
         exporters=exporters,
-        sampler=otr.TailSampler(max_traces_per_step=args.cap, policy=args.policy),
+        sampler=otr.TailSampler(max_traces_per_step=args.cap, policy=args.policy, watch=args.watch,
+                                group_size=args.group_size),
         resource_attributes={c.OPENINFERENCE_PROJECT_NAME: args.project},
+        # the demo's episodes take milliseconds: one open for 2 s is hanging
+        hang=otr.HangOptions(floor_s=2.0),
     )
     from otel_rollouts import _demo as demo
 
     stats = demo.run(steps=args.steps, prompts=args.prompts, group_size=args.group_size,
-                     seed=args.seed, progress=not args.no_progress)
+                     seed=args.seed, progress=not args.no_progress, hang_s=args.hang_s,
+                     hang_step=args.hang_step)
     run_name = trackio.run
     otr.shutdown()
     totals = stats["totals"]
     print()
+    watched = totals.get("kept.watch", 0)
+    watch = (f"; {watched} for watched prompts {', '.join(map(str, args.watch))}, outside the cap"
+             if args.watch else "")
     print(f"episodes: {totals.get('seen', 0)} seen, {totals.get('kept', 0)} kept "
-          f"(cap {args.cap} per step, policy {args.policy}), "
+          f"(cap {args.cap} per step, policy {args.policy}{watch}), "
           f"{sum(v for k, v in totals.items() if k.startswith('dropped.'))} dropped")
     if run_name is None:
         print(f"traces: none kept (cap {args.cap}), nothing written to Trackio")
@@ -134,15 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     at_least_1 = _int_at_least(1)
     demo.add_argument("--steps", type=at_least_1, default=4,
                       help="training steps, >= 1 (default: %(default)s)")
-    demo.add_argument("--prompts", type=at_least_1, default=8,
+    demo.add_argument("--prompts", type=at_least_1, default=16,
                       help="prompts per step, >= 1 (default: %(default)s)")
     demo.add_argument("--group-size", type=at_least_1, default=4,
                       help="samples per prompt (GRPO group), >= 1 (default: %(default)s)")
-    demo.add_argument("--cap", type=_int_at_least(0), default=8,
+    demo.add_argument("--cap", type=_int_at_least(0), default=16,
                       help="episodes kept per step, >= 0 (default: %(default)s)")
-    demo.add_argument("--policy", type=_policy, default="top_bottom",
+    demo.add_argument("--policy", type=_policy, default=DEMO_POLICY,
                       help=f"tail-sampling policy: one of {', '.join(sorted(POLICIES))}, or several "
                       "joined by '+', e.g. errors+top_bottom (default: %(default)s)")
+    demo.add_argument("--watch", type=_indices, default="0,3,6",
+                      help="dataset indices of prompts to follow across the run (kept every time, "
+                      "outside the cap), comma-separated; '' for none (default: %(default)s)")
+    demo.add_argument("--hang-s", type=_seconds, default=0.0,
+                      help="one tool call of --hang-step hangs this long, then times out; watch it "
+                      "as a running episode while it hangs (default: %(default)s, no hang)")
+    demo.add_argument("--hang-step", type=_int_at_least(0), default=1,
+                      help="the step whose tool call hangs (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     demo.add_argument("--console", action="store_true", help="also print kept episodes as trees")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -156,8 +156,8 @@ def test_help_lists_policies_defaults_and_the_debug_switch(tmp_path: Path) -> No
     for name in POLICIES:
         assert name in text
     assert "joined by '+'" in text
-    for default in ("(default: top_bottom)", "(default: 4)", "(default: 8)", "(default: 0)",
-                    "(default: otel-rollouts-demo)"):
+    for default in ("(default: errors+slowest+top_bottom+degenerate_groups)", "(default: 4)", "(default: 16)",
+                    "(default: 0)", "(default: 0,3,6)", "(default: otel-rollouts-demo)"):
         assert default in text, default
     assert cli.DEBUG_ENV in text
     replay = _cli(tmp_path, "replay", "--help")
@@ -170,7 +170,9 @@ def test_a_tiny_demo_runs(tmp_path: Path) -> None:
                 "--cap", "3", "--policy", "errors+top_bottom", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
-    assert "episodes: 4 seen, 3 kept (cap 3 per step, policy errors+top_bottom)" in done.stdout
+    # prompt 0 is on the default watchlist: its 2 episodes are kept outside the cap
+    assert "episodes: 4 seen, 4 kept (cap 3 per step, policy errors+top_bottom; 2 for watched prompts " \
+        "0, 3, 6, outside the cap)" in done.stdout
     assert str(tmp_path / "trackio") in done.stdout
     assert (tmp_path / "trackio").is_dir()
 

@@ -19,7 +19,7 @@ def test_demo_command_fills_trackio(tmp_path, monkeypatch):
     cmd = [exe] if exe else [sys.executable, "-m", "otel_rollouts.cli"]
     proc = subprocess.run(
         [*cmd, "demo", "--project", "demo-test", "--steps", "3", "--prompts", "4",
-         "--group-size", "4", "--cap", "5", "--no-progress"],
+         "--group-size", "4", "--cap", "5", "--policy", "top_bottom", "--watch", "", "--no-progress"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
