@@ -283,7 +283,7 @@ def _batch_and_episodes(n: int, step: int) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize("policy", ["errors+slowest+top_bottom", "errors+top_bottom+degenerate_groups",
-                                    "default"])
+                                    "default", "first", "top_bottom"])
 def test_batched_path_keeps_the_same_episodes_for_the_same_reasons(policy):
     cols, episodes = _batch_and_episodes(200, step=3)
 
@@ -314,9 +314,15 @@ def test_batched_path_keeps_the_same_episodes_for_the_same_reasons(policy):
     assert stats["seen"] == 200 and stats["kept"] == len(batched)
 
 
-def test_group_health_on_batches_equals_one_by_one():
+@pytest.mark.parametrize("layout", ["adjacent", "interleaved"])
+def test_group_health_on_batches_equals_one_by_one(layout):
+    """A step as one batch of adjacent groups (the arrays, vectorised) or with a group split
+    over runs and odd ids (merged per group): the same health as episode by episode."""
     n = 300
-    gids = [f"g{i // 6}" if i % 50 else ("tuple", i // 6) for i in range(n)]
+    if layout == "adjacent":
+        gids = [f"g{i // 6}" for i in range(n)]
+    else:
+        gids = [f"g{i // 6}" if i % 50 else ("tuple", i // 6) for i in range(n)]
     rewards = [1.0 if (i // 6) % 4 == 0 else (i % 6) / 5 for i in range(n)]
     statuses = ["filtered" if i % 41 == 0 else "ok" for i in range(n)]
     columns = {c.RL_GROUP_ID: gids, c.RL_REWARD: rewards, c.RL_STATUS: statuses}

@@ -39,7 +39,7 @@ class RowBatch:
     value no policy reads). A value is what the episode's root attribute would hold (already
     converted: a float reward, a status string), None where the row has none."""
 
-    __slots__ = ("step", "split", "n", "_columns", "_made", "_trace_ids", "_trace_id_of", "_arrays")
+    __slots__ = ("step", "split", "n", "_columns", "_made", "_trace_ids", "_trace_id_of", "_arrays", "skipped")
 
     def __init__(
         self,
@@ -55,6 +55,32 @@ class RowBatch:
         self._trace_ids: dict[int, int] = {}
         self._trace_id_of = trace_id_of
         self._arrays: dict[str, np.ndarray] = {}
+        # rows the sampler took apart (watched prompts, kept outside the cap): a bucket's
+        # candidates are found among the other rows, as if these were never offered to it
+        self.skipped: np.ndarray | None = None
+
+    def skip(self, indices: Sequence[int]) -> None:
+        """Leave rows ``indices`` out of every bucket's candidates."""
+        import numpy as np
+
+        mask = np.zeros(self.n, dtype=bool)
+        mask[np.asarray(list(indices), dtype=np.int64)] = True
+        self.skipped = mask
+
+    def unskipped(self, count: int) -> list[int]:
+        """The first ``count`` rows not skipped (what a first-come bucket could take)."""
+        if count <= 0:
+            return []
+        skipped = self.skipped
+        if skipped is None:
+            return list(range(min(self.n, count)))
+        out: list[int] = []
+        for i in range(self.n):
+            if not skipped[i]:
+                out.append(i)
+                if len(out) >= count:
+                    break
+        return out
 
     @property
     def key(self) -> tuple[int, str]:
@@ -167,6 +193,19 @@ def rows(batch: RowBatch, indices: Sequence[int], seq: Iterator[int]) -> list[Ba
 
 
 # --- vectorised candidates for the built-in buckets ------------------------------------------------
+def masked(keys: np.ndarray, batch: RowBatch) -> np.ndarray:
+    """``keys`` with the batch's skipped rows made the least eligible: NaN (not eligible) for a
+    float key, the largest value (ranked last) otherwise."""
+    skipped = batch.skipped
+    if skipped is None:
+        return keys
+    import numpy as np
+
+    keys = keys.copy()
+    keys[skipped] = np.nan if keys.dtype.kind == "f" else np.iinfo(keys.dtype).max
+    return keys
+
+
 def best_rows(keys: np.ndarray, k: int, *, later_wins: bool = False) -> np.ndarray:
     """Indices (ascending) of the ``k`` rows a ranked bucket would hold after offering them all
     in order: the smallest keys (a float NaN: not eligible); ties go to the earlier row, or to

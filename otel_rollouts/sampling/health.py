@@ -59,17 +59,21 @@ class StepGroups:
     """The groups of one (step, split): per group, members seen, reward range, members lost
     and the expected size (the largest an episode gave, else ``group_size``)."""
 
-    __slots__ = ("groups", "untracked", "group_size")
+    __slots__ = ("groups", "untracked", "group_size", "runs", "_index")
 
     def __init__(self, group_size: int | None = None) -> None:
         self.groups: dict[Any, _Group] = {}
         self.untracked = 0
         self.group_size = group_size or 0
+        # batches' runs of one group each, as arrays: (group ids, members, lowest and highest
+        # reward, members lost, expected size), merged into ``groups`` only when needed
+        self.runs: list[tuple[list[Any], Any, Any, Any, Any, Any]] = []
+        self._index: dict[Any, int] | None = None
 
     def _group(self, gid: Any) -> _Group | None:
         g = self.groups.get(gid)
         if g is None:
-            if len(self.groups) >= _MAX_GROUPS:
+            if len(self.groups) >= _MAX_GROUPS:  # (runs are merged before: they count there)
                 self.untracked += 1
                 return None
             g = self.groups[gid] = _Group()
@@ -78,6 +82,8 @@ class StepGroups:
 
     def add(self, record: Any) -> None:
         """One offered episode (a record or a batch row): a few lookups, nothing held."""
+        if self.runs:  # after a batch of the same step: its runs first
+            self._merge()
         gid = record.attribute(c.RL_GROUP_ID)
         if gid is None or isinstance(gid, (list, dict)):
             return
@@ -97,8 +103,10 @@ class StepGroups:
 
     def add_batch(self, batch: RowBatch) -> None:
         """Every row of a batch, from its columns, a run of rows of one group at a time (a
-        group's samples are usually adjacent): numpy reduces each run, Python touches each run
-        once, never a row (but for finding where runs start)."""
+        group's samples are usually adjacent): numpy reduces each run, and the runs are kept as
+        arrays (a few numbers per group). They become per-group entries only if asked for:
+        a step recorded as one batch gets its counts from the arrays, vectorised, and the
+        health of a kept member's group by one lookup."""
         gids = batch.column(c.RL_GROUP_ID)
         n = batch.n
         if gids is None or n == 0:
@@ -113,14 +121,13 @@ class StepGroups:
             changes: Any = np.flatnonzero(ids[1:] != ids[:-1]) + 1
         except Exception:  # noqa: BLE001
             changes = [i for i in range(1, n) if gids[i] != gids[i - 1]]
-        starts = [0, *(int(i) for i in changes)]
-        ends = [*starts[1:], n]
-        counts = [b - a for a, b in zip(starts, ends, strict=True)]
+        starts = np.asarray([0, *(int(i) for i in changes)], dtype=np.int64)
+        counts = np.diff(np.append(starts, n))
         rewards = batch.scores(c.RL_REWARD)
-        lows = np.fmin.reduceat(rewards, starts).tolist()
-        highs = np.fmax.reduceat(rewards, starts).tolist()
+        lows = np.fmin.reduceat(rewards, starts)
+        highs = np.fmax.reduceat(rewards, starts)
+        lost = np.zeros(starts.size, dtype=np.int64)
         statuses = batch.column(c.RL_STATUS)
-        lost: list[int] = [0] * len(starts)
         if statuses is not None:
             values = np.empty(n, dtype=object)
             values[:] = statuses
@@ -128,54 +135,96 @@ class StepGroups:
             for status in _LOST:
                 mask |= values == status
             if mask.any():
-                lost = np.add.reduceat(mask.astype(np.int64), starts).tolist()
+                lost = np.add.reduceat(mask.astype(np.int64), starts)
+        expected = np.zeros(starts.size, dtype=np.int64)
         sizes = batch.column(c.RL_GROUP_EXPECTED_SIZE)
-        groups = self.groups
-        get = groups.get
-        for run, start in enumerate(starts):
-            gid = gids[start]
-            g = get(gid) if type(gid) in (str, int) else None
-            if g is None:
-                if gid is None or isinstance(gid, (list, dict)):
-                    continue
-                g = self._group(gid)
+        if sizes is not None:
+            expected = np.asarray([max(_size(v) for v in sizes[a:a + m])
+                                   for a, m in zip(starts.tolist(), counts.tolist(), strict=True)], dtype=np.int64)
+        run_ids = [gids[a] for a in starts.tolist()]
+        keep = [gid is not None and not isinstance(gid, (list, dict)) for gid in run_ids]
+        if not all(keep):
+            idx = np.flatnonzero(np.asarray(keep, dtype=bool))
+            run_ids = [run_ids[i] for i in idx.tolist()]
+            counts, lows, highs, lost, expected = counts[idx], lows[idx], highs[idx], lost[idx], expected[idx]
+        room = _MAX_GROUPS - self._held()
+        if len(run_ids) > room:  # past the bound: counted, not assessed
+            self.untracked += len(run_ids) - max(room, 0)
+            cut = max(room, 0)
+            run_ids, counts, lows, highs = run_ids[:cut], counts[:cut], lows[:cut], highs[:cut]
+            lost, expected = lost[:cut], expected[:cut]
+        if run_ids:
+            self.runs.append((run_ids, counts, lows, highs, lost, expected))
+            self._index = None
+
+    def _held(self) -> int:
+        return len(self.groups) + sum(len(r[0]) for r in self.runs)
+
+    def _merge(self) -> None:
+        """The batches' runs into per-group entries (a group seen in several runs or batches,
+        or also episode by episode)."""
+        for run_ids, counts, lows, highs, lost, expected in self.runs:
+            for gid, m, lo, hi, gone, size in zip(run_ids, counts.tolist(), lows.tolist(), highs.tolist(),
+                                                  lost.tolist(), expected.tolist(), strict=True):
+                g = self.groups.get(gid)
                 if g is None:
-                    continue
-            g.n += counts[run]
-            lo = lows[run]
-            if lo == lo:  # not NaN: a row of the run has a reward
-                if lo < g.lo:
-                    g.lo = lo
-                hi = highs[run]
-                if hi > g.hi:
-                    g.hi = hi
-            g.lost += lost[run]
-            if sizes is not None:
-                g.expected = max(g.expected, *(_size(v) for v in sizes[start:ends[run]]))
+                    g = self.groups[gid] = _Group()
+                    g.expected = self.group_size
+                g.n += m
+                if lo == lo:  # not NaN: a row of the run has a reward
+                    g.lo = min(g.lo, lo)
+                    g.hi = max(g.hi, hi)
+                g.lost += gone
+                g.expected = max(g.expected, size)
+        self.runs = []
+        self._index = None
+
+    def _one_batch(self) -> bool:
+        """Whether the step is one batch whose groups are each one run (no merging needed)."""
+        if self.groups or len(self.runs) != 1:
+            return False
+        if self._index is None:
+            run_ids = self.runs[0][0]
+            self._index = {gid: i for i, gid in enumerate(run_ids)}
+        return len(self._index) == len(self.runs[0][0])
 
     def attributes(self, gid: Any) -> dict[str, Any] | None:
         """The root attributes of a kept member of group ``gid`` (None: not a tracked group)."""
         if gid is None or isinstance(gid, (list, dict)):
             return None
+        if self.runs:
+            if self._one_batch():
+                at = self._index.get(gid) if self._index is not None else None
+                if at is None:
+                    return None
+                run_ids, counts, lows, highs, lost, expected = self.runs[0]
+                g = _Group()
+                g.n, g.lost = int(counts[at]), int(lost[at])
+                g.expected = max(self.group_size, int(expected[at]))
+                lo = float(lows[at])
+                if lo == lo:
+                    g.lo, g.hi = lo, float(highs[at])
+                return _attributes(g)
+            self._merge()
         g = self.groups.get(gid)
         if g is None:
             return None
-        out: dict[str, Any] = {
-            c.RL_GROUP_SIZE: g.n,
-            c.RL_GROUP_ALL_EQUAL: g.all_equal(),
-            c.RL_GROUP_LOST: g.lost + g.missing(),
-        }
-        if g.expected:
-            out[c.RL_GROUP_EXPECTED_SIZE] = g.expected
-        if g.hi >= g.lo:
-            out[c.RL_GROUP_REWARD_SPREAD] = g.hi - g.lo
-        why = g.degenerate()
-        if why is not None:
-            out[c.RL_GROUP_DEGENERATE] = why
-        return out
+        return _attributes(g)
 
     def summary(self) -> StepHealth:
         """The step's counts (a group both all-equal and lost counts in both, once as degenerate)."""
+        if self.runs and self._one_batch():
+            import numpy as np
+
+            _, counts, lows, highs, lost, expected = self.runs[0]
+            missing = np.maximum(np.maximum(expected, self.group_size) - counts, 0)
+            gone = lost + missing
+            equal = (counts >= 2) & (lows == highs)  # NaN (no reward) is never equal
+            return StepHealth(groups=int(counts.size), all_equal=int(equal.sum()), lost=int((gone > 0).sum()),
+                              lost_members=int(gone.sum()), degenerate=int((equal | (gone > 0)).sum()),
+                              untracked=self.untracked)
+        if self.runs:
+            self._merge()
         health = StepHealth(groups=len(self.groups), untracked=self.untracked)
         for g in self.groups.values():
             lost = g.lost + g.missing()
@@ -188,3 +237,20 @@ class StepGroups:
             if equal or lost:
                 health.degenerate += 1
         return health
+
+
+def _attributes(g: _Group) -> dict[str, Any]:
+    """The root attributes of a kept member of group ``g``."""
+    out: dict[str, Any] = {
+        c.RL_GROUP_SIZE: g.n,
+        c.RL_GROUP_ALL_EQUAL: g.all_equal(),
+        c.RL_GROUP_LOST: g.lost + g.missing(),
+    }
+    if g.expected:
+        out[c.RL_GROUP_EXPECTED_SIZE] = g.expected
+    if g.hi >= g.lo:
+        out[c.RL_GROUP_REWARD_SPREAD] = g.hi - g.lo
+    why = g.degenerate()
+    if why is not None:
+        out[c.RL_GROUP_DEGENERATE] = why
+    return out

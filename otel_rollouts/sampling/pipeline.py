@@ -192,6 +192,8 @@ class Pipeline(SpanProcessor):
             if callable(whole):  # the bucket takes the batch whole (Groups: a run at a time)
                 return self._offer_whole(batch, whole, step)
             watched = self._watched_rows(batch, step)
+            if watched:  # the bucket chooses among the other rows, as one by one it would
+                batch.skip(list(watched))
             find = getattr(bucket, "candidates", None)
             chosen = find(batch) if callable(find) else None
             indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
@@ -588,7 +590,7 @@ class Pipeline(SpanProcessor):
                 self._drop(record, "sampled_out")
         groups = step.groups
         for record in chosen:
-            if groups.groups:  # each kept member says how its group fared
+            if groups.groups or groups.runs:  # each kept member says how its group fared
                 health = groups.attributes(record.attribute(c.RL_GROUP_ID))
                 if health is not None:
                     record.notes = {**(record.notes or {}), **health}

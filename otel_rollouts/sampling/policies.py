@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
-from otel_rollouts.sampling.batch import RowBatch, best_rows
+from otel_rollouts.sampling.batch import RowBatch, best_rows, masked
 
 Decision = tuple[list[Any], list[Any]]  # (released, keep_now)
 _MASK64 = (1 << 64) - 1
@@ -248,7 +248,7 @@ class _RankedBucket(Bucket):
         keys = self.batch_keys(batch)
         if keys is None:
             return None
-        return best_rows(keys, self.capacity, later_wins=self.later_wins)
+        return best_rows(masked(keys, batch), self.capacity, later_wins=self.later_wins)
 
     def ordered(self) -> list[Any]:
         return [e[2] for e in sorted(self.heap, key=lambda e: e[:2], reverse=True)]
@@ -302,7 +302,7 @@ class _FirstStreamBucket(Bucket):
         return [record], []
 
     def candidates(self, batch: RowBatch) -> Any:
-        return range(min(batch.n, max(self.cap - self.kept, 0)))
+        return batch.unskipped(self.cap - self.kept)
 
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         return []
@@ -323,7 +323,7 @@ class _FirstBucket(Bucket):
         return [record], []
 
     def candidates(self, batch: RowBatch) -> Any:
-        return range(min(batch.n, max(self.capacity - len(self.records), 0)))
+        return batch.unskipped(self.capacity - len(self.records))
 
     def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
         out: list[Any] = []
