@@ -197,14 +197,14 @@ class StepGroups:
                 at = self._index.get(gid) if self._index is not None else None
                 if at is None:
                     return None
-                run_ids, counts, lows, highs, lost, expected = self.runs[0]
-                g = _Group()
-                g.n, g.lost = int(counts[at]), int(lost[at])
-                g.expected = max(self.group_size, int(expected[at]))
+                _, counts, lows, highs, lost, expected = self.runs[0]
+                run = _Group()
+                run.n, run.lost = int(counts[at]), int(lost[at])
+                run.expected = max(self.group_size, int(expected[at]))
                 lo = float(lows[at])
                 if lo == lo:
-                    g.lo, g.hi = lo, float(highs[at])
-                return _attributes(g)
+                    run.lo, run.hi = lo, float(highs[at])
+                return _attributes(run)
             self._merge()
         g = self.groups.get(gid)
         if g is None:
