@@ -15,8 +15,11 @@ Rules, per stage (``conventions.STAGES``):
   whose root ended). An episode recorded after the fact (an adapter, a batch row) has root
   times that say when it was recorded, not how long it ran: only its attributes count.
 
-Runs for every decided episode when metrics are on (under the pipeline's lock): one pass over
-the spans, a sort of each stage's few intervals; about 10 µs for an episode of ten spans.
+Runs for every decided episode when metrics are on (under the pipeline's lock). The common case
+reads the sums ``SpanRecord.end`` kept as the stage spans ended (``EpisodeRecord.timing``: a few
+integer operations per span, on timestamps that exist already), about 2.5 µs; spans that
+overlapped, ended past the root or were given an end without ending take one pass over the
+spans and a sort of each stage's few intervals (12-25 µs for ten spans).
 """
 
 from __future__ import annotations
