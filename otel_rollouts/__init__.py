@@ -21,6 +21,7 @@ _check_environment()
 
 from otel_rollouts import conventions  # noqa: E402
 from otel_rollouts._core.guard import InvalidValue  # noqa: E402
+from otel_rollouts._core.logprobs import MismatchOptions  # noqa: E402
 from otel_rollouts._rollouts import (  # noqa: E402
     Rollouts,
     configure,
@@ -75,6 +76,7 @@ from otel_rollouts.sampling.policies import (  # noqa: E402
     Errors,
     First,
     Groups,
+    Mismatch,
     Policy,
     Slowest,
     TailSampler,
@@ -108,6 +110,8 @@ __all__ = [
     "Compose",
     "DegenerateGroups",
     "HangOptions",
+    "Mismatch",
+    "MismatchOptions",
     "Slowest",
     "prompt_hash",
     "CountingExporter",

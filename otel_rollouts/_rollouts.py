@@ -21,6 +21,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.guard import guarded
+from otel_rollouts._core.logprobs import MismatchOptions
 from otel_rollouts._core.redaction import (
     RedactingLogFilter,
     Redactor,
@@ -184,6 +185,7 @@ class Rollouts(_runtime.Runtime):
         self.strict = s.strict
         self.run_id = run_id
         self.deterministic_ids = s.sampling.deterministic_ids
+        self.mismatch = MismatchOptions.of(s.sampling.mismatch)
         self.tracer = provider.get_tracer(c.SCOPE_NAME, version())
         self.redactor = redactor
         self.metrics = _metrics(resource, s.metric_readers, exporters, stats, redactor)
@@ -407,6 +409,7 @@ def configure(
     max_queue_bytes: int = 64 * 1024 * 1024,
     gateway: GatewayOptions | bool | None = None,
     hang: HangOptions | bool | float | None = None,
+    mismatch: MismatchOptions | None = None,
     install: bool = True,
 ) -> Rollouts:
     """Set up tracing of episodes for this process and return the run (``otr.Rollouts``).
@@ -446,6 +449,9 @@ def configure(
       and counted ``hung`` if it never ends. Default (None or True): 3 × the step's median
       episode duration, at least 30 s (``otr.HangOptions``); a number: that many seconds;
       ``False``: off.
+    * ``mismatch``: how the train–inference mismatch of token logprobs is summarised
+      (``otr.MismatchOptions``: the importance-ratio band whose leavers are counted, default
+      (0.5, 2.0); how many of a kept generation's worst tokens are shown, default 16).
     * ``agent_name``: ``gen_ai.agent.name`` on every episode root (default: the service name).
     * ``episode_timeout_s``: an episode still open after this long is ended as truncated
       (``rl.timed_out``), decided and counted (``episodes.timed_out``); default None: never.

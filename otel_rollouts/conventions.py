@@ -442,3 +442,37 @@ RL_STAGE = "rl.stage"  # metric attribute: generation | tool | environment | rew
 METRIC_GROUPS = "rl.groups"  # counter by rl.group.degenerate (none | all_equal | lost_members)
 METRIC_HUNG = "rl.episodes.hung"  # counter: episodes that never ended (after a snapshot)
 DEGENERATE_NONE = "none"  # rl.group.degenerate on the rl.groups counter: a healthy group
+
+# --- train–inference mismatch: the engine's token logprobs against the trainer's ------------------
+# Per generation (and summed over an episode's generations on its root), over the generated tokens
+# the loss mask counts where both logprobs are finite. Δ = trainer logprob − engine logprob; the
+# importance ratio r = exp(Δ) = π_train / π_rollout (what truncated / masked importance sampling
+# weighs a token by). Absent, never 0, when either side's logprobs are unknown.
+RL_MISMATCH_TOKENS = "rl.mismatch.tokens"  # tokens compared
+RL_MISMATCH_ABS_MEAN = "rl.mismatch.abs_mean"  # mean |Δ|
+RL_MISMATCH_ABS_MAX = "rl.mismatch.abs_max"  # max |Δ|
+# KL(π_rollout ‖ π_train) estimated from the rollout's own tokens with Schulman's k3 estimator:
+# the mean of r − 1 − log r (unbiased, never negative)
+RL_MISMATCH_KL = "rl.mismatch.kl"
+RL_MISMATCH_RATIO_MIN = "rl.mismatch.ratio_min"  # min r
+RL_MISMATCH_RATIO_MAX = "rl.mismatch.ratio_max"  # max r
+RL_MISMATCH_OUTSIDE = "rl.mismatch.tokens_outside"  # tokens whose r leaves the band
+RL_MISMATCH_BAND = "rl.mismatch.band"  # [low, high]: the ratio band the count uses
+# the statistics a ``Mismatch`` part can rank by (short name -> attribute)
+MISMATCH_STATS = {
+    "kl": RL_MISMATCH_KL,
+    "abs_mean": RL_MISMATCH_ABS_MEAN,
+    "abs_max": RL_MISMATCH_ABS_MAX,
+    "ratio_max": RL_MISMATCH_RATIO_MAX,
+    "ratio_min": RL_MISMATCH_RATIO_MIN,
+    "tokens_outside": RL_MISMATCH_OUTSIDE,
+}
+# the generation's worst tokens by |Δ|, largest first, as parallel arrays (on generation spans of
+# kept episodes; at most MismatchOptions.top_tokens of them; the rest are in the statistics)
+RL_MISMATCH_WORST_POSITION = "rl.mismatch.worst.position"  # index in the generation's tokens
+RL_MISMATCH_WORST_TOKEN = "rl.mismatch.worst.token"  # the token's text (its id when no tokenizer)
+RL_MISMATCH_WORST_ROLLOUT = "rl.mismatch.worst.rollout_logprob"  # the engine's logprob
+RL_MISMATCH_WORST_TRAINER = "rl.mismatch.worst.trainer_logprob"  # the trainer's logprob
+REASON_MISMATCH = "mismatch"  # kept by the mismatch part (largest train–inference mismatch)
+# the per-episode statistics a step's summary gives p50/p95/max of (mismatch/<stat>_p50 ...)
+MISMATCH_STEP_STATS = ("kl", "abs_mean", "abs_max", "ratio_max", "tokens_outside")

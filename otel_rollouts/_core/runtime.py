@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from otel_rollouts._core.logprobs import MismatchOptions
 from otel_rollouts._core.stats import Stats
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class Runtime:
     redactor: Redacting | None = None  # what leaves the process is redacted with it (None: off)
     current_step: int = 0
     pid: int = 0  # the process that built it: a forked child must not use its parent's
+    # how train–inference mismatch is summarised (_core.logprobs.MismatchOptions)
+    mismatch: MismatchOptions = field(default_factory=MismatchOptions)
     # each kind of problem is logged once per run (``_core.guard.report``); the rest are counted
     logged: set[str] = field(default_factory=set)
     # what an integration keeps for this run (the Ray bridge's span collector), by name

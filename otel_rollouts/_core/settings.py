@@ -295,6 +295,7 @@ class SamplingSettings:
     sampler: Any = None
     deterministic_ids: bool = False
     hang: Any = None  # HangOptions (sampling.hung), True/None: automatic, a number: seconds, False: off
+    mismatch: Any = None  # MismatchOptions (_core.logprobs): the ratio band, worst tokens shown
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,7 @@ class EpisodeRecord:
         "notes",
         "stages",
         "timing",
+        "mismatch",
         "__weakref__",
     )
 
@@ -336,6 +337,8 @@ class EpisodeRecord:
         # their latest ends, the latest end of all, 1 if any overlapped or came out of order];
         # None until a stage span ends
         self.timing: list[int] | None = None
+        # the sums of train–inference mismatch over its generations (_core.logprobs.Totals)
+        self.mismatch: Any = None
 
     def add(self, span: SpanRecord) -> SpanRecord:
         """Put ``span`` in this episode's tree, or count it cut by the span limit. A span made

@@ -343,6 +343,12 @@ class Sample:
     # measured, never 0), written on the root (rl.duration.seconds, rl.stage.<stage>.seconds)
     duration: float | None = None
     stages: Mapping[str, float] | None = None
+    # the response tokens' logprobs: the inference engine's and the trainer's (1-D each, any of
+    # tensor / array / list; None: not known), which tokens count, and the tokens (texts or ids)
+    logprobs: Any = None
+    trainer_logprobs: Any = None
+    logprob_mask: Any = None
+    response_ids: Any = None
 
 
 def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framework: str) -> list[Sample]:
@@ -359,7 +365,8 @@ def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framewor
     return out
 
 
-def record_samples(samples: Sequence[Sample], *, step: int, split: str, framework: str) -> int:
+def record_samples(samples: Sequence[Sample], *, step: int, split: str, framework: str,
+                   tokenizer: Any = None) -> int:
     """Record ``samples`` (one step) with ``record_batch``: the tail sampler chooses from their
     rewards, statuses and groups in one call, and only the samples it may keep are recorded as
     episodes. Partial and invalid ones are counted for all; returns how many were offered."""
@@ -394,8 +401,22 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
         dataset_name=[s.dataset_name for s in samples],
         dataset_indices=[s.dataset_index for s in samples], metadata=[s.metadata for s in samples],
         durations=[s.duration for s in samples],
+        **_logprob_columns(samples, tokenizer),
     )
     return n
+
+
+def _logprob_columns(samples: Sequence[Sample], tokenizer: Any) -> dict[str, Any]:
+    """``record_batch``'s logprob keywords, when some sample has both logprobs."""
+    if not any(s.logprobs is not None and s.trainer_logprobs is not None for s in samples):
+        return {}
+    return {
+        "logprobs": [s.logprobs for s in samples],
+        "trainer_logprobs": [s.trainer_logprobs for s in samples],
+        "logprob_masks": [s.logprob_mask for s in samples],
+        "response_tokens": [s.response_ids for s in samples],
+        "tokenizer": tokenizer,
+    }
 
 
 def _partial_attributes(ep: Any, missing: Sequence[str]) -> None:

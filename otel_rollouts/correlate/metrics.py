@@ -192,7 +192,7 @@ class _Step:
     __slots__ = ("seen", "kept", "dropped", "rewards", "reward_sum", "reward_min", "reward_max",
                  "durations", "duration_sum", "tokens_in", "tokens_out", "tokens_in_known",
                  "tokens_out_known", "tool_errors", "duration", "stages", "unmeasured",
-                 "by_status", "kept_by", "stored")
+                 "by_status", "kept_by", "stored", "mismatch")
 
     def __init__(self) -> None:
         self.seen = self.kept = self.dropped = 0
@@ -209,6 +209,13 @@ class _Step:
         self.by_status: dict[str, list[int]] = {}  # status -> [seen, kept]
         self.kept_by: dict[str, int] = {}  # rl.sampling.reason -> kept
         self.stored = 0  # reservoir slots held (of the global _MAX_SAMPLES)
+        self.mismatch: dict[str, _Series] = {}  # train–inference mismatch statistic -> its values
+
+    def series(self, stat: str) -> _Series:
+        series = self.mismatch.get(stat)
+        if series is None:
+            series = self.mismatch[stat] = _Series()
+        return series
 
     def add_status(self, status: str, seen: int, kept: int) -> None:
         counts = self.by_status.get(status)
@@ -257,6 +264,10 @@ class _Step:
             if series is not None:
                 series.summary(out, f"{prefix}stage/{stage}_s")
         out[prefix + "episodes_unmeasured"] = self.unmeasured
+        for stat in c.MISMATCH_STEP_STATS:
+            series = self.mismatch.get(stat)
+            if series is not None:
+                series.summary(out, f"{prefix}mismatch/{stat}")
         for status, (seen, kept) in self.by_status.items():
             out[f"{prefix}episodes_seen/{status}"] = seen
             out[f"{prefix}episodes_kept/{status}"] = kept
@@ -432,6 +443,8 @@ class RolloutMetrics:
         durations = _measured(batch, c.RL_DURATION_SECONDS, rows)
         stages = {stage: values for stage in c.STAGES
                   if (values := _measured(batch, c.stage_seconds(stage), rows)) is not None}
+        mismatch = {stat: values for stat in c.MISMATCH_STEP_STATS
+                    if (values := _finite(batch, c.MISMATCH_STATS[stat], rows)) is not None and values.size}
         split = self.label(batch.split) if self.label is not None else batch.split
         with self._lock:
             step = self._step((batch.step, split))
@@ -453,6 +466,8 @@ class RolloutMetrics:
                 self._time_column(step, step.duration, durations)
             for stage, values in stages.items():
                 self._time_column(step, step.stage(stage), values)
+            for stat, values in mismatch.items():
+                self._time_column(step, step.series(stat), values)
         if not self._instruments:
             return
         by_split = {c.RL_SPLIT: split}
@@ -480,6 +495,13 @@ class RolloutMetrics:
         if duration is not None and not (math.isfinite(duration) and duration >= 0):
             duration = None
         stages = stage_totals(record)
+        mismatch: dict[str, float] = {}
+        if record.mismatch is not None and root is not None:
+            attrs = root.attributes
+            for stat in c.MISMATCH_STEP_STATS:
+                value = attrs.get(c.MISMATCH_STATS[stat])
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    mismatch[stat] = float(value)
         status = record.attribute(c.RL_STATUS)
         if status not in _STATUSES:  # statuses are checked where they are set; None is ok
             status = c.STATUS_OK
@@ -519,6 +541,10 @@ class RolloutMetrics:
             if duration is not None:
                 step.add_duration(duration)
             self._time(step, duration, stages)
+            for stat, value in mismatch.items():
+                if step.series(stat).add(value, self._samples < _MAX_SAMPLES):
+                    step.stored += 1
+                    self._samples += 1
             step.tokens_in += tokens_in
             step.tokens_out += tokens_out
             step.tokens_in_known = step.tokens_in_known or in_known
@@ -640,6 +666,16 @@ def _measured(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
 
     values = batch.scores(name)[rows]
     return values[np.isfinite(values) & (values >= 0)]
+
+
+def _finite(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
+    """The finite values of ``rows`` in the batch's column ``name`` (None: no such column)."""
+    if not batch.has(name):
+        return None
+    import numpy as np
+
+    values = batch.scores(name)[rows]
+    return values[np.isfinite(values)]
 
 
 def _count(value: Any) -> int | None:

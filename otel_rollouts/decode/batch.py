@@ -41,6 +41,14 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred
 from otel_rollouts._core.guard import guarded_or, report
+from otel_rollouts._core.logprobs import (
+    MismatchOptions,
+    RowTotals,
+    TokenView,
+    read_array,
+    row_totals,
+    totals_of,
+)
 from otel_rollouts._core.spans import SpanRecord
 from otel_rollouts._core.values import to_float
 from otel_rollouts.decode.chat_roles import RoleMarkers, learn_markers
@@ -218,7 +226,7 @@ class _EpisodeBody(SpanRecord):
     """
 
     __slots__ = ("info", "ids", "bounds", "first_value", "skip_special", "model", "finish",
-                 "capture", "eos_ids", "_decoded")
+                 "capture", "eos_ids", "_decoded", "logprobs", "options")
     info: _TokenizerInfo
     ids: np.ndarray
     bounds: list[int]
@@ -229,6 +237,9 @@ class _EpisodeBody(SpanRecord):
     capture: bool
     eos_ids: frozenset[int]
     _decoded: dict[str, Any] | None
+    # (engine, trainer) logprobs aligned with ``ids`` (copies, NaN where unknown), or None
+    logprobs: tuple[np.ndarray, np.ndarray] | None
+    options: MismatchOptions | None
 
     # --- decoding (export thread, kept episodes only) ------------------------------------------
     def decoded(self) -> dict[str, Any]:
@@ -318,6 +329,8 @@ class _EpisodeBody(SpanRecord):
             }
             if self.model:
                 attrs[c.GEN_AI_REQUEST_MODEL] = self.model
+            if self.logprobs is not None and self.options is not None:
+                self._mismatch(attrs, start, end, self.options)
             finish = self.finish if t == turns - 1 else None
             if finish is None and int(self.ids[end - 1]) in self.eos_ids:
                 finish = FINISH_STOP
@@ -339,6 +352,17 @@ class _EpisodeBody(SpanRecord):
                 self._tools(out, turn.span_id, parsed, text)
             elif has_feedback:
                 self._feedback(out, turn.span_id, text)
+
+    def _mismatch(self, attrs: dict[str, Any], start: int, end: int, options: MismatchOptions) -> None:
+        """A generation's own mismatch statistics and worst tokens (its tokens are one loss-mask run)."""
+        assert self.logprobs is not None
+        rollout, trainer = (x[start:end] for x in self.logprobs)
+        attrs.update(totals_of(rollout, trainer, None, options).attributes(options))
+        if options.top_tokens and self.capture:
+            decoder = self.info.decoder
+            view = TokenView(rollout, trainer, None, options.top_tokens, self.ids[start:end],
+                             lambda ids: [decoder.decode([i], skip_special_tokens=False) for i in ids])
+            attrs.update(view.worst())
 
     def _tools(self, out: list[SpanRecord], parent: int, parsed: ParsedMessage, text: str | None) -> None:
         results: list[str | None] = [None] * len(parsed.tool_calls)
@@ -482,6 +506,8 @@ def record_token_batch(
     eos_token_ids: Sequence[int] | None = None,
     skip_special_tokens: bool = False,
     attributes: Sequence[Mapping[str, Any] | None] | None = None,
+    logprobs: Any = None,
+    trainer_logprobs: Any = None,
 ) -> TokenBatchSummary:
     """Record one episode per sample of a token-id batch; decode only the episodes that are kept.
 
@@ -495,6 +521,13 @@ def record_token_batch(
     are per sample, or per token (rewards summed, advantages averaged over generated tokens).
     ``finish_reasons`` default to ``stop`` (last generated token is an EOS) or ``length`` (the
     sample reached ``max_length``, or the right edge of a right-padded batch).
+
+    ``logprobs`` / ``trainer_logprobs``: the inference engine's and the trainer's logprob of
+    each token, laid out like ``input_ids`` (or ``[B, R]``: the last R columns of a 2-D
+    ``input_ids``, a response-only tensor), read where ``loss_mask`` is 1. With both, every
+    sample's train–inference mismatch statistics (``rl.mismatch.*``) are computed in one
+    vectorised pass (what the ``mismatch`` policy part ranks by and the step's percentiles
+    summarise); a kept sample's generations get their own statistics and worst tokens, at export.
 
     ``attributes``: per sample, extra attributes for the episode root (e.g. an adapter's
     ``rl.alignment``: "partial"). Returns a ``TokenBatchSummary``. A sample whose masks do not match its ids is refused with a
@@ -528,6 +561,9 @@ def record_token_batch(
         else:
             vers = field_layout("versions", versions, ids, np.int32, refused, view=True)
 
+    mismatch = None
+    if logprobs is not None and trainer_logprobs is not None and mask is not None:
+        mismatch = _Mismatch.of(logprobs, trainer_logprobs, ids, mask, rt.mismatch, summary)
     reward_col = _token_values("rewards", rewards, ids, mask, batch, summary, "sum")
     advantage_col = _token_values("advantages", advantages, ids, mask, batch, summary, "mean")
     components = _components(reward_components, batch, summary)
@@ -624,6 +660,8 @@ def record_token_batch(
             own = np.array(flat_ids[s : s + n], dtype=np.int32)  # a copy: the caller's buffer may change
             body = _body(root, info, own, bounds, first_value, skip_special_tokens,
                          model, finish, capture, eos_ids)
+            if mismatch is not None:
+                mismatch.record(i, root, body, s, n)
             if capture and generated:
                 root.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(body, "errors"))
         _finish_reward(ep, i, reward_col, advantage_col, components, finish, given_status(i, finish), None)
@@ -637,6 +675,7 @@ def record_token_batch(
         episode_ids=episode_col, policy_versions=versions_col, dataset_indices=dataset_col,
         statuses=lambda: [status_of(i) for i in range(batch)],
         dataset_name=dataset_name, framework=framework, metadata=shared_meta if meta_col is None else meta_col,
+        scores=None if mismatch is None else mismatch.columns,
     )
     _, failed = record_rows(rows, build)
     summary.recorded = batch - len(failed)  # offered to the sampler as episodes
@@ -654,9 +693,82 @@ def _body(root: SpanRecord, info: _TokenizerInfo, ids: np.ndarray, bounds: list[
     body.info, body.ids, body.bounds, body.first_value = info, ids, bounds, first_value
     body.skip_special, body.model, body.finish, body.capture = skip_special, model, finish, capture
     body.eos_ids, body._decoded = eos_ids, None
+    body.logprobs = body.options = None
     record.add(body)
     body.end()
     return body
+
+
+class _Mismatch:
+    """A batch's train–inference mismatch: every sample's statistics from one vectorised pass
+    (``columns``: what the sampler ranks by), and, for the samples recorded as episodes, their
+    root attributes and a copy of their logprobs for the body's generations (``record``)."""
+
+    def __init__(self, rollout: np.ndarray, trainer: np.ndarray, offset: int, width: int | None,
+                 totals: RowTotals, options: MismatchOptions) -> None:
+        # 2-D: rows of ``width - offset`` columns standing for input_ids' columns offset..width;
+        # flat (ragged): laid out like input_ids' flat array (offset 0, width None)
+        self.rollout, self.trainer, self.offset, self.width = rollout, trainer, offset, width
+        self.totals, self.options = totals, options
+        self.columns = totals.columns()
+
+    @classmethod
+    def of(cls, logprobs: Any, trainer_logprobs: Any, ids: Layout, mask: Layout,
+           options: MismatchOptions, summary: TokenBatchSummary) -> _Mismatch | None:
+        import numpy as np
+
+        from otel_rollouts.decode.layout import field_layout
+
+        batch = len(ids.starts)
+        rollout, _ = read_array(logprobs, "logprobs")  # a ragged list is read below
+        trainer, _ = read_array(trainer_logprobs, "trainer_logprobs")
+        if (rollout is not None and trainer is not None and rollout.ndim == 2 and ids.width is not None
+                and rollout.shape == trainer.shape and rollout.shape[0] == batch
+                and 0 < rollout.shape[1] <= ids.width):
+            width = ids.width
+            offset = width - rollout.shape[1]  # a response-only tensor: the last columns
+            rows = mask.flat.reshape(batch, width)[:, offset:]
+            totals = row_totals(rollout, trainer, rows, options)
+            return cls(rollout, trainer, offset, width, totals, options)
+        if ids.width is None:  # ragged: laid out like the ids (and so like the loss mask)
+            refused: dict[int, str] = {}
+            lr = field_layout("logprobs", logprobs, ids, np.float32, refused)
+            lt = field_layout("trainer_logprobs", trainer_logprobs, ids, np.float32, refused)
+            if (lr is not None and lt is not None and not refused and np.array_equal(lr.starts, mask.starts)
+                    and np.array_equal(lr.lengths, mask.lengths) and np.array_equal(lt.lengths, mask.lengths)):
+                totals = row_totals(lr.flat, lt.flat, mask.flat, options, starts=mask.starts)
+                return cls(lr.flat, lt.flat, 0, None, totals, options)
+        shape = lambda v: tuple(getattr(v, "shape", ())) or f"{type(v).__name__}"  # noqa: E731
+        summary.problems.append(
+            f"logprobs/trainer_logprobs: shapes {shape(logprobs)} and {shape(trainer_logprobs)} do not "
+            f"match input_ids ({batch} samples{'' if ids.width is None else f' x {ids.width}'}): "
+            "no mismatch recorded")
+        return None
+
+    def record(self, i: int, root: SpanRecord, body: _EpisodeBody, start: int, n: int) -> None:
+        """Sample ``i``'s root statistics, and its logprobs (copies) for its body's generations."""
+        import numpy as np
+
+        totals = self.totals.row(i)
+        if totals.n <= 0:
+            return
+        root.attributes.update(totals.attributes(self.options))
+        record = root.episode
+        record.mismatch = totals
+        own = []
+        for source in (self.rollout, self.trainer):
+            if self.width is None:
+                own.append(np.array(source[start : start + n], dtype=np.float32))
+                continue
+            row = i * self.width
+            first = start - row  # the sample's first column in input_ids
+            values = np.full(n, np.nan, dtype=np.float32)
+            lo = max(self.offset - first, 0)
+            if lo < n:
+                values[lo:] = source[i, first + lo - self.offset : first + n - self.offset]
+            own.append(values)
+        body.logprobs = (own[0], own[1])
+        body.options = self.options
 
 
 class _VersionRanges:

@@ -18,6 +18,8 @@ are counted in one update. What is kept is exactly what the per-episode API woul
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,13 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import exception_text, text, type_name
 from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.logprobs import (
+    MismatchOptions,
+    RowTotals,
+    TokenView,
+    read_array,
+    row_totals,
+)
 from otel_rollouts._core.spans import EpisodeRecord
 from otel_rollouts._core.values import to_float, to_int
 from otel_rollouts.record.episode import (
@@ -76,6 +85,9 @@ class Rows:
     dataset_name: str | list[Any] | None = None  # one name, or one per sample
     framework: str | None = None
     metadata: Mapping[str, Any] | Sequence[Any] | None = None  # one mapping, or one per sample
+    # statistics computed for the whole batch at once (attribute -> float array, NaN: none), e.g.
+    # the train–inference mismatch: what the sampler may rank by
+    scores: Mapping[str, Any] | None = None
 
     def episode(self, i: int, episode_id: str | None) -> Episode:
         """Sample ``i``'s episode, as ``otr.episode`` would make it."""
@@ -160,6 +172,8 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
         i if v is None else to_int(v, "sample_index")[0]
         for i, v in enumerate(rows.sample_indices or [None] * rows.size)
     ]
+    if rows.scores:
+        columns.update(rows.scores)
     batch = RowBatch(step, split, rows.size, columns, trace_id_of)
     chosen = pipeline.offer_batch(batch)
 
@@ -262,6 +276,11 @@ def record_batch(
     framework: str | None = None,
     metadata: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
     record: Recorder | None = None,
+    logprobs: Any = None,
+    trainer_logprobs: Any = None,
+    logprob_masks: Any = None,
+    response_tokens: Any = None,
+    tokenizer: Any = None,
 ) -> BatchSummary:
     """Record ``size`` finished episodes of one step from per-sample columns; the tail sampler
     chooses in one call and only the samples it may keep are recorded as episodes.
@@ -285,6 +304,15 @@ def record_batch(
     given as one value (a 0-d tensor, a number) is broadcast to every sample, and noted in
     ``problems``. With ``deterministic_ids``, a repeated episode id gets its own trace id
     (counted ``duplicate_id``, flagged in ``rl.invalid``).
+
+    ``logprobs`` / ``trainer_logprobs``: per sample, the inference engine's and the trainer's
+    logprob of each response token: a 2-D ``[B, R]`` tensor or array (``logprob_masks``
+    ``[B, R]``, 1 = counted, marks the real tokens; NaN counts as unknown) or one 1-D sequence
+    (or None) per sample. With both, every sample's train–inference mismatch (``rl.mismatch.*``)
+    is computed in one vectorised pass; a recorded sample gets it on its root and on the last
+    generation ``record`` made, with its worst tokens (rendered only if kept).
+    ``response_tokens``: the same tokens' texts or ids (ids decoded with ``tokenizer``, for the
+    worst few tokens of kept samples only, on the export thread, with a private copy).
     """
     summary = BatchSummary()
     n, problem = to_int(size, "size")
@@ -323,9 +351,15 @@ def record_batch(
         statuses=status_col, dataset_name=names, framework=framework, metadata=meta,
     )
 
+    mismatch = _BatchMismatch.of(logprobs, trainer_logprobs, logprob_masks, response_tokens, tokenizer,
+                                 n, problems) if logprobs is not None and trainer_logprobs is not None else None
+    rows.scores = None if mismatch is None else mismatch.totals.columns()
+
     def build(i: int, ep: Episode) -> None:
         if record is not None:
             record(i, ep)
+        if mismatch is not None:
+            mismatch.record(i, ep)
         comps = {k: col[i] for k, col in components.items() if col is not None and col[i] is not None}
         reward, advantage = _at(rewards_col, i), _at(advantages_col, i)
         if reward is not None or advantage is not None or comps:
@@ -341,3 +375,108 @@ def record_batch(
     summary.offered = n
     summary.recorded, summary.failed = record_rows(rows, build)
     return summary
+
+
+class _BatchMismatch:
+    """``record_batch``'s train–inference mismatch: every sample's statistics from one vectorised
+    pass, and a recorded sample's attributes and (copied) logprobs for its last generation."""
+
+    def __init__(self, rollout: Any, trainer: Any, counted: Any, starts: Any, tokens: Any,
+                 tokenizer: Any, totals: RowTotals, options: MismatchOptions) -> None:
+        self.rollout, self.trainer, self.counted, self.starts = rollout, trainer, counted, starts
+        self.tokens, self.decode = tokens, _PrivateDecoder(tokenizer) if tokenizer is not None else None
+        self.totals, self.options = totals, options
+
+    @classmethod
+    def of(cls, logprobs: Any, trainer_logprobs: Any, masks: Any, tokens: Any, tokenizer: Any,
+           n: int, problems: list[str]) -> _BatchMismatch | None:
+        import numpy as np
+
+        options = _runtime.current().mismatch
+        # one array for the batch; a list of sequences of different lengths is read per sample
+        rollout, _ = read_array(logprobs, "logprobs")
+        trainer, _ = read_array(trainer_logprobs, "trainer_logprobs")
+        if rollout is not None and trainer is not None and rollout.ndim == 2:
+            given, problem = read_array(masks, "logprob_masks")
+            counted = np.ones(rollout.shape, dtype=bool) if given is None else given != 0
+            if problem is not None or rollout.shape != trainer.shape or counted.shape != rollout.shape or rollout.shape[0] != n:
+                problems.append(f"logprobs: shapes {rollout.shape}, {trainer.shape}, {counted.shape} for "
+                                f"{n} samples: no mismatch recorded")
+                report(f"record_batch: {problems[-1]}")
+                return None
+            return cls(rollout, trainer, counted, None, tokens, tokenizer,
+                       row_totals(rollout, trainer, counted, options), options)
+        lists = [_column(name, v, n, problems) for name, v in
+                 (("logprobs", logprobs), ("trainer_logprobs", trainer_logprobs), ("logprob_masks", masks))]
+        parts: list[list[Any]] = [[], [], []]
+        lengths = np.zeros(n, dtype=np.int64)
+        before = len(problems)
+        for i in range(n):
+            r, p1 = read_array(_at(lists[0], i), "logprobs")
+            t, p2 = read_array(_at(lists[1], i), "trainer_logprobs")
+            m, p3 = read_array(_at(lists[2], i), "logprob_masks")
+            problem = p1 or p2 or p3
+            if problem is not None:  # that sample has no mismatch, said so
+                problems.append(f"sample {i}: {problem}")
+                continue
+            if r is None or t is None or r.size != t.size or (m is not None and m.size != r.size):
+                if r is not None and t is not None:
+                    problems.append(f"sample {i}: logprobs has {r.size} values, trainer_logprobs {t.size}"
+                                    + ("" if m is None else f", logprob_masks {m.size}") + ": no mismatch recorded")
+                continue
+            parts[0].append(r.reshape(-1).astype(np.float32, copy=False))
+            parts[1].append(t.reshape(-1).astype(np.float32, copy=False))
+            parts[2].append(np.ones(r.size, dtype=bool) if m is None else m.reshape(-1) != 0)
+            lengths[i] = r.size
+        starts = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            starts[1:] = np.cumsum(lengths)[:-1]
+        flat = [np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for p in parts]
+        flat[2] = flat[2].astype(bool)
+        for note in problems[before:]:
+            report(f"record_batch: {note}")
+        return cls(flat[0], flat[1], flat[2], (starts, lengths), tokens, tokenizer,
+                   row_totals(flat[0], flat[1], flat[2], options, starts=starts), options)
+
+    def record(self, i: int, ep: Episode) -> None:
+        totals = self.totals.row(i)
+        record = ep._record
+        if totals.n <= 0 or record is None or record.root is None:
+            return
+        record.root.attributes.update(totals.attributes(self.options))
+        record.mismatch = totals
+        span = next((s for s in reversed(record.spans) if s.kind == c.KIND_GENERATION), None)
+        if span is None:
+            return
+        span.attributes.update(totals.attributes(self.options))
+        if not (self.options.top_tokens and record.capture_content):
+            return
+        if self.starts is None:
+            rollout, trainer, counted = (x[i].copy() for x in (self.rollout, self.trainer, self.counted))
+        else:
+            lo = int(self.starts[0][i])
+            hi = lo + int(self.starts[1][i])
+            rollout, trainer, counted = (x[lo:hi].copy() for x in (self.rollout, self.trainer, self.counted))
+        tokens = _at(self.tokens, i) if self.tokens is not None else None
+        if tokens is not None:
+            tolist = getattr(tokens, "tolist", None)
+            tokens = tolist() if callable(tolist) else list(tokens)
+        view = TokenView(rollout, trainer, counted, self.options.top_tokens, tokens, self.decode)
+        span.attributes.update(view.attributes())
+
+
+class _PrivateDecoder:
+    """Token ids to texts with a private copy of the tokenizer, made on first use (the export
+    thread): a fast tokenizer used from two threads at once can raise in the training thread."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self._copy, self._lock = tokenizer, None, threading.Lock()
+
+    def __call__(self, ids: list[int]) -> list[str]:
+        with self._lock:
+            if self._copy is None:
+                try:
+                    self._copy = copy.deepcopy(self.tokenizer)
+                except Exception:  # noqa: BLE001 - an uncopyable tokenizer is used as it is
+                    self._copy = self.tokenizer
+            return [str(self._copy.decode([i])) for i in ids]

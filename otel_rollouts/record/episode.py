@@ -34,6 +34,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, jsonable, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
+from otel_rollouts._core.logprobs import TokenView, Totals, read_array, totals_of
 from otel_rollouts._core.spans import (
     DROPPED,
     KEPT,
@@ -198,6 +199,50 @@ def _number(span: SpanRecord, value: Any, field: str) -> float | None:
     if problem is not None:
         flag(span, problem)
     return number
+
+
+def record_logprobs(span: SpanRecord, logprobs: Any, trainer_logprobs: Any, tokens: Any = None,
+                    mask: Any = None, decode: Any = None) -> None:
+    """A generation's train–inference mismatch: its statistics on ``span`` and added to its
+    episode's root; its worst tokens as Deferred attributes (computed only if kept). A value that
+    is not per-token numbers, or lengths that disagree, is flagged on the span naming the field."""
+    arrays = []
+    for field_name, value in (("logprobs", logprobs), ("trainer_logprobs", trainer_logprobs)):
+        array, problem = read_array(value, field_name)
+        if problem is not None:  # what is not numbers is flagged, never raised
+            flag(span, problem)
+            return
+        arrays.append(None if array is None else array.reshape(-1))
+    rollout, trainer = arrays
+    if rollout is None or trainer is None:
+        return
+    if len(rollout) != len(trainer):
+        flag(span, f"trainer_logprobs: {len(trainer)} values for {len(rollout)} logprobs (no mismatch recorded)")
+        return
+    counted = None
+    if mask is not None:
+        counted, problem = read_array(mask, "mask")
+        if problem is not None:
+            flag(span, problem)
+            return
+        counted = None if counted is None else counted.reshape(-1) != 0
+        if counted is not None and len(counted) != len(rollout):
+            flag(span, f"mask: {len(counted)} values for {len(rollout)} logprobs (no mismatch recorded)")
+            return
+    options = _runtime.current().mismatch
+    totals = totals_of(rollout, trainer, counted, options)
+    if totals.n <= 0:
+        return
+    record = span.episode
+    span.attributes.update(totals.attributes(options))
+    if options.top_tokens and record.capture_content:
+        view = TokenView(rollout, trainer, counted, options.top_tokens, tokens, decode)
+        span.attributes.update(view.attributes())
+    if record.mismatch is None:
+        record.mismatch = Totals()
+    record.mismatch.add(totals)
+    if record.root is not None:
+        record.root.attributes.update(record.mismatch.attributes(options))
 
 
 def record_usage(span: SpanRecord, input_tokens: Any, output_tokens: Any) -> None:
@@ -365,11 +410,24 @@ class Generation(CallHandle):
         input_tokens: int | None = None,
         output_tokens: int | None = None,
         model: str | None = None,
+        logprobs: Any = None,
+        trainer_logprobs: Any = None,
+        tokens: Any = None,
+        mask: Any = None,
     ) -> None:
-        """Record what the policy generated (and end the span unless inside ``with``)."""
+        """Record what the policy generated (and end the span unless inside ``with``).
+
+        ``logprobs``: the inference engine's logprob of each generated token; ``trainer_logprobs``:
+        the trainer's for the same tokens, when known (a 1-D tensor, array or list each, read in
+        place, not copied). With both, the generation and its episode get the train–inference
+        mismatch statistics (``rl.mismatch.*``); ``tokens`` (the tokens' texts or ids) and the
+        worst tokens are rendered only if the episode is kept. ``mask``: 1 for the tokens that
+        count (default all)."""
         span = self._span
         if span is None:
             return
+        if logprobs is not None and trainer_logprobs is not None:
+            record_logprobs(span, logprobs, trainer_logprobs, tokens, mask)
         if model:
             span.attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
             span.name = c.chat_span_name(text(model))

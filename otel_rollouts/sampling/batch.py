@@ -97,7 +97,13 @@ class RowBatch:
         source = self._columns.get(name)
         if source is None:
             return None
-        made = list(source()) if callable(source) else source
+        if callable(source):
+            made = list(source())
+        elif getattr(source, "dtype", None) is not None and source.dtype.kind == "f":
+            # a float array (NaN: none), e.g. a statistic computed for the whole batch at once
+            made = [None if v != v else v for v in source.tolist()]
+        else:
+            made = source
         if len(made) != self.n:  # a short column is padded, never a wrong alignment
             made = (list(made) + [None] * self.n)[: self.n]
         self._made[name] = made
@@ -117,6 +123,9 @@ class RowBatch:
         import numpy as np
 
         out = self._arrays.get(name)
+        source = self._columns.get(name)
+        if out is None and getattr(source, "dtype", None) is not None and source.dtype.kind == "f":
+            out = self._arrays[name] = np.asarray(source, dtype=np.float64)  # already NaN for none
         if out is None:
             col = self.column(name)
             if col is None:
@@ -138,7 +147,8 @@ class RowBatch:
 _ALWAYS = (c.RL_STEP, c.RL_SPLIT)
 # columns a batch may lack, each row then having none: no status is ``ok``, no duration and no
 # expected group size are "not measured" (a policy reading them finds nothing, never a 0)
-_ABSENT_IS_NONE = (c.RL_STATUS, c.RL_DURATION_SECONDS, c.RL_GROUP_EXPECTED_SIZE)
+_ABSENT_IS_NONE = (c.RL_STATUS, c.RL_DURATION_SECONDS, c.RL_GROUP_EXPECTED_SIZE,
+                   *c.MISMATCH_STATS.values())
 
 
 def _number(value: Any) -> float:

@@ -667,6 +667,41 @@ class Slowest(BasePolicy):
         return f"Slowest({self.budget})" if self.budget is not None else "Slowest()"
 
 
+class _MismatchBucket(_ScoreBucket):
+    __slots__ = ()
+    reason = c.REASON_MISMATCH
+
+
+class Mismatch(BasePolicy):
+    """The ``n`` (default: its share of the cap) episodes of the step whose train–inference
+    mismatch is largest: where the inference engine and the trainer disagree most on the
+    probabilities of the tokens that were sampled. ``by``: the statistic ranked (a key of
+    ``conventions.MISMATCH_STATS``: ``"kl"`` (default), ``"abs_mean"``, ``"abs_max"``,
+    ``"ratio_max"``, ``"tokens_outside"``, or ``"ratio_min"``, ranked smallest first). An episode
+    without both logprobs has no statistic and is never chosen. Ties: the earlier to finish."""
+
+    name = "mismatch"
+    label = c.REASON_MISMATCH
+
+    def __init__(self, n: int | None = None, *, by: str = "kl") -> None:
+        if by not in c.MISMATCH_STATS:
+            raise ValueError(f"Mismatch(by): expected one of {sorted(c.MISMATCH_STATS)}, got {by!r}")
+        self.budget = _check_budget(n, "Mismatch(n)")
+        self.by = by
+        self.score = c.MISMATCH_STATS[by]
+
+    def bucket(self, cap: int, key: tuple[int, str], *, stream: bool = False,
+               margin: int = 0) -> Bucket:
+        return _MismatchBucket(cap + margin, self.score, 1.0 if self.by == "ratio_min" else -1.0)
+
+    def needs(self) -> set[str]:
+        return {self.score}
+
+    def __repr__(self) -> str:
+        n = "" if self.budget is None else f"{self.budget}, "
+        return f"Mismatch({n}by={self.by!r})"
+
+
 class _Group:
     __slots__ = ("gid", "members", "lo", "hi", "first", "lost", "expected")
 
@@ -958,6 +993,7 @@ POLICIES: dict[str, Any] = {
     Errors.name: lambda: Compose(Errors(), Uniform()),
     Groups.name: Groups,
     Slowest.name: Slowest,
+    Mismatch.name: Mismatch,
     DegenerateGroups.name: DegenerateGroups,
 }
 DEFAULT_POLICY = "default"
@@ -976,7 +1012,8 @@ def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
     ``"errors"``, ``"groups"``) or names joined by ``+`` (``"errors+top_bottom+uniform"``:
     a ``Compose(..., equal_shares=True)`` of those parts: each gets ``cap // n`` of the cap, the
     remainder to the last parts, and what a part leaves of its share passes on to the next).
-    Parts for compositions: ``"slowest"`` (the stragglers) and ``"degenerate_groups"``."""
+    Parts for compositions: ``"slowest"`` (the stragglers), ``"mismatch"`` (the largest
+    train–inference mismatch) and ``"degenerate_groups"``."""
     if isinstance(policy, Policy):
         return policy
     if not isinstance(policy, str):
