@@ -67,6 +67,39 @@ _STOP_STATUS = {
 _CONVERSATION_ROLES = ("system", "user", "assistant", "developer")
 
 
+class _Sampled:
+    """A turn whose generation also gets the sampled tokens' logprobs (``ac.maybe_logprobs``,
+    the sampler's, per ``ac.tokens``): ``record_assistant`` records the generation; everything
+    else goes to the turn itself. The trainer's logprobs of these tokens never reach the
+    adapter (the cookbook's ``train_step`` keeps its ``forward_backward`` logprobs), so no
+    ``rl.mismatch.*`` statistic comes of them: the engine's side is recorded alone."""
+
+    __slots__ = ("_turn", "_sampled")
+
+    def __init__(self, turn: Any, sampled: dict[str, Any]) -> None:
+        self._turn = turn
+        self._sampled = sampled
+
+    def record_generation(self, *args: Any, **kwargs: Any) -> Any:
+        return self._turn.record_generation(*args, **kwargs, **self._sampled)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._turn, name)
+
+
+def sampled(turn: Any, ac: Any) -> Any:
+    """``turn``, or the turn with ``ac``'s sampling logprobs (``TokensWithLogprobs.maybe_logprobs``
+    when it holds one per token of ``ac.tokens``; ``None`` or another length: none)."""
+    logprobs = to_list(field(ac, "maybe_logprobs"))
+    tokens = token_ids(ac)
+    if not logprobs or tokens is None or len(logprobs) != len(tokens):
+        if logprobs and tokens is not None:
+            warn_unknown(ADAPTER, "ac.maybe_logprobs", f"{len(logprobs)} logprobs for {len(tokens)} tokens: "
+                                                       "not recorded")
+        return turn
+    return _Sampled(turn, {"logprobs": logprobs, "tokens": tokens})
+
+
 def _substeps(value: Any) -> int:
     number, _ = to_int(value, "num_substeps")
     return number if number is not None and number >= 1 else 1
@@ -430,7 +463,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
                 feedback = reader.feedback(obs[k], ac, obs[k + 1], bool(message.get("tool_calls")))
             with ep.turn() as turn:
                 errors += record_assistant(
-                    turn,
+                    sampled(turn, ac),
                     message,
                     feedback,
                     model=model,

@@ -352,7 +352,7 @@ def _fill(ep: Episode, trajectory: Any, t: int, cols: Columns, reader: Any, mode
         message, errors = reader.action(ac, k)
         feedback = reader.feedback(obs[k], ac, obs[k + 1], bool(message.get("tool_calls")))
         with ep.turn() as turn:
-            errors += record_assistant(turn, message, feedback, model=model,
+            errors += record_assistant(_tinker.sampled(turn, ac), message, feedback, model=model,
                                        finish_reason=stop_reason,
                                        input_tokens=token_count(obs[k]),
                                        output_tokens=token_count(ac))

@@ -61,10 +61,22 @@ wrapper's clock around            ``rl.duration.seconds`` (``traced`` only): the
 ``messages`` / ``conversation``   a custom workflow's chat messages, replayed instead of decoding
 ``interactions``                  AReaL's string-only trajectories (``concat_string_interactions``:
                                   ``request`` messages, ``response`` text, ``reward``)
+``logprobs`` (per token, the      the engine's (rollout) logprobs of the generated tokens, and
+inference engine's) and           ``prox_logp`` the trainer's: ``rl.mismatch.*`` on each generation
+``prox_logp`` (the actor's        and the root (train–inference mismatch). ``prox_logp`` is AReaL's
+``compute_logp``, set by          next-token layout (column t scores token t + 1, as
+``PPOTrainer`` when               ``compute_advantages`` rolls the rest to): shifted back onto the
+``should_compute_prox_logp()``)   tokens here. Without ``prox_logp`` (the workflow wrapper, or a
+                                  batch recorded before ``compute_logp``): no statistic
 ================================  =====================================================================
 
-Not recorded: ``logprobs`` (per-token numbers, not text), ``multi_modal_input`` (images),
-``begin_of_trajectory``. Any other key is not understood: it is reported once with
+To get the mismatch, call ``record_trajectories`` after ``actor.compute_logp`` has stored
+``traj["prox_logp"]`` (``recompute_logprob`` / decoupled PPO) and before
+``compute_advantages`` (whose output is rolled by one token). With decoupled PPO and
+``max_head_offpolicyness`` > 0 the proximal policy is newer than the behaviour policy: Δ then
+includes the staleness as well as the numerical mismatch.
+
+Not recorded: ``multi_modal_input`` (images), ``begin_of_trajectory``. Any other key is not understood: it is reported once with
 ``warn_unknown`` and left out.
 
 Policy version and staleness (the one definition in ``conventions``): AReaL stamps each generated
@@ -81,6 +93,7 @@ measured from the newest; ``trained_version − rl.policy.version.min`` is the o
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -119,11 +132,12 @@ __all__ = ["record_trajectories", "traced"]
 FRAMEWORK = "areal"
 TESTED = ("1.0.4",)  # the only AReaL release on the package registry
 _TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "versions")
-_PER_SAMPLE = ("attention_mask", "loss_mask", "versions", "rewards", "logprobs")
+_LOGPROB_KEYS = ("logprobs", "prox_logp")  # the engine's (per token), the trainer's (next token)
+_PER_SAMPLE = ("attention_mask", "loss_mask", "versions", "rewards", *_LOGPROB_KEYS)
 _MESSAGE_KEYS = ("messages", "conversation")
 # keys AReaL's stock workflows write that are deliberately not recorded
-_NOT_RECORDED = frozenset({"logprobs", "multi_modal_input", "begin_of_trajectory"})
-_KNOWN = frozenset({*_TOKEN_KEYS, "rewards", *_MESSAGE_KEYS, "interactions", *_NOT_RECORDED})
+_NOT_RECORDED = frozenset({"multi_modal_input", "begin_of_trajectory"})
+_KNOWN = frozenset({*_TOKEN_KEYS, "rewards", *_LOGPROB_KEYS, *_MESSAGE_KEYS, "interactions", *_NOT_RECORDED})
 
 
 class _Attributes(dict):
@@ -264,12 +278,12 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         return _unknown(trajectory, index, step=step, split=split, label=(group, prefix, extra))
     values = {name: _local(field(trajectory, name)) for name in _PER_SAMPLE}
     input_ids = _host(input_ids)
-    for name in ("attention_mask", "loss_mask", "versions"):
+    for name in ("attention_mask", "loss_mask", "versions", *_LOGPROB_KEYS):
         values[name] = _host(values[name])
     if getattr(input_ids, "ndim", None) == 1:  # one sample without its batch dimension
         warn_unknown(FRAMEWORK, "input_ids", "1-D; AReaL trajectories are [group_size, seqlen]: read as one sample")
         input_ids = input_ids.reshape(1, -1)
-        for name in ("attention_mask", "loss_mask", "versions"):
+        for name in ("attention_mask", "loss_mask", "versions", *_LOGPROB_KEYS):
             if getattr(values[name], "ndim", None) == 1:
                 values[name] = values[name].reshape(1, -1)
     size = _rows(input_ids)
@@ -305,6 +319,10 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
             attrs[c.RL_ALIGNMENT_MISSING] = missing[j]
         attributes.append(attrs)
     count(COUNT_PARTIAL, sum(1 for m in missing if m), step=step, split=split)
+    # a logprob column of another number of rows cannot be paired with the samples (marked
+    # partial above): left out, so no sample is compared with another's logprobs
+    engine = None if "logprobs" in ragged else values["logprobs"]
+    trainer = None if "prox_logp" in ragged else _token_aligned(values["prox_logp"])
     record_token_batch(
         input_ids,
         tokenizer=tokenizer,
@@ -321,8 +339,33 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         framework=FRAMEWORK,
         model=model,
         attributes=attributes,
+        logprobs=engine,
+        trainer_logprobs=trainer,
     )
     return size
+
+
+def _token_aligned(next_token: Any) -> Any:
+    """AReaL's ``prox_logp`` (``compute_logp``: column t is the logprob of token t + 1, the
+    last column scores nothing) moved onto the tokens it scores, like ``input_ids`` and the
+    engine's ``logprobs``: column 0 (a prompt token, never compared) is NaN. Numpy arrays are
+    shifted whole; lists row by row; anything else is left out (None)."""
+    import numpy as np
+
+    if next_token is None:
+        return None
+    if isinstance(next_token, np.ndarray):
+        if next_token.ndim != 2:
+            warn_unknown(FRAMEWORK, "prox_logp", f"{next_token.ndim}-D, expected [group_size, seqlen]: not compared")
+            return None
+        out = np.full(next_token.shape, np.nan, dtype=np.float64)
+        out[:, 1:] = next_token[:, :-1]
+        return out
+    rows = to_list(next_token)
+    if rows is None or not all(isinstance(r, list) for r in rows):
+        warn_unknown(FRAMEWORK, "prox_logp", f"{type(next_token).__name__}: not compared")
+        return None
+    return [[math.nan, *r[:-1]] if r else [] for r in rows]
 
 
 def _generated(mask: Any, attention: Any, shape: tuple[int, ...]) -> Any:

@@ -65,7 +65,28 @@ other ``env_metrics[i]`` scalars            ``rl.metadata.env_metrics.<name>`` (
                                             when SkyRL leaves it None)
 ``env_extras[j]["extra_info"]["index"]``,   ``rl.dataset.index`` (SkyRL's ``PromptDataset``
 else a numeric ``instance_id``              makes the uid ``str(row)``; other uids: none)
+``rollout_logprobs`` (the engine's, per     train–inference mismatch (``rl.mismatch.*`` on the
+response token; ``sampling_params.          root and the last generation span, where both are
+logprobs`` set) + ``trainer_logprobs=``     known), counted where ``loss_masks`` is 1 (SkyRL's
+(the trainer's ``action_log_probs``)        own ``rollout_train_logprobs_abs_diff`` mask)
 ==========================================  ===================================================
+
+Train–inference mismatch: the trainer's logprobs are not in the ``GeneratorOutput``. SkyRL's
+trainer computes them after generation (``RayPPOTrainer.fwd_logprobs_values_reward`` writes
+``training_input["action_log_probs"]``, ``[rows, max_response]``, right-aligned as every
+response-level tensor of ``convert_prompts_responses_to_batch_tensors``; None when the policy
+forward is skipped, ``_skip_policy_forward``). To record both, call the adapter after that line
+with the generator output the batch was built from (after ``postprocess_generator_output``),
+instead of the call right after generation (each call records the episodes)::
+
+    training_input = self.fwd_logprobs_values_reward(training_input)
+    skyrl.record_generator_output(generator_input, generator_output, step=self.global_step,
+                                  tokenizer=self.tokenizer,
+                                  trainer_logprobs=training_input["action_log_probs"])
+
+``trainer_logprobs``: that tensor (row i's values are its last ``len(response_ids[i])`` columns),
+or one sequence per row. Without it (``RecordingGenerator``, a call right after generation) only
+the engine's logprobs are passed: no statistics, nothing else changes.
 
 One SkyRL training step is counted as one update: the sampler's weights change once per step
 (``save_weights_for_sampler``), whatever number of mini-batch optimizer steps it ran.
@@ -73,7 +94,7 @@ One SkyRL training step is counted as one update: the sampler's weights change o
 A loss mask of only 0s (``apply_overlong_filtering`` on a truncated trajectory) cannot split
 turns: the response is recorded as one generation, with ``rl.metadata.loss_masked=true``.
 
-Not recorded: ``rollout_logprobs``, ``rollout_metrics`` (batch-level), ``rollout_expert_indices``,
+Not recorded: ``rollout_metrics`` (batch-level), ``rollout_expert_indices``,
 ``rollout_sample_support`` (0.4.0: the sampler's top-k vocabulary ids per response token, used to
 renormalise logprobs; token-level sampler state, not an episode fact), ``pixel_values``/``image_grid_thw``, non-scalar env metrics
 (warned once).
@@ -154,6 +175,7 @@ def record_generator_output(
     n_samples_per_prompt: int | None = None,
     model: str | None = None,
     trains_at_step: bool = True,
+    trainer_logprobs: Any = None,
 ) -> int:
     """Record each trajectory of a SkyRL generation as one episode; returns how many.
 
@@ -171,6 +193,10 @@ def record_generator_output(
     * ``trains_at_step``: False when ``step`` is the step the rollouts were generated at and the
       step that trains on them is not known yet (``RecordingGenerator`` in the fully async
       trainer): no ``rl.staleness`` then, rather than a wrong 0.
+    * ``trainer_logprobs``: the trainer's logprobs of the response tokens, one row per
+      ``GeneratorOutput`` row: SkyRL's ``training_input["action_log_probs"]`` (right-aligned
+      ``[rows, max_response]``) or a sequence per row; with ``rollout_logprobs`` they give the
+      ``rl.mismatch.*`` statistics.
     """
     check_release(FRAMEWORK, "skyrl", TESTED)
     meta = field(generator_input, "batch_metadata")
@@ -236,6 +262,8 @@ def record_generator_output(
             warn_unknown(FRAMEWORK, "tokenizer", f"unusable ({type(exc).__name__}): token counts only")
     env_classes, env_extras = field(generator_input, "env_classes"), field(generator_input, "env_extras")
 
+    engine_rows = _logprob_rows(field(out, "rollout_logprobs"), n, "rollout_logprobs")
+    trainer_rows = _logprob_rows(trainer_logprobs, n, "trainer_logprobs")
     stage_times = _stage_times(field(out, "trajectory_time_splits"), n)
     durations = _durations(field(out, "trajectory_generation_times"), n)
     _warn_unmapped_fields(out)
@@ -257,21 +285,24 @@ def record_generator_output(
             text=text, model=model, sample_index=number, stages=stage_times.get(rows[-1]),
             duration=durations.get(rows[-1]),
             instance_id=groups[first] if grouped_by == "ids" else None,
+            engine_rows=engine_rows, trainer_rows=trainer_rows,
         )
 
     samples = read_samples(range(len(episodes)), read, FRAMEWORK)
-    return record_samples(samples, step=step, split=split, framework=FRAMEWORK)
+    return record_samples(samples, step=step, split=split, framework=FRAMEWORK,
+                          tokenizer=text.tokenizer if text is not None else None)
 
 
 @guarded
 def record_output_group(group: Any, *, step: int, tokenizer: Any = None,
-                        model: str | None = None) -> int | None:
+                        model: str | None = None, trainer_logprobs: Any = None) -> int | None:
     """Record one ``GeneratedOutputGroup`` of SkyRL's fully asynchronous trainer (its
     ``generator_output``, ``uid``, ``global_step_when_scheduled``, ``prompts``), e.g. for each
     group in ``convert_generation_group_mini_batch_to_training_input`` with
     ``step=self.global_step``; returns how many episodes. The group's own scheduling step is its
     policy version: ``rl.staleness`` = ``step`` − ``global_step_when_scheduled``, SkyRL's own
-    per-group staleness."""
+    per-group staleness. ``trainer_logprobs``: as in ``record_generator_output``, the group's
+    rows."""
     out = field(group, "generator_output")
     uid = field(group, "uid")
     prompts = to_list(field(group, "prompts")) or []
@@ -284,7 +315,8 @@ def record_output_group(group: Any, *, step: int, tokenizer: Any = None,
         "trajectory_ids": ids,
         "batch_metadata": {"global_step": field(group, "global_step_when_scheduled"), "training_phase": "train"},
     }
-    return record_generator_output(generator_input, out, step=step, tokenizer=tokenizer, model=model)
+    return record_generator_output(generator_input, out, step=step, tokenizer=tokenizer, model=model,
+                                   trainer_logprobs=trainer_logprobs)
 
 
 class RecordingGenerator:
@@ -521,7 +553,8 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
             episode_id: str, group: str | None, env_class: Any, env_extras: Any,
             text: _Text | None, model: str | None, sample_index: int,
             stages: Mapping[str, float] | None = None, duration: float | None = None,
-            instance_id: str | None = None) -> Sample:
+            instance_id: str | None = None, engine_rows: list[Any] | None = None,
+            trainer_rows: list[Any] | None = None) -> Sample:
     """One trajectory (its rows): the reward and status now, the turns only if it may be kept."""
     v = cols.value
     last = rows[-1]
@@ -556,10 +589,12 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
     per_turn: list[float] = []
     problems: list[str] = []
     turns: list[tuple[int, list[Any], list[Any], bool]] = []  # row, ids, mask, whole mask zeroed
+    counted: list[Any] = []  # the loss mask as SkyRL trains with it (the logprobs' mask)
     for i in rows:
         ids = to_list(v("response_ids", i)) or []
         mask = to_list(v("loss_masks", i))
         zeroed = False
+        counted += mask if mask is not None and len(mask) == len(ids) else [1] * len(ids)
         if mask is None or len(mask) != len(ids):
             if mask is not None:
                 warn_unknown(FRAMEWORK, "loss_masks", "length differs from response_ids: all tokens "
@@ -596,14 +631,52 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
             generations += _turns(ep, ids, mask, text, model=model, finish_reason=v("stop_reasons", i))
         ep.set_attribute(c.RL_TURN_COUNT, turn_count if turn_count is not None else generations)
 
+    logprobs = _episode_logprobs(engine_rows, turns, "rollout_logprobs", aligned="exact")
+    trainer_logprobs = _episode_logprobs(trainer_rows, turns, "trainer_logprobs", aligned="right")
+    compared = logprobs is not None and trainer_logprobs is not None
     return Sample(
         content, episode_id=episode_id, group_id=group, sample_index=sample_index,
         dataset_name=env_class, dataset_index=_dataset_index(env_extras, instance_id),
         metadata=metadata or None, reward=total, duration=duration, stages=stages,
         components={f"turn_{k}": r for k, r in enumerate(per_turn)} if len(per_turn) > 1 else None,
         finish_reason=finish, status=status_for(finish), missing=sorted(set(missing)),
-        problems=problems,
+        problems=problems, logprobs=logprobs, trainer_logprobs=trainer_logprobs,
+        logprob_mask=counted if compared else None,
+        response_ids=[t for _, ids, _, _ in turns for t in ids] if compared else None,
     )
+
+
+def _logprob_rows(values: Any, n: int, name: str) -> list[Any] | None:
+    """Per-row logprobs (``rollout_logprobs``, the trainer's): one list per ``GeneratorOutput``
+    row, a tensor moved to the host once. Another number of rows is warned, not guessed."""
+    rows = to_list(values)
+    if rows is None:
+        return None
+    if len(rows) < n or (len(rows) > n and name == "rollout_logprobs"):
+        warn_unknown(FRAMEWORK, name, f"{len(rows)} rows for {n} responses: not recorded")
+        return None
+    return rows[:n]  # the trainer's batch may carry padding rows after the real ones
+
+
+def _episode_logprobs(values: list[Any] | None, turns: list[tuple[int, list[Any], list[Any], bool]],
+                      name: str, *, aligned: str) -> list[float] | None:
+    """One episode's logprobs over its response tokens (its rows', concatenated), or None when
+    a row has none. ``aligned="right"``: a row longer than its response holds it in its last
+    columns (SkyRL's padded response tensors); ``"exact"``: the lengths must be equal."""
+    if values is None:
+        return None
+    out: list[float] = []
+    for i, ids, _, _ in turns:
+        row = to_list(values[i]) if i < len(values) else None
+        if row is None:
+            return None
+        if len(row) > len(ids) and aligned == "right":
+            row = row[len(row) - len(ids):]
+        if len(row) != len(ids):
+            warn_unknown(FRAMEWORK, name, f"{len(row)} logprobs for {len(ids)} response tokens: not recorded")
+            return None
+        out += row
+    return out
 
 
 def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, model: str | None,

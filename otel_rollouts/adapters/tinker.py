@@ -56,6 +56,12 @@ advantages (``advantages=``)                ``rl.advantage``
                                             Eval episodes are not trained on: no staleness.
                                             With num_substeps > 1 this is the figure at the
                                             iteration's start (substep j adds j)
+``ac.maybe_logprobs`` (the sampler's         the generation's engine (rollout) logprobs of
+logprobs of ``ac.tokens``)                  ``ac.tokens``. The trainer's logprobs of the same
+                                            tokens stay inside the cookbook's ``train_step``
+                                            (``forward_backward``'s ``loss_fn_outputs``, its
+                                            ``optim/kl_sample_train_*`` metrics): no
+                                            ``rl.mismatch.*`` statistic is recorded
 ``len(transitions)``                        ``rl.turn.count``
 ``env_group_builder.logging_tags()``        ``rl.metadata.tags``
 ``rollout_errors[j]``                       an error episode (``rl.status=error``,
@@ -74,7 +80,7 @@ naming what is lost; the observations after actions are still recorded, never dr
 Decoding: the prompt is split only if the episode is kept; each action, and the text the next
 observation adds after it, are decoded when recorded (their tool calls shape the span tree).
 
-Not recorded: logprobs, ``sequence_id``/``prompt_cache_hit_tokens``, images in observations
+Not recorded: ``sequence_id``/``prompt_cache_hit_tokens``, images in observations
 (warned once), and texts a rollout-summary record does not hold (it has lengths, not tokens).
 
 Other things handled: steps that returned early (parse error, ``length``) still give an

@@ -59,7 +59,16 @@ samples get no staleness when the slices differ). With ``num_iterations`` > 1 a 
 again in later passes: the episode is recorded once, with the staleness of its first training
 pass. Eval samples are never trained: version only.
 
-Not recorded: logprobs, images, token ids/text of tool results beyond TRL's tool messages, and
+Train–inference mismatch (``rl.mismatch.*`` on each completion's last generation and its root):
+the per-token logprobs ``_generate_and_score_completions`` returns for this process's samples —
+``sampling_per_token_logps`` (the engine's: vLLM's, or a ``rollout_func``'s ``logprobs``) against
+``old_per_token_logps`` (the trainer's, computed by TRL when it corrects for the mismatch,
+``vllm_importance_sampling_correction``, or when ``steps_per_generation`` makes the batch
+off-policy), over the tokens TRL's loss counts (``completion_mask`` × ``tool_mask``; a truncated
+completion masked by ``mask_truncated_completions`` counts none). Without either (plain
+``transformers`` generation has no engine logprobs): no statistic.
+
+Not recorded: images, token ids/text of tool results beyond TRL's tool messages, and
 token counts / finish reasons of other processes' samples (only their text reaches the main
 process). Only the main process records (TRL gathers every process's completions there). An
 eval batch larger than TRL's buffers (sized for a training generation batch) has lost its first
@@ -244,6 +253,7 @@ class RolloutTraceCallback(TrainerCallback):
         if version is None:
             version = _int(getattr(getattr(trainer, "state", None), "global_step", None))
         batch = _slice_batch(columns, new)
+        generated.update(_logprobs(output))
         batch.update(split=split, version=version, tokens=generated, slices=None,
                      trained=_slice_versions(trainer, split, version, generated.get("micro")))
         expected = _expected_size(trainer, generated)
@@ -365,16 +375,17 @@ class RolloutTraceCallback(TrainerCallback):
                 version=batch["version"], trained_version=trained_version,
                 episode_id=f"{split}:{step}:{index}:{i}", group_id=groups[g],
                 sample_index=g % group_size if groups[g] and group_size else i,
-                usage=_usage(tokens, g, finish))
+                usage=_usage(tokens, g, finish), logprobs=_row_logprobs(tokens, g))
 
         samples = read_samples(range(n), read, FRAMEWORK)
-        self.recorded += record_samples(samples, step=step, split=split, framework=FRAMEWORK)
+        self.recorded += record_samples(samples, step=step, split=split, framework=FRAMEWORK,
+                                        tokenizer=tokenizer)
 
 
 def _sample(values: dict[str, Any], missing: list[str], names: list[str], weights: list[float], *,
             model: str | None, tokenizer: Any, version: int | None, trained_version: int | None,
             episode_id: str, group_id: str | None, sample_index: int,
-            usage: dict[str, Any] | None) -> Sample:
+            usage: dict[str, Any] | None, logprobs: Mapping[str, Any] | None = None) -> Sample:
     """One sample: its reward terms and status now, its prompt and turns only if it may be kept."""
     metadata = {key[len("extra."):]: v for key, v in values.items()
                 if key.startswith("extra.") and v is not None}
@@ -416,7 +427,7 @@ def _sample(values: dict[str, Any], missing: list[str], names: list[str], weight
         content, episode_id=episode_id, group_id=group_id, sample_index=sample_index,
         metadata=metadata, reward=total if weighted else None, components=components or None,
         advantage=advantage, finish_reason=reason, status=status_for(reason),
-        missing=missing, problems=problems,
+        missing=missing, problems=problems, **(logprobs or {}),
     )
 
 
@@ -515,6 +526,47 @@ def _usage(tokens: Mapping[str, Any], g: int, finish: _Finish) -> dict[str, Any]
     prompt = prompts[g] if isinstance(prompts, list) and g < len(prompts) else None
     return {"input_tokens": len(prompt) if isinstance(prompt, list) else None,
             "mask": mask, "finish_reason": finish.reason(ids)}
+
+
+# TRL's output key -> the Sample field it feeds
+_LOGPROB_FIELDS = (("sampling_per_token_logps", "logprobs"), ("old_per_token_logps", "trainer_logprobs"),
+                   ("completion_ids", "response_ids"))
+
+
+def _logprobs(output: Any) -> dict[str, Any]:
+    """The per-token logprobs of this process's samples from what
+    ``_generate_and_score_completions`` returned, [B, completion length] each, moved to the host
+    once per batch: the engine's, the trainer's, the completion ids, and TRL's loss mask
+    (``completion_mask`` × ``tool_mask``). Empty when neither logprob is there."""
+    if not isinstance(output, Mapping):
+        return {}
+    if output.get("sampling_per_token_logps") is None and output.get("old_per_token_logps") is None:
+        return {}
+    out: dict[str, Any] = {}
+    for key, name in _LOGPROB_FIELDS:
+        value = output.get(key)
+        if value is not None:
+            out[name] = to_list(value)
+    mask = output.get("completion_mask")
+    tool_mask = output.get("tool_mask")
+    if mask is not None and tool_mask is not None and getattr(mask, "shape", None) == getattr(tool_mask, "shape", 0):
+        mask = mask * tool_mask
+    if mask is not None:
+        out["logprob_mask"] = to_list(mask)
+    return out
+
+
+def _row_logprobs(tokens: Mapping[str, Any], g: int) -> dict[str, Any]:
+    """Gathered sample ``g``'s row of each logprob column (this process's samples only: another
+    process's logprobs never reach the main process)."""
+    if "logprobs" not in tokens and "trainer_logprobs" not in tokens:
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("logprobs", "trainer_logprobs", "logprob_mask", "response_ids"):
+        rows = tokens.get(name)
+        if isinstance(rows, list) and g < len(rows) and isinstance(rows[g], list):
+            out[name] = rows[g]
+    return out
 
 
 def _turn_usage(usage: Mapping[str, Any] | None, turns: int) -> list[tuple[int | None, int | None]]:

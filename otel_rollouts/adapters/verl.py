@@ -52,6 +52,17 @@ What lands where (verl field → attribute):
   ``trajectory_staleness``). Fully async trainers pass ``trained_version=self.current_param_version``.
   Validation samples get no staleness (nothing trains on them). Units are verl's weight
   versions: one per trainer step (a step's PPO mini-batches make several optimizer steps).
+* train–inference mismatch: ``rollout_log_probs`` (the engine's logprob of each response token,
+  ``[B, response_len]``, 0.0 on padding; present when the rollout computes them,
+  ``actor_rollout_ref.rollout.calculate_log_probs``) → ``logprobs``, and ``old_log_probs`` (the
+  actor's recomputation, ``RayPPOTrainer._compute_old_log_prob``; present once the trainer's
+  ``batch.union(old_log_prob)`` ran) → ``trainer_logprobs`` of ``record_token_batch``: both
+  response-only, the last ``response_len`` columns of ``input_ids``, counted where
+  ``response_mask`` is 1 → ``rl.mismatch.*`` on the generation spans and the root. Passed as they
+  are (no copy on the training thread). Absent columns are passed as nothing (no statistics). In
+  verl's bypass mode (``rollout_correction.bypass_mode``) ``old_log_probs`` *is*
+  ``rollout_log_probs`` (no recomputation): not passed as the trainer's, the Δ would be 0 by
+  construction. ``verl_loop`` sees only ``rollout_log_probs`` (it records before the actor runs).
 * ``__num_turns__`` → ``rl.turn.count`` (verl counts user, assistant and tool messages);
   ``num_cached_tokens``, ``spec_num_*``, ``agent_name`` → ``rl.metadata.<name>``.
 * Time: verl's agent loop times each sample (``AgentLoopMetrics``: ``generate_sequences``,
@@ -64,7 +75,7 @@ What lands where (verl field → attribute):
   sample's wall time (the stages leave out waiting, tokenisation and environment steps).
 * Not recorded: ``turn_scores``, ``tool_rewards`` (per-turn lists), ``extras``, ``extra_info``, ``priority``,
   ``reward_model`` (ground truth), ``raw_prompt``, ``tools_kwargs``, ``multi_modal_*``,
-  ``old_log_probs``/``ref_log_prob``/``values``/``returns``, ``position_ids``, ``meta_info``
+  ``ref_log_prob``/``values``/``returns``, ``position_ids``, ``meta_info``
   metrics.
 
 Tensors leave the device once per batch; text is decoded only for the episodes the tail
@@ -327,8 +338,47 @@ def record_batch(
         framework=FRAMEWORK,
         model=model,
         attributes=attributes,
+        **_logprobs(tensors, responses),
     )
     return size
+
+
+def _logprobs(tensors: Any, responses: Any) -> dict[str, Any]:
+    """``record_token_batch``'s ``logprobs`` (verl's ``rollout_log_probs``: the engine's) and
+    ``trainer_logprobs`` (``old_log_probs``: the actor's recomputation), each only when the batch
+    has it, as verl holds them: ``[B, response_len]``, the last columns of ``input_ids``. Not
+    copied. ``old_log_probs`` that is ``rollout_log_probs`` itself (verl's bypass mode) is not the
+    trainer's: left out."""
+    out: dict[str, Any] = {}
+    engine = _get(tensors, "rollout_log_probs")
+    trainer = _get(tensors, "old_log_probs")
+    shape = tuple(responses.shape)
+    for key, name, values in (("logprobs", "rollout_log_probs", engine),
+                              ("trainer_logprobs", "old_log_probs", trainer)):
+        if values is None:
+            continue
+        if tuple(getattr(values, "shape", ())) != shape:
+            warn_unknown(FRAMEWORK, name, f"shape {tuple(getattr(values, 'shape', ()))} is not the responses' "
+                         f"{shape}: not recorded")
+            continue
+        out[key] = values
+    if "trainer_logprobs" in out and "logprobs" in out and _same_storage(engine, trainer):
+        del out["trainer_logprobs"]  # bypass mode: old_log_probs = rollout_log_probs
+    return out
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    """Whether two tensors are one (verl's bypass mode assigns the same tensor to both keys)."""
+    if a is b:
+        return True
+    pointer = getattr(a, "data_ptr", None)
+    other = getattr(b, "data_ptr", None)
+    if callable(pointer) and callable(other):
+        try:
+            return bool(pointer() == other() and a.shape == b.shape and a.stride() == b.stride())
+        except Exception:  # noqa: BLE001 - not torch tensors: compared by identity only
+            return False
+    return False
 
 
 def _positive(value: Any) -> bool:

@@ -17,6 +17,11 @@ tool calls and reward scoring: ``rl.stage.<stage>.seconds``), taken as verl's
 ``_performance_metrics`` reduces them to per-step figures. It numbers each sample's ``rollout_n`` exactly as the agent
 loop's rollout traces do (the same chunks, before ``_balance_batch``).
 
+Train–inference mismatch: the engine's logprobs (``rollout_log_probs``; the TQ worker's
+``AgentLoopOutput.response_logprobs``) are passed on when the rollout computes them; the actor's
+``old_log_probs`` are computed after the manager returns, so no ``rl.mismatch.*`` statistics
+here (the ``record_batch`` line after ``old_log_probs`` has both).
+
 What it cannot see: advantages (``compute_advantage`` runs on the trainer's batch after the
 manager returns, on a copy the manager never holds), KL-penalised ``token_level_rewards``, and
 rewards of a colocated reward model (scored after generation; warned once). For those, use the
@@ -210,6 +215,12 @@ def observe_session(worker: Any, output: Any, validate: Any, sample: Mapping[str
     tensors = {"prompts": prompt_ids, "responses": response_ids, "input_ids": input_ids,
                "attention_mask": torch.ones_like(input_ids),
                "response_mask": torch.tensor(list(final.response_mask), dtype=torch.int64)[None]}
+    logprobs = getattr(final, "response_logprobs", None)  # the engine's (as_dict: rollout_log_probs)
+    if logprobs is not None and len(logprobs) == response_ids.shape[1]:
+        tensors["rollout_log_probs"] = torch.tensor(list(logprobs), dtype=torch.float32)[None]
+    elif logprobs is not None:
+        warn_unknown(_FRAMEWORK, "response_logprobs", f"{len(logprobs)} logprobs for {response_ids.shape[1]} "
+                     "response tokens: not recorded")
     if final.reward_score is not None:  # as AgentLoopOutput.as_dict: the score on the last token
         rm_scores = torch.zeros(response_ids.shape, dtype=torch.float32)
         rm_scores[0, -1] = float(final.reward_score)
@@ -311,8 +322,8 @@ def observe(manager: Any, prompts: Any, output: Any) -> int:
     if "rm_scores" not in tensors.keys():
         warn_unknown(_FRAMEWORK, "rm_scores", "the generated batch has no reward (a colocated reward model "
                      "scores it later): episodes carry no rl.reward; the record_batch line records them")
-    names = [k for k in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "rm_scores")
-             if k in tensors.keys()]
+    names = [k for k in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "rm_scores",
+                         "rollout_log_probs") if k in tensors.keys()]
     if len(keep) == size:
         batch_tensors = {k: tensors[k] for k in names}
         non_tensor = columns
