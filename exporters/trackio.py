@@ -34,6 +34,9 @@ What Trackio 0.43's Traces page derives from a trace (``frontend/src/lib/traceUt
   step's kept episodes, lowest reward first, with a short question and answer: Trackio 0.43
   renders tables on its Media & Tables page as plain text without sorting, so the rows come
   sorted, and a token count no generation recorded reads ``—``.
+* a ``rollouts/mismatch`` table per step (train–inference mismatch) lists the worst tokens of the
+  step's kept episodes, one row per token, largest |Δ| first across the step; a token's text is
+  shown with its whitespace visible (``␣the``, ``\\n``): a cell would show a space as nothing.
 """
 
 from __future__ import annotations
@@ -138,6 +141,19 @@ RUNNING_COLUMNS = ("episode", "open for", "stuck in", "trace id")
 RUNNING_MARK = "running"  # a snapshot's status, and its open spans' (no glyph: fonts lack ⏳)
 RUNNING_NONE = "nothing running"  # the one row of a running table when every episode ended
 RUNNING_MAX = 256  # episodes shown running at once (beyond: the earliest shown is forgotten, its row kept)
+# train–inference mismatch: the episode's statistics as step-table columns (only in a step where a
+# kept episode has them), and a table of the step's worst tokens, largest |Δ| first
+MISMATCH_COLUMNS = {c.RL_MISMATCH_KL: "mismatch kl", c.RL_MISMATCH_ABS_MAX: "max |\u0394|",
+                    c.RL_MISMATCH_OUTSIDE: "tokens outside band"}
+MISMATCH_SUFFIX = "mismatch"
+COLUMN_TOKEN = "token"
+COLUMN_DELTA = "\u0394 (trainer\u2212rollout)"  # Δ = trainer logprob − rollout logprob
+MISMATCH_TOKEN_COLUMNS = (COLUMN_DELTA, "ratio", COLUMN_TOKEN, "rollout logprob", "trainer logprob", "position",
+                          "generation", COLUMN_REASON, "sample", "trace id")
+MISMATCH_PER_GENERATION = 8  # a generation's worst tokens shown (its span carries up to top_tokens)
+MISMATCH_MAX_ROWS = 256  # rows of a step's mismatch table
+TOKEN_CHARS = 40  # a token's shown text, "…" included
+_VISIBLE = {" ": "\u2423", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\"}  # ␣ for a space
 TABLE_LINK = "link"
 TABLE_ABSENT = "\u2014"  # —: what the table shows for a value nobody recorded (never 0)
 PREVIEW_CHARS = 80  # the table's question and answer previews, "…" included
@@ -400,9 +416,119 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
         attrs.get(c.RL_SAMPLE_INDEX), attrs.get(c.RL_EPISODE_ID),
     )
     row = dict(zip(TABLE_COLUMNS, values, strict=True))
+    if any(attrs.get(key) is not None for key in MISMATCH_COLUMNS):  # train–inference mismatch measured
+        row.update((column, _stat(attrs.get(key))) for key, column in MISMATCH_COLUMNS.items())
     if trace_url is not None:
         row[TABLE_LINK] = trace_url
     return row
+
+
+def step_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A step table's rows with the same columns, in order: when some episode of the step has
+    train–inference mismatch statistics, every row gets their columns (``MISMATCH_COLUMNS``,
+    right after ``kept because``, in sight beside it; ``—`` where an episode has none);
+    otherwise the rows as they are."""
+    if not any(column in row for row in rows for column in MISMATCH_COLUMNS.values()):
+        return [dict(row) for row in rows]
+    at = TABLE_COLUMNS.index(COLUMN_REASON) + 1
+    columns = (*TABLE_COLUMNS[:at], *MISMATCH_COLUMNS.values(), *TABLE_COLUMNS[at:])
+    out = []
+    for row in rows:
+        item = {column: row.get(column, TABLE_ABSENT) for column in columns}
+        if TABLE_LINK in row:
+            item[TABLE_LINK] = row[TABLE_LINK]
+        out.append(item)
+    return out
+
+
+def _stat(value: Any) -> float | int | str:
+    """A mismatch statistic as a table shows it (4 significant digits), ``—`` when absent."""
+    number = _readable(value, 4)
+    return TABLE_ABSENT if number is None else number
+
+
+def token_text(value: Any) -> str:
+    """A token as a table cell shows it: whitespace visible (a space as ``␣``, a newline as
+    ``\\n``, other control or invisible characters escaped as Python writes them), at most
+    ``TOKEN_CHARS`` characters; ``''`` for an empty token."""
+    text = value if isinstance(value, str) else as_text(value)
+    if not text:
+        return "''"
+    shown = "".join(_VISIBLE.get(ch) or (ch if ch.isprintable() else repr(ch)[1:-1]) for ch in text[:TOKEN_CHARS + 1])
+    return shown if len(shown) <= TOKEN_CHARS else shown[: TOKEN_CHARS - 1] + "\u2026"
+
+
+class TokenRow(NamedTuple):
+    """One of a kept episode's worst tokens, as its step's mismatch table lists it."""
+
+    order: tuple[float, str, int, int]  # (−|Δ|, trace id, generation, rank): the table's order
+    row: dict[str, Any]
+
+
+def mismatch_rows(spans: Sequence[ReadableSpan], trace_url: str | None) -> list[TokenRow]:
+    """The worst tokens of a kept episode's generations (``rl.mismatch.worst.*``, at most
+    ``MISMATCH_PER_GENERATION`` of each) as rows of its step's mismatch table: Δ (trainer −
+    rollout logprob), the ratio exp(Δ), the token, both logprobs, its position in the generation,
+    the generation (``turn 2``; ``turn 2.1`` for a turn's second; ``generation 0`` outside a
+    turn), why the episode was kept, its sample and trace id (``link`` with a trace UI). Empty
+    without them."""
+    root = root_of(spans)
+    attrs = (root.attributes or {}) if root is not None else {}
+    trace_id = hex_id(root.context.trace_id, 32) if root is not None else ""
+    reason = attrs.get(c.RL_SAMPLING_REASON)
+    turns = {span.context.span_id: span.attributes.get(c.RL_TURN_INDEX) for span in spans
+             if kind_of(span) == c.KIND_TURN and span.attributes}
+    per_turn: dict[Any, int] = defaultdict(int)
+    generations = []
+    for _, span in ordered(spans):
+        if kind_of(span) != c.KIND_GENERATION:
+            continue
+        turn = turns.get(span.parent.span_id) if span.parent is not None else None
+        generations.append((span, turn, per_turn[turn]))
+        per_turn[turn] += 1
+    out: list[TokenRow] = []
+    for ordinal, (span, turn, within) in enumerate(generations):
+        span_attrs = span.attributes or {}
+        if turn is None:
+            label = f"generation {ordinal}"
+        else:
+            label = f"turn {as_text(turn)}" if per_turn[turn] == 1 else f"turn {as_text(turn)}.{within}"
+        worst = [span_attrs.get(key) for key in (c.RL_MISMATCH_WORST_POSITION, c.RL_MISMATCH_WORST_TOKEN,
+                                                   c.RL_MISMATCH_WORST_ROLLOUT, c.RL_MISMATCH_WORST_TRAINER)]
+        if not all(isinstance(values, Sequence) and not isinstance(values, str) for values in worst):
+            continue
+        shown = 0
+        for rank, (position, token, rollout, trainer) in enumerate(zip(*worst, strict=False)):
+            if shown >= MISMATCH_PER_GENERATION:
+                break
+            rollout, trainer = _number(rollout), _number(trainer)
+            if rollout is None or trainer is None or not math.isfinite(delta := float(trainer) - float(rollout)):
+                continue
+            shown += 1
+            values = (_readable(delta, 4), _ratio(delta), token_text(token), _readable(rollout, 4),
+                      _readable(trainer, 4), position, label,
+                      reason if isinstance(reason, str) and reason else TABLE_ABSENT,
+                      attrs.get(c.RL_SAMPLE_INDEX), trace_id)
+            row = dict(zip(MISMATCH_TOKEN_COLUMNS, values, strict=True))
+            if trace_url is not None:
+                row[TABLE_LINK] = trace_url
+            out.append(TokenRow((-abs(delta), trace_id, ordinal, rank), row))
+    return out
+
+
+def worst_tokens(tokens: Sequence[TokenRow]) -> list[dict[str, Any]]:
+    """A step's mismatch table: its kept episodes' worst tokens, largest |Δ| first across the
+    step, at most ``MISMATCH_MAX_ROWS``."""
+    return [token.row for token in sorted(tokens, key=lambda token: token.order)[:MISMATCH_MAX_ROWS]]
+
+
+def _ratio(delta: float) -> float | str:
+    """The importance ratio exp(Δ), 4 significant digits (``inf`` beyond a float)."""
+    try:
+        ratio = math.exp(delta)
+    except OverflowError:
+        return "inf"
+    return float(f"{ratio:.4g}")
 
 
 def _seconds(value: Any) -> float | str:
@@ -554,12 +680,12 @@ def _number(value: Any) -> float | int | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _readable(value: Any) -> float | int | None:
+def _readable(value: Any, digits: int = 6) -> float | int | None:
     """A score as a table shows it: 6 significant digits (``1.136``, not the float sum's
-    ``1.1360000000000001``); the exact value stays on the span."""
+    ``1.1360000000000001``; ``digits`` others); the exact value stays on the span."""
     number = _number(value)
     if isinstance(number, float) and math.isfinite(number):
-        return float(f"{number:.6g}")
+        return float(f"{number:.{digits}g}")
     return number
 
 
@@ -620,6 +746,7 @@ class _Episode(NamedTuple):
     row: dict[str, Any]
     started: str | None  # the episode's start, as Trackio stamps rows (its request time)
     watch: tuple[str, dict[str, Any]] | None = None  # (its watch table's key, its history row)
+    mismatch: tuple[TokenRow, ...] = ()  # its worst tokens (train–inference mismatch)
 
 
 class _Running(NamedTuple):
@@ -862,6 +989,10 @@ class TrackioExporter(SpanExporter):
     and the table is logged once the step is over: when an episode of a later step arrives, or at
     ``force_flush``/``shutdown`` (``otr.flush()``, ``otr.shutdown()``). An episode that arrives
     after its step's table was logged goes into another table at that step.
+
+    With train–inference mismatch measured (``rl.mismatch.*``), the step table gains ``mismatch
+    kl``, ``max |Δ|`` and ``tokens outside band``, and a ``"{trace_key}/mismatch"`` table lists
+    the step's worst tokens (``mismatch_rows``), largest |Δ| first.
     """
 
     def __init__(
@@ -893,6 +1024,8 @@ class TrackioExporter(SpanExporter):
         # (step, table key) -> trace id -> row: an episode exported again before its step's table is
         # logged (a retried export) is one row
         self._rows: dict[tuple[int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+        # (step, table key) -> trace id -> its worst tokens: the step's mismatch table, logged with it
+        self._tokens: dict[tuple[int, str], dict[str, tuple[TokenRow, ...]]] = defaultdict(dict)
         self.exported = 0
         self.skipped_fragments = 0
         self.tables_logged = 0
@@ -1016,11 +1149,12 @@ class TrackioExporter(SpanExporter):
                 trace = None if problem is not None else trackio.Trace(messages=messages, metadata=metadata,
                                                                        spans=tree)
                 row = table_row(group, url)
+                tokens = tuple(mismatch_rows(group, url))
                 watched = watch_key(attrs.get(c.RL_WATCH_KEY))
                 watch = None if watched is None else (
                     f"{key}/{WATCH_SUFFIX}/{watched}", watch_row(step, attrs, trace_id))
             except Exception as exc:  # noqa: BLE001 - one episode's odd value never loses the others
-                problem, trace, watch = f"{type(exc).__name__}: {str(exc)[:120]}", None, None
+                problem, trace, watch, tokens = f"{type(exc).__name__}: {str(exc)[:120]}", None, None, ()
             if problem is not None or trace is None:
                 # Trackio would skip the whole step's traces with a warning of its own: leave this
                 # one out, and say so (counted lost, never delivered)
@@ -1030,7 +1164,7 @@ class TrackioExporter(SpanExporter):
                     logger.warning("otel_rollouts: TrackioExporter: trace %s cannot be stored by Trackio (%s); "
                                    "counted lost in otr.stats()", hex_id(trace_id, 32), problem)
                 continue
-            episodes.append(_Episode(trace_id, step, key, trace, row, iso_utc(root.start_time), watch))
+            episodes.append(_Episode(trace_id, step, key, trace, row, iso_utc(root.start_time), watch, tokens))
         result = self._write(episodes)
         if result is SpanExportResult.SUCCESS and unstorable:
             self._not_stored_add(NOT_STORED_UNSTORABLE, unstorable)
@@ -1063,8 +1197,10 @@ class TrackioExporter(SpanExporter):
             self.exported += len(stored)
             if self.table:
                 for episode in stored:
-                    self._rows[(episode.step, f"{episode.key}/{TABLE_SUFFIX}")][hex_id(episode.trace_id, 32)] = \
-                        episode.row
+                    table = (episode.step, f"{episode.key}/{TABLE_SUFFIX}")
+                    self._rows[table][hex_id(episode.trace_id, 32)] = episode.row
+                    if episode.mismatch:
+                        self._tokens[table][hex_id(episode.trace_id, 32)] = episode.mismatch
                     if episode.watch is not None:
                         self._watch_add(episode.step, *episode.watch)
             self._replace_running(run, [e.trace_id for e in stored])
@@ -1208,10 +1344,14 @@ class TrackioExporter(SpanExporter):
             if before is not None and step >= before:
                 continue
             rows = sorted(self._rows.pop((step, key)).values(), key=_worst_first)
-            self._log_table(key, step, rows)
+            self._log_table(key, step, step_rows(rows))
             slowest = slowest_rows(rows)
             if slowest:
                 self._log_table(f"{key[: -len(TABLE_SUFFIX)]}{SLOWEST_SUFFIX}", step, slowest)
+            tokens = self._tokens.pop((step, key), None)
+            if tokens:
+                self._log_table(f"{key[: -len(TABLE_SUFFIX)]}{MISMATCH_SUFFIX}", step,
+                                worst_tokens([token for rows_of in tokens.values() for token in rows_of]))
         for step, key in sorted(self._watch_due):
             if before is not None and step >= before:
                 continue

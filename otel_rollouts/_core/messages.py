@@ -601,5 +601,8 @@ _METADATA_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_EPISODE_ID, c.RL_GROUP_ID, c.RL_SA
                   # time went, how its group fared, which watched prompt
                   c.RL_SAMPLING_REASON, c.RL_DURATION_SECONDS, *(c.stage_seconds(s) for s in c.STAGES),
                   c.RL_GROUP_DEGENERATE, c.RL_GROUP_REWARD_SPREAD, c.RL_GROUP_LOST, c.RL_DATASET_INDEX,
-                  c.RL_WATCH_KEY)
+                  c.RL_WATCH_KEY,
+                  # how far the rollout policy was from the trained one
+                  c.RL_MISMATCH_KL, c.RL_MISMATCH_ABS_MAX, c.RL_MISMATCH_RATIO_MIN, c.RL_MISMATCH_RATIO_MAX,
+                  c.RL_MISMATCH_OUTSIDE)
 _TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS, c.RL_SAMPLING_REASON)
