@@ -10,7 +10,11 @@ What a researcher asks of such a run happens in it too: a slow ``search`` tool m
 (a heavy tail: most calls take milliseconds, a few a quarter of a second), one prompt is so easy
 that its whole group scores the same (zero advantage) and one is impossible (every sample runs
 out of turns), and with ``hang_s`` one tool call hangs that long at ``hang_step`` before it times
-out, so the episode is visible as running while it hangs.
+out, so the episode is visible as running while it hangs. Every final answer carries the
+engine's and the trainer's logprobs of its tokens: they agree closely (more loosely for a
+sample from the previous policy version), except that every few steps one sample of
+``GLITCH_PROMPT`` has one token the trainer finds far less likely than the engine did (a
+numerics glitch), which the ``mismatch`` part keeps and Trackio shows token by token.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import random
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 import otel_rollouts as otr
 
@@ -40,6 +45,20 @@ EASY = {5}  # every sample answers right in the same format: an all-equal group
 SLOW_SEARCH = {2, 6}  # prompts whose first turn looks something up first (a slow tool, at times)
 HANG_PROMPT = 2  # the prompt whose first sample's fetch hangs at the hang step
 LEARNING_STEPS = 30  # steps over which the toy policy gets better
+GLITCH_PROMPT, GLITCH_EVERY = 4, 3  # one sample of this prompt every 3 steps: a mismatch glitch
+
+
+def answer_logprobs(text: str, step: int, prompt: int, sample: int, stale: bool) -> dict[str, Any]:
+    """Per-token logprobs of an answer as the inference engine and the trainer computed them
+    (a word a token): a seeded stand-in, so that the rest of the demo's randomness is unchanged."""
+    rng = random.Random(step * 1_000_003 + prompt * 1_009 + sample)
+    tokens = text.split(" ")
+    engine = [round(rng.uniform(-2.5, -0.01), 4) for _ in tokens]
+    spread = 0.15 if stale else 0.02  # a sample from the previous policy version drifts more
+    trainer = [round(lp + rng.gauss(0.0, spread), 4) for lp in engine]
+    if prompt == GLITCH_PROMPT and sample == 1 and step % GLITCH_EVERY == 0:
+        trainer[-1] -= 4.0  # the number: the trainer finds it 55x less likely than the engine did
+    return {"logprobs": engine, "trainer_logprobs": trainer, "tokens": tokens}
 
 
 class ToolError(Exception):
@@ -86,12 +105,13 @@ async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random,
     question, expression = PROBLEMS[prompt_index % len(PROBLEMS)]
     easy = prompt_index % len(PROBLEMS) in EASY
     group = f"s{step}-p{prompt_index}"
+    version = max(step - rng.choice([0, 0, 1]), 0)
     async with otr.episode(
         step=step,
         split="train",
         group_id=group,
         sample_index=sample,
-        policy_version=max(step - rng.choice([0, 0, 1]), 0),
+        policy_version=version,
         dataset_name="toy-arith",
         dataset_index=prompt_index,
         metadata={"temperature": 0.8},
@@ -139,7 +159,8 @@ async def rollout(step: int, prompt_index: int, sample: int, rng: random.Random,
                         else f"Hmm, maybe {value:g}? I am not sure."
                     with turn.generation(model=MODEL) as gen:
                         await asyncio.sleep(rng.uniform(0.0003, 0.001))
-                        gen.output(text, input_tokens=70, output_tokens=8, finish_reason="stop")
+                        gen.output(text, input_tokens=70, output_tokens=8, finish_reason="stop",
+                                   **answer_logprobs(text, step, prompt_index, sample, version < step))
                     break
                 turn.feedback("Please double-check and state the final answer.", role="user")
         if hung:

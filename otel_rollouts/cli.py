@@ -60,7 +60,7 @@ def _policy(text: str) -> str:
     return text
 
 
-DEMO_POLICY = "errors+slowest+top_bottom+degenerate_groups"
+DEMO_POLICY = "errors+slowest+mismatch+top_bottom+degenerate_groups"
 
 
 def _indices(text: str) -> list[int]:
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prompts per step, >= 1 (default: %(default)s)")
     demo.add_argument("--group-size", type=at_least_1, default=4,
                       help="samples per prompt (GRPO group), >= 1 (default: %(default)s)")
-    demo.add_argument("--cap", type=_int_at_least(0), default=16,
+    demo.add_argument("--cap", type=_int_at_least(0), default=20,
                       help="episodes kept per step, >= 0 (default: %(default)s)")
     demo.add_argument("--policy", type=_policy, default=DEMO_POLICY,
                       help=f"tail-sampling policy: one of {', '.join(sorted(POLICIES))}, or several "

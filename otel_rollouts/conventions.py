@@ -451,8 +451,9 @@ DEGENERATE_NONE = "none"  # rl.group.degenerate on the rl.groups counter: a heal
 RL_MISMATCH_TOKENS = "rl.mismatch.tokens"  # tokens compared
 RL_MISMATCH_ABS_MEAN = "rl.mismatch.abs_mean"  # mean |Δ|
 RL_MISMATCH_ABS_MAX = "rl.mismatch.abs_max"  # max |Δ|
-# KL(π_rollout ‖ π_train) estimated from the rollout's own tokens with Schulman's k3 estimator:
-# the mean of r − 1 − log r (unbiased, never negative)
+# KL(π_rollout ‖ π_train) estimated from the rollout's own tokens with Schulman's k2 estimator:
+# ½·mean(Δ²) (never negative; equal to the KL to second order in Δ; see _core.logprobs for why
+# not the unbiased k3)
 RL_MISMATCH_KL = "rl.mismatch.kl"
 RL_MISMATCH_RATIO_MIN = "rl.mismatch.ratio_min"  # min r
 RL_MISMATCH_RATIO_MAX = "rl.mismatch.ratio_max"  # max r

@@ -156,7 +156,8 @@ def test_help_lists_policies_defaults_and_the_debug_switch(tmp_path: Path) -> No
     for name in POLICIES:
         assert name in text
     assert "joined by '+'" in text
-    for default in ("(default: errors+slowest+top_bottom+degenerate_groups)", "(default: 4)", "(default: 16)",
+    for default in ("(default: errors+slowest+mismatch+top_bottom+degenerate_groups)", "(default: 4)",
+                    "(default: 16)", "(default: 20)",
                     "(default: 0)", "(default: 0,3,6)", "(default: otel-rollouts-demo)"):
         assert default in text, default
     assert cli.DEBUG_ENV in text

@@ -166,12 +166,14 @@ def totals_of(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray | None,
     valid = np.isfinite(d)
     if mask is not None:
         valid &= mask
-    d = d[valid]
+    if not valid.all():
+        d = d[valid]
     if not d.size:
         return Totals()
     low, high = options.log_band
-    return Totals(int(d.size), float(np.abs(d).sum()), float(np.einsum("i,i->", d, d)),
-                  float(d.min()), float(d.max()), int(np.count_nonzero((d < low) | (d > high))))
+    a = np.abs(d)
+    outside = np.count_nonzero(a > high) if math.isclose(low, -high) else np.count_nonzero((d < low) | (d > high))
+    return Totals(int(d.size), float(a.sum()), float(np.dot(d, d)), float(d.min()), float(d.max()), int(outside))
 
 
 class RowTotals:

@@ -738,7 +738,9 @@ class _Mismatch:
                     and np.array_equal(lr.lengths, mask.lengths) and np.array_equal(lt.lengths, mask.lengths)):
                 totals = row_totals(lr.flat, lt.flat, mask.flat, options, starts=mask.starts)
                 return cls(lr.flat, lt.flat, 0, None, totals, options)
-        shape = lambda v: tuple(getattr(v, "shape", ())) or f"{type(v).__name__}"  # noqa: E731
+        def shape(value: Any) -> Any:
+            return tuple(getattr(value, "shape", ())) or type(value).__name__
+
         summary.problems.append(
             f"logprobs/trainer_logprobs: shapes {shape(logprobs)} and {shape(trainer_logprobs)} do not "
             f"match input_ids ({batch} samples{'' if ids.width is None else f' x {ids.width}'}): "

@@ -470,7 +470,8 @@ class _PrivateDecoder:
     thread): a fast tokenizer used from two threads at once can raise in the training thread."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self._copy, self._lock = tokenizer, None, threading.Lock()
+        self.tokenizer, self._lock = tokenizer, threading.Lock()
+        self._copy: Any = None
 
     def __call__(self, ids: list[int]) -> list[str]:
         with self._lock:

@@ -99,9 +99,9 @@ class RowBatch:
             return None
         if callable(source):
             made = list(source())
-        elif getattr(source, "dtype", None) is not None and source.dtype.kind == "f":
+        elif _float_array(source):
             # a float array (NaN: none), e.g. a statistic computed for the whole batch at once
-            made = [None if v != v else v for v in source.tolist()]
+            made = [None if v != v else v for v in source.tolist()]  # type: ignore[attr-defined]
         else:
             made = source
         if len(made) != self.n:  # a short column is padded, never a wrong alignment
@@ -124,7 +124,7 @@ class RowBatch:
 
         out = self._arrays.get(name)
         source = self._columns.get(name)
-        if out is None and getattr(source, "dtype", None) is not None and source.dtype.kind == "f":
+        if out is None and _float_array(source):
             out = self._arrays[name] = np.asarray(source, dtype=np.float64)  # already NaN for none
         if out is None:
             col = self.column(name)
@@ -149,6 +149,12 @@ _ALWAYS = (c.RL_STEP, c.RL_SPLIT)
 # expected group size are "not measured" (a policy reading them finds nothing, never a 0)
 _ABSENT_IS_NONE = (c.RL_STATUS, c.RL_DURATION_SECONDS, c.RL_GROUP_EXPECTED_SIZE,
                    *c.MISMATCH_STATS.values())
+
+
+def _float_array(value: Any) -> bool:
+    """Whether a column is a float numpy array (NaN standing for none)."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and getattr(dtype, "kind", None) == "f"
 
 
 def _number(value: Any) -> float:
