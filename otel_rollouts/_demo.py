@@ -57,7 +57,8 @@ def answer_logprobs(text: str, step: int, prompt: int, sample: int, stale: bool)
     spread = 0.15 if stale else 0.02  # a sample from the previous policy version drifts more
     trainer = [round(lp + rng.gauss(0.0, spread), 4) for lp in engine]
     if prompt == GLITCH_PROMPT and sample == 1 and step % GLITCH_EVERY == 0:
-        trainer[-1] -= 4.0  # the number: the trainer finds it 55x less likely than the engine did
+        number = max((k for k, word in enumerate(tokens) if any(ch.isdigit() for ch in word)), default=len(tokens) - 1)
+        trainer[number] -= 4.0  # the trainer finds the number 55x less likely than the engine did
     return {"logprobs": engine, "trainer_logprobs": trainer, "tokens": tokens}
 
 

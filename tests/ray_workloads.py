@@ -135,6 +135,14 @@ class Unconfigured:
         return self.log.lines
 
 
+def record_logprobs(ep, e: dict) -> None:
+    """A generation with the engine's and the trainer's logprobs, when the episode has them
+    (what the mismatch part ranks by)."""
+    if e.get("logprobs") is not None:
+        with ep.turn() as turn:
+            turn.record_generation("answer", logprobs=e["logprobs"], trainer_logprobs=e["trainer_logprobs"])
+
+
 class Rollouts:
     """A rollout actor that runs whole episodes (the asynchronous-RL layout) under one budget
     shared with the other actors: made with ``ray.remote(Rollouts)`` (the user's own actor).
@@ -162,6 +170,7 @@ class Rollouts:
             with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
                 if "seconds" in e:  # what a framework measured (the slowest part ranks by it)
                     ep.set_attribute(otr.conventions.RL_DURATION_SECONDS, e["seconds"])
+                record_logprobs(ep, e)
                 ep.reward(e["reward"])
 
     def end_step(self, step: int) -> dict:
@@ -174,6 +183,10 @@ class Rollouts:
 
     def kept_rewards(self) -> list[float]:
         return [s.attributes[otr.conventions.RL_REWARD] for s in self.exporter.get_finished_spans() if s.name == "episode"]
+
+    def kept_reasons(self) -> list[str]:
+        return [s.attributes[otr.conventions.RL_SAMPLING_REASON] for s in self.exporter.get_finished_spans()
+                if s.name == "episode"]
 
     def logged(self) -> list[str]:
         return self.log.lines

@@ -27,6 +27,20 @@ def _reward(rank: int, step: int, i: int) -> float:
     return float(((i * 3 + rank) * 7919 + step * 31) % 1000)
 
 
+def _logprobs(rank: int, i: int) -> tuple[list[float], list[float]] | None:
+    """Sample ``i``'s engine and trainer logprobs on ``rank``: a Δ distinct across ranks (every
+    fifth sample has none)."""
+    if i % 5 == 4:
+        return None
+    delta = (float((i * 7 + rank * 3) % 37) + rank / 10 + 1) / 64
+    rollout = [-0.5, -1.0, -1.5, -2.0]
+    return rollout, [r + delta * (1 if k % 2 else -1) for k, r in enumerate(rollout)]
+
+
+def _kl(rollout: list[float], trainer: list[float]) -> float:
+    return 0.5 * sum((t - r) ** 2 for r, t in zip(rollout, trainer, strict=True)) / len(rollout)
+
+
 def worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -38,7 +52,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                             world_size=world)
     result: dict = {"rank": rank, "phases": {}}
 
-    def phase(name, sampler, steps, end_steps=True, status_of=lambda i: None, seconds_of=lambda i: None):
+    def phase(name, sampler, steps, end_steps=True, status_of=lambda i: None, seconds_of=lambda i: None,
+              logprobs_of=lambda i: None):
         exporter = InMemorySpanExporter()
         otr.configure(exporters=[exporter], sampler=sampler, run_id=f"job-{name}")
         recorded = []
@@ -51,9 +66,14 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                         ep.finish(status=status_of(i))
                     if seconds_of(i) is not None:  # a framework's measure of the episode's time
                         ep.set_attribute(c.RL_DURATION_SECONDS, seconds_of(i))
+                    if logprobs_of(i) is not None:  # the engine's and the trainer's logprobs
+                        with ep.turn() as turn:
+                            turn.record_generation("a", logprobs=logprobs_of(i)[0],
+                                                   trainer_logprobs=logprobs_of(i)[1])
                     ep.reward(reward)
                 recorded.append({"trace_id": int(ep.trace_id, 16), "step": step, "reward": reward,
-                                 "status": status_of(i) or "ok", "seconds": seconds_of(i)})
+                                 "status": status_of(i) or "ok", "seconds": seconds_of(i),
+                                 "kl": None if logprobs_of(i) is None else _kl(*logprobs_of(i))})
             if end_steps:
                 otr.end_step(step)
         otr.flush()
@@ -99,6 +119,28 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     phase("slowest", otr.TailSampler(4, "slowest", step_lag=None), steps=[0],
           seconds_of=lambda i: float((i * 7 + rank * 3) % 37) + rank / 10)
     phase("no_end_step", otr.TailSampler(8, "top_bottom", step_lag=None), steps=[0], end_steps=False)
+    # the largest train–inference mismatch of the whole job, by rl.mismatch.kl (distinct across
+    # ranks; every fifth episode without logprobs, never chosen), alone and composed
+    phase("mismatch_kl", otr.TailSampler(4, "mismatch", step_lag=None), steps=[0],
+          logprobs_of=lambda i: _logprobs(rank, i))
+    phase("mismatch_compose", otr.TailSampler(6, "errors+mismatch+top_bottom", step_lag=None), steps=[0],
+          status_of=lambda i: "error" if i == 5 + rank else None, logprobs_of=lambda i: _logprobs(rank, i))
+    # the same logprobs offered as columns ([B, R] arrays, one batch per step: otr.record_batch)
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(4, "mismatch", step_lag=None))
+    pairs = [_logprobs(rank, i) for i in range(PER_RANK)]
+    nan = [[float("nan")] * 4, [float("nan")] * 4]
+    otr.record_batch(PER_RANK, step=0, rewards=[_reward(rank, 0, i) for i in range(PER_RANK)],
+                     sample_indices=list(range(PER_RANK)),
+                     logprobs=[(p or nan)[0] for p in pairs], trainer_logprobs=[(p or nan)[1] for p in pairs])
+    otr.end_step(0)
+    otr.flush()
+    result["phases"]["mismatch_batch"] = {
+        "recorded": [{"kl": None if p is None else _kl(*p)} for p in pairs], "stats": otr.stats()["steps"],
+        "kept": [{"trace_id": s.context.trace_id, "kl": s.attributes.get(c.RL_MISMATCH_KL),
+                  "reason": s.attributes.get(c.RL_SAMPLING_REASON)}
+                 for s in exporter.get_finished_spans() if s.parent is None]}
+    otr.shutdown()
 
     # ranks out of step: rank r closes step r. The collective finds the mismatch on every rank;
     # each decides locally within its share, and the error is reported, not raised
@@ -211,6 +253,38 @@ def test_global_slowest_across_ranks_says_why(three_ranks):
     slowest = sorted(recorded, key=lambda e: e["seconds"], reverse=True)[:4]
     assert {e["trace_id"] for e in kept} == {e["trace_id"] for e in slowest}
     assert {e["reason"] for e in kept} == {"slowest"}
+
+
+def test_global_mismatch_across_ranks_is_the_single_process_choice(three_ranks):
+    """Global top-4 by rl.mismatch.kl across 3 ranks: what one process holding every episode
+    keeps; an episode without logprobs is never chosen."""
+    recorded, kept = _union(three_ranks, "mismatch_kl")
+    scored = [e for e in recorded if e["kl"] is not None]
+    assert len(scored) < len(recorded)  # some without logprobs
+    top = sorted(scored, key=lambda e: e["kl"], reverse=True)[:4]
+    assert {e["trace_id"] for e in kept} == {e["trace_id"] for e in top}
+    assert {e["reason"] for e in kept} == {"mismatch"}
+    # record_batch on every rank: the same global choice, with the statistic on the kept roots
+    recorded, kept = _union(three_ranks, "mismatch_batch")
+    top_kl = sorted((e["kl"] for e in recorded if e["kl"] is not None), reverse=True)[:4]
+    assert sorted((e["kl"] for e in kept), reverse=True) == pytest.approx(top_kl, rel=1e-6)
+    assert {e["reason"] for e in kept} == {"mismatch"}
+
+
+def test_global_mismatch_composed_with_errors_and_top_bottom(three_ranks):
+    recorded, kept = _union(three_ranks, "mismatch_compose")
+    assert len(kept) == 6
+    by_id = {e["trace_id"]: e for e in recorded}
+    reasons = {e["trace_id"]: e["reason"] for e in kept}
+    errors = {e["trace_id"] for e in recorded if e["status"] == "error"}  # one per rank
+    taken = {t for t, r in reasons.items() if r == "error"}
+    assert taken <= errors and len(taken) == 2  # equal shares of 2: the errors take theirs
+    # the mismatch part: the largest KL of what the errors part left
+    rest = sorted((e for e in recorded if e["trace_id"] not in taken and e["kl"] is not None),
+                  key=lambda e: e["kl"], reverse=True)
+    chosen = {t for t, r in reasons.items() if r == "mismatch"}
+    assert chosen == {e["trace_id"] for e in rest[: len(chosen)]} and len(chosen) >= 2
+    assert all(by_id[t]["kl"] is not None for t in chosen)
 
 
 def test_first_is_held_and_agreed_not_streamed_per_rank(three_ranks):

@@ -28,11 +28,14 @@ KINDS = {
 }
 
 
-def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
-    """Each actor's episodes of ``step``: distinct rewards, groups of four recorded on one actor."""
+def _episodes(step: int, actors: int, seed: int, logprobs: bool = False) -> list[list[dict]]:
+    """Each actor's episodes of ``step``: distinct rewards, groups of four recorded on one actor.
+    ``logprobs``: with the engine's and the trainer's logprobs (a distinct mismatch), except
+    every fifth episode (none: never chosen by the mismatch part)."""
     rng = random.Random(seed * 1000 + step)
     rewards = rng.sample(range(10_000), actors * PER_ACTOR)
     durations = rng.sample(range(10_000), actors * PER_ACTOR)  # distinct: no tie to break
+    deltas = random.Random(seed * 1000 + step + 1).sample(range(1, 10_000), actors * PER_ACTOR)
     out: list[list[dict]] = [[] for _ in range(actors)]
     for a in range(actors):
         for i in range(PER_ACTOR):
@@ -41,6 +44,10 @@ def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
                 "reward": rewards[a * PER_ACTOR + i] / 100,
                 "seconds": durations[a * PER_ACTOR + i] / 1000,
             })
+            if logprobs and (a * PER_ACTOR + i) % 5 != 4:
+                delta = deltas[a * PER_ACTOR + i] / 10_000
+                out[a][-1]["logprobs"] = [-0.25, -1.0, -2.0]
+                out[a][-1]["trainer_logprobs"] = [-0.25 + delta, -1.0 - delta, -2.0 + delta / 2]
     return out
 
 
@@ -57,6 +64,7 @@ def _reference(policy: str, episodes: list[dict], step: int) -> list[str]:
         for e in sorted(episodes, key=lambda e: e["id"]):
             with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
                 ep.set_attribute(otr.conventions.RL_DURATION_SECONDS, e["seconds"])
+                w.record_logprobs(ep, e)
                 ep.reward(e["reward"])
         otr.end_step(step)
         assert otr.flush(10)
@@ -85,19 +93,23 @@ def _coordinator(name: str):
 @pytest.mark.parametrize(("policy", "kind"), [
     ("top_bottom", "plain"), ("uniform", "plain"), ("groups", "plain"),
     ("top_bottom", "threaded"), ("groups", "async"), ("slowest+top_bottom", "plain"),
+    ("mismatch+top_bottom", "plain"),
 ])
 def test_three_rollout_actors_keep_exactly_the_global_choice(ray_cluster, policy, kind):
     name = f"budget-{uuid.uuid4().hex[:8]}"
     actors = [KINDS[kind].remote(name, ACTORS, policy, CAP) for _ in range(ACTORS)]
     expected: set[str] = set()
     for step in range(2):
-        batches = _episodes(step, ACTORS, seed=7)
+        batches = _episodes(step, ACTORS, seed=7, logprobs="mismatch" in policy)
         _step(actors, step, batches)
         reference = _reference(policy, [e for b in batches for e in b], step)
         assert len(reference) == CAP
         expected |= set(reference)
     kept = _kept(actors)
     assert kept == expected  # the cap held globally, and the policy's choice is the global one
+    if "mismatch" in policy:  # the mismatch part chose (by rl.mismatch.kl), not only top_bottom
+        reasons = [r for rs in ray.get([a.kept_reasons.remote() for a in actors]) for r in rs]
+        assert reasons.count("mismatch") == 2 * (CAP // 2), reasons
     for a in actors:
         ray.kill(a)
 

@@ -231,14 +231,15 @@ def row_totals(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray,
     else:
         assert starts is not None
         size = len(mask)
-        idx = np.minimum(starts, max(size - 1, 0))
-        tail = starts >= size  # empty rows at the end
+        # reduceat gives an empty segment its next element: only the non-empty rows are reduced
+        # (each up to the next non-empty row's start, i.e. its own end), the empty ones stay 0
+        filled = np.flatnonzero(np.diff(np.append(starts, size)) > 0)
+        at = starts[filled]
 
         def red(ufunc: Any, x: np.ndarray, dtype: Any = None) -> np.ndarray:
-            if not size:
-                return np.zeros(len(idx), dtype=dtype or x.dtype)
-            out = ufunc.reduceat(x, idx, dtype=dtype)
-            out[tail] = 0
+            out = np.zeros(len(starts), dtype=dtype or x.dtype)
+            if len(at):
+                out[filled] = ufunc.reduceat(x, at, dtype=dtype)
             return out
 
     wide = mask.shape[-1] > 0xFFFF or not rows_2d
