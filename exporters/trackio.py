@@ -151,7 +151,7 @@ COLUMN_DELTA = "\u0394 (trainer\u2212rollout)"  # Δ = trainer logprob − rollo
 MISMATCH_TOKEN_COLUMNS = (COLUMN_DELTA, "ratio", COLUMN_TOKEN, "rollout logprob", "trainer logprob", "position",
                           "generation", COLUMN_REASON, "sample", "trace id")
 MISMATCH_PER_GENERATION = 8  # a generation's worst tokens shown (its span carries up to top_tokens)
-MISMATCH_MAX_ROWS = 256  # rows of a step's mismatch table
+MISMATCH_MAX_ROWS = 64  # rows of a step's mismatch table (a page shows every step's)
 TOKEN_CHARS = 40  # a token's shown text, "…" included
 _VISIBLE = {" ": "\u2423", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\"}  # ␣ for a space
 TABLE_LINK = "link"

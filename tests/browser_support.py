@@ -107,22 +107,32 @@ def media_tables(driver, url: str, key: str, screenshot: Path | None = None,
     """(step, rows as the page shows them, by lowercase column) of the tables logged under
     ``key`` on Trackio's Media & Tables page at ``url``, newest step first (the page's order);
     waits until ``count`` of them show (None: at least one)."""
-    from selenium.webdriver.common.by import By
 
     def sections(d):
-        found = [s for s in d.find_elements(By.CSS_SELECTOR, ".table-section")
-                 if s.find_element(By.CSS_SELECTOR, ".media-label").text.strip() == key]
+        # one script per poll, not a WebDriver round trip per element: a run's page holds
+        # hundreds of tables
+        found = d.execute_script(_TABLES_SCRIPT, key)
         return (len(found) == count if count is not None else bool(found)) and found
 
     driver.get(url)
     out = []
-    for section in wait_for(driver, sections, f"{count or 'the'} tables {key}", screenshot):
-        header = section.find_element(By.CSS_SELECTOR, ".table-header").text
-        columns = [th.text.strip().lower() for th in section.find_elements(By.CSS_SELECTOR, "thead th")]
-        rows = [dict(zip(columns, (td.text.strip() for td in tr.find_elements(By.CSS_SELECTOR, "td")), strict=True))
-                for tr in section.find_elements(By.CSS_SELECTOR, "tbody tr")]
+    for header, columns, cells in wait_for(driver, sections, f"{count or 'the'} tables {key}", screenshot):
+        columns = [c.strip().lower() for c in columns]
+        rows = [dict(zip(columns, (t.strip() for t in row), strict=True)) for row in cells]
         out.append((int(header.rsplit("Step:", 1)[1].split()[0]), rows))
     return out
+
+
+# the tables of one key on the Media & Tables page as the page shows them (rendered text):
+# [header, [column names], [[cell texts] per row]] per table, in the page's order
+_TABLES_SCRIPT = """
+const text = (e) => (e ? e.innerText : '');
+return [...document.querySelectorAll('.table-section')]
+  .filter((s) => text(s.querySelector('.media-label')).trim() === arguments[0])
+  .map((s) => [text(s.querySelector('.table-header')),
+               [...s.querySelectorAll('thead th')].map(text),
+               [...s.querySelectorAll('tbody tr')].map((tr) => [...tr.querySelectorAll('td')].map(text))]);
+"""
 
 
 def scroll_to_table(driver, key: str, index: int = 0) -> None:

@@ -186,7 +186,7 @@ def test_no_mismatch_table_or_columns_without_both_logprobs(otr_shutdown):
 
 
 def test_the_mismatch_table_is_bounded(otr_shutdown):
-    """Every sample diverging at 12 tokens, 40 kept: 8 tokens per generation, 256 rows in all,
+    """Every sample diverging at 12 tokens, 40 kept: 8 tokens per generation, MISMATCH_MAX_ROWS rows in all,
     the largest |Δ| of the step first."""
     project = _project("mismatch-bounded")
     tokenizer = build_tokenizer()
