@@ -270,11 +270,12 @@ def _block(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray, d: np.nda
     import numpy as np
 
     end = at + len(rollout)
-    wide = mask.shape[-1] > 0xFFFF
-    out.n[at:end] = np.add.reduce(mask.view(np.uint8), axis=1, dtype=np.int64 if wide else np.uint16)
+    # (einsum's row sums and a float mask: the fastest of numpy's ways, measured)
+    counted = mask.astype(np.float32)
+    out.n[at:end] = np.einsum("ij->i", counted)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite rows are redone afterwards
         np.subtract(trainer, rollout, out=d, dtype=np.float32)
-        d *= mask  # masked tokens are 0 (a NaN or inf stays non-finite)
+        d *= counted  # masked tokens are 0 (a NaN or inf stays non-finite)
         out.sq_sum[at:end] = np.einsum("ij,ij->i", d, d)
         d_max = np.maximum.reduce(d, axis=1).astype(np.float64)
         d_min = np.minimum.reduce(d, axis=1).astype(np.float64)
@@ -286,7 +287,7 @@ def _block(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray, d: np.nda
             part = d[rows]
             out.outside[at + rows] = np.count_nonzero((part > high) | (part < low), axis=1)
         np.abs(d, out=d)
-        abs_sum = np.add.reduce(d, axis=1).astype(np.float64)
+        abs_sum = np.einsum("ij->i", d).astype(np.float64)
         out.abs_sum[at:end] = abs_sum
         if symmetric and beyond.any():
             rows = np.flatnonzero(beyond)
