@@ -99,6 +99,7 @@ from otel_rollouts.adapters._common import (
     set_policy,
     set_span_attribute,
     status_for,
+    to_cpu,
     to_list,
     warn_unknown,
 )
@@ -536,7 +537,8 @@ _LOGPROB_FIELDS = (("sampling_per_token_logps", "logprobs"), ("old_per_token_log
 def _logprobs(output: Any) -> dict[str, Any]:
     """The per-token logprobs of this process's samples from what
     ``_generate_and_score_completions`` returned, [B, completion length] each, moved to the host
-    once per batch: the engine's, the trainer's, the completion ids, and TRL's loss mask
+    once per batch and kept as arrays (a row is a view: a dropped sample's values never become
+    Python numbers): the engine's, the trainer's, the completion ids, and TRL's loss mask
     (``completion_mask`` × ``tool_mask``). Empty when neither logprob is there."""
     if not isinstance(output, Mapping):
         return {}
@@ -546,14 +548,21 @@ def _logprobs(output: Any) -> dict[str, Any]:
     for key, name in _LOGPROB_FIELDS:
         value = output.get(key)
         if value is not None:
-            out[name] = to_list(value)
+            out[name] = _rows(value)
     mask = output.get("completion_mask")
     tool_mask = output.get("tool_mask")
     if mask is not None and tool_mask is not None and getattr(mask, "shape", None) == getattr(tool_mask, "shape", 0):
         mask = mask * tool_mask
     if mask is not None:
-        out["logprob_mask"] = to_list(mask)
+        out["logprob_mask"] = _rows(mask)
     return out
+
+
+def _rows(value: Any) -> Any:
+    """A [B, L] tensor on the host (one move per batch), or a list of rows as TRL gave them."""
+    if getattr(value, "shape", None) is not None and len(value.shape) == 2:
+        return to_cpu(value)
+    return to_list(value)
 
 
 def _row_logprobs(tokens: Mapping[str, Any], g: int) -> dict[str, Any]:
@@ -566,6 +575,8 @@ def _row_logprobs(tokens: Mapping[str, Any], g: int) -> dict[str, Any]:
         rows = tokens.get(name)
         if isinstance(rows, list) and g < len(rows) and isinstance(rows[g], list):
             out[name] = rows[g]
+        elif getattr(rows, "shape", None) is not None and g < rows.shape[0]:
+            out[name] = rows[g]  # a view of the host tensor's row
     return out
 
 
