@@ -138,6 +138,7 @@ from otel_rollouts.adapters._common import (
     set_span_attribute,
     split_name,
     status_for,
+    to_cpu,
     to_list,
     warn_unknown,
 )
@@ -646,10 +647,15 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
     )
 
 
-def _logprob_rows(values: Any, n: int, name: str) -> list[Any] | None:
+def _logprob_rows(values: Any, n: int, name: str) -> Any:
     """Per-row logprobs (``rollout_logprobs``, the trainer's): one list per ``GeneratorOutput``
     row, a tensor moved to the host once. Another number of rows is warned, not guessed."""
-    rows = to_list(values)
+    if values is None:
+        return None
+    shape = getattr(values, "shape", None)
+    # a [rows, max_response] tensor stays one host tensor (its rows are views: a dropped sample's
+    # values never become Python numbers); lists are SkyRL's own rows
+    rows = to_cpu(values) if shape is not None and len(shape) == 2 else to_list(values)
     if rows is None:
         return None
     if len(rows) < n or (len(rows) > n and name == "rollout_logprobs"):
@@ -658,16 +664,18 @@ def _logprob_rows(values: Any, n: int, name: str) -> list[Any] | None:
     return rows[:n]  # the trainer's batch may carry padding rows after the real ones
 
 
-def _episode_logprobs(values: list[Any] | None, turns: list[tuple[int, list[Any], list[Any], bool]],
-                      name: str, *, aligned: str) -> list[float] | None:
+def _episode_logprobs(values: Any, turns: list[tuple[int, list[Any], list[Any], bool]],
+                      name: str, *, aligned: str) -> Any:
     """One episode's logprobs over its response tokens (its rows', concatenated), or None when
     a row has none. ``aligned="right"``: a row longer than its response holds it in its last
     columns (SkyRL's padded response tensors); ``"exact"``: the lengths must be equal."""
     if values is None:
         return None
-    out: list[float] = []
+    parts: list[Any] = []
     for i, ids, _, _ in turns:
-        row = to_list(values[i]) if i < len(values) else None
+        row = values[i] if i < len(values) else None
+        if row is not None and getattr(row, "shape", None) is None:
+            row = to_list(row)
         if row is None:
             return None
         if len(row) > len(ids) and aligned == "right":
@@ -675,8 +683,14 @@ def _episode_logprobs(values: list[Any] | None, turns: list[tuple[int, list[Any]
         if len(row) != len(ids):
             warn_unknown(FRAMEWORK, name, f"{len(row)} logprobs for {len(ids)} response tokens: not recorded")
             return None
-        out += row
-    return out
+        parts.append(row)
+    if len(parts) == 1:
+        return parts[0]  # a list, or a view of the host tensor's row
+    if all(isinstance(p, list) for p in parts):
+        return [x for p in parts for x in p]
+    import numpy as np
+
+    return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
 
 
 def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, model: str | None,
