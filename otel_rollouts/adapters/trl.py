@@ -572,10 +572,10 @@ def _row_logprobs(tokens: Mapping[str, Any], g: int) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for name in ("logprobs", "trainer_logprobs", "logprob_mask", "response_ids"):
-        rows = tokens.get(name)
+        rows: Any = tokens.get(name)
         if isinstance(rows, list) and g < len(rows) and isinstance(rows[g], list):
             out[name] = rows[g]
-        elif getattr(rows, "shape", None) is not None and g < rows.shape[0]:
+        elif rows is not None and getattr(rows, "shape", None) is not None and g < rows.shape[0]:
             out[name] = rows[g]  # a view of the host tensor's row
     return out
 
