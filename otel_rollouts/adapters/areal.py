@@ -358,7 +358,7 @@ def _token_aligned(next_token: Any) -> Any:
         if next_token.ndim != 2:
             warn_unknown(FRAMEWORK, "prox_logp", f"{next_token.ndim}-D, expected [group_size, seqlen]: not compared")
             return None
-        out = np.full(next_token.shape, np.nan, dtype=np.float64)
+        out = np.full(next_token.shape, np.nan, dtype=np.float32)  # what the statistics read
         out[:, 1:] = next_token[:, :-1]
         return out
     rows = to_list(next_token)
