@@ -185,12 +185,8 @@ def test_verl_bypass_mode_old_log_probs_are_not_the_trainers(tmp_path, verl_real
     assert not any(mismatch_keys(s.attributes) for ep in eps.values() for s in ep["spans"])
 
 
-def test_verl_logprobs_are_passed_without_copies(tmp_path, verl_real, memory, monkeypatch):
-    """The response-only ``[B, R]`` tensors reach ``record_token_batch`` as verl holds them."""
-    from otel_rollouts.adapters import verl as verl_adapter
-
-    tok, batch, _ = verl_real(tmp_path)
-    batch = with_old_log_probs(batch)
+def _spy_record_token_batch(monkeypatch, verl_adapter) -> dict[str, Any]:
+    """The keywords the verl adapter passes to ``record_token_batch`` (the call still runs)."""
     seen: dict[str, Any] = {}
     real = verl_adapter.record_token_batch
 
@@ -199,6 +195,16 @@ def test_verl_logprobs_are_passed_without_copies(tmp_path, verl_real, memory, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(verl_adapter, "record_token_batch", spy)
+    return seen
+
+
+def test_verl_logprobs_are_passed_without_copies(tmp_path, verl_real, memory, monkeypatch):
+    """The response-only ``[B, R]`` tensors reach ``record_token_batch`` as verl holds them."""
+    from otel_rollouts.adapters import verl as verl_adapter
+
+    tok, batch, _ = verl_real(tmp_path)
+    batch = with_old_log_probs(batch)
+    seen = _spy_record_token_batch(monkeypatch, verl_adapter)
     verl_adapter.record_batch(batch, step=3, tokenizer=tok)
     assert seen["logprobs"] is batch.batch["rollout_log_probs"]
     assert seen["trainer_logprobs"] is batch.batch["old_log_probs"]
@@ -223,14 +229,7 @@ def test_verl_loop_session_passes_the_engine_logprobs(memory, monkeypatch):
     output = AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=[1] * len(response),
                              response_logprobs=engine_logprobs(len(response)), num_turns=2,
                              metrics=AgentLoopMetrics(), reward_score=1.0)
-    seen: dict[str, Any] = {}
-    real = verl_adapter.record_token_batch
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(verl_adapter, "record_token_batch", spy)
+    seen = _spy_record_token_batch(monkeypatch, verl_adapter)
     sample = {"global_steps": 3, "session_id": 0, "uid": "u0", "index": 10}
     assert verl_loop.observe_session(SimpleNamespace(tokenizer=tok), output, False, sample) == 1
     assert seen["logprobs"].tolist() == [pytest.approx(engine_logprobs(len(response)))]
