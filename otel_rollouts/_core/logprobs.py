@@ -11,7 +11,8 @@ The KL estimate is Schulman's k2, ½·mean(Δ²): an estimate of KL(π_rollout �
 rollout's own tokens, never negative, equal to the true KL to second order in Δ (the regime a
 healthy run is in) and growing quadratically past it. The unbiased k3 (r − 1 − log r) needs an
 ``exp`` per token, which alone costs more than all the other statistics of a 4M-token batch
-together on the training thread (measured: benchmarks/bench_mismatch.py); the ratio's extremes,
+together on the training thread (15 ms against 8 ms on the machine the README's figures come
+from); the ratio's extremes,
 which k3 would weigh most, are reported exactly beside it.
 
 Statistics are computed in one vectorised pass over a whole batch (``row_totals``): a handful of
