@@ -448,6 +448,7 @@ DEGENERATE_NONE = "none"  # rl.group.degenerate on the rl.groups counter: a heal
 # the loss mask counts where both logprobs are finite. Δ = trainer logprob − engine logprob; the
 # importance ratio r = exp(Δ) = π_train / π_rollout (what truncated / masked importance sampling
 # weighs a token by). Absent, never 0, when either side's logprobs are unknown.
+RL_MISMATCH_PREFIX = "rl.mismatch."  # every attribute below starts with it
 RL_MISMATCH_TOKENS = "rl.mismatch.tokens"  # tokens compared
 RL_MISMATCH_ABS_MEAN = "rl.mismatch.abs_mean"  # mean |Δ|
 RL_MISMATCH_ABS_MAX = "rl.mismatch.abs_max"  # max |Δ|

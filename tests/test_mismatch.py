@@ -134,7 +134,7 @@ def test_options_mask_and_one_sided_logprobs(run):
     assert masked.attributes[c.RL_MISMATCH_OUTSIDE] == 2  # -0.3 and 0.5 leave (0.8, 1.25)
     assert list(masked.attributes[c.RL_MISMATCH_WORST_POSITION]) == [3, 2]  # top 2, masked left out
     for span in (engine_only, trainer_only):
-        assert not any(k.startswith("rl.mismatch") for k in span.attributes)
+        assert not any(k.startswith(c.RL_MISMATCH_PREFIX) for k in span.attributes)
 
 
 def test_the_kernel_is_exact_on_rows_with_one_sided_nan_and_empty_tokens():
@@ -218,7 +218,7 @@ def test_record_token_batch_with_misshapen_logprobs_records_the_batch_and_says_w
     otr.end_step(0)
     assert otr.flush(30)
     assert len(roots(exporter)) == 8
-    assert not any(k.startswith("rl.mismatch") for s in exporter.get_finished_spans() for k in s.attributes)
+    assert not any(k.startswith(c.RL_MISMATCH_PREFIX) for s in exporter.get_finished_spans() for k in s.attributes)
 
 
 def test_record_batch_from_lists_and_from_padded_arrays(run):
@@ -344,6 +344,6 @@ def test_hostile_and_misaligned_logprobs_are_flagged_naming_the_field(run):
     assert "trainer_logprobs: 3 values for 4 logprobs" in notes[1][0]
     assert "mask: 2 values for 4 logprobs" in notes[2][0]
     assert "logprobs" in notes[3][0]
-    assert not any(k.startswith("rl.mismatch") for s in chats[:4] for k in s.attributes)
+    assert not any(k.startswith(c.RL_MISMATCH_PREFIX) for s in chats[:4] for k in s.attributes)
     batch_roots = [s for s in spans_by(exporter, c.SPAN_EPISODE) if s.attributes.get(c.RL_SAMPLE_INDEX) == 1]
     assert any(s.attributes.get(c.RL_MISMATCH_TOKENS) == 4 for s in batch_roots)  # the good sample

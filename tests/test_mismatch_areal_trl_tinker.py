@@ -37,7 +37,7 @@ KL = 0.5 * DELTA ** 2  # the core's KL estimate (k2, ½·mean Δ², _core/logpro
 
 
 def mismatch_keys(attributes) -> set[str]:
-    return {k for k in attributes if k.startswith("rl.mismatch.")}
+    return {k for k in attributes if k.startswith(c.RL_MISMATCH_PREFIX)}
 
 
 def assert_diverged(ep, tokens: int, rollout_logprob=None) -> None:

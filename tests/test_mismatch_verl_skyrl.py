@@ -41,7 +41,7 @@ def configure(cap: int, policy: Any = "mismatch"):
 
 
 def mismatch_keys(attributes: Any) -> set[str]:
-    return {k for k in attributes if k.startswith("rl.mismatch.")}
+    return {k for k in attributes if k.startswith(c.RL_MISMATCH_PREFIX)}
 
 
 def generation_spans(episode: dict[str, Any]) -> list[Any]:

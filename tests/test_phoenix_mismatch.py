@@ -66,7 +66,7 @@ def recorded(phoenix: PhoenixReceiver) -> tuple[PhoenixReceiver, str, dict[str, 
     otr.configure(service_name="otr-phoenix-mismatch",
                   exporters=[HttpSpanExporter(endpoint=phoenix.http_endpoint, timeout=10)],
                   sampler=otr.TailSampler(KEPT, "mismatch"),
-                  resource_attributes={"openinference.project.name": project})
+                  resource_attributes={c.OPENINFERENCE_PROJECT_NAME: project})
     data = batch(tokenizer)
     try:
         record(tokenizer, 0, data)
