@@ -50,6 +50,20 @@ class Deferred:
         return self.fn()
 
 
+class Entry(Deferred):
+    """One key of a mapping that ``source()`` computes once for several attributes (e.g. a
+    decoded episode body, a generation's worst tokens): resolved only if the episode is kept."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, source: Callable[[], Mapping[str, Any]], key: str) -> None:
+        super().__init__(source)
+        self.key = key
+
+    def resolve(self) -> Any:
+        return self.fn()[self.key]
+
+
 # --- the one guarded way into user code ---------------------------------------------------------
 def reraise_interrupt(exc: BaseException) -> None:
     """Re-raise ``exc`` if it is Ctrl-C on the main thread; anything else is the caller's to contain."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import Deferred, call_user, type_name
+from otel_rollouts._core.content import Entry, call_user, type_name
 
 if TYPE_CHECKING:
     import numpy as np
@@ -243,7 +243,7 @@ def row_totals(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray,
             hi = min(lo + rows, size)
             _block(rollout[lo:hi], trainer[lo:hi], mask[lo:hi], scratch[: hi - lo], out, lo, options)
     else:
-        _flat(rollout, trainer, mask, starts, out, options)
+        unsure = _flat(rollout, trainer, mask, starts, out, options)
     empty = out.n == 0
     out.abs_sum[empty] = out.sq_sum[empty] = 0
     out.outside[empty] = 0
@@ -251,7 +251,7 @@ def row_totals(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray,
     # rows redone exactly on their own: a non-finite logprob (NaN·0 is NaN)
     redo = ~(np.isfinite(out.sq_sum) & np.isfinite(out.abs_sum)) & ~empty
     if starts is not None:
-        redo |= out.d_min == -0.5  # (_flat marks the rows whose extremes it could not tell)
+        redo[unsure] = True  # extremes _flat could not tell from a masked 0
     rows_list = np.flatnonzero(redo & ~empty).tolist()
     if rows_list:
         flat_r, flat_t, flat_m = (x.reshape(-1) for x in (rollout, trainer, mask))
@@ -307,9 +307,9 @@ def _block(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray, d: np.nda
 
 
 def _flat(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray, starts: np.ndarray,
-          out: RowTotals, options: MismatchOptions) -> None:
-    """The sums of ragged rows (flat arrays, row ``i`` from ``starts[i]``) into ``out``. A row
-    whose extremes may be a masked 0 gets ``d_min`` −0.5 (a mark: ``row_totals`` redoes it)."""
+          out: RowTotals, options: MismatchOptions) -> np.ndarray:
+    """The sums of ragged rows (flat arrays, row ``i`` from ``starts[i]``) into ``out``; returns
+    the rows whose extremes may be a masked 0 (``row_totals`` redoes them)."""
     import numpy as np
 
     size = len(mask)
@@ -318,7 +318,7 @@ def _flat(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray, starts: np
     filled = np.flatnonzero(np.diff(np.append(starts, size)) > 0)
     at = starts[filled]
     if not len(at):
-        return
+        return filled
     with np.errstate(invalid="ignore", over="ignore"):
         d = np.subtract(trainer, rollout, dtype=np.float32)
         d *= mask
@@ -331,8 +331,7 @@ def _flat(rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray, starts: np
         np.abs(d, out=d)
         out.abs_sum[filled] = abs_sum = np.add.reduceat(d, at, dtype=np.float64)
     out.d_max[filled], out.d_min[filled] = d_max, d_min
-    unsure = ((d_max == 0) | (d_min == 0)) & (abs_sum > 0)
-    out.d_min[filled[unsure]] = -0.5
+    return filled[((d_max == 0) | (d_min == 0)) & (abs_sum > 0)]
 
 
 # --- the tokens that disagree most (kept episodes, export thread) --------------------------------
@@ -358,7 +357,7 @@ class TokenView:
 
     def attributes(self) -> dict[str, Any]:
         """The four attributes, each a Deferred read from one computation."""
-        return {key: _Worst(self, key) for key in _WORST_KEYS} if self.top > 0 else {}
+        return {key: Entry(self.worst, key) for key in _WORST_KEYS} if self.top > 0 else {}
 
     def worst(self) -> dict[str, list[Any]]:
         if self._worst is None:
@@ -399,15 +398,3 @@ class TokenView:
             except Exception:  # noqa: BLE001 - an undecodable id is shown as the id
                 pass
         return [t if isinstance(t, str) else str(int(t)) for t in picked]
-
-
-class _Worst(Deferred):
-    """One of a ``TokenView``'s four arrays (computed once for all four)."""
-
-    __slots__ = ("view", "key")
-
-    def __init__(self, view: TokenView, key: str) -> None:
-        self.view, self.key = view, key
-
-    def resolve(self) -> Any:
-        return self.view.worst()[self.key]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import Deferred
+from otel_rollouts._core.content import Entry
 from otel_rollouts._core.guard import guarded_or, report
 from otel_rollouts._core.logprobs import (
     MismatchOptions,
@@ -201,18 +201,6 @@ def tokenizer_knowledge(tokenizer: Any) -> tuple[RoleMarkers, tuple[str, ...], s
 
 
 # --- the lazy episode body ----------------------------------------------------------------------
-class _Field(Deferred):
-    """A Deferred reading one value of a sample's decoded body (decoded at most once)."""
-
-    __slots__ = ("body", "key")
-
-    def __init__(self, body: _EpisodeBody, key: str) -> None:
-        self.body, self.key = body, key
-
-    def resolve(self) -> Any:
-        return self.body.decoded()[self.key]
-
-
 class _EpisodeBody(SpanRecord):
     """Stands for an episode's prompt, turns, generations, tool calls and feedback.
 
@@ -663,7 +651,7 @@ def record_token_batch(
             if mismatch is not None:
                 mismatch.record(i, root, body, s, n)
             if capture and generated:
-                root.set_attribute(c.RL_TOOL_PARSE_ERROR, _Field(body, "errors"))
+                root.set_attribute(c.RL_TOOL_PARSE_ERROR, Entry(body.decoded, "errors"))
         _finish_reward(ep, i, reward_col, advantage_col, components, finish, given_status(i, finish), None)
 
     versions_col: Any = per_sample_versions
