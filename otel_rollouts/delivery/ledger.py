@@ -186,8 +186,9 @@ class Ledger:
                     entry.outstanding[i] = None
                     delivered.append(entry.key)
                     self._forget_if_done(ctx.trace_id, entry)
-        for key in delivered:  # (a step's count adds to the total too)
-            self.stats.step(key, f"delivered.{exporter}")
+            # counted under the lock: a report never sees an episode both pending and delivered
+            for key in delivered:  # (a step's count adds to the total too)
+                self.stats.step(key, f"delivered.{exporter}")
         if adopted:
             self.stats.add(f"delivered.{exporter}", adopted)
             self.stats.add(f"delivered.adopted.{exporter}", adopted)
@@ -206,11 +207,14 @@ class Ledger:
 
     def dropped_traces(self, exporter: str | None, trace_ids: Iterable[int], reason: str) -> int:
         """Episodes ``trace_ids`` dropped for ``reason`` by ``exporter`` (None: by every one)."""
-        return self._count_dropped(self._decide(exporter, trace_ids), reason)
+        return self._count_dropped(self._decide(exporter, trace_ids, reason), reason, counted=True)
 
-    def _decide(self, exporter: str | None, trace_ids: Iterable[int]) -> list[tuple[int, StepKey]]:
+    def _decide(self, exporter: str | None, trace_ids: Iterable[int],
+                reason: str | None = None) -> list[tuple[int, StepKey]]:
         """Take ``trace_ids`` out of pending for ``exporter`` (None: every one); returns
-        (exporter index, step) of each episode taken (those pending only)."""
+        (exporter index, step) of each episode taken (those pending only). With ``reason``, each
+        is counted dropped in its step under the same lock (a report never sees it neither
+        pending nor dropped)."""
         targets = range(len(self.exporters)) if exporter is None else [self._index.get(exporter)]
         dropped: list[tuple[int, StepKey]] = []
         with self._lock:
@@ -223,14 +227,17 @@ class Ledger:
                         continue
                     entry.outstanding[i] = None
                     dropped.append((i, entry.key))
+                    if reason is not None:
+                        self.stats.step(entry.key, f"dropped.{reason}.{self.exporters[i]}")
                 self._forget_if_done(trace_id, entry)
         return dropped
 
-    def _count_dropped(self, dropped: list[tuple[int, StepKey]], reason: str) -> int:
+    def _count_dropped(self, dropped: list[tuple[int, StepKey]], reason: str, *, counted: bool = False) -> int:
+        """Count ``dropped`` in their steps (unless ``counted`` already) and in the totals."""
         per_exporter: dict[int, int] = {}
         for i, key in dropped:
-            name = self.exporters[i]
-            self.stats.step(key, f"dropped.{reason}.{name}")
+            if not counted:
+                self.stats.step(key, f"dropped.{reason}.{self.exporters[i]}")
             per_exporter[i] = per_exporter.get(i, 0) + 1
         for i, n in per_exporter.items():
             self._count_drop(self.exporters[i], reason, n, stepped=True)
@@ -282,9 +289,11 @@ class Ledger:
         return lost
 
     # --- reading -----------------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
+    def report(self, counters: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
         """Per exporter: episodes pending now, and how many of them per ``"step/split"`` (the
-        rest of the books is in the ``delivered``/``dropped`` counters)."""
+        rest of the books is in the ``delivered``/``dropped`` counters: ``counters(exporter)``
+        reads them under the same lock, so an episode is never counted both pending and
+        delivered, or neither)."""
         with self._lock:
             by_step: list[dict[str, int]] = [{} for _ in self.exporters]
             for entry in list(self._entries.values()):  # one C-level copy: safe beside enter
@@ -292,5 +301,6 @@ class Ledger:
                 for i, out in enumerate(entry.outstanding):
                     if out is not None:
                         by_step[i][label] = by_step[i].get(label, 0) + 1
-            return {name: {"pending": sum(by_step[i].values()), "pending_steps": by_step[i]}
+            return {name: {**(counters(name) if counters is not None else {}),
+                           "pending": sum(by_step[i].values()), "pending_steps": by_step[i]}
                     for i, name in enumerate(self.exporters)}
