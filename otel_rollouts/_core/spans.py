@@ -12,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import Token
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
@@ -28,6 +31,51 @@ if TYPE_CHECKING:
     from otel_rollouts._core.codec import PendingSpan
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+# --- the OpenTelemetry context, read and set in one step ---------------------------------------
+# An episode's ``with`` blocks make their span the current one, as other instrumentation reads it
+# (``trace.get_current_span()``). Through the API that is four Python calls per attach, detach or
+# read (the API function, the runtime context's method, then the ContextVar); with the default
+# runtime context (a ContextVar, ``ContextVarsRuntimeContext``) the same ContextVar is set and
+# read directly: the very same effect, one C call. Another runtime context (chosen with
+# ``OTEL_PYTHON_CONTEXT``) goes through the API as before.
+# the context key the current span is kept under (private to the API): found once through the
+# public API, as with the baggage key in record/episode.py
+SPAN_KEY = next(iter(trace.set_span_in_context(trace.INVALID_SPAN, Context())))
+_runtime_context = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+_var = getattr(_runtime_context, "_current_context", None)
+if _var is not None and type(_runtime_context).__name__ == "ContextVarsRuntimeContext":
+    current_context: Callable[[], Context] = _var.get
+    attach_context: Callable[[Context], Token[Context]] = _var.set
+    reset_context: Callable[[Any], Any] = _var.reset
+else:  # pragma: no cover - another runtime context: the API
+    current_context = otel_context.get_current
+    attach_context = otel_context.attach
+    reset_context = otel_context.detach
+
+
+def detach_context(token: Any) -> None:
+    """The context before a ``with`` block, back (a token from another context is let be)."""
+    if token is not None:
+        try:
+            reset_context(token)
+        except Exception:  # noqa: BLE001 - a context mismatch must not break user code
+            pass
+
+
+def current_span() -> Any:
+    """``trace.get_current_span()`` in one step (None, not INVALID_SPAN, when there is none)."""
+    return current_context().get(SPAN_KEY)
+
+
+def with_span(span: Any, ctx: Context, key: Any = None, value: Any = None) -> Context:
+    """``ctx`` with ``span`` as its current span (and ``key`` set to ``value`` when given): what
+    ``trace.set_span_in_context`` makes, one dict copy for both keys."""
+    values = dict(ctx)
+    values[SPAN_KEY] = span
+    if key is not None:
+        values[key] = value
+    return Context(values)
 
 # Budgets for attribute names other instrumentation or the user chose (metadata keys, reward
 # components, set_attribute): without them one episode could carry 100k attributes or a 2 MB
@@ -154,8 +202,14 @@ class SpanRecord(trace.Span):
             return
         end = self.end_ns = end_time if end_time is not None else time.time_ns()
         episode = self.episode  # the sink is told when the root or the reward span ends
+        state = episode.state
+        if state >= KEPT:  # already decided: a late span of a kept episode still goes out
+            if self.held is None or state != KEPT:
+                episode.sink.late_span(episode, self)
+            # held: it is in the kept tree, which goes out (or went out) once, with it in it
+            return
         stage = _STAGE_INDEX.get(self.kind)
-        if stage is not None and episode.state < KEPT:
+        if stage is not None:
             # where the episode's time goes, added up as its spans end (a few integer operations
             # on timestamps that exist already): stages.stage_totals reads it in O(1)
             timing = episode.timing
@@ -169,11 +223,7 @@ class SpanRecord(trace.Span):
                 timing[3 + stage] = end
             if end > timing[6]:
                 timing[6] = end
-        if episode.state >= KEPT:  # already decided: a late span of a kept episode still goes out
-            if self.held is None or episode.state != KEPT:
-                episode.sink.late_span(episode, self)
-            # held: it is in the kept tree, which goes out (or went out) once, with it in it
-        elif self is episode.root or self is episode.reward_span:
+        if self is episode.root or self is episode.reward_span:
             episode.sink.part_ended(episode)
 
     # --- helpers -----------------------------------------------------------------------------

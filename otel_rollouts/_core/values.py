@@ -80,6 +80,8 @@ def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
     """Coerce an index/step-like value to a signed 64-bit int; refuse floats with a fraction,
     non-numbers and integers beyond 64 bits (no backend stores them as integers: a step or index
     is a key, so it is refused with a reason rather than rounded)."""
+    if type(value) is int and INT64_MIN <= value <= INT64_MAX:  # the common case, in place
+        return value, None
     number, problem = _to_int(value, field)
     if number is not None and not fits_int64(number):
         return None, f"{field}: beyond 64-bit integer range: {refused(value)}"

@@ -25,7 +25,7 @@ from random import getrandbits as _getrandbits
 from types import TracebackType
 from typing import Any, TypeVar
 
-from opentelemetry import baggage, trace
+from opentelemetry import baggage
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from opentelemetry.trace.status import StatusCode
@@ -36,14 +36,23 @@ from otel_rollouts._core.content import Deferred, jsonable, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
 from otel_rollouts._core.logprobs import TokenView, Totals, read_array, totals_of
 from otel_rollouts._core.spans import (
+    ATTRIBUTE_RESERVE,
     DROPPED,
     KEPT,
+    MAX_KEY_CHARS,
     OFFERED,
+    SPAN_KEY,
     EpisodeRecord,
     SpanRecord,
+    attach_context,
     bounded_key,
+    current_context,
+    current_span,
+    detach_context,
     has_room,
     put_attribute,
+    reset_context,
+    with_span,
 )
 from otel_rollouts._core.values import fits_int64, refused, storable_number, to_float, to_int
 
@@ -112,24 +121,39 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
                attributes: dict[str, Any] | None = None) -> SpanRecord:
     """A new span of ``record`` under ``parent`` (default: the current span of this episode)."""
     if parent is None:
-        current = trace.get_current_span()
+        current = current_context().get(SPAN_KEY)  # current_span, in place
         parent = (
             current
             if isinstance(current, SpanRecord) and current.episode is record
             else record.root
         )
-    # the kind's own attributes (rl.span.kind...) are added when the span is rendered
-    span = SpanRecord(record, name, _getrandbits(64) or _runtime.new_id64(),
-                      parent.span_id if parent else None, kind, attributes)
+    # SpanRecord.__init__ inlined (one call less per span, the most frequent call of all); the
+    # kind's own attributes (rl.span.kind...) are added when the span is rendered
+    span = _new_span(SpanRecord)
+    span.episode = record
+    span.name = name
+    span.span_id = _getrandbits(64) or _runtime.new_id64()
+    span.parent_id = parent.span_id if parent else None
+    span.kind = kind
+    span.start_ns = _time_ns()
+    span.end_ns = None
+    span.attributes = attributes if attributes is not None else {}
+    span.events = span.links = span.status_message = span._context = None
+    span.status_code = _UNSET
     if record.state >= KEPT:  # EpisodeRecord.add, inlined
-        return span  # made after the decision: a late span (sent once, when it ends)
-    if len(record.spans) + len(record.foreign) < record.max_spans:
+        span.held = None  # made after the decision: a late span (sent once, when it ends)
+    elif len(record.spans) + len(record.foreign) < record.max_spans:
         record.spans.append(span)
         span.held = True
     else:
         record.dropped_spans += 1
         span.held = False
     return span
+
+
+_new_span = object.__new__
+_time_ns = time.time_ns
+_UNSET = StatusCode.UNSET
 
 
 # the context key under which a context names the episode whose identity its baggage carries
@@ -144,8 +168,14 @@ def span_context(span: Any, ctx: Context | None = None) -> Context:
     of an episode, the episode's identity in its baggage (see ``with_identity``): any propagator
     (ours, or a stock instrumentation's) sends it with each request made while it is current."""
     if ctx is None:
-        ctx = otel_context.get_current()
-    return trace.set_span_in_context(span, with_identity(span, ctx))
+        ctx = current_context()
+    if type(span) is SpanRecord and ctx.get(_IDENTITY) is not span.episode:
+        # (the episode's own context, and those made from it: as it is)
+        values = _identity_values(span, ctx)
+        if values is not None:  # the identity and the current span in one copy
+            values[SPAN_KEY] = span
+            return Context(values)
+    return with_span(span, ctx)
 
 
 def with_identity(span: Any, ctx: Context) -> Context:
@@ -160,14 +190,18 @@ def with_identity(span: Any, ctx: Context) -> Context:
     kept; the episode's keys replace those of another episode (an upstream one, say). An
     episode's identity is fixed when it starts (``otr.set_step`` applies to later episodes).
     """
-    if not isinstance(span, SpanRecord):
+    if not isinstance(span, SpanRecord) or ctx.get(_IDENTITY) is span.episode:
         return ctx
+    values = _identity_values(span, ctx)
+    return ctx if values is None else Context(values)
+
+
+def _identity_values(span: SpanRecord, ctx: Context) -> dict[str, object] | None:
+    """The entries of ``with_identity``'s new context (None: ``ctx`` as it is)."""
     record = span.episode
-    if ctx.get(_IDENTITY) is record:
-        return ctx
     root = record.root
     if root is None:
-        return ctx
+        return None
     attributes = root.attributes
     current = ctx.get(_BAGGAGE)
     entries: dict[str, object] = dict(current) if isinstance(current, dict) else {}
@@ -182,16 +216,12 @@ def with_identity(span: Any, ctx: Context) -> Context:
     values = dict(ctx)
     values[_BAGGAGE] = entries
     values[_IDENTITY] = record
-    return Context(values)
+    return values
 
 
 def leave_context(token: Token[Context] | None) -> None:
     """The context before a ``with`` block, back (a token from another context is let be)."""
-    if token is not None:
-        try:
-            otel_context.detach(token)
-        except Exception:  # noqa: BLE001 - a context mismatch must not break user code
-            pass
+    detach_context(token)
 
 
 def _number(span: SpanRecord, value: Any, field: str) -> float | None:
@@ -199,6 +229,17 @@ def _number(span: SpanRecord, value: Any, field: str) -> float | None:
     if problem is not None:
         flag(span, problem)
     return number
+
+
+def _put(span: SpanRecord, key: str, value: Any) -> None:
+    """``put_attribute(span, key, value, "components")``, its common case (a short key, room
+    left) checked in place."""
+    attrs = span.attributes
+    if len(key) <= MAX_KEY_CHARS and (
+            key in attrs or len(attrs) < span.episode.max_attributes - ATTRIBUTE_RESERVE):
+        attrs[key] = value
+    else:
+        put_attribute(span, key, value, "components")
 
 
 def record_logprobs(span: SpanRecord, logprobs: Any, trainer_logprobs: Any, tokens: Any = None,
@@ -252,11 +293,17 @@ def record_usage(span: SpanRecord, input_tokens: Any, output_tokens: Any) -> Non
                               (output_tokens, c.GEN_AI_USAGE_OUTPUT_TOKENS, "output_tokens")):
         if value is None:
             continue
+        if type(value) is int and 0 <= value < _INT64:  # the common case, checked in place
+            span.attributes[key] = value
+            continue
         count = _integer(span, value, field)
         if count is not None and count < 0:
             flag(span, f"{field}: negative ({count})")
         elif count is not None:
             span.attributes[key] = count
+
+
+_INT64 = 1 << 63  # a count below this is stored as it is
 
 
 def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
@@ -286,8 +333,14 @@ class _SpanHandle:
 
     def __enter__(self: _H) -> _H:
         self._entered = True
-        if self._span is not None:
-            self._token = otel_context.attach(span_context(self._span))
+        span = self._span
+        if span is not None:
+            ctx = current_context()
+            if ctx.get(_IDENTITY) is not span.episode:
+                ctx = with_identity(span, ctx)
+            values = dict(ctx)  # with_span, in place
+            values[SPAN_KEY] = span
+            self._token = attach_context(Context(values))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -295,7 +348,11 @@ class _SpanHandle:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
             token, self._token = self._token, None
-            leave_context(token)
+            if token is not None:
+                try:
+                    reset_context(token)  # detach_context, in place
+                except Exception:  # noqa: BLE001 - a token of another context is let be
+                    pass
             span = self._span
             if span is not None:
                 if exc is not None and span.status_code is not StatusCode.ERROR:
@@ -327,15 +384,23 @@ class CallHandle(_SpanHandle):
     __slots__ = ("merged", "merged_error")
 
     def __init__(self, span: SpanRecord | None) -> None:
-        super().__init__(span)
+        self._span = span
+        self._token = None
+        self._entered = False
         self.merged = False  # a traced call recorded into this span already
         self.merged_error: BaseException | None = None  # the exception it recorded, if any
 
     def __enter__(self: _H) -> _H:
         self._entered = True
-        if self._span is not None:
-            ctx = otel_context.set_value(OPEN_CALL, self, span_context(self._span))
-            self._token = otel_context.attach(ctx)
+        span = self._span
+        if span is not None:
+            ctx = current_context()
+            if ctx.get(_IDENTITY) is not span.episode:
+                ctx = with_identity(span, ctx)
+            values = dict(ctx)  # with_span, in place
+            values[SPAN_KEY] = span
+            values[OPEN_CALL] = self
+            self._token = attach_context(Context(values))
         return self
 
     def take(self, kind: str, tool: str | None) -> SpanRecord | None:
@@ -343,7 +408,7 @@ class CallHandle(_SpanHandle):
         if that call is the first directly inside this block; else None."""
         span = self._span
         if (span is None or self.merged or span.end_ns is not None or span.kind != kind
-                or trace.get_current_span() is not span):
+                or current_span() is not span):
             return None
         if kind == c.KIND_TOOL and span.attributes.get(c.GEN_AI_TOOL_NAME) != tool:
             return None
@@ -455,6 +520,14 @@ class Generation(CallHandle):
 
 
 
+# span names of the GenAI conventions, built in place for a name that is text (c.chat_span_name,
+# c.tool_span_name say what they are)
+_CHAT_PREFIX = c.chat_span_name("x")[:-1]
+_TOOL_PREFIX = c.tool_span_name("x")[:-1]
+# the keywords of Generation.output that record_generation records itself (with a text answer)
+_PLAIN_OUTPUT = frozenset(("finish_reason", "input_tokens", "output_tokens"))
+
+
 class Turn(_SpanHandle):
     """One policy step: a generation, the tool calls it made, and the feedback it got."""
 
@@ -493,10 +566,37 @@ class Turn(_SpanHandle):
                           messages: Any = None, provider: str | None = None, **output: Any) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
         try:
-            # the unguarded bodies: this call is guarded once, as a whole
-            gen: Generation = Turn.generation.__wrapped__(  # type: ignore[attr-defined]
-                self, model, messages=messages, provider=provider)
-            Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
+            record = self._record
+            if record is None:
+                return Generation(None)
+            # generation() and output() in one body, guarded once as a whole: a plain text
+            # answer (the common case) is recorded here, anything else by output()'s body
+            attrs: dict[str, Any] = {}
+            if model:
+                attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
+            if provider:
+                attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
+            capture = record.capture_content
+            if messages is not None and capture:
+                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+            name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
+            span = child_span(record, name, c.KIND_GENERATION, self._span, attrs)
+            gen = Generation(span)
+            if type(content) is str and (not output or output.keys() <= _PLAIN_OUTPUT):
+                if capture:
+                    attrs[c.GEN_AI_OUTPUT_MESSAGES] = [{"role": "assistant", "content": content}]
+                if output:
+                    finish_reason = output.get("finish_reason")
+                    if finish_reason is not None:
+                        attrs[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
+                    input_tokens, output_tokens = output.get("input_tokens"), output.get("output_tokens")
+                    if input_tokens is None and type(output_tokens) is int and 0 <= output_tokens < _INT64:
+                        attrs[c.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens  # record_usage, in place
+                    else:
+                        record_usage(span, input_tokens, output_tokens)
+                span.end()
+            else:
+                Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
             return gen
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.record_generation", exc)
@@ -507,13 +607,14 @@ class Turn(_SpanHandle):
         try:
             if self._record is None:
                 return ToolCall(None)
-            tool = text(name)
+            tool = name if type(name) is str else text(name)
             attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: tool}
             if call_id is not None:
                 attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
             if arguments is not None and self._record.capture_content:
                 attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
-            span = child_span(self._record, c.tool_span_name(tool), c.KIND_TOOL, self._span, attrs)
+            name = _TOOL_PREFIX + tool if tool else c.SPAN_EXECUTE_TOOL  # c.tool_span_name, in place
+            span = child_span(self._record, name, c.KIND_TOOL, self._span, attrs)
             return ToolCall(span)
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.tool_call", exc)
@@ -653,14 +754,15 @@ class Episode:
         if step is None:
             step_value = rt.current_step
         else:
-            parsed, problem = to_int(step, "step")
+            parsed, problem = ((step, None) if type(step) is int and -_INT64 <= step < _INT64
+                               else to_int(step, "step"))
             step_value = rt.current_step if parsed is None else parsed
             if problem is not None:
                 problems.append(problem)
                 step_value = rt.current_step
             elif step_value < 0:
                 problems.append(f"step: negative ({step_value})")
-        split = text(split) if split is not None else "train"
+        split = split if type(split) is str else text(split) if split is not None else "train"
         episode_id = new_episode_id(step_value) if episode_id is None else text(episode_id)
         if trace_id is None:
             if rt.deterministic_ids:
@@ -687,13 +789,14 @@ class Episode:
         }
         if rt.run_id:
             attrs[c.RL_RUN_ID] = rt.run_id
-        root = SpanRecord(record, text(name), _getrandbits(64) or _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
+        root = SpanRecord(record, name if type(name) is str else text(name), _getrandbits(64) or _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
         record.root = root
         record.add(root)
         if group_id is not None:
-            attrs[c.RL_GROUP_ID] = text(group_id)
+            attrs[c.RL_GROUP_ID] = group_id if type(group_id) is str else text(group_id)
         if sample_index is not None:
-            attrs[c.RL_SAMPLE_INDEX] = _integer(root, sample_index, "sample_index")
+            attrs[c.RL_SAMPLE_INDEX] = (sample_index if type(sample_index) is int and 0 <= sample_index < _INT64
+                                        else _integer(root, sample_index, "sample_index"))
         if policy_version is not None:
             attrs[c.RL_POLICY_VERSION] = _integer(root, policy_version, "policy_version")
         if dataset_name is not None:
@@ -742,7 +845,7 @@ class Episode:
         self.start()
         record = self._record
         if record is not None and record.root is not None:
-            self._token = otel_context.attach(span_context(record.root))
+            self._token = attach_context(span_context(record.root))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -750,7 +853,11 @@ class Episode:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
             token, self._token = self._token, None
-            leave_context(token)
+            if token is not None:
+                try:
+                    reset_context(token)  # detach_context, in place
+                except Exception:  # noqa: BLE001 - a token of another context is let be
+                    pass
             self._close(exc)
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
@@ -827,7 +934,10 @@ class Episode:
                 if system_instructions is not None:
                     attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)
             span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
-            span.end(span.start_ns)
+            if record.state < KEPT:  # SpanRecord.end of a span of no stage, in place
+                span.end_ns = span.start_ns
+            else:
+                span.end(span.start_ns)
             root = record.root
             if root is not None and getattr(record.sink, "watch_hashes", False):
                 digest = prompt_hash(messages)  # only a run watching prompts by hash pays for it
@@ -888,8 +998,8 @@ class Episode:
                 if number is not None:
                     values[c.RL_ADVANTAGE] = number
             for key, number in values.items():  # component names are the user's: bounded
-                put_attribute(span, key, number, "components")
-                put_attribute(root, key, number, "components")
+                _put(span, key, number)
+                _put(root, key, number)
             if span.end_ns is None:
                 span.end()
             elif record.state < KEPT:
@@ -960,7 +1070,7 @@ def current_generation() -> Generation:
     ``@traced(kind="generation")`` function), to record what only the body knows, e.g.
     ``otr.current_generation().usage(input_tokens=812, output_tokens=64)``. Outside one, a
     handle whose methods do nothing. Its ``output()`` does not end the span."""
-    span = trace.get_current_span()
+    span = current_span()
     handle = Generation(span if isinstance(span, SpanRecord) and span.kind == c.KIND_GENERATION
                         and span.end_ns is None else None)
     handle._entered = True  # the span belongs to its block or function: they end it
@@ -969,7 +1079,7 @@ def current_generation() -> Generation:
 
 def current_episode() -> Episode | None:
     """The episode recording in the current context, or None."""
-    span = trace.get_current_span()
+    span = current_span()
     if isinstance(span, SpanRecord):
         handle = span.episode.handle
         return handle if isinstance(handle, Episode) else None

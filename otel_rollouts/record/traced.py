@@ -14,8 +14,6 @@ from collections.abc import Callable
 from contextvars import Token
 from typing import Any, TypeVar, overload
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.status import StatusCode
 
@@ -24,16 +22,24 @@ from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import call_user, exception_text, snapshot, text
 from otel_rollouts._core.guard import report
-from otel_rollouts._core.spans import SpanRecord, exception_attributes
+from otel_rollouts._core.spans import (
+    SpanRecord,
+    attach_context,
+    current_context,
+    current_span,
+    detach_context,
+    exception_attributes,
+    with_span,
+)
 from otel_rollouts.record.episode import (
+    _IDENTITY,
     OPEN_CALL,
     CallHandle,
     Episode,
     as_messages,
     child_span,
-    leave_context,
     record_usage,
-    span_context,
+    with_identity,
 )
 from otel_rollouts.record.response import read_response
 
@@ -60,7 +66,13 @@ class _Call:
         self.merged = merged
 
     def attach(self) -> Token[Context]:
-        return otel_context.attach(span_context(self.span))
+        """Make the span current (``span_context``, in place): the same context object for
+        a span of the episode the context names already, else the episode's identity added."""
+        span = self.span
+        ctx = current_context()
+        if type(span) is not SpanRecord or ctx.get(_IDENTITY) is not span.episode:
+            ctx = with_identity(span, ctx)
+        return attach_context(with_span(span, ctx))
 
     def fail(self, exc: BaseException) -> None:
         try:
@@ -90,7 +102,14 @@ class _Call:
         try:
             span = self.span
             kind = self.kind
-            light = isinstance(span, SpanRecord)
+            light = type(span) is SpanRecord
+            if light and kind == c.KIND_GENERATION and type(value) is str:
+                # the common case, in place: a text answer, a message made here (nothing of the
+                # caller's to copy), on a light span (an attribute of the library's own)
+                if span.episode.capture_content:
+                    span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [{"role": "assistant", "content": value}]
+                return
+            light = light or isinstance(span, SpanRecord)
             if kind == c.KIND_GENERATION and light and not isinstance(value, str):
                 response = read_response(value)
                 if response is not None:
@@ -247,7 +266,7 @@ def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...
 
 def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
            binder: _Params, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
-    current = trace.get_current_span()
+    current = current_span()
     parent = current if isinstance(current, SpanRecord) and current.episode.state < 2 else None
     inside = parent.episode if parent is not None else None
     if inside is None or kind == c.KIND_EPISODE:
@@ -302,7 +321,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     if inside is not None:
         record = inside
         if kind in _MERGING_KINDS:
-            handle = otel_context.get_value(OPEN_CALL)
+            handle = current_context().get(OPEN_CALL)
             target = (handle.take(kind, attributes.get(c.GEN_AI_TOOL_NAME))
                       if isinstance(handle, CallHandle) else None)
             if target is not None:
@@ -388,7 +407,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                             call.fail(exc)
                         raise
                     finally:
-                        leave_context(token)
+                        detach_context(token)
                     try:
                         to_send, to_throw = (yield item), None
                     except GeneratorExit as exc:
@@ -429,7 +448,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                         call.fail(exc)
                         raise
                     finally:
-                        leave_context(token)
+                        detach_context(token)
                     try:
                         to_send, to_throw = (yield item), None
                     except GeneratorExit as exc:
@@ -462,7 +481,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
                 call.output(result)
                 return result
             finally:
-                leave_context(token)
+                detach_context(token)
                 call.end()
 
         return async_wrapper
@@ -482,7 +501,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
             call.output(result)
             return result
         finally:
-            leave_context(token)
+            detach_context(token)
             call.end()
 
     return wrapper

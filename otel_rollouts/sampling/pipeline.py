@@ -335,14 +335,16 @@ class Pipeline(SpanProcessor):
         later goes out as a late span of a kept episode. Memory never holds it past its step."""
         if record.state != OPEN:
             return
+        root, reward = record.root, record.reward_span
+        if root is None or root.end_ns is None:
+            return  # the reward span ended first: the root's end offers it
         hung = self.hung
         if hung is not None and record.timed:
             self._note_duration(hung, record)
-        if not record.complete:
-            root = record.root
+        if reward is None or reward.end_ns is None:  # not complete (EpisodeRecord.complete)
             # the lock-free check (a dict lookup): a step closing meanwhile offers it itself,
             # since its root's end is set before this is called
-            if root is None or root.end_ns is None or not self._is_closed((record.step, record.split)):
+            if not self._is_closed((record.step, record.split)):
                 return
         with self._lock:
             if record.state == OPEN:
@@ -467,14 +469,16 @@ class Pipeline(SpanProcessor):
         self._live.pop(record.trace_id, None)
         self._held_bytes -= record.held_bytes
         record.held_bytes = 0
-        self._remember(record.trace_id, False)
+        if self.remember_decisions:
+            self._remember(record.trace_id, False)
         if record.logs:
             for _, items, _ in record.logs:
                 self.stats.add("dropped.episode_logs", len(items))
             record.logs = None
         if reason is not None:
             self.stats.step((record.step, record.split), "dropped." + reason)
-            self._observe("decided", record, reason)
+            if self.observer is not None:
+                self._observe("decided", record, reason)
         record.release()
 
     # --- closing steps -----------------------------------------------------------------------
