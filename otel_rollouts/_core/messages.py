@@ -14,19 +14,21 @@ records OpenAI-style messages, tool arguments and results, numbers; this module 
 
 A generation recorded without its input messages gets the conversation up to it (the prompt,
 earlier turns, tool results and feedback), rebuilt here from the episode's own spans: nothing is
-copied on the training thread. Everything here is derived from captured content, so with
+copied on the training thread. Each such generation gets a window onto one conversation (``SoFar``),
+read at render only as far as the limits show it, so a long episode renders in linear time. Everything here is derived from captured content, so with
 ``capture_content=False`` no content attribute appears (only numbers, statuses, names).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import jsonable, text, to_json
+from otel_rollouts._core.content import cut, jsonable, removed_chars, text, text_cut_marker, to_json
 
 Message = dict[str, Any]
 
@@ -221,23 +223,202 @@ def _flatten(prefix: str, messages: Iterable[Message]) -> dict[str, Any]:
     """OpenInference's flattened ``<prefix>.N.message.*`` attributes of OpenAI-style messages."""
     out: dict[str, Any] = {}
     for i, message in enumerate(messages):
-        if isinstance(message.get("parts"), list):
-            message = to_openai(message)
-        out[c.oi_message_key(prefix, i, c.OI_MESSAGE_ROLE)] = text(message.get("role") or "user")
-        body = _content_text(message.get("content"))
-        if body:
-            out[c.oi_message_key(prefix, i, c.OI_MESSAGE_CONTENT)] = body
-        if message.get("name"):
-            out[c.oi_message_key(prefix, i, c.OI_MESSAGE_NAME)] = text(message["name"])
-        if message.get("tool_call_id"):
-            out[c.oi_message_key(prefix, i, c.OI_MESSAGE_TOOL_CALL_ID)] = text(message["tool_call_id"])
-        for j, call in enumerate(tool_calls_of(message)):
-            if call["id"] is not None:
-                out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_ID)] = text(call["id"])
-            if call["name"] is not None:
-                out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_FUNCTION_NAME)] = call["name"]
-            out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_FUNCTION_ARGUMENTS)] = arguments_text(call["arguments"])
+        _flatten_one(out, prefix, i, message)
     return out
+
+
+def _flatten_one(out: dict[str, Any], prefix: str, i: int, message: Message) -> None:
+    """The flattened attributes of message ``i`` (see ``_flatten``), added to ``out``."""
+    if isinstance(message.get("parts"), list):
+        message = to_openai(message)
+    out[c.oi_message_key(prefix, i, c.OI_MESSAGE_ROLE)] = text(message.get("role") or "user")
+    body = _content_text(message.get("content"))
+    if body:
+        out[c.oi_message_key(prefix, i, c.OI_MESSAGE_CONTENT)] = body
+    if message.get("name"):
+        out[c.oi_message_key(prefix, i, c.OI_MESSAGE_NAME)] = text(message["name"])
+    if message.get("tool_call_id"):
+        out[c.oi_message_key(prefix, i, c.OI_MESSAGE_TOOL_CALL_ID)] = text(message["tool_call_id"])
+    for j, call in enumerate(tool_calls_of(message)):
+        if call["id"] is not None:
+            out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_ID)] = text(call["id"])
+        if call["name"] is not None:
+            out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_FUNCTION_NAME)] = call["name"]
+        out[c.oi_tool_call_key(prefix, i, j, c.OI_TOOL_CALL_FUNCTION_ARGUMENTS)] = arguments_text(call["arguments"])
+
+
+# --- the conversation so far, read only as far as the limits show it ---------------------------
+def _piece(message: Message) -> tuple[str, int] | None:
+    """A message's JSON text in the parts shape, as ``json.dumps`` writes it inside the list the
+    view is (compact, non-ASCII kept), and the extra characters its cut markers stand for
+    (``content.removed_chars``); None when it is no plain JSON (the whole list then takes the
+    guarded conversion, as before)."""
+    try:
+        piece = json.dumps(to_parts(message), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return piece, removed_chars(piece, 0, len(piece)) - len(piece)
+
+
+class _Conversation:
+    """The conversation so far of one walk, and windows onto it (``SoFar``).
+
+    Each message is encoded once, when it joins (and again when a tool call joins the last
+    assistant message); the running totals give each window its length without a copy. A window
+    shows the conversation as it was when the generation was walked: before the last assistant
+    message changes, the windows that include it keep a copy of it as it is (``pinned``).
+    """
+
+    __slots__ = ("messages", "pieces", "total", "extra", "broken", "assistant", "stale", "open")
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = messages
+        self.pieces: list[tuple[str, int] | None] = []
+        self.total = 0  # characters of the pieces so far (brackets and commas not counted)
+        self.extra = 0  # what their cut markers stand for beyond their own length
+        self.broken: set[int] = set()  # messages that are no plain JSON
+        self.assistant: int | None = None  # the index of the message tool calls join
+        self.stale = False  # that message changed since it was encoded
+        self.open: list[SoFar] = []  # windows showing that message as it is now
+
+    def _set(self, i: int, piece: tuple[str, int] | None) -> None:
+        old = self.pieces[i] if i < len(self.pieces) else None
+        if old is not None:
+            self.total -= len(old[0])
+            self.extra -= old[1]
+        if i < len(self.pieces):
+            self.pieces[i] = piece
+        else:
+            self.pieces.append(piece)
+        self.broken.discard(i)
+        if piece is None:
+            self.broken.add(i)
+        else:
+            self.total += len(piece[0])
+            self.extra += piece[1]
+
+    def last_assistant(self, i: int) -> None:
+        """Message ``i`` is now the one later tool calls join; the one before changes no more."""
+        self.assistant, self.open = i, []
+
+    def changing(self) -> None:
+        """The last assistant message is about to change: windows showing it keep it as it is."""
+        i = self.assistant
+        if i is None:
+            return
+        if self.open and i < len(self.pieces):
+            frozen = copy.deepcopy(self.messages[i])
+            piece = self.pieces[i]
+            for window in self.open:
+                window.pinned[i] = (frozen, piece)
+        self.open = []
+        self.stale = True
+
+    def window(self) -> SoFar:
+        """A window onto the conversation as it is now (every message so far)."""
+        messages = self.messages
+        if self.stale and self.assistant is not None and self.assistant < len(self.pieces):
+            self._set(self.assistant, _piece(messages[self.assistant]))
+        self.stale = False
+        for i in range(len(self.pieces), len(messages)):
+            self._set(i, _piece(messages[i]))
+        n = len(messages)
+        window = SoFar(self, n, self.total, self.extra, bool(self.broken) and min(self.broken) < n)
+        if self.assistant is not None and self.assistant < n:
+            self.open.append(window)
+        return window
+
+
+class SoFar:
+    """The conversation up to a generation recorded without its input messages: the view
+    ``gen_ai.input.messages`` (a JSON list in the parts shape) and the flattened
+    ``llm.input_messages.N.*``, computed at render, and only as far as they are shown.
+
+    ``text(limit)`` is ``content.cut`` of the whole list's JSON text, built from the messages
+    at its two ends that the cut keeps (the lengths and markers of the others are known), so a
+    generation costs what its limit shows, not what the conversation weighs: rebuilding the
+    whole conversation for every generation made long episodes render in quadratic time.
+    """
+
+    __slots__ = ("conversation", "n", "total", "extra", "broken", "pinned")
+
+    def __init__(self, conversation: _Conversation, n: int, total: int, extra: int, broken: bool) -> None:
+        self.conversation = conversation
+        self.n = n
+        self.total = total
+        self.extra = extra
+        self.broken = broken
+        self.pinned: dict[int, tuple[Message, tuple[str, int] | None]] = {}
+
+    def message(self, i: int) -> Message:
+        pinned = self.pinned.get(i)
+        return pinned[0] if pinned is not None else self.conversation.messages[i]
+
+    def parts(self) -> list[Message]:
+        """The whole view as the parts-shape messages (what the JSON text encodes)."""
+        return [to_parts(self.message(i)) for i in range(self.n)]
+
+    def _piece(self, i: int) -> tuple[str, int]:
+        pinned = self.pinned.get(i)
+        piece = pinned[1] if pinned is not None else self.conversation.pieces[i]
+        assert piece is not None  # a window with a message that is no plain JSON is broken
+        return piece
+
+    def whole(self, encode: Callable[[Any], str]) -> str:
+        """The view's whole JSON text (``encode``: the renderer's JSON for a list)."""
+        if self.broken:
+            return encode(self.parts())
+        return "[" + ",".join(self._piece(i)[0] for i in range(self.n)) + "]"
+
+    def text(self, limit: int, encode: Callable[[Any], str]) -> tuple[str, bool]:
+        """``content.cut(self.whole(encode), limit)``, reading only the messages it keeps."""
+        n = self.n
+        length = 2 + self.total + n - 1
+        if self.broken or limit <= 0 or length <= limit:
+            return cut(self.whole(encode), limit)
+        keep = max(limit - 40, 2)
+        start = keep // 2  # the head kept: text[:start]
+        end = length - (keep - start)  # the tail kept: text[end:]
+        head: list[str] = []
+        extra = 0  # the markers of the messages read, in the part cut out
+        skip = 0  # what the markers of the messages read stand for in all (the totals count it)
+        offset, i = 1, 0
+        while i < n and offset < start:  # messages that begin in the head
+            piece, its_extra = self._piece(i)
+            head.append(piece)
+            skip += its_extra
+            if offset + len(piece) > start:
+                local = start - offset
+                extra += removed_chars(piece, local, min(len(piece), end - offset)) - (min(len(piece), end - offset) - local)
+            offset += len(piece) + 1
+            i += 1
+        tail: list[str] = []
+        stop = length - 1  # where the message read next ends (before "]" or ",")
+        j = n - 1
+        while j >= i and stop > end:  # messages that end in the tail
+            piece, its_extra = self._piece(j)
+            tail.append(piece)
+            skip += its_extra
+            begin = stop - len(piece)
+            if begin < end:
+                local = max(start - begin, 0)
+                extra += removed_chars(piece, local, end - begin) - (end - begin - local)
+            stop = begin - 1
+            j -= 1
+        if j < i and (stop > end or offset < start) or (i > j + 1):
+            return cut(self.whole(encode), limit)  # the ends meet: short enough to build whole
+        head_text = "[" + "".join(p + "," for p in head)
+        tail_text = "".join("," + p for p in reversed(tail)) + "]"
+        removed = (end - start) + (self.extra - skip) + extra
+        return f"{head_text[:start]}{text_cut_marker(removed)}{tail_text[len(tail_text) - (length - end):]}", True
+
+    def flattened(self) -> Iterator[tuple[str, Any]]:
+        """OpenInference's ``llm.input_messages.N.*`` of the view, message by message (the
+        renderer stops reading once the episode's budget is spent)."""
+        for i in range(self.n):
+            out: dict[str, Any] = {}
+            _flatten_one(out, c.OI_LLM_INPUT_MESSAGES, i, self.message(i))
+            yield from out.items()
 
 
 def _io(out: dict[str, Any], key: str, mime_key: str, value: Any) -> None:
@@ -288,6 +469,7 @@ class EpisodeViews:
         prompt: list[Message] = []
         root_id: int | None = None
         reward_ids: list[int] = []
+        so_far_of = _Conversation(conversation)
         for span_id, parent_id, kind, attrs, error in spans:
             view = out[span_id] = SpanView()
             main, derived = view.main, view.derived
@@ -306,7 +488,10 @@ class EpisodeViews:
                     main[c.GEN_AI_SYSTEM_INSTRUCTIONS] = self._instructions(instructions)
             elif kind == c.KIND_GENERATION:
                 recorded = attrs.get(c.GEN_AI_INPUT_MESSAGES)
-                inputs = _messages(recorded) if recorded is not None else [dict(m) for m in conversation]
+                inputs = _messages(recorded) if recorded is not None else []
+                # the conversation so far, not copied: a window onto its first n messages, read
+                # at render only as far as the limits let it show (see SoFar)
+                so_far = so_far_of.window() if recorded is None and conversation else None
                 outputs = _messages(attrs.get(c.GEN_AI_OUTPUT_MESSAGES))
                 reasons = attrs.get(c.GEN_AI_RESPONSE_FINISH_REASONS)
                 reason = finish_reason(reasons[0]) if isinstance(reasons, (list, tuple)) and reasons else None
@@ -314,14 +499,20 @@ class EpisodeViews:
                     main[c.GEN_AI_RESPONSE_FINISH_REASONS] = [reason]
                 if inputs:
                     parts = [to_parts(m) for m in inputs]
-                    (main if recorded is not None else derived)[c.GEN_AI_INPUT_MESSAGES] = parts
+                    main[c.GEN_AI_INPUT_MESSAGES] = parts
                     derived.update(_flatten(c.OI_LLM_INPUT_MESSAGES, inputs))
+                    _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _text_of(inputs[-1]))
+                elif so_far is not None:
+                    inputs = [dict(conversation[-1])]  # the last one, as a copy of it read now
+                    derived[c.GEN_AI_INPUT_MESSAGES] = so_far
+                    derived[_LATER_FLAT_INPUT] = Expand(so_far.flattened)
                     _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _text_of(inputs[-1]))
                 if outputs:
                     for message in outputs:
                         message.setdefault("role", "assistant")
                     conversation.extend(outputs)  # the same dicts: tool calls found later join them
                     last_assistant = outputs[-1]
+                    so_far_of.last_assistant(len(conversation) - 1)
                     main[c.GEN_AI_OUTPUT_MESSAGES] = _Later(lambda o=outputs, r=reason: [
                         {**to_parts(m), "finish_reason": r or _implied_finish(m)} for m in o
                     ])
@@ -353,6 +544,7 @@ class EpisodeViews:
                 _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, _arguments(arguments))
                 _io(derived, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, result)
                 if last_assistant is not None and (arguments is not None or result is not None or name):
+                    so_far_of.changing()  # windows that show it keep it as it is now
                     calls = last_assistant.setdefault("tool_calls", [])
                     if isinstance(calls, list):
                         attach_tool_call(calls, call_id, name, arguments if arguments is not None else {})
@@ -447,6 +639,17 @@ class _Later:
 
 
 _LATER_FLAT = "\x00flat"  # a _Later that yields several attributes (never written as a key)
+_LATER_FLAT_INPUT = "\x00flat-input"  # Expand: attributes read at render, while the budget lasts
+
+
+class Expand:
+    """Several attributes computed at render, read one by one, only while the episode's budget
+    lasts (every one is text: once the budget is spent, none would be written)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Callable[[], Iterator[tuple[str, Any]]]) -> None:
+        self.items = items
 
 
 def settle(extra: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -18,7 +18,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import redaction
 from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.content import Deferred, cut, jsonable, precut, to_json
-from otel_rollouts._core.messages import EpisodeViews, SpanView, error_type, settle
+from otel_rollouts._core.messages import EpisodeViews, Expand, SoFar, SpanView, error_type, settle
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stages import stage_totals
 
@@ -156,7 +156,11 @@ class Materializer:
 
     def _text_out(self, text: str) -> str:
         text = valid_utf8(text)[0]
-        return self.redact(text) if self.redact is not None else text
+        if self.redact is None:
+            return text
+        if self._redacted_whole is not None:
+            return self._clean_whole(text) or ""  # during an episode: once per distinct text
+        return self.redact(text)
 
     def _plain(self, attributes: Any, *, exception: bool = False) -> dict[str, Any]:
         """Attributes already in OpenTelemetry's shape (other instrumentation's, events', links'),
@@ -270,13 +274,14 @@ class Materializer:
         keep = self._keep
         if self.redact is None:
             return precut(text, keep) if keep is not None else text
+        if self._bounded is None or keep is None or len(text) <= 2 * keep:
+            # redacted whole either way (a Redactor reads short text whole): one scan, shared
+            # with the texts redacted whole (keys, a failure's message)
+            return self._clean_whole(text)
         cache = self._redacted
         clean = cache.get(text) if cache is not None else None
         if clean is None:
-            if keep is not None and self._bounded is not None:
-                clean = self._bounded(text, keep)
-            else:
-                clean = self.redact(text)
+            clean = self._bounded(text, keep)
             if cache is not None:
                 cache[text] = clean
         return clean
@@ -309,9 +314,11 @@ class Materializer:
 
     def _build(self, trace_id: int, s: SpanRecord, attributes: dict[str, Any], truncated: list[str],
                view: SpanView | None, *, redact: bool = True) -> ReadableSpan:
-        if view is not None and view.derived:
+        if view is not None and view.derived and (self._budget is None or self._budget > 0):
             # views repeat content recorded elsewhere: written while the budget lasts, and not
-            # named in rl.content.truncated (what was recorded is there, whole or flagged)
+            # named in rl.content.truncated (what was recorded is there, whole or flagged); they
+            # are all texts (or JSON written as text), so with the budget spent none would be
+            # written and none is computed
             derived, _ = self._attributes(settle(view.derived), optional=True, redact=redact)
             for key, value in derived.items():
                 attributes.setdefault(key, value)
@@ -374,7 +381,7 @@ class Materializer:
         replaced: list[str] = []
         limit = self.max_attribute_chars
         keys = self._keys
-        for key, value in raw.items():
+        for key, value in self._items(raw, optional):
             if value is None:
                 continue
             known = keys.get(key)
@@ -413,8 +420,11 @@ class Materializer:
                 continue
             if optional and self._budget is not None and self._budget <= 0:
                 continue
-            text = value if isinstance(value, str) else _json(value)
-            text, was_cut = self._text(text, limit, redact)
+            if isinstance(value, SoFar) and not redact:
+                text, was_cut = self._so_far(value, limit)  # what the cut keeps of it, no more
+            else:
+                text = value if isinstance(value, str) else _json(value.parts() if isinstance(value, SoFar) else value)
+                text, was_cut = self._text(text, limit, redact)
             text, bad = (text, False) if text.isascii() else valid_utf8(text)
             out[key] = text
             if was_cut:
@@ -424,6 +434,29 @@ class Materializer:
         if replaced:
             out[c.RL_REPLACED_FIELDS] = replaced
         return out, truncated
+
+    def _items(self, raw: dict[str, Any], optional: bool) -> Iterator[tuple[str, Any]]:
+        """``raw``'s items, each ``Expand`` read in place item by item, and only while the
+        episode's budget lasts when ``optional`` (its items are texts: none would be written)."""
+        for key, value in raw.items():
+            if not isinstance(value, Expand):
+                yield key, value
+                continue
+            for item in value.items():
+                if optional and self._budget is not None and self._budget <= 0:
+                    break
+                yield item
+
+    def _so_far(self, view: SoFar, limit: int) -> tuple[str, bool]:
+        """``_text`` of a conversation so far's JSON text (clean already), built only as far as
+        the cut shows it (see ``SoFar.text``)."""
+        budget = self._budget
+        if budget is None:
+            return view.text(limit, _json)
+        limit = max(min(limit, budget), _SMALLEST_CUT) if limit > 0 else max(budget, _SMALLEST_CUT)
+        text, was_cut = view.text(limit, _json)
+        self._budget = max(budget - len(text), 0)
+        return text, was_cut
 
     def _list(self, values: Any, limit: int, redact: bool) -> tuple[list[Any], bool, bool]:
         """A homogeneous list within ``limit`` characters (and the episode's budget) in all:
