@@ -38,6 +38,7 @@ from otel_rollouts.delivery.defaults import default_exporters
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
+from otel_rollouts.delivery.process import make_delivery
 from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.hung import HangOptions, HungWatcher
 from otel_rollouts.sampling.pipeline import Pipeline
@@ -147,11 +148,13 @@ class Rollouts(_runtime.Runtime):
             capture_content=content.capture_content,
         )
         queue_size = delivery_settings.max_queue or max(1024, 16 * sampler.max_traces_per_step)
-        delivery = Delivery(
+        delivery = make_delivery(
+            delivery_settings.render,
             exporters,
             materializer,
             stats,
             max_queue=queue_size,
+            exit_timeout=delivery_settings.exit_timeout,
             spool_dir=delivery_settings.spool_dir,
             spool_max_bytes=delivery_settings.spool_max_bytes,
             max_request_bytes=delivery_settings.max_request_bytes,
@@ -188,7 +191,8 @@ class Rollouts(_runtime.Runtime):
         self.mismatch = MismatchOptions.of(s.sampling.mismatch)
         self.tracer = provider.get_tracer(c.SCOPE_NAME, version())
         self.redactor = redactor
-        self.metrics = _metrics(resource, s.metric_readers, exporters, stats, redactor)
+        # step summaries reach the exporters where they live (the renderer process's copies)
+        self.metrics = _metrics(resource, s.metric_readers, delivery.metric_sinks(), stats, redactor)
         pipeline.observer = self.metrics
 
     def _hung(self, key: tuple[int, str], n: int) -> None:
@@ -410,6 +414,7 @@ def configure(
     gateway: GatewayOptions | bool | None = None,
     hang: HangOptions | bool | float | None = None,
     mismatch: MismatchOptions | None = None,
+    render: str | None = None,
     install: bool = True,
 ) -> Rollouts:
     """Set up tracing of episodes for this process and return the run (``otr.Rollouts``).
@@ -460,6 +465,11 @@ def configure(
       without one).
     * ``max_queue_bytes``: the bytes of kept episodes waiting to be rendered; past that a kept
       episode is dropped, counted (``dropped.queue_full``), never waited for.
+    * ``render``: where kept episodes are rendered (redaction, views, encoding) and exported:
+      ``"thread"`` (default; a thread of this process) or ``"process"`` (a renderer process that
+      owns the exporters, off this process's GIL; see ``otel_rollouts.delivery.process``); env
+      ``OTEL_ROLLOUTS_RENDER``. Exporters that cannot be made in another process fall back to
+      ``"thread"`` with a warning (``render.process_fallback`` in ``stats()``).
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
       ``otel_rollouts.correlate.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.

@@ -325,6 +325,7 @@ ENV_TRACKIO_PROJECT = "OTEL_ROLLOUTS_TRACKIO_PROJECT"
 # the run id every process of one run shares (rl.run.id); random per process when unset
 ENV_RUN_ID = "OTEL_ROLLOUTS_RUN_ID"
 ENV_SPOOL_DIR = "OTEL_ROLLOUTS_SPOOL_DIR"  # where batches wait for an exporter that failed
+ENV_RENDER = "OTEL_ROLLOUTS_RENDER"  # where kept episodes are rendered: thread or process
 ENV_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT = "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT"
 ENV_SPAN_ATTRIBUTE_COUNT_LIMIT = "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"
 ENV_TRACE_UI_URL = "OTEL_ROLLOUTS_TRACE_UI_URL"  # e.g. http://localhost:16686 (Jaeger)

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,11 @@ class Delivery:
         max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
         max_pending_bytes: int = 64 * 1024 * 1024,
         max_queue_bytes: int = 64 * 1024 * 1024,
+        ledger: Callable[[Stats, list[str]], Ledger] | None = None,
     ) -> None:
+        """``ledger``: makes the ledger from the stats and the exporters' names (default
+        ``Ledger``); the renderer process (``delivery.process``) passes one that reports every
+        decision to the training process, whose ledger is the one ``otr.stats()`` reads."""
         self.exporters = list(exporters)
         self.max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0  # memory of the records waiting for the render thread
@@ -159,7 +163,7 @@ class Delivery:
             base = exporter_name(exporter)
             seen[base] = seen.get(base, 0) + 1
             names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-        self.ledger = Ledger(stats, names)
+        self.ledger = ledger(stats, names) if ledger is not None else Ledger(stats, names)
         for i, (exporter, name) in enumerate(zip(self.exporters, names, strict=True)):
             base = exporter_name(exporter)
             counts = DeliveryCounts(stats, name, self.warner, self.ledger)
@@ -210,6 +214,11 @@ class Delivery:
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)
+
+    def metric_sinks(self) -> list[Any]:
+        """Where step summaries go (``log_metrics``): the exporters themselves here; the
+        renderer process's copies, through the channel, in ``render="process"`` mode."""
+        return list(self.exporters)
 
     @property
     def shows_pending(self) -> bool:
@@ -362,20 +371,23 @@ class Delivery:
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per exporter: episodes delivered, spooled to disk, pending (the ledger's: in all and
-        per ``"step/split"``), dropped."""
-        out: dict[str, dict[str, Any]] = {}
-        pending = self.ledger.report()
-        for sender in self.senders:
-            counts = sender.counts
-            out[sender.name] = {
+        per ``"step/split"``), dropped; read together under the ledger's lock."""
+        by_name = {counts.name: counts for counts in self.delivery_counts()}
+
+        def counters(name: str) -> dict[str, Any]:
+            counts = by_name[name]
+            return {
                 "delivered": counts.total("delivered"),
                 "spooled": counts.total("spooled"),
-                "pending": pending[sender.name]["pending"],
-                "pending_steps": pending[sender.name]["pending_steps"],
                 "dropped": counts.dropped_episodes(),  # episodes only: dropped spans are not added
                 "failures": counts.total("export.failures"),
             }
-        return out
+
+        return self.ledger.report(counters)
+
+    def delivery_counts(self) -> list[DeliveryCounts]:
+        """Each exporter's counters, in the exporters' order."""
+        return [sender.counts for sender in self.senders]
 
     # --- the render thread ---------------------------------------------------------------------
     def _run(self) -> None:
