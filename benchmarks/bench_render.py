@@ -24,13 +24,18 @@ Variants:
                 directly
   now, substring scan  the path now with the stdlib fallback scan (pyahocorasick not installed)
 
+Every render is checked (``sanity``): all the episode's spans, the prompt's input messages and
+every generation's output messages present; the script exits non-zero otherwise.
+
     python benchmarks/bench_render.py
     python benchmarks/bench_render.py --rounds 15
+    python benchmarks/bench_render.py --quick      # smoke: 2 rounds, few repeats, 2 of the 3 cases
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -113,7 +118,17 @@ class BeforeMaterializer(Materializer):
         return out
 
     def _clean_whole(self, text: str | None) -> str | None:
-        return self._clean_text(text)
+        """Every text redacted whole (once per distinct text in an episode). Written out, not
+        delegated to ``_clean_text``: today's ``_clean_text`` itself hands short texts here."""
+        if text is None or self.redact is None:
+            return text
+        cache = self._redacted
+        clean = cache.get(text) if cache is not None else None
+        if clean is None:
+            clean = self.redact(text)
+            if cache is not None:
+                cache[text] = clean
+        return clean
 
 
 # --- the episodes ------------------------------------------------------------------------------
@@ -133,16 +148,24 @@ def _prose(n_chars: int, with_triggers: bool) -> str:
     return " ".join(out)[:n_chars]
 
 
+# What ``EpisodeRecord.release`` lets go of once the export thread rendered an episode: held
+# aside when the episode is captured, and put back, so that every render here renders it whole
+# (without this, each measured render rendered an emptied record: a few µs of nothing).
+_HELD = ("spans", "foreign", "logs", "root", "reward_span")
+EXPECTED_SPANS = 11  # the overhead benchmark's tree: episode, prompt, 3 turns, 3 generations, 2 tools, reward
+
+
 def record(user_message: str | None) -> tuple[Materializer, Any]:
-    """One kept episode of the overhead benchmark's tree, as the export thread receives it."""
-    captured: list[tuple[Materializer, Any]] = []
+    """One kept episode of the overhead benchmark's tree, as the export thread receives it, whole."""
+    captured: list[tuple[Materializer, Any, dict[str, Any]]] = []
     original = Materializer.episode
 
     def capture(self: Materializer, rec: Any) -> Any:
-        captured.append((self, rec))
+        held = {name: getattr(rec, name) for name in _HELD if hasattr(rec, name)}
+        captured.append((self, rec, {k: list(v) if isinstance(v, list) else v for k, v in held.items()}))
         return original(self, rec)
 
-    Materializer.episode = capture  # type: ignore[method-assign]
+    Materializer.episode = capture  # type: ignore[method-assign, assignment]
     try:
         otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(10, "first", step_lag=None),
                       run_id="bench-render")
@@ -163,13 +186,44 @@ def record(user_message: str | None) -> tuple[Materializer, Any]:
     finally:
         Materializer.episode = original  # type: ignore[method-assign]
         otr.shutdown()
-    return captured[0]
+    if not captured:
+        raise SystemExit("bench_render: no kept episode reached Materializer.episode in this process "
+                         "(rendering moved elsewhere?): nothing to measure")
+    materializer, rec, held = captured[0]
+    for name, value in held.items():  # released after its render: made whole again
+        setattr(rec, name, value)
+    return materializer, rec
+
+
+def sanity(spans: list[Any], label: str, expected: int = EXPECTED_SPANS) -> list[str]:
+    """What a render must produce for the figures to mean anything: every span of the episode,
+    and the content on them (the prompt's input messages, each generation's output messages).
+    Returns the problems found (empty: the render is real)."""
+    problems: list[str] = []
+    if len(spans) < expected:
+        problems.append(f"{label}: rendered {len(spans)} spans, expected {expected}")
+    generations = [s for s in spans if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_GENERATION]
+    if not generations:
+        problems.append(f"{label}: no generation span rendered")
+    for s in generations:
+        if not (s.attributes or {}).get(c.GEN_AI_OUTPUT_MESSAGES):
+            problems.append(f"{label}: generation {s.name!r} carries no {c.GEN_AI_OUTPUT_MESSAGES}")
+            break
+    prompts = [s for s in spans if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_PROMPT]
+    if not prompts or not (prompts[0].attributes or {}).get(c.GEN_AI_INPUT_MESSAGES):
+        problems.append(f"{label}: no prompt span with {c.GEN_AI_INPUT_MESSAGES}")
+    return problems
 
 
 def cpu(fn: Callable[[], Any]) -> float:
     start = time.thread_time()
     fn()
     return time.thread_time() - start
+
+
+def _repeat(render: Callable[[Any], Any], rec: Any, repeat: int) -> None:
+    for _ in range(repeat):
+        render(rec)
 
 
 def measure(rec: Any, variants: dict[str, Callable[[Any], Any]], rounds: int, repeat: int) -> dict[str, float]:
@@ -179,14 +233,18 @@ def measure(rec: Any, variants: dict[str, Callable[[Any], Any]], rounds: int, re
         render(rec)  # warm: caches, imports
     for _ in range(rounds):
         for name, render in variants.items():
-            times[name].append(cpu(lambda render=render: [render(rec) for _ in range(repeat)]) / repeat)
+            times[name].append(cpu(functools.partial(_repeat, render, rec, repeat)) / repeat)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 rounds, few repeats, no 1 MB message with triggers (the checks, not the figures)")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 2
     scanner = redaction._scan_folded
     automaton = scanner is not redaction._mask_by_substrings
 
@@ -201,20 +259,30 @@ def main() -> None:
 
     print(f"trigger scan now: {'pyahocorasick' if automaton else 'substring searches (pyahocorasick not installed)'}")
     rows = []
+    problems: list[str] = []
     cases = [
-        ("normal episode", None, 40),
+        ("normal episode", None, 4 if args.quick else 40),
         ("1 MB message, prose without trigger literals", _prose(1_000_000, False), 1),
         ("1 MB message, prose with trigger literals", _prose(1_000_000, True), 1),
     ]
+    if args.quick:  # the path before takes ~1 s per render of the last case
+        cases = cases[:2]
     for label, message, repeat in cases:
         now, rec = record(message)
         before = BeforeMaterializer(now)
         variants: dict[str, Callable[[Any], Any]] = {"before": before.episode, "now": now.episode}
         if automaton:
             variants["now, substring scan"] = with_substrings(now.episode)
+        # every variant renders the whole episode, with its content (checked before and after
+        # the timed renders: a render that emptied the record would measure nothing after it)
+        for name, render in variants.items():
+            problems += sanity(render(rec), f"{label}, {name}")
         # the same spans either way (cut markers aside): the comparison is of equal work
-        assert len(before.episode(rec)) == len(now.episode(rec))
+        if len(before.episode(rec)) != len(now.episode(rec)):
+            problems.append(f"{label}: before and now render different numbers of spans")
         result = measure(rec, variants, args.rounds, repeat)
+        for name, render in variants.items():
+            problems += sanity(render(rec), f"{label}, {name}, after the timed renders")
         rows.append((label, result))
     print()
     print(f"{'episode':<48} {'variant':<22} {'render CPU':>12} {'x before':>9}")
@@ -225,7 +293,14 @@ def main() -> None:
     print()
     print(f"target: a 1 MB message kept in <= 25 ms of render CPU; {args.rounds} rounds, medians, "
           f"thread CPU of the rendering thread")
+    if problems:
+        for p in problems:
+            print(f"CHECK FAILED: {p}")
+        return 1
+    print(f"checked: every render of every case and variant produced all {EXPECTED_SPANS} spans, "
+          f"the prompt's {c.GEN_AI_INPUT_MESSAGES} and every generation's {c.GEN_AI_OUTPUT_MESSAGES}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,1000 @@
+"""The figure users feel: what tracing adds to the step time of a realistic RL loop.
+
+One script, one run. Each variant runs in its own fresh Python process (a peer's configure()
+installs global state, and every child refuses network connections: the guard of
+``bench_overhead.py``); the run is repeated in ``--rounds`` rounds, every variant once per round
+in a freshly shuffled order (``--seed``).
+
+The loop: per step ``--episodes`` episodes (default 512). Each episode is a prompt (~2 KB), 3
+turns each with a generation (~1 KB completion, token counts) and 2 tool calls in all (~0.5 KB
+arguments and results), then a reward: ``bench_overhead.py``'s content and its 11-span tree.
+Each generation does a fixed piece of real numpy work standing in for inference (float32
+matrix products; one BLAS thread), calibrated once in the parent so that an episode's three
+generations cost ``--work-ms`` (default 8 ms) of CPU, or fixed with ``--work-iters`` (the
+printed rerun command fixes it: CPU time of the same work varies ~25% on shared cores); every
+child does the same work.
+
+In one process, steps without tracing and steps with tracing alternate (off, on, off, on...,
+after one unmeasured warm-up pair); the overhead of a pair is (on - off) / off of the step's
+time. Reported: the median over all pairs of all rounds, with the min-max next to it, of
+  training thread  time.thread_time() of the thread running the loop, from the step's first
+                   episode to the end of the user's step: ``otr.end_step(step)`` for
+                   otel_rollouts, the loop's last span for the others (a user of the raw SDK,
+                   Logfire, OpenInference or Langfuse does not flush each step);
+  process          time.process_time() of the whole process, every thread, until the step's
+                   export work is done: after the user's step end, the exporters are flushed
+                   (``otr.flush()``, ``provider.force_flush()``, ``logfire.force_flush()``,
+                   ``langfuse.flush()``) *from a helper thread*, so that whatever a flush does
+                   runs off the training thread (the SDK's BatchSpanProcessor.force_flush
+                   exports on its caller's thread) and the step's export work is counted in its
+                   own step, not in the next (tracing-off) one;
+  + child processes  process CPU plus the CPU of this process's child processes over the same
+                   span (psutil; where the library renders in a child process, its CPU is
+                   there, not in process CPU); a column of its own only when one used CPU;
+  wall             time.perf_counter() over the same span as process (noisy on shared cores).
+``gc.collect()`` runs before each measured step (outside the clocks), so one step's garbage is
+not collected in the other.
+
+Variants (every one checks what it measured; see ``check``):
+  aa_control        no tracing in either step: the noise floor of the method (A/A)
+  otr_cap32         otel_rollouts' per-episode API (otr.episode, ep.prompt, ep.turn,
+                    turn.generation as a ``with`` block around the inference, turn.tool_call,
+                    ep.reward), the default sampler (``TailSampler(32)``: cap 32 per step,
+                    the default policy), into an in-memory exporter; 32 kept per step
+  otr_traced_cap32  the same, the generation a function decorated with
+                    ``@otr.traced(kind="generation", model="policy")`` doing the inference
+  otr_batch_cap32   the batched path: the step's episodes run untraced, then
+                    ``otr.record_batch`` offers them all (rewards, group ids) and records the
+                    content only of the ones the sampler may keep
+  otr_keep_all      the per-episode API keeping every episode (cap = episodes per step)
+  raw_sdk_all       raw OpenTelemetry SDK spans (JSON content attributes), BatchSpanProcessor
+                    (queue raised so nothing is dropped) into an in-memory exporter: all
+                    exported
+  raw_sdk_head16    the same with head sampling, ParentBased(TraceIdRatioBased(1/16))
+  logfire           Pydantic Logfire configured as in bench_overhead.py (sending off, console
+                    off, SimpleSpanProcessor into an in-memory exporter): all exported
+  openinference     OpenInference OITracer decorators, SimpleSpanProcessor: all exported
+  langfuse          the Langfuse SDK offline as in bench_overhead.py (its own
+                    BatchSpanProcessor, the OTLP exporter replaced by an in-memory one)
+A peer whose package is not installed is skipped, with a printed line saying so.
+
+    python benchmarks/bench_loop.py                       # 512 episodes, 3 rounds x 3 pairs
+    python benchmarks/bench_loop.py --markdown            # also the README's table
+    python benchmarks/bench_loop.py --variants otr_cap32,raw_sdk_all --rounds 5
+    python benchmarks/bench_loop.py --json out.json       # every child's figures (after each round)
+    python benchmarks/bench_loop.py --from-json out.json --markdown   # re-render only
+    python benchmarks/bench_loop.py --quick               # smoke: 32 episodes of 2 ms, 1 round, 2 pairs
+
+Exit status non-zero when a check fails (or a present variant fails to run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# One BLAS thread: the stand-in inference runs on the training thread (set before numpy loads)
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_overhead as overhead  # noqa: E402 - the content, the network guard, the checkout
+
+VARIANTS = ["aa_control", "otr_cap32", "otr_traced_cap32", "otr_batch_cap32", "otr_keep_all",
+            "otr_cap32_process", "otr_keep_all_process", "raw_sdk_all", "raw_sdk_head16", "logfire", "openinference", "langfuse"]
+
+LABELS = {
+    "aa_control": "no tracing in either step (A/A: the method's noise floor)",
+    "otr_cap32": "otel_rollouts, per-episode API, cap 32 (default sampler)",
+    "otr_traced_cap32": "otel_rollouts, `@otr.traced(kind=\"generation\")`, cap 32",
+    "otr_batch_cap32": "otel_rollouts, `otr.record_batch` after the step, cap 32",
+    "otr_keep_all": "otel_rollouts, per-episode API, every episode kept",
+    "otr_cap32_process": "otel_rollouts, cap 32, `render=\"process\"` (OTLP/JSON file)",
+    "otr_keep_all_process": "otel_rollouts, every episode kept, `render=\"process\"` (OTLP/JSON file)",
+    "raw_sdk_all": "raw OTel SDK, BatchSpanProcessor, everything exported",
+    "raw_sdk_head16": "raw OTel SDK, head-sampled 1/16 (ParentBased(TraceIdRatioBased))",
+    "logfire": "Pydantic Logfire{version} (sending off, everything exported)",
+    "openinference": "OpenInference{version} OITracer decorators (everything exported)",
+    "langfuse": "Langfuse{version} (offline, everything exported)",
+}
+
+# variant -> (module that must import, distribution for the version line)
+PACKAGES = {
+    "logfire": ("logfire", "logfire"),
+    "openinference": ("openinference.instrumentation", "openinference-instrumentation"),
+    "langfuse": ("langfuse", "langfuse"),
+}
+
+# peers whose configuration (as bench_overhead.py sets them up) exports synchronously, on the
+# thread that ends the span: exports on the training thread are theirs by design, not counted
+# against them by the check
+SYNC_EXPORT = {"logfire", "openinference"}
+
+CAP = 32
+SPANS_PER_EPISODE = 11
+PROMPT_TOKENS = 512
+OUTPUT_TOKENS = 250
+WARMUP_EPISODES = 64
+CHILD_CPU_NOTED = 0.005  # seconds of child-process CPU in a step worth a column
+OFF_WORK_FLOOR = 0.5  # an off step must take at least this share of its calibrated work (CPU time of
+# the same work varies ~25% between processes on shared cores; the check catches work not done)
+MATRIX = 128
+
+sample = overhead.sample
+
+
+# --- the stand-in inference ------------------------------------------------------------------
+class Work:
+    """A fixed numpy workload: ``iters`` float32 products of a 128 x 128 matrix per call."""
+
+    def __init__(self, iters: int) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        self.np = np
+        self.a = (rng.standard_normal((MATRIX, MATRIX)) / MATRIX ** 0.5).astype(np.float32)
+        self.x0 = rng.standard_normal((MATRIX, MATRIX)).astype(np.float32)
+        self.iters = iters
+
+    def __call__(self) -> float:
+        x = self.x0
+        tanh, a = self.np.tanh, self.a
+        for _ in range(self.iters):
+            x = tanh(a @ x)
+        return float(x[0, 0])
+
+
+def per_call(w: Work, timings: int = 15) -> float:
+    """Thread CPU seconds of one call of ``w``: the least of ``timings`` timings of 5 calls (on a
+    shared machine CPU time only grows under contention)."""
+    times = []
+    for _ in range(timings):
+        t0 = time.thread_time()
+        for _ in range(5):
+            w()
+        times.append((time.thread_time() - t0) / 5)
+    return min(times)
+
+
+def calibrate(work_ms: float) -> tuple[int, float]:
+    """Iterations per generation so that 3 generations take ``work_ms`` of thread CPU, and the
+    measured CPU ms per episode at that setting."""
+    probe = Work(60)
+    probe()  # first calls: imports, allocations
+    per_iter = per_call(probe) / probe.iters
+    iters = max(1, round(work_ms / 1e3 / 3 / per_iter))
+    return iters, 3 * per_call(Work(iters)) * 1e3
+
+
+# --- an exporter that says which thread exported ----------------------------------------------
+def noting_exporter(training: int) -> Any:
+    """An in-memory exporter counting the export calls made on the training thread."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    class LoopExporter(InMemorySpanExporter):
+        on_training = 0
+        calls = 0
+
+        def export(self, spans: Sequence[Any]) -> Any:
+            self.calls += 1
+            if threading.get_ident() == training:
+                self.on_training += 1
+            return super().export(spans)
+
+    return LoopExporter()
+
+
+def drain(exporter: Any) -> tuple[int, int]:
+    """The step's (root spans, spans), then cleared as if shipped."""
+    spans = exporter.get_finished_spans()
+    exporter.clear()
+    return sum(1 for s in spans if s.parent is None), len(spans)
+
+
+# --- the loops -------------------------------------------------------------------------------
+class Loop:
+    """One variant: ``on(step, n)`` runs a traced step up to the user's step end (training
+    thread), ``settle(step)`` waits for its export work (called on a helper thread),
+    ``counts(step)`` says what the step exported: (episodes, spans, delivered per the library)."""
+
+    exporter: Any = None
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+
+    def off(self, step: int, n: int) -> None:
+        """The same loop without tracing."""
+        work = self.work
+        acc = 0.0
+        for i in range(n):
+            prompt, completions, args, result, reward = sample(i)
+            for k in range(3):
+                acc += work() + len(completions[k])
+                if k < 2:
+                    acc += len(args) + len(result)
+            acc += reward
+
+    def on(self, step: int, n: int) -> None:
+        self.off(step, n)
+
+    def settle(self, step: int) -> None:
+        return None
+
+    def counts(self, step: int) -> tuple[int, int, int | None]:
+        if self.exporter is None:
+            return 0, 0, None
+        roots, spans = drain(self.exporter)
+        return roots, spans, None
+
+    def close(self) -> None:
+        return None
+
+
+class OtrLoop(Loop):
+    """otel_rollouts: per-episode API, ``@traced`` generation, or ``record_batch``."""
+
+    def __init__(self, work: Work, training: int, cap: int, style: str) -> None:
+        super().__init__(work)
+        import otel_rollouts as otr
+
+        self.otr = otr
+        self.style = style
+        self.exporter = noting_exporter(training)
+        otr.configure(exporters=[self.exporter], sampler=otr.TailSampler(cap), run_id="bench-loop",
+                      handle_signals=False)
+        current: list[str] = []
+        self.current = current
+
+        @otr.traced(kind="generation", model="policy")
+        def generate(messages: list[dict[str, str]], k: int) -> str:
+            work()
+            return current[k]
+
+        self.generate = generate
+
+    def on(self, step: int, n: int) -> None:
+        if self.style == "batch":
+            self.batch(step, n)
+            return
+        otr, work, traced = self.otr, self.work, self.style == "traced"
+        for i in range(n):
+            prompt, completions, args, result, reward = sample(i)
+            with otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i % 8) as ep:
+                ep.prompt(prompt)
+                if traced:
+                    self.current[:] = completions
+                for k in range(3):
+                    with ep.turn() as turn:
+                        if traced:
+                            self.generate(prompt, k)
+                        else:
+                            with turn.generation(model="policy") as gen:
+                                work()
+                                gen.output(completions[k], input_tokens=PROMPT_TOKENS,
+                                           output_tokens=OUTPUT_TOKENS)
+                        if k < 2:
+                            with turn.tool_call("search", arguments=args) as call:
+                                call.result(result)
+                ep.reward(reward)
+        otr.end_step(step)
+
+    def batch(self, step: int, n: int) -> None:
+        """The step runs untraced; its episodes are offered at once after the work."""
+        self.off(step, n)
+        rewards = [sample(i)[4] for i in range(n)]
+
+        def record(i: int, ep: Any) -> None:
+            prompt, completions, args, result, _ = sample(i)
+            ep.prompt(prompt)
+            for k in range(3):
+                with ep.turn() as turn:
+                    turn.record_generation(completions[k], model="policy", input_tokens=PROMPT_TOKENS,
+                                           output_tokens=OUTPUT_TOKENS)
+                    if k < 2:
+                        with turn.tool_call("search", arguments=args) as call:
+                            call.result(result)
+
+        self.otr.record_batch(n, step=step, rewards=rewards, group_ids=[f"g{i // 8}" for i in range(n)],
+                              sample_indices=[i % 8 for i in range(n)], record=record)
+        self.otr.end_step(step)
+
+    def settle(self, step: int) -> None:
+        self.otr.flush()
+
+    def counts(self, step: int) -> tuple[int, int, int | None]:
+        roots, spans = drain(self.exporter)
+        entry = self.otr.stats().get("steps", {}).get(f"{step}/train", {})
+        delivered = entry.get(f"delivered.{type(self.exporter).__name__}")
+        return roots, spans, delivered
+
+    def close(self) -> None:
+        self.otr.shutdown()
+
+
+class OtrProcessLoop(OtrLoop):
+    """otel_rollouts rendering in its renderer process (``render="process"``), exporting to an
+    OTLP/JSON file there: the file is what the step exported."""
+
+    def __init__(self, work: Work, training: int, cap: int) -> None:
+        Loop.__init__(self, work)
+        import tempfile
+
+        import otel_rollouts as otr
+        from otel_rollouts.exporters.otlp_json import OtlpJsonFileExporter
+
+        self.otr = otr
+        self.style = "episode"
+        self.current = []
+        self.dir = tempfile.mkdtemp(prefix="bench-loop-")
+        self.path = os.path.join(self.dir, "spans.jsonl")
+        self.offset = 0
+        self.exporter = OtlpJsonFileExporter(self.path)
+        otr.configure(exporters=[self.exporter], sampler=otr.TailSampler(cap), run_id="bench-loop",
+                      handle_signals=False, render="process")
+
+    def counts(self, step: int) -> tuple[int, int, int | None]:
+        roots = spans = 0
+        with open(self.path, "rb") as f:  # the lines written since the last step
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        for line in data.splitlines():
+            for rs in json.loads(line).get("resourceSpans", []):
+                for ss in rs.get("scopeSpans", []):
+                    for span in ss.get("spans", []):
+                        spans += 1
+                        roots += not span.get("parentSpanId")
+        entry = self.otr.stats().get("steps", {}).get(f"{step}/train", {})
+        delivered = entry.get(f"delivered.{type(self.exporter).__name__}")
+        return roots, spans, delivered
+
+    def close(self) -> None:
+        import shutil
+
+        self.otr.shutdown()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RawSdkLoop(Loop):
+    """Plain OpenTelemetry SDK spans, BatchSpanProcessor, optional head sampling."""
+
+    def __init__(self, work: Work, training: int, ratio: float | None) -> None:
+        super().__init__(work)
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        self.exporter = noting_exporter(training)
+        sampler = None if ratio is None else ParentBased(TraceIdRatioBased(ratio))
+        self.provider = TracerProvider(sampler=sampler) if sampler is not None else TracerProvider()
+        # the default queue (2,048 spans) drops most of a 512-episode step: raised, so that
+        # "everything exported" holds
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter, max_queue_size=1 << 20))
+        self.tracer = self.provider.get_tracer("bench-loop")
+
+    def on(self, step: int, n: int) -> None:
+        tracer, work, dumps = self.tracer, self.work, json.dumps
+        for i in range(n):
+            prompt, completions, args, result, reward = sample(i)
+            with tracer.start_as_current_span("episode", attributes={
+                "rl.span.kind": "episode", "rl.step": step, "rl.split": "train",
+                "rl.episode.id": f"{step}-{i}", "rl.group.id": f"g{i // 8}", "rl.sample.index": i % 8,
+            }) as root:
+                with tracer.start_as_current_span("prompt", attributes={
+                        "rl.span.kind": "prompt", "gen_ai.input.messages": dumps(prompt)}):
+                    pass
+                for k in range(3):
+                    with tracer.start_as_current_span("turn", attributes={
+                            "rl.span.kind": "turn", "rl.turn.index": k}):
+                        with tracer.start_as_current_span("chat policy", attributes={
+                                "rl.span.kind": "generation", "gen_ai.request.model": "policy"}) as gen:
+                            work()
+                            gen.set_attributes({
+                                "gen_ai.output.messages": dumps([{"role": "assistant", "content": completions[k]}]),
+                                "gen_ai.usage.input_tokens": PROMPT_TOKENS,
+                                "gen_ai.usage.output_tokens": OUTPUT_TOKENS})
+                        if k < 2:
+                            with tracer.start_as_current_span("execute_tool search", attributes={
+                                    "rl.span.kind": "tool", "gen_ai.tool.name": "search",
+                                    "gen_ai.tool.call.arguments": dumps(args),
+                                    "gen_ai.tool.call.result": result}):
+                                pass
+                with tracer.start_as_current_span("reward", attributes={
+                        "rl.span.kind": "reward", "rl.reward": reward}):
+                    pass
+                root.set_attribute("rl.reward", reward)
+
+    def settle(self, step: int) -> None:
+        self.provider.force_flush()
+
+    def close(self) -> None:
+        self.provider.shutdown()
+
+
+class LogfireLoop(Loop):
+    def __init__(self, work: Work, training: int) -> None:
+        super().__init__(work)
+        import logfire
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+        self.logfire = logfire
+        self.exporter = noting_exporter(training)
+        logfire.configure(send_to_logfire=False, console=False, metrics=False,
+                          additional_span_processors=[SimpleSpanProcessor(self.exporter)])
+
+    def on(self, step: int, n: int) -> None:
+        span, work = self.logfire.span, self.work
+        for i in range(n):
+            prompt, completions, args, result, reward = sample(i)
+            with span("episode", step=step, episode_id=f"{step}-{i}", group_id=f"g{i // 8}") as root:
+                with span("prompt", messages=prompt):
+                    pass
+                for k in range(3):
+                    with span("turn", turn_index=k):
+                        with span("chat policy", input_tokens=PROMPT_TOKENS) as gen:
+                            work()
+                            gen.set_attributes({"output": completions[k], "output_tokens": OUTPUT_TOKENS})
+                        if k < 2:
+                            with span("execute_tool search", arguments=args, result=result):
+                                pass
+                with span("reward", reward=reward):
+                    pass
+                root.set_attribute("reward", reward)
+
+    def settle(self, step: int) -> None:
+        self.logfire.force_flush()
+
+    def close(self) -> None:
+        self.logfire.shutdown()
+
+
+class OpenInferenceLoop(Loop):
+    def __init__(self, work: Work, training: int) -> None:
+        super().__init__(work)
+        from openinference.instrumentation import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+        self.exporter = noting_exporter(training)
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        tracer = self.provider.get_tracer("bench-loop")
+
+        @tracer.chain(name="prompt")
+        def prompt_span(messages: Any) -> None:
+            return None
+
+        @tracer.llm(name="chat policy")  # type: ignore[arg-type]  # its ParamSpec typing
+        def generate(completion: str) -> str:
+            work()
+            return completion
+
+        @tracer.tool(name="search")
+        def tool(arguments: Any, result: str) -> str:
+            return result
+
+        @tracer.chain(name="turn")
+        def turn(k: int, completion: str, args: Any, result: str) -> None:
+            generate(completion)  # type: ignore[arg-type]
+            if k < 2:
+                tool(args, result)
+
+        @tracer.chain(name="reward")
+        def reward_span(value: float) -> float:
+            return value
+
+        @tracer.agent(name="episode")
+        def episode(step: int, i: int) -> float:
+            prompt, completions, args, result, reward = sample(i)
+            prompt_span(prompt)
+            for k in range(3):
+                turn(k, completions[k], args, result)
+            return reward_span(reward)
+
+        self.episode = episode
+
+    def on(self, step: int, n: int) -> None:
+        for i in range(n):
+            self.episode(step, i)
+
+    def settle(self, step: int) -> None:
+        self.provider.force_flush()
+
+    def close(self) -> None:
+        self.provider.shutdown()
+
+
+class LangfuseLoop(Loop):
+    def __init__(self, work: Work, training: int) -> None:
+        super().__init__(work)
+        # as bench_overhead.py: the BatchSpanProcessor's queue raised (nothing dropped), no
+        # LANGFUSE_* settings from the environment, dummy keys, a closed loopback port
+        os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = str(1 << 20)
+        for key in [k for k in os.environ if k.startswith("LANGFUSE_")]:
+            del os.environ[key]
+        from langfuse import Langfuse
+
+        self.exporter = noting_exporter(training)
+        self.lf = Langfuse(public_key="pk-lf-bench", secret_key="sk-lf-bench", base_url="http://127.0.0.1:9",
+                           span_exporter=self.exporter, tracing_enabled=True)
+
+    def on(self, step: int, n: int) -> None:
+        observe, work = self.lf.start_as_current_observation, self.work
+        for i in range(n):
+            prompt, completions, args, result, reward = sample(i)
+            with observe(name="episode", as_type="agent",
+                         metadata={"step": step, "episode_id": f"{step}-{i}", "group_id": f"g{i // 8}",
+                                   "sample_index": i % 8}) as root:
+                with observe(name="prompt", as_type="span", input=prompt):
+                    pass
+                for k in range(3):
+                    with observe(name="turn", as_type="span", metadata={"turn_index": k}):
+                        with observe(name="chat policy", as_type="generation", model="policy") as gen:
+                            work()
+                            gen.update(output=completions[k],
+                                       usage_details={"input": PROMPT_TOKENS, "output": OUTPUT_TOKENS})
+                        if k < 2:
+                            with observe(name="execute_tool search", as_type="tool", input=args,
+                                         output=result):
+                                pass
+                with observe(name="reward", as_type="span", output=reward):
+                    pass
+                root.update(output=reward)
+
+    def settle(self, step: int) -> None:
+        self.lf.flush()
+
+    def close(self) -> None:
+        self.lf.shutdown()
+
+
+def make(variant: str, work: Work, training: int, episodes: int) -> Loop:
+    makers: dict[str, Callable[[], Loop]] = {
+        "aa_control": lambda: Loop(work),
+        "otr_cap32": lambda: OtrLoop(work, training, CAP, "episode"),
+        "otr_traced_cap32": lambda: OtrLoop(work, training, CAP, "traced"),
+        "otr_batch_cap32": lambda: OtrLoop(work, training, CAP, "batch"),
+        "otr_keep_all": lambda: OtrLoop(work, training, max(episodes, WARMUP_EPISODES), "episode"),
+        "otr_cap32_process": lambda: OtrProcessLoop(work, training, CAP),
+        "otr_keep_all_process": lambda: OtrProcessLoop(work, training, max(episodes, WARMUP_EPISODES)),
+        "raw_sdk_all": lambda: RawSdkLoop(work, training, None),
+        "raw_sdk_head16": lambda: RawSdkLoop(work, training, 1 / 16),
+        "logfire": lambda: LogfireLoop(work, training),
+        "openinference": lambda: OpenInferenceLoop(work, training),
+        "langfuse": lambda: LangfuseLoop(work, training),
+    }
+    if variant not in makers:
+        raise SystemExit(f"unknown variant {variant} (known: {', '.join(VARIANTS)})")
+    return makers[variant]()
+
+
+# --- the child -------------------------------------------------------------------------------
+def children_cpu() -> float:
+    """CPU seconds of this process's child processes (a renderer process, where the library
+    runs one): the live ones (psutil, when installed) and the finished ones (``os.times``)."""
+    t = os.times()
+    total = t.children_user + t.children_system
+    try:
+        import psutil
+    except ImportError:
+        return total
+    try:
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+def on_helper_thread(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on a thread of its own and wait: a flush's work never lands on the caller."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            failure.append(exc)
+
+    helper = threading.Thread(target=run, name="bench-loop-settle")
+    helper.start()
+    helper.join()
+    if failure:
+        raise failure[0]
+
+
+def child(variant: str, episodes: int, pairs: int, iters: int, seed: int) -> dict[str, Any]:
+    """Alternate untraced and traced steps in this process; figures per pair."""
+    overhead._guard_network()
+    random.seed(seed)
+    training = threading.get_ident()
+    work = Work(iters)
+    try:
+        loop = make(variant, work, training, episodes)
+    except ImportError as exc:
+        return {"variant": variant, "skipped": f"not installed: {exc.name or exc}"}
+
+    def clocks() -> tuple[float, float, float]:
+        return time.thread_time(), time.process_time(), time.perf_counter()
+
+    def measured(step: int, n: int, traced: bool) -> dict[str, float]:
+        gc.collect()
+        c0 = children_cpu()
+        t0, p0, w0 = clocks()
+        if traced:
+            loop.on(step, n)
+            t1 = time.thread_time()
+            on_helper_thread(lambda: loop.settle(step))
+        else:
+            loop.off(step, n)
+            t1 = time.thread_time()
+        _, p1, w1 = clocks()
+        children = children_cpu() - c0
+        return {"thread": t1 - t0, "process": p1 - p0, "wall": w1 - w0,
+                "all_processes": p1 - p0 + children, "children": children}
+
+    warm = min(episodes, WARMUP_EPISODES)  # imports, caches, first calls: not measured
+    measured(0, warm, False)
+    measured(0, warm, True)
+    loop.counts(0)
+    out: dict[str, Any] = {"variant": variant, "pairs": []}
+    for p in range(1, pairs + 1):
+        off = measured(p, episodes, False)
+        on = measured(p, episodes, True)
+        roots, spans, delivered = loop.counts(p)
+        out["pairs"].append({"off": off, "on": on, "episodes": roots, "spans": spans,
+                             "delivered": delivered})
+    exporter = loop.exporter
+    out["exports"] = getattr(exporter, "calls", 0)  # (in a renderer process: not here)
+    out["exports_on_training_thread"] = getattr(exporter, "on_training", 0)
+    loop.close()
+    out["net_attempts"] = overhead.NET_ATTEMPTS[:5]
+    return out
+
+
+def run_child(variant: str, args: argparse.Namespace, iters: int) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", variant, "--episodes", str(args.episodes),
+         "--pairs", str(args.pairs), "--work-iters", str(iters), "--seed", str(args.seed)],
+        capture_output=True, text=True,
+        env={**os.environ, "OTEL_SDK_DISABLED": "false", "OPENBLAS_NUM_THREADS": "1",
+             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"variant": variant, "error": f"exit {proc.returncode}: {tail}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# --- the checks ------------------------------------------------------------------------------
+def expected(variant: str, n: int) -> int | None:
+    """Episodes each traced step must export (None: checked otherwise)."""
+    if variant == "aa_control":
+        return 0
+    if variant.startswith("otr_"):
+        return n if variant.startswith("otr_keep_all") else min(CAP, n)
+    if variant == "raw_sdk_head16":
+        return None
+    return n
+
+
+def check(variant: str, result: dict[str, Any], n: int, work_ms: float) -> list[str]:
+    """What this child measured was real work: the episodes and spans it exported per step are
+    the ones expected, the library delivered them, no export ran on the training thread (where
+    the variant exports on threads), and an untraced step took at least its calibrated work."""
+    problems: list[str] = []
+    pairs = result.get("pairs", [])
+    if not pairs:
+        return [f"{variant}: no step measured"]
+    want = expected(variant, n)
+    for k, pair in enumerate(pairs, 1):
+        eps, spans = pair["episodes"], pair["spans"]
+        if want is not None and eps != want:
+            problems.append(f"{variant}: step {k} exported {eps} episodes, expected {want}")
+        if spans != SPANS_PER_EPISODE * eps:
+            problems.append(f"{variant}: step {k} exported {spans} spans for {eps} episodes, "
+                            f"expected {SPANS_PER_EPISODE} each")
+        if variant.startswith("otr_") and pair.get("delivered") != want:
+            problems.append(f"{variant}: step {k}: the library counts {pair.get('delivered')} delivered, "
+                            f"expected {want}")
+        floor = OFF_WORK_FLOOR * n * work_ms / 1e3
+        if pair["off"]["thread"] < floor:
+            problems.append(f"{variant}: step {k}'s untraced step took {pair['off']['thread'] * 1e3:.0f} ms "
+                            f"of thread CPU, under {OFF_WORK_FLOOR:.0%} of its calibrated work "
+                            f"({n * work_ms:.0f} ms)")
+    if variant == "raw_sdk_head16":
+        kept = [p["episodes"] for p in pairs]
+        if sum(kept) == 0:
+            problems.append(f"{variant}: head sampling 1/16 exported no episode in {len(kept)} steps")
+        elif n * len(kept) >= 512 and not n / 64 <= statistics.mean(kept) <= n / 4:
+            problems.append(f"{variant}: head sampling 1/16 exported {statistics.mean(kept):.1f} "
+                            f"episodes per step of {n}, far from {n / 16:.0f}")
+    if variant not in SYNC_EXPORT and result.get("exports_on_training_thread"):
+        problems.append(f"{variant}: {result['exports_on_training_thread']} exports ran on the "
+                        "training thread")
+    if result.get("net_attempts"):
+        problems.append(f"{variant}: attempted network connections {result['net_attempts']}")
+    return problems
+
+
+# --- the parent ------------------------------------------------------------------------------
+def available(variant: str) -> str | None:
+    """None when the variant can run here, else why not."""
+    need = PACKAGES.get(variant)
+    if need is None:
+        return None
+    try:
+        found = importlib.util.find_spec(need[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"package {need[1]} not installed"
+
+
+def conditions(args: argparse.Namespace, variants: list[str], iters: int, work_ms: float) -> dict[str, Any]:
+    from importlib import metadata
+
+    versions: dict[str, str] = {}
+    for dist in ["otel-rollouts", "opentelemetry-sdk", "numpy"] + [PACKAGES[v][1] for v in variants if v in PACKAGES]:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "episodes": args.episodes, "pairs": args.pairs, "rounds": args.rounds, "seed": args.seed,
+        "work_ms_target": args.work_ms, "work_iters": iters, "work_ms": round(work_ms, 3),
+        "python": platform.python_version(), "implementation": platform.python_implementation(),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpus_usable": affinity,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "versions": versions, "commit": overhead.checkout(), "command": command_line(args, iters),
+    }
+
+
+def command_line(args: argparse.Namespace, iters: int) -> str:
+    """The command that reruns this measurement with the same work per episode."""
+    parts = ["python benchmarks/bench_loop.py"]
+    if args.quick:
+        parts.append("--quick")
+    else:
+        parts += [f"--episodes {args.episodes}", f"--rounds {args.rounds}", f"--pairs {args.pairs}",
+                  f"--work-iters {iters}", f"--seed {args.seed}"]
+    if args.variants != ",".join(VARIANTS):
+        parts.append(f"--variants {args.variants}")
+    return " ".join(parts)
+
+
+def print_conditions(cond: dict[str, Any]) -> None:
+    print(f"bench_loop: {cond['episodes']} episodes/step, {cond['pairs']} untraced/traced step pairs per "
+          f"process (+ one warm-up pair), {cond['rounds']} rounds alternated (seed {cond['seed']}); "
+          f"inference stand-in {cond['work_ms']:.2f} ms of numpy CPU per episode "
+          f"({cond['work_iters']} x 3 products of {MATRIX}x{MATRIX} float32)")
+    print(f"  python {cond['python']} ({cond['implementation']}) on {cond['platform']}; cpu count "
+          f"{cond['cpu_count']} ({cond['cpus_usable']} usable); load average at start {cond['loadavg_start']}"
+          f"{'; at end ' + str(cond['loadavg_end']) if cond.get('loadavg_end') else ''}")
+    vers = ", ".join(f"{k} {v}" for k, v in cond["versions"].items())
+    end = cond.get("commit_end")
+    moved = f" at the start, {end} at the end" if end and end != cond.get("commit") else ""
+    print(f"  versions: {vers}; checkout {cond.get('commit') or '?'}{moved}")
+    print(f"  rerun with the same work: {cond['command']} (or --work-ms to calibrate anew)")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--episodes", type=int, default=512, help="episodes per step")
+    parser.add_argument("--pairs", type=int, default=3, help="untraced/traced step pairs per process")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; every variant once in each")
+    parser.add_argument("--work-ms", type=float, default=8.0, help="CPU ms of numpy work per episode")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seed", type=int, default=34, help="seed of the shuffles and of each child")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny run for the smoke test: 32 episodes of 2 ms, 1 round, 2 pairs")
+    parser.add_argument("--markdown", action="store_true", help="also print the README's table")
+    parser.add_argument("--json", help="write every child's figures (and the conditions) here")
+    parser.add_argument("--from-json", help="only render a --json file of an earlier run")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--work-iters", type=int, default=0,
+                        help="matrix products per generation, fixed (default: calibrated to --work-ms)")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.episodes, args.pairs, args.work_iters, args.seed)))
+        return 0
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        return render(data, markdown=args.markdown)
+    if args.quick:  # a smoke run: the checks, not the figures
+        args.episodes, args.rounds, args.pairs, args.work_ms = 32, 1, 2, 2.0
+
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v} (known: {', '.join(VARIANTS)})")
+    skipped = {v: why for v in variants if (why := available(v))}
+    variants = [v for v in variants if v not in skipped]
+    if args.work_iters > 0:
+        iters, work_ms = args.work_iters, 3 * per_call(Work(args.work_iters)) * 1e3
+    else:
+        iters, work_ms = calibrate(args.work_ms)
+    cond = conditions(args, variants, iters, work_ms)
+    cond["skipped"] = skipped
+    print_conditions(cond)
+    for v, why in skipped.items():
+        print(f"skipped {v}: {why}")
+    rng = random.Random(args.seed)
+    rounds: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for r in range(args.rounds):
+        order = variants[:]
+        rng.shuffle(order)
+        results = {v: run_child(v, args, iters) for v in order}
+        rounds.append({"order": order, "results": results})
+        print(f"  round {r + 1}/{args.rounds} ({time.monotonic() - started:.0f} s): {' '.join(order)}",
+              file=sys.stderr, flush=True)
+        if args.json:  # after every round: an interrupted run keeps its finished rounds
+            with open(args.json, "w") as f:
+                json.dump({"conditions": cond, "variants": variants, "rounds": rounds}, f, indent=1)
+    cond["loadavg_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    cond["wall_s"] = round(time.monotonic() - started, 1)
+    cond["commit_end"] = overhead.checkout()
+    data = {"conditions": cond, "variants": variants, "rounds": rounds}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return render(data, markdown=args.markdown, header=False)
+
+
+# --- the report ------------------------------------------------------------------------------
+def summarise(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per variant: every pair's overheads (all rounds), medians, and the checks' findings."""
+    cond = data["conditions"]
+    out: dict[str, dict[str, Any]] = {}
+    for v in data["variants"]:
+        figs: dict[str, Any] = {"problems": [], "overhead": {}}
+        per: dict[str, list[float]] = {"thread": [], "process": [], "all_processes": [], "wall": []}
+        off_ms: list[float] = []
+        episodes: list[int] = []
+        spans: list[int] = []
+        on_training = 0
+        for rnd in data["rounds"]:
+            res = rnd["results"].get(v, {})
+            if "error" in res or "skipped" in res:
+                figs["problems"].append(f"{v}: {res.get('error') or res.get('skipped')}")
+                continue
+            figs["problems"] += check(v, res, cond["episodes"], cond["work_ms"])
+            on_training += res.get("exports_on_training_thread", 0)
+            for pair in res.get("pairs", []):
+                children = max(pair["off"].get("children", 0.0), pair["on"].get("children", 0.0))
+                figs["children"] = max(figs.get("children", 0.0), children)
+                for metric, values in per.items():
+                    if metric not in pair["off"]:
+                        continue
+                    off = pair["off"][metric]
+                    if off > 0:
+                        values.append(100 * (pair["on"][metric] - off) / off)
+                off_ms.append(1e3 * pair["off"]["thread"])
+                episodes.append(pair["episodes"])
+                spans.append(pair["spans"])
+        for metric, values in per.items():
+            if values:
+                figs["overhead"][metric] = (statistics.median(values), min(values), max(values), len(values))
+        if off_ms:
+            figs["off_ms"] = statistics.median(off_ms)
+            figs["episodes"] = statistics.median(episodes)
+            figs["spans"] = statistics.median(spans)
+        figs["exports_on_training_thread"] = on_training
+        out[v] = figs
+    return out
+
+
+def _pct(figs: dict[str, Any], metric: str) -> str:
+    value = figs["overhead"].get(metric)
+    if value is None:
+        return "—"
+    med, lo, hi, _ = value
+    return f"{med:+.1f}% ({lo:+.1f} to {hi:+.1f})"
+
+
+def _kept(figs: dict[str, Any]) -> str:
+    if "episodes" not in figs:
+        return "—"
+    eps, spans = figs["episodes"], figs["spans"]
+    return f"{eps:g} ({spans:g} spans)"
+
+
+def render(data: dict[str, Any], markdown: bool = False, header: bool = True) -> int:
+    """Print the table and the checks; the exit status: 1 if a check failed."""
+    cond = data["conditions"]
+    if header:
+        print_conditions(cond)
+        for v, why in cond.get("skipped", {}).items():
+            print(f"skipped {v}: {why}")
+    summary = summarise(data)
+    n_pairs = cond["pairs"] * len(data["rounds"])
+    print(f"\nstep-time overhead of tracing, (on - off) / off per step pair; median (min to max) of "
+          f"{n_pairs} pairs ({len(data['rounds'])} rounds x {cond['pairs']})")
+    head = (f"{'variant':<18} {'training thread CPU':>26} {'process CPU':>26} {'+ child processes':>26} "
+            f"{'wall':>26} {'off ms/step':>11} {'exported/step':>20}")
+    print(head)
+    for v in data["variants"]:
+        figs = summary[v]
+        if not figs["overhead"]:
+            print(f"{v:<18} {'—':>26}   {'; '.join(figs['problems'])}")
+            continue
+        print(f"{v:<18} {_pct(figs, 'thread'):>26} {_pct(figs, 'process'):>26} "
+              f"{_pct(figs, 'all_processes'):>26} {_pct(figs, 'wall'):>26} "
+              f"{figs['off_ms']:>11.0f} {_kept(figs):>20}")
+    if not any(summary[v].get("children", 0.0) > CHILD_CPU_NOTED for v in data["variants"]):
+        print("(no child process used CPU: the process CPU is all the CPU tracing used)")
+    problems = [p for v in data["variants"] for p in summary[v]["problems"]]
+    print()
+    for v in data["variants"]:
+        figs = summary[v]
+        if figs["overhead"] and not figs["problems"]:
+            what = f"{figs['episodes']:g} episodes x {SPANS_PER_EPISODE} spans exported per step"
+            if v in SYNC_EXPORT:
+                thread = f"exports on the training thread: {figs['exports_on_training_thread']} (synchronous by configuration)"
+            else:
+                thread = "no export on the training thread"
+            print(f"checked: {v}: {what}; {thread}; untraced steps >= {OFF_WORK_FLOOR:.0%} of the "
+                  f"calibrated work")
+    for p in problems:
+        print(f"CHECK FAILED: {p}")
+    if markdown:
+        print("\n" + markdown_table(data, summary))
+    return 1 if problems else 0
+
+
+def markdown_table(data: dict[str, Any], summary: dict[str, dict[str, Any]]) -> str:
+    cond = data["conditions"]
+    vers = cond.get("versions", {})
+    # child processes (a renderer process, where the library runs one) get a column when one
+    # used CPU: the training process's CPU is then not all the CPU tracing used
+    children = any(summary[v].get("children", 0.0) > CHILD_CPU_NOTED for v in data["variants"])
+    rows = [
+        "| variant | step-time overhead, training thread CPU | training process CPU "
+        + ("| + its child processes " if children else "")
+        + "| ms per step, tracing off | episodes (spans) exported per step |",
+        "|---|---|---|---|---|" + ("---|" if children else ""),
+    ]
+    for v in data["variants"]:
+        figs = summary[v]
+        dist = PACKAGES.get(v, ("", ""))[1]
+        label = LABELS[v].format(version=f" {vers[dist]}" if dist in vers else "")
+        if not figs["overhead"]:
+            dashes = "— | — | — | " + ("— | " if children else "")
+            rows.append(f"| {label} | {dashes}{'; '.join(figs['problems']) or 'not run'} |")
+            continue
+        extra = f"| {_pct(figs, 'all_processes')} " if children else ""
+        rows.append(f"| {label} | {_pct(figs, 'thread')} | {_pct(figs, 'process')} {extra}"
+                    f"| {figs['off_ms']:.0f} | {_kept(figs)} |")
+    caption = (f"{cond['episodes']} episodes per step, each {cond['work_ms']:.1f} ms of numpy CPU standing "
+               f"in for inference; untraced and traced steps alternated in one process, "
+               f"{cond['pairs']} pairs x {len(data['rounds'])} rounds; median (min to max) over the pairs; "
+               f"python {cond['python']}, {cond['cpu_count']} CPUs, load average {cond.get('loadavg_start')} "
+               f"→ {cond.get('loadavg_end')}; checkout {cond.get('commit') or '?'}"
+               f"{' → ' + cond['commit_end'] if cond.get('commit_end', cond.get('commit')) != cond.get('commit') else ''}. "
+               f"Reproduce: `{cond['command']} --markdown`.")
+    return "\n".join([caption, "", *rows, ""])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

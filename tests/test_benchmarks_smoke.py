@@ -1,0 +1,99 @@
+"""The benchmarks run and check what they measure.
+
+Each benchmark runs in its quick mode, as a subprocess, and must exit 0 having run its sanity
+checks (its ``checked:`` line); the figures themselves are not asserted (speed is never asserted
+in tests). bench_render's check is shown to fail when a render produced nothing, or spans without
+their content: the way the benchmark once measured empty episodes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# bench_loop's variants on every path of its own code that needs nothing beyond the project's
+# dependencies (a child process each: the A/A control and the unsampled raw SDK add time, not
+# paths; the peers' packages are not installed in CI, the full run measures them where they are)
+LOOP_VARIANTS = "otr_cap32,otr_traced_cap32,otr_batch_cap32,otr_keep_all,raw_sdk_head16"
+
+
+def load(name: str) -> Any:
+    """A benchmark script as a module (they import each other from their own folder)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True,
+                          text=True, timeout=180, cwd=BENCHMARKS.parent,
+                          env={**os.environ, "OTEL_SDK_DISABLED": "false"})
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_bench_loop_quick_checks_every_variant() -> None:
+    proc = run_benchmark("bench_loop.py", "--quick", "--variants", LOOP_VARIANTS)
+    checked = [line for line in proc.stdout.splitlines() if line.startswith("checked: ")]
+    assert sorted(line.split(":")[1].strip() for line in checked) == sorted(LOOP_VARIANTS.split(","))
+    assert "CHECK FAILED" not in proc.stdout
+    # what the checks verified, as printed: cap 32 of 32 episodes, head sampling exported some
+    assert "checked: otr_cap32: 32 episodes x 11 spans exported per step" in proc.stdout
+    assert "checked: otr_keep_all: 32 episodes x 11 spans exported per step" in proc.stdout
+
+
+def test_bench_loop_skips_a_missing_peer_with_a_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench_loop = load("bench_loop")
+    monkeypatch.setitem(bench_loop.PACKAGES, "logfire", ("no_such_module_for_bench_loop", "logfire"))
+    assert bench_loop.available("logfire") == "package logfire not installed"
+    assert bench_loop.available("otr_cap32") is None
+
+
+def test_bench_render_quick_renders_whole_episodes() -> None:
+    proc = run_benchmark("bench_render.py", "--quick")
+    assert "checked: every render of every case and variant produced all 11 spans" in proc.stdout
+    assert "CHECK FAILED" not in proc.stdout
+
+
+def test_bench_slow_receiver_quick_counts_each_kept_episode_once() -> None:
+    proc = run_benchmark("bench_slow_receiver.py", "--quick")
+    assert "checked: in every run, delivered + in the spool + dropped == kept" in proc.stdout
+    assert "CHECK FAILED" not in proc.stdout
+
+
+@pytest.fixture
+def bench_render() -> Any:
+    return load("bench_render")
+
+
+def test_bench_render_check_fails_when_nothing_is_rendered(bench_render: Any) -> None:
+    problems = bench_render.sanity([], "empty render")
+    assert problems and "rendered 0 spans, expected 11" in problems[0]
+
+
+def test_bench_render_check_fails_when_the_content_is_missing(bench_render: Any) -> None:
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    from otel_rollouts import conventions as c
+
+    materializer, rec = bench_render.record(None)
+    spans = materializer.episode(rec)
+    assert bench_render.sanity(spans, "whole") == []
+
+    def without_output(span: ReadableSpan) -> ReadableSpan:
+        attributes = {k: v for k, v in (span.attributes or {}).items() if k != c.GEN_AI_OUTPUT_MESSAGES}
+        return ReadableSpan(name=span.name, context=span.context, parent=span.parent,
+                            attributes=attributes, start_time=span.start_time, end_time=span.end_time)
+
+    problems = bench_render.sanity([without_output(s) for s in spans], "no content")
+    assert any(c.GEN_AI_OUTPUT_MESSAGES in p for p in problems)
