@@ -95,6 +95,7 @@ def _url(text: str) -> str:
 def _demo(args: argparse.Namespace) -> int:
     import otel_rollouts as otr
     from otel_rollouts.delivery.defaults import otlp_exporter_from_env
+    from otel_rollouts.delivery.layers import exporter_name
     from otel_rollouts.exporters import ConsoleExporter, TrackioExporter
 
     trackio = TrackioExporter(args.project, run=args.run, trace_ui_url=args.trace_ui_url)
@@ -118,8 +119,11 @@ def _demo(args: argparse.Namespace) -> int:
     stats = demo.run(steps=args.steps, prompts=args.prompts, group_size=args.group_size,
                      seed=args.seed, progress=not args.no_progress, hang_s=args.hang_s,
                      hang_step=args.hang_step)
-    run_name = trackio.run
     otr.shutdown()
+    # with render="process" the exporter that wrote (and named the run) lives in the renderer
+    # process: what reached Trackio is read from the delivery ledger, which stays here
+    delivered = otr.stats().get("delivery", {}).get(exporter_name(trackio), {}).get("delivered", 0)
+    run_name = trackio.run
     totals = stats["totals"]
     print()
     watched = totals.get("kept.watch", 0)
@@ -128,12 +132,13 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"episodes: {totals.get('seen', 0)} seen, {totals.get('kept', 0)} kept "
           f"(cap {args.cap} per step, policy {args.policy}{watch}), "
           f"{sum(v for k, v in totals.items() if k.startswith('dropped.'))} dropped")
-    if run_name is None:
+    if run_name is None and not delivered:
         print(f"traces: none kept (cap {args.cap}), nothing written to Trackio")
         return 0
     trackio_dir = os.environ.get("TRACKIO_DIR") or os.path.join(
         os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "trackio")
-    print(f"traces: Trackio project '{args.project}', run '{run_name}' in {trackio_dir}")
+    run = f"run '{run_name}'" if run_name is not None else "a run named by the renderer process"
+    print(f"traces: Trackio project '{args.project}', {run} in {trackio_dir}")
     if otlp:
         endpoint = os.environ.get(c.ENV_OTLP_TRACES_ENDPOINT) or os.environ.get(c.ENV_OTLP_ENDPOINT)
         print(f"traces: also sent over OTLP to {endpoint}")

@@ -7,12 +7,18 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from otr_helpers import trackio_rows
 
+from otel_rollouts import conventions as c
 
-def test_demo_command_fills_trackio(tmp_path, monkeypatch):
+
+@pytest.mark.parametrize("render", ["thread", "process"])
+def test_demo_command_fills_trackio(tmp_path, monkeypatch, render):
+    """In both render modes; with ``render="process"`` Trackio is written by the renderer
+    process, and the summary still says where the traces went."""
     trackio_dir = tmp_path / "trackio"
-    env = dict(os.environ, TRACKIO_DIR=str(trackio_dir))
+    env = dict(os.environ, TRACKIO_DIR=str(trackio_dir), **{c.ENV_RENDER: render})
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
     exe = shutil.which("otel-rollouts")
@@ -26,7 +32,7 @@ def test_demo_command_fills_trackio(tmp_path, monkeypatch):
     out = proc.stdout
     assert "48 seen, 15 kept" in out
     assert "trackio show --project demo-test" in out
-    assert str(trackio_dir) in out
+    assert str(trackio_dir) in out and "nothing written" not in out
     monkeypatch.setenv("TRACKIO_DIR", str(trackio_dir))
     rows = trackio_rows("demo-test")
     assert [r["step"] for r in rows].count(0) == 5 and len(rows) == 15
