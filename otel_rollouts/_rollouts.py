@@ -233,6 +233,11 @@ class Rollouts(_runtime.Runtime):
 
     def rebuild_after_fork(self) -> Callable[[], _runtime.Runtime | None] | None:
         settings = self.settings.for_forked_child()
+        if self.delivery is not None:
+            try:
+                self.delivery.forget_after_fork()  # (a renderer process's pipes: the parent's)
+            except Exception:  # noqa: BLE001 - a fork must never fail here
+                pass
 
         def rebuild() -> _runtime.Runtime | None:
             return Rollouts(settings).install()

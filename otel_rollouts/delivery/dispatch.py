@@ -385,6 +385,10 @@ class Delivery:
 
         return self.ledger.report(counters)
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: let go of what belongs to the parent (nothing here: the render
+        thread did not survive the fork, and the queue is the parent's copy)."""
+
     def delivery_counts(self) -> list[DeliveryCounts]:
         """Each exporter's counters, in the exporters' order."""
         return [sender.counts for sender in self.senders]

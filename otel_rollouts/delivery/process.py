@@ -61,7 +61,6 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -618,7 +617,6 @@ class ProcessDelivery(Delivery):
         self._started_at = 0.0
         self._writer = threading.Thread(target=self._write, name="otel-rollouts-render-writer", daemon=True)
         self._writer.start()
-        _LIVE.add(self)
         self._enqueue("start", b"", 0, None, count=False)
 
     # --- the training side -----------------------------------------------------------------------
@@ -985,6 +983,20 @@ class ProcessDelivery(Delivery):
         if own and self._root.is_dir():
             shutil.rmtree(self._root, ignore_errors=True)
 
+    def forget_after_fork(self) -> None:
+        """In a process forked from the training process (a data-loader worker, say): close its
+        copies of the renderer's pipes, so the renderer sees the training process's exit when it
+        happens (not when the last fork exits) and no fork writes into its stream. The fork's own
+        run, rebuilt lazily by the runtime, starts its own renderer."""
+        renderer, self._renderer = self._renderer, None
+        self.closed = True
+        if renderer is not None:
+            for conn in (renderer.out, renderer.inbox):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+
     def delivery_counts(self) -> list[DeliveryCounts]:
         """Each exporter's counters in this process (the child's sent back)."""
         return list(self.counts)
@@ -994,27 +1006,6 @@ class ProcessDelivery(Delivery):
         """The renderer process's id (None before it started)."""
         renderer = self._renderer
         return renderer.process.pid if renderer is not None else None
-
-
-def _after_fork_in_child() -> None:
-    """A process forked from the training process (a data-loader worker, say) closes its copies
-    of the renderer's pipes: the renderer then sees the training process's exit when it happens,
-    not when the last fork exits, and no fork can write into its stream. The fork's own run (the
-    runtime rebuilds one lazily) starts its own renderer."""
-    for delivery in list(_LIVE):
-        renderer, delivery._renderer = delivery._renderer, None
-        delivery.closed = True
-        if renderer is not None:
-            for conn in (renderer.out, renderer.inbox):
-                try:
-                    conn.close()
-                except OSError:
-                    pass
-
-
-_LIVE: weakref.WeakSet[ProcessDelivery] = weakref.WeakSet()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def materializer_recipe(m: Materializer) -> tuple[Callable[..., Materializer], dict[str, Any]]:
