@@ -140,12 +140,14 @@ def test_shutdown_within_exit_timeout_and_child_gone(tmp_path: Path) -> None:
     rt = _run(tmp_path / "out.jsonl", "process", exit_timeout=5.0)
     delivery = _renderer(rt)
     _episodes(0, 3)
+    assert otr.flush(60)  # the renderer is up (its start-up is not what is timed here)
+    _episodes(1, 3)
     began = time.monotonic()
     assert otr.shutdown(timeout=5.0)
     assert time.monotonic() - began < 5.0
     renderer = delivery._renderer
     assert renderer is not None and renderer.process.poll() is not None
-    assert otr.stats()["delivery"]["OtlpJsonFileExporter"]["delivered"] == 3
+    assert otr.stats()["delivery"]["OtlpJsonFileExporter"]["delivered"] == 6
 
 
 def test_hung_renderer_is_terminated_within_timeout(tmp_path: Path) -> None:

@@ -25,17 +25,20 @@ class _ReadWhileCounting(Stats):
     def __init__(self) -> None:
         super().__init__()
         self.read: list[dict[str, Any]] = []
+        self.readers: list[threading.Thread] = []
         self.run: Any = None
 
     def step(self, key: tuple[int, str], name: str, n: int = 1) -> None:
-        if name.startswith("delivered.") and self.run is not None and not self.read:
+        if name.startswith("delivered.") and self.run is not None and not self.readers:
             done = threading.Event()
 
             def read() -> None:
                 self.read.append(self.run.delivery.report())
                 done.set()
 
-            threading.Thread(target=read, daemon=True).start()
+            reader = threading.Thread(target=read, daemon=True)
+            self.readers.append(reader)
+            reader.start()
             done.wait(_WAIT_S)  # a consistent report cannot finish before this count is in
         super().step(key, name, n)
 
@@ -52,7 +55,9 @@ def test_a_report_never_counts_an_episode_both_pending_and_delivered(otr_shutdow
         ep.prompt([{"role": "user", "content": "q"}])
         ep.reward(1.0)
     otr.end_step(0)
-    assert otr.flush(10)
+    assert otr.flush(60)
+    assert stats.readers, "the episode was never counted delivered"
+    stats.readers[0].join(60)  # (a report blocked until the count was in finishes after it)
     assert stats.read, "the report was not read while the episode was counted"
     (name, seen), = stats.read[0].items()
     assert seen["pending"] + seen["delivered"] == 1, seen
