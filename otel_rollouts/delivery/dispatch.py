@@ -192,18 +192,7 @@ class Delivery:
     # --- called from the training side -------------------------------------------------------
     def episode(self, record: EpisodeRecord) -> None:
         """A kept episode: it enters the ledger (pending for every exporter) and the queue."""
-        key = (record.step, record.split)
-        if self.closed:  # kept as the run was being shut down or reconfigured
-            self.stats.add("dropped.after_shutdown.episodes")
-            self.ledger.dropped_unentered(key, "after_shutdown")
-            record.release(keep_root=True)
-            return
-        if not self.ledger.enter(record.trace_id, key):
-            # another episode with this trace id is still being delivered (ids made from a seed
-            # that repeats): exporting both would merge two episodes into one trace
-            self.stats.add("dropped.duplicate_trace_id")
-            self.ledger.dropped_unentered(key, "duplicate_trace_id")
-            record.release(keep_root=True)
+        if not self.admit(record):
             return
         # sized only while the render thread is behind (two items or more waiting): then at most
         # two unsized records are ever queued, and a render thread that keeps up costs nothing
@@ -211,6 +200,24 @@ class Delivery:
         if not self._put(("episode", record, size), "episodes", size):
             self.ledger.dropped_traces(None, (record.trace_id,), "queue_full")
             record.release(keep_root=True)  # freed now, not by the cyclic GC
+
+    def admit(self, record: EpisodeRecord) -> bool:
+        """Enter a kept episode in the ledger; False (dropped, counted, released) when delivery
+        is closed or its trace id is pending already."""
+        key = (record.step, record.split)
+        if self.closed:  # kept as the run was being shut down or reconfigured
+            self.stats.add("dropped.after_shutdown.episodes")
+            self.ledger.dropped_unentered(key, "after_shutdown")
+            record.release(keep_root=True)
+            return False
+        if not self.ledger.enter(record.trace_id, key):
+            # another episode with this trace id is still being delivered (ids made from a seed
+            # that repeats): exporting both would merge two episodes into one trace
+            self.stats.add("dropped.duplicate_trace_id")
+            self.ledger.dropped_unentered(key, "duplicate_trace_id")
+            record.release(keep_root=True)
+            return False
+        return True
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)

@@ -622,16 +622,7 @@ class ProcessDelivery(Delivery):
     # --- the training side -----------------------------------------------------------------------
     def episode(self, record: EpisodeRecord) -> None:
         """A kept episode: it enters the ledger and goes to the renderer process as its wire form."""
-        key = (record.step, record.split)
-        if self.closed:
-            self.stats.add("dropped.after_shutdown.episodes")
-            self.ledger.dropped_unentered(key, "after_shutdown")
-            record.release(keep_root=True)
-            return
-        if not self.ledger.enter(record.trace_id, key):
-            self.stats.add("dropped.duplicate_trace_id")
-            self.ledger.dropped_unentered(key, "duplicate_trace_id")
-            record.release(keep_root=True)
+        if not self.admit(record):
             return
         data = self._dumps(record, "episode")
         record.release(keep_root=True)
