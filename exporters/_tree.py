@@ -90,6 +90,18 @@ def hex_id(value: int, width: int = 16) -> str:
     return f"{value:0{width}x}"
 
 
+def trace_link(ui_url: str | None, trace_id: int) -> str | None:
+    """The link to a trace in a trace UI (None without one): a base URL is taken as Jaeger's UI
+    (``{base}/trace/{trace_id}``); a value containing ``{trace_id}`` is a template for any other
+    UI, e.g. Phoenix's ``http://localhost:6006/redirects/traces/{trace_id}``. The id is 32
+    lowercase hex digits."""
+    if not ui_url:
+        return None
+    if "{trace_id}" in ui_url:
+        return ui_url.replace("{trace_id}", hex_id(trace_id, 32))
+    return f"{ui_url.rstrip('/')}/trace/{hex_id(trace_id, 32)}"
+
+
 def duration_ms(span: ReadableSpan) -> float:
     if span.start_time is None or span.end_time is None:
         return 0.0

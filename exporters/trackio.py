@@ -71,6 +71,7 @@ from otel_rollouts.exporters._tree import (
     ordered,
     parse,
     root_of,
+    trace_link,
 )
 
 logger = logging.getLogger("otel_rollouts")
@@ -280,7 +281,7 @@ def episode_metadata(
     attrs = root.attributes or {}
     metadata: dict[str, Any] = {META_TRACE_ID: hex_id(root.context.trace_id, 32)}
     for key, value in attrs.items():
-        if key.startswith("rl.") and key != c.RL_SPAN_KIND:
+        if key.startswith(c.RL_PREFIX) and key != c.RL_SPAN_KIND:
             metadata[key] = parse(value)
     status = attrs.get(c.RL_STATUS)
     if status:
@@ -1091,17 +1092,9 @@ class TrackioExporter(SpanExporter):
         return getattr(self._run, "name", self.run_name)
 
     def trace_url(self, trace_id: int) -> str | None:
-        """The link to this trace in a trace UI, or None when no UI is configured.
-
-        A base URL is taken as Jaeger's UI (``{base}/trace/{trace_id}``); a value containing
-        ``{trace_id}`` is a template for any other UI, e.g. Phoenix's
-        ``http://localhost:6006/redirects/traces/{trace_id}``. The id is 32 lowercase hex digits.
-        """
-        if not self.trace_ui_url:
-            return None
-        if "{trace_id}" in self.trace_ui_url:
-            return self.trace_ui_url.replace("{trace_id}", hex_id(trace_id, 32))
-        return f"{self.trace_ui_url}/trace/{hex_id(trace_id, 32)}"
+        """The link to this trace in a trace UI, or None when no UI is configured
+        (``_tree.trace_link``)."""
+        return trace_link(self.trace_ui_url, trace_id)
 
     def table_key(self, split: str) -> str:
         """The key a split's step tables are logged under (``rollouts/table``, ``eval/rollouts/table``)."""

@@ -21,6 +21,7 @@ RL_POLICY_VERSION = "rl.policy.version"
 RL_POLICY_VERSION_MIN = "rl.policy.version.min"
 RL_POLICY_VERSION_MAX = "rl.policy.version.max"
 RL_REWARD = "rl.reward"
+RL_PREFIX = "rl."  # every attribute of this library's own namespace
 RL_REWARD_PREFIX = "rl.reward."  # rl.reward.<component>
 RL_ADVANTAGE = "rl.advantage"
 RL_FINISH_REASON = "rl.finish_reason"

@@ -687,7 +687,7 @@ def _score_name(key: str) -> str:
     if key == c.RL_ADVANTAGE:
         return c.EVALUATION_ADVANTAGE
     name = key.removeprefix(c.RL_REWARD_PREFIX)
-    return key.removeprefix("rl.") if name in _RESERVED_NAMES or not name else name
+    return key.removeprefix(c.RL_PREFIX) if name in _RESERVED_NAMES or not name else name
 
 
 _PHOENIX_NOTE = "note"  # Phoenix's span notes; POST /v1/span_annotations refuses the name (400)
@@ -784,7 +784,7 @@ def _metadata_keys(attrs: Mapping[str, Any]) -> list[str]:
 
 
 def _metadata_name(key: str) -> str:
-    return key.removeprefix("rl.")
+    return key.removeprefix(c.RL_PREFIX)
 
 
 def _implied_finish(message: Mapping[str, Any]) -> str:
