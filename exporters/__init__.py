@@ -2,13 +2,15 @@
 
 * ``TrackioExporter`` — one ``trackio.Trace`` per episode (the embedded, local-first default);
 * ``ConsoleExporter`` — an indented tree per episode on a terminal;
-* ``OtlpJsonFileExporter`` — OTLP/JSON lines, replayable later (``otel-rollouts replay``).
+* ``OtlpJsonFileExporter`` — OTLP/JSON lines, replayable later (``otel-rollouts replay``);
+* ``DatasetExporter`` — kept episodes as dataset rows (Parquet and a Hugging Face dataset).
 
 OTLP to a collector uses the stock ``opentelemetry-exporter-otlp`` exporters.
 """
 
 from otel_rollouts.exporters.console import ConsoleExporter
+from otel_rollouts.exporters.dataset import DatasetExporter
 from otel_rollouts.exporters.otlp_json import OtlpJsonFileExporter
 from otel_rollouts.exporters.trackio import TrackioExporter
 
-__all__ = ["ConsoleExporter", "OtlpJsonFileExporter", "TrackioExporter"]
+__all__ = ["ConsoleExporter", "DatasetExporter", "OtlpJsonFileExporter", "TrackioExporter"]

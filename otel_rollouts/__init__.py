@@ -53,8 +53,10 @@ from otel_rollouts.correlate.workers import (  # noqa: E402
     with_context,
 )
 from otel_rollouts.decode.batch import TokenBatchSummary, record_token_batch  # noqa: E402
+from otel_rollouts.delivery.dataset import DatasetResult, build_dataset  # noqa: E402
 from otel_rollouts.delivery.layers import CountingExporter, DeliveryCounts, SplittingExporter  # noqa: E402
 from otel_rollouts.delivery.sender import SpoolingSender  # noqa: E402
+from otel_rollouts.exporters.dataset import Filters as DatasetFilters  # noqa: E402
 from otel_rollouts.record.batch import BatchSummary, record_batch  # noqa: E402
 from otel_rollouts.record.episode import (  # noqa: E402
     Episode,
@@ -115,6 +117,9 @@ __all__ = [
     "Slowest",
     "prompt_hash",
     "CountingExporter",
+    "DatasetFilters",
+    "DatasetResult",
+    "build_dataset",
     "DeliveryCounts",
     "SplittingExporter",
     "SpoolingSender",

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="otel-rollouts", description=__doc__, epilog=EPILOG,
                      formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,replay}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,replay,dataset}")
     demo = sub.add_parser("demo", help="run a small traced multi-turn tool-using RL rollout loop",
                           description="Run a small traced multi-turn tool-using RL rollout loop and log\n"
                           "the kept episodes to a local Trackio project (and OTLP when configured).",
@@ -198,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
         "trackio, otlp or console; report what was delivered and what failed.",
         epilog=EPILOG, formatter_class=formatter,
     )).set_defaults(func=replay.run)
+    from otel_rollouts.delivery import dataset
+
+    dataset.add_arguments(sub.add_parser(
+        "dataset", help="turn kept episodes (OTLP/JSON files, spool, Trackio) into Parquet and a "
+        "Hugging Face dataset",
+        description="Turn a run's kept episodes into a dataset: one row per episode (messages,\n"
+        "flat) or per kept group (pairs), from OTLP/JSON files, spool directories or a\n"
+        "Trackio project; written as DIR/<format>.parquet and DIR/hf.",
+        epilog=EPILOG, formatter_class=formatter,
+    )).set_defaults(func=dataset.run)
     return parser
 
 
