@@ -691,12 +691,30 @@ class DatasetExporter(SpanExporter):
     def __init__(self, out: str | os.PathLike[str], format: str = FORMAT_MESSAGES, *,
                  filters: Filters | None = None, trace_ui_url: str | None = None, hf: bool = True,
                  rows_per_group: int = 512) -> None:
+        import importlib.util
+
+        missing = [m for m in ("pyarrow", *(("datasets",) if hf else ())) if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(f"DatasetExporter needs {' and '.join(missing)}: pip install 'otel-rollouts[dataset]'")
+        # what makes it again in another process (render="process"): its arguments, not its file
+        self._arguments = {"out": os.fspath(out), "format": format, "filters": filters,
+                           "trace_ui_url": trace_ui_url, "hf": hf, "rows_per_group": rows_per_group}
         self.tally = Tally()
         url = (trace_ui_url or os.environ.get(c.ENV_TRACE_UI_URL) or "").rstrip("/") or None
         self.shaper = Shaper(format, filters, trace_url=url, tally=self.tally)
-        self.writer = RowWriter(out, format, hf=hf, rows_per_group=rows_per_group)
+        self._writer: RowWriter | None = None  # opened by the first row (or at shutdown)
         self._lock = threading.Lock()
         self._done = False
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        return _rebuild_dataset_exporter, (self._arguments,)
+
+    @property
+    def writer(self) -> RowWriter:
+        if self._writer is None:
+            a = self._arguments
+            self._writer = RowWriter(a["out"], a["format"], hf=a["hf"], rows_per_group=a["rows_per_group"])
+        return self._writer
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
@@ -705,7 +723,10 @@ class DatasetExporter(SpanExporter):
                     return SpanExportResult.FAILURE
                 for trace_id, group in by_trace(spans).items():
                     where = f"live export (trace {hex_id(trace_id, 32)})"
-                    self.writer.write(self.shaper.add(episode_from_spans(group), where))
+                    rows = self.shaper.add(episode_from_spans(group), where)
+                    if rows:
+                        self.tally.rows += len(rows)
+                        self.writer.write(rows)
             return SpanExportResult.SUCCESS
         except Exception as exc:  # noqa: BLE001 - an exporter never raises into delivery
             logger.warning("otel_rollouts: dataset export failed: %s", exception_text(exc))
@@ -714,8 +735,8 @@ class DatasetExporter(SpanExporter):
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:
             with self._lock:
-                if not self._done:
-                    self.writer.flush()
+                if not self._done and self._writer is not None:
+                    self._writer.flush()
             return True
         except Exception as exc:  # noqa: BLE001
             logger.warning("otel_rollouts: dataset flush failed: %s", exception_text(exc))
@@ -727,9 +748,16 @@ class DatasetExporter(SpanExporter):
                 return
             self._done = True
             try:
-                self.writer.write(self.shaper.finish())
+                last = self.shaper.finish()
+                self.tally.rows += len(last)
+                self.writer.write(last)
                 self.writer.close()
                 for line in self.tally.lines():
                     logger.info("otel_rollouts: dataset %s", line)
             except Exception as exc:  # noqa: BLE001
                 logger.warning("otel_rollouts: dataset could not be completed: %s", exception_text(exc))
+
+
+def _rebuild_dataset_exporter(arguments: dict[str, Any]) -> DatasetExporter:
+    """A ``DatasetExporter`` made again from its arguments (``pickle``: the renderer process)."""
+    return DatasetExporter(**arguments)

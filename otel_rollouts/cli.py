@@ -144,6 +144,8 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"traces: also sent over OTLP to {endpoint}")
     print("open the dashboard (Traces tab):")
     print(f"  trackio show --project {args.project}")
+    print("turn the kept episodes into a dataset (SFT chat rows; --format pairs or flat):")
+    print(f"  otel-rollouts dataset --trackio {args.project} --out {args.project}-dataset")
     return 0
 
 

@@ -71,6 +71,12 @@ def test_bench_slow_receiver_quick_counts_each_kept_episode_once() -> None:
     assert "CHECK FAILED" not in proc.stdout
 
 
+def test_bench_dataset_quick_checks_rows_sources_and_memory() -> None:
+    proc = run_benchmark("bench_dataset.py", "--quick")
+    assert "checked: every episode a row, the same rows from both sources, memory bounded" in proc.stdout
+    assert "CHECK FAILED" not in proc.stdout
+
+
 @pytest.fixture
 def bench_render() -> Any:
     return load("bench_render")

@@ -365,3 +365,29 @@ def test_a_damaged_trackio_trace_is_skipped_and_the_rest_of_its_step_is_read(run
     assert result.rows == STEPS * 8 - 1 and result.failed_sources == []
     assert result.tally.skipped["a Trackio trace that could not be read"] == 1
     assert "step 1" in result.tally.examples["a Trackio trace that could not be read"]
+
+
+def test_the_live_exporter_writes_from_the_renderer_process_too(tmp_path: Path) -> None:
+    """With render="process" the exporters are made again in the renderer process: the dataset
+    is written there, the same rows as the file gives, and nothing by this process's instance."""
+    file, live = tmp_path / "kept.jsonl", tmp_path / "live"
+    exporter = DatasetExporter(live, "flat", hf=False)
+    otr.configure(exporters=[OtlpJsonFileExporter(str(file)), exporter], render="process",
+                  sampler=otr.TailSampler(3, "top_bottom"), run_id="proc")
+    try:
+        for step in range(2):
+            for k in range(6):
+                with otr.episode(step=step, group_id=f"g{step}", sample_index=k) as ep:
+                    ep.prompt(f"q{step}")
+                    with ep.turn() as turn:
+                        turn.record_generation(f"a{k}", output_tokens=2)
+                    ep.reward(k / 5)
+            otr.end_step(step)
+        otr.flush()
+        assert not otr.stats()["totals"].get("render.process_fallback")  # the renderer process did it
+    finally:
+        assert otr.shutdown(timeout=60)
+    assert exporter._writer is None  # this process's instance wrote nothing
+    rows = _rows(live / "flat.parquet")
+    assert len(rows) == 6 and rows == _rows(otr.build_dataset([file], tmp_path / "f", format="flat", hf=False,
+                                                              progress=False).parquet)

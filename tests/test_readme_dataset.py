@@ -41,6 +41,11 @@ def test_the_readme_dataset_commands_and_code_run_as_written(tmp_path: Path) -> 
     demo = subprocess.run([*_cli(), "demo", "--no-progress"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stderr
+    hint = "  otel-rollouts dataset --trackio otel-rollouts-demo --out otel-rollouts-demo-dataset"
+    assert hint in demo.stdout.splitlines()  # what the demo itself says to run next, run too
+    hinted = subprocess.run([*_cli(), *shlex.split(hint)[1:], "--no-hf"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert hinted.returncode == 0 and (tmp_path / "otel-rollouts-demo-dataset" / "messages.parquet").exists()
     commands = [line for line in _block("bash").splitlines() if line.strip()]
     assert len(commands) == 3
     for line in commands:
