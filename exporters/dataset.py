@@ -697,7 +697,7 @@ class DatasetExporter(SpanExporter):
         if missing:
             raise ImportError(f"DatasetExporter needs {' and '.join(missing)}: pip install 'otel-rollouts[dataset]'")
         # what makes it again in another process (render="process"): its arguments, not its file
-        self._arguments = {"out": os.fspath(out), "format": format, "filters": filters,
+        self._arguments: dict[str, Any] = {"out": os.fspath(out), "format": format, "filters": filters,
                            "trace_ui_url": trace_ui_url, "hf": hf, "rows_per_group": rows_per_group}
         self.tally = Tally()
         url = (trace_ui_url or os.environ.get(c.ENV_TRACE_UI_URL) or "").rstrip("/") or None
