@@ -449,8 +449,8 @@ class Tally:
 
 class Shaper:
     """Episodes in, rows of ``fmt`` out, filtered; ``pairs`` holds each group until its step is
-    ``window_steps`` behind the newest step read (or ``finish``): two rows per group, at most
-    ``max_groups`` groups (the oldest written first past it)."""
+    ``window_steps`` behind the newest step read of its run (or ``finish``): two rows per group,
+    at most ``max_groups`` groups (the oldest written first past it)."""
 
     def __init__(self, fmt: str = FORMAT_MESSAGES, filters: Filters | None = None, *,
                  trace_url: str | None = None, window_steps: int = 2, max_groups: int = 4096,
@@ -467,7 +467,7 @@ class Shaper:
         # pairs: (run, step, split, group) -> [members, best row, worst row]
         self._groups: OrderedDict[tuple[Any, ...], list[Any]] = OrderedDict()
         self._written: OrderedDict[tuple[Any, ...], None] = OrderedDict()
-        self._newest_step: int | None = None
+        self._newest: dict[Any, int] = {}  # run id -> the newest step read of it
 
     def add(self, episode: Episode | str, where: str) -> list[dict[str, Any]]:
         """The rows ``episode`` completes (none, one, or a finished group's pair)."""
@@ -513,15 +513,18 @@ class Shaper:
             if row["reward"] < group[2]["reward"]:
                 group[2] = row
         group[0] += 1
-        step = row["step"]
-        if step is not None and (self._newest_step is None or step > self._newest_step):
-            self._newest_step = step
+        run, step = row["run_id"], row["step"]
+        newest = self._newest.get(run)
+        if step is not None and (newest is None or step > newest):
+            newest = self._newest[run] = step
         out: list[dict[str, Any]] = []
         while len(self._groups) > self.max_groups:
             out.extend(self._close(*self._groups.popitem(last=False)))
-        if self._newest_step is not None:
-            horizon = self._newest_step - self.window_steps
-            for old in [k for k in self._groups if k[1] is not None and k[1] < horizon]:
+        if newest is not None:
+            # a run's steps only: another run (the next source, the next run of a Trackio
+            # project) counts its steps from 0 again
+            horizon = newest - self.window_steps
+            for old in [k for k in self._groups if k[0] == run and k[1] is not None and k[1] < horizon]:
                 out.extend(self._close(old, self._groups.pop(old)))
         return out
 

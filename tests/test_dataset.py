@@ -391,3 +391,21 @@ def test_the_live_exporter_writes_from_the_renderer_process_too(tmp_path: Path) 
     rows = _rows(live / "flat.parquet")
     assert len(rows) == 6 and rows == _rows(otr.build_dataset([file], tmp_path / "f", format="flat", hf=False,
                                                               progress=False).parquet)
+
+
+def test_pairs_of_two_runs_read_one_after_the_other_are_all_found() -> None:
+    """Run b's steps start from 0 again after run a's step 9: its groups are not taken as old."""
+    from otel_rollouts.exporters.dataset import Episode, Shaper
+
+    shaper = Shaper("pairs", window_steps=2)
+    rows = []
+    for run in ("a", "b"):
+        for step in range(10):
+            for k in range(3):
+                messages = [{"role": "user", "content": f"q{step}"}, {"role": "assistant", "content": f"a{k}"}]
+                values = {"rl.run.id": run, "rl.step": step, "rl.split": "train", "rl.group.id": f"g{step}",
+                          "rl.reward": float(k)}
+                rows += shaper.add(Episode(f"{run}{step}{k}".ljust(32, "0"), values, messages), "here")
+    rows += shaper.finish()
+    assert len(rows) == 20 and not shaper.tally.skipped
+    assert all(r["chosen"][0]["content"] == "a2" and r["rejected"][0]["content"] == "a0" for r in rows)
