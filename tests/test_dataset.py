@@ -409,3 +409,35 @@ def test_pairs_of_two_runs_read_one_after_the_other_are_all_found() -> None:
     rows += shaper.finish()
     assert len(rows) == 20 and not shaper.tally.skipped
     assert all(r["chosen"][0]["content"] == "a2" and r["rejected"][0]["content"] == "a0" for r in rows)
+
+
+def test_a_file_written_by_two_runs_joins_a_late_reward_of_the_second(tmp_path: Path) -> None:
+    """Run A wrote steps 0-4, then run B (a restart) appended its step 0, whose reward came after
+    the decision on a line of its own: B's steps are not measured against A's."""
+    file = tmp_path / "kept.jsonl"
+    otr.configure(exporters=[OtlpJsonFileExporter(str(file))], sampler=otr.TailSampler(2, "first"), run_id="A")
+    try:
+        for step in range(5):
+            with otr.episode(step=step, group_id="g") as ep:
+                ep.prompt("a?")
+                with ep.turn() as turn:
+                    turn.record_generation("a.")
+                ep.reward(1.0)
+            otr.end_step(step)
+    finally:
+        otr.shutdown()
+    otr.configure(exporters=[OtlpJsonFileExporter(str(file))], sampler=otr.TailSampler(2, "first"), run_id="B")
+    try:
+        ep = otr.episode(step=0, group_id="g")
+        with ep:
+            ep.prompt("b?")
+            with ep.turn() as turn:
+                turn.record_generation("b.")
+        otr.end_step(0)
+        otr.flush()
+        ep.reward(0.5)  # a late span, on its own line
+    finally:
+        otr.shutdown()
+    rows = _rows(otr.build_dataset([file], tmp_path / "out", hf=False, progress=False).parquet)
+    assert [(r["run_id"], r["step"], r["reward"]) for r in sorted(rows, key=lambda r: (r["run_id"], r["step"]))] == [
+        ("A", 0, 1.0), ("A", 1, 1.0), ("A", 2, 1.0), ("A", 3, 1.0), ("A", 4, 1.0), ("B", 0, 0.5)]

@@ -82,7 +82,7 @@ class _Window:
         self.max_held_bytes = max_held_bytes
         self._traces: OrderedDict[int, list[Any]] = OrderedDict()  # id -> [spans, bytes, step, where]
         self._held = 0
-        self._newest: int | None = None
+        self._newest: dict[Any, int] = {}  # run id -> the newest step read of it
         self._done: OrderedDict[int, None] = OrderedDict()
 
     def add(self, spans: Sequence[ReadableSpan], where: str, tally: Tally) -> list[tuple[list[ReadableSpan], str]]:
@@ -100,18 +100,21 @@ class _Window:
             self._held += size
             root = root_of(group)
             if root is not None:
-                step = (root.attributes or {}).get(c.RL_STEP)
+                attrs = root.attributes or {}
+                step = attrs.get(c.RL_STEP)
                 if isinstance(step, int) and not isinstance(step, bool):
-                    entry[2] = step
-                    if self._newest is None or step > self._newest:
-                        self._newest = step
+                    run = attrs.get(c.RL_RUN_ID)
+                    entry[2] = (run, step)
+                    if step > self._newest.get(run, step - 1):
+                        self._newest[run] = step
         out = []
         while self._held > self.max_held_bytes and self._traces:
             out.append(self._pop(next(iter(self._traces))))
-        if self._newest is not None:
-            horizon = self._newest - self.window_steps
-            for trace_id in [t for t, e in self._traces.items() if e[2] is not None and e[2] < horizon]:
-                out.append(self._pop(trace_id))
+        # complete: its step is window_steps behind the newest of its own run (a file written
+        # by two runs holds two step counts)
+        done = [t for t, e in self._traces.items()
+                if e[2] is not None and e[2][1] < self._newest[e[2][0]] - self.window_steps]
+        out.extend(self._pop(t) for t in done)
         return out
 
     def _pop(self, trace_id: int) -> tuple[list[ReadableSpan], str]:
