@@ -23,10 +23,14 @@ def _section() -> str:
     return text.split("## Kept episodes as a dataset", 1)[1].split("\n## ", 1)[0]
 
 
+def _blocks(kind: str) -> list[str]:
+    found = re.findall(rf"```{kind}\n(.*?)```", _section(), re.S)
+    assert found, f"the README's dataset section has no {kind} block"
+    return found
+
+
 def _block(kind: str) -> str:
-    match = re.search(rf"```{kind}\n(.*?)```", _section(), re.S)
-    assert match, f"the README's dataset section has no {kind} block"
-    return match.group(1)
+    return _blocks(kind)[0]
 
 
 def _cli() -> list[str]:
@@ -63,7 +67,18 @@ def test_the_readme_dataset_commands_and_code_run_as_written(tmp_path: Path) -> 
     table = pq.read_table(tmp_path / "table" / "flat.parquet").to_pylist()
     assert {r["step"] for r in table} == {2, 3} and not (tmp_path / "table" / "hf").exists()
 
-    code = subprocess.run([sys.executable, "-c", _block("python")], cwd=tmp_path, env=env,
+    live_code, duckdb_code = _blocks("python")
+    worst = subprocess.run([sys.executable, "-c", duckdb_code], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert worst.returncode == 0, worst.stderr
+    lowest = {}
+    for r in table:
+        lowest.setdefault(r["step"], []).append((r["reward"], r["trace_id"]))
+    for step in (2, 3):  # each step's five lowest rewards, in the table DuckDB printed
+        for _, trace_id in sorted(lowest[step])[:5]:
+            assert trace_id[:8] in worst.stdout, (trace_id, worst.stdout)
+
+    code = subprocess.run([sys.executable, "-c", live_code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert code.returncode == 0, code.stderr
     live = pq.read_table(tmp_path / "live" / "messages.parquet").to_pylist()
