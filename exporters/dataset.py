@@ -94,6 +94,10 @@ SKIP_PROMPTS_DIFFER = "pairs: the best and the worst episode of a group have dif
 SKIP_LATE_MEMBER = "pairs: a group member read after its group was written"
 FLAGGED = "a value of the wrong type, written as null"
 
+# how many trace ids (and written groups) are remembered to tell a repeat or a late member: the
+# newest ones, about 10 MiB at most (a repeat comes soon after: a spool batch sent again)
+REMEMBERED = 65_536
+
 _STAGE_COLUMNS = {stage: f"{stage}_seconds" for stage in c.STAGES}
 _MISMATCH_INT = {"mismatch_tokens": c.RL_MISMATCH_TOKENS, "mismatch_tokens_outside": c.RL_MISMATCH_OUTSIDE}
 _MISMATCH_FLOAT = {
@@ -480,7 +484,7 @@ class Shaper:
             tally.skip(SKIP_DUPLICATE, f"{where} (trace {episode.trace_id})")
             return []
         self._seen[episode.trace_id] = None
-        if len(self._seen) > 1_000_000:
+        if len(self._seen) > REMEMBERED:
             self._seen.popitem(last=False)
         row = full_row(episode, self.trace_url)
         if episode.problems:
@@ -530,7 +534,7 @@ class Shaper:
 
     def _close(self, key: tuple[Any, ...], group: list[Any]) -> list[dict[str, Any]]:
         self._written[key] = None
-        if len(self._written) > 1_000_000:
+        if len(self._written) > REMEMBERED:
             self._written.popitem(last=False)
         members, best, worst, where = group
         if members < 2:

@@ -201,6 +201,8 @@ def test_the_command_writes_each_format_and_reports_in_one_line(run_dir, capsys)
     assert cli_main(["dataset", str(tmp / "missing.jsonl"), "--out", str(tmp / "y")]) == 2
     err = capsys.readouterr().err
     assert "could not read" in err and "Traceback" not in err
+    assert cli_main(["dataset", str(file), "--out", str(file)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
 
 
 def test_bad_input_is_skipped_with_a_count_and_one_reason_per_kind(run_dir, capsys) -> None:

@@ -39,6 +39,7 @@ from otel_rollouts.exporters._tree import by_trace, root_of
 from otel_rollouts.exporters.dataset import (
     FORMAT_MESSAGES,
     FORMATS,
+    REMEMBERED,
     Episode,
     Filters,
     RowWriter,
@@ -121,7 +122,7 @@ class _Window:
         spans, size, _, where = self._traces.pop(trace_id)
         self._held -= size
         self._done[trace_id] = None
-        if len(self._done) > 1_000_000:
+        if len(self._done) > REMEMBERED:
             self._done.popitem(last=False)
         return spans, where
 
@@ -379,6 +380,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None] | None = None) -
         missing_dependencies(not args.no_hf)
     except ImportError as exc:
         say(f"{prog}: error: {exc}")
+        return 2
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        say(f"{prog}: error: argument --out: {args.out} exists and is not a directory")
         return 2
     filters = Filters(steps=args.steps, splits=args.split, statuses=args.status, reasons=args.reason,
                       reward_min=args.reward_min, reward_max=args.reward_max)
