@@ -4,9 +4,11 @@ exporter; loaded back with pyarrow and ``datasets``; queried with DuckDB; bad in
 from __future__ import annotations
 
 import json
-import math
 import os
+import shutil
 import sqlite3
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -239,26 +241,25 @@ def test_bad_input_is_skipped_with_a_count_and_one_reason_per_kind(run_dir, caps
     # flat keeps an episode without a reward (reward null): an analysis table shows it
     flat = _rows(otr.build_dataset([damaged], tmp / "bad-flat", format="flat", hf=False, progress=False).parquet)
     assert any(r["run_id"] == "run-b" and r["reward"] is None for r in flat)
-    # a file that is not a database at all, given as a Trackio project
-    trackio_dir = Path(os.environ["TRACKIO_DIR"])
-    (trackio_dir / "broken.db").write_bytes(b"not sqlite at all" * 100)
-    code = cli_main(["dataset", "--trackio", "broken", "--out", str(tmp / "broken"), "--no-progress"])
-    err = capsys.readouterr().err
-    assert code == 2 and "could not read trackio:broken" in err and "Traceback" not in err
+    # a file that is not a database at all, given as a Trackio project (in a TRACKIO_DIR of its
+    # own: in the shared one it would break every later Trackio server, which opens all projects)
+    own = tmp / "own-trackio"
+    own.mkdir()
+    (own / "broken.db").write_bytes(b"not sqlite at all" * 100)
+    proc = _cli(["dataset", "--trackio", "broken", "--out", str(tmp / "broken"), "--no-progress"], own)
+    assert proc.returncode == 2 and "could not read trackio:broken" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
     with pytest.raises(sqlite3.DatabaseError):
-        sqlite3.connect(trackio_dir / "broken.db").execute("select 1 from sqlite_master").fetchall()
+        sqlite3.connect(own / "broken.db").execute("select 1 from sqlite_master").fetchall()
 
 
-def test_a_value_of_the_wrong_type_is_written_as_null_and_counted() -> None:
-    """A foreign or damaged value (a step as text) is null in its column, flagged with its field
-    and its trace; the rest of the row stays."""
-    from otel_rollouts.exporters.dataset import Episode, Shaper
-
-    shaper = Shaper("flat")
-    rows = shaper.add(Episode("ab" * 16, {"rl.step": "three", "rl.reward": 1.0}, []), "here")
-    assert rows[0]["step"] is None and rows[0]["reward"] == 1.0
-    assert shaper.tally.flagged == 1 and "rl.step: expected an integer" in shaper.tally.flagged_example
-    assert not math.isnan(rows[0]["reward"])
+def _cli(argv: list[str], trackio_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The command in a process of its own, reading ``trackio_dir`` (Trackio reads TRACKIO_DIR
+    once, when it is imported)."""
+    exe = shutil.which("otel-rollouts")
+    cmd = [exe] if exe else [sys.executable, "-m", "otel_rollouts.cli"]
+    return subprocess.run([*cmd, *argv], env=dict(os.environ, TRACKIO_DIR=str(trackio_dir)),
+                          capture_output=True, text=True, timeout=300)
 
 
 def _big_file(path: Path, episodes: int, per_step: int = 20) -> Path:
@@ -358,15 +359,21 @@ def test_a_damaged_trackio_trace_is_skipped_and_the_rest_of_its_step_is_read(run
     from trackio.sqlite_storage import SQLiteStorage
 
     tmp, project, _, _ = run_dir
-    db = sqlite3.connect(SQLiteStorage.get_project_db_path(project))
-    with db:
-        (torn,) = db.execute("SELECT id FROM traces WHERE step = 1 ORDER BY id LIMIT 1").fetchone()
-        db.execute("UPDATE traces SET messages = '[{\"role\": \"us' WHERE id = ?", (torn,))
-    db.close()
-    result = otr.build_dataset([], tmp / "torn", trackio_project=project, hf=False, progress=False)
-    assert result.rows == STEPS * 8 - 1 and result.failed_sources == []
-    assert result.tally.skipped["a Trackio trace that could not be read"] == 1
-    assert "step 1" in result.tally.examples["a Trackio trace that could not be read"]
+    own = tmp / "torn-trackio"  # a copy: the shared TRACKIO_DIR stays whole for later tests
+    own.mkdir()
+    source = sqlite3.connect(SQLiteStorage.get_project_db_path(project))
+    copy = sqlite3.connect(own / SQLiteStorage.get_project_db_path(project).name)
+    source.backup(copy)
+    source.close()
+    with copy:
+        (torn,) = copy.execute("SELECT id FROM traces WHERE step = 1 ORDER BY id LIMIT 1").fetchone()
+        copy.execute("UPDATE traces SET messages = '[{\"role\": \"us' WHERE id = ?", (torn,))
+    copy.close()
+    proc = _cli(["dataset", "--trackio", project, "--out", str(tmp / "torn"), "--no-hf", "--no-progress"], own)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {STEPS * 8 - 1} messages rows from {STEPS * 8} episodes read" in proc.stderr
+    assert "skipped 1 × a Trackio trace that could not be read (first: " in proc.stderr
+    assert "step 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_live_exporter_writes_from_the_renderer_process_too(tmp_path: Path) -> None:
