@@ -89,8 +89,7 @@ class _Window:
     def add(self, spans: Sequence[ReadableSpan], where: str, tally: Tally) -> list[tuple[list[ReadableSpan], str]]:
         for trace_id, group in by_trace(spans).items():
             if trace_id in self._done:
-                tally.skip(SKIP_LATE_SPANS, f"{where} (trace {trace_id:032x})", 0)
-                tally.skipped[SKIP_LATE_SPANS] += len(group)
+                tally.skip(SKIP_LATE_SPANS, f"{where} (trace {trace_id:032x})", len(group))
                 continue
             entry = self._traces.get(trace_id)
             if entry is None:
