@@ -6,11 +6,24 @@
 * ``DatasetExporter`` — kept episodes as dataset rows (Parquet and a Hugging Face dataset).
 
 OTLP to a collector uses the stock ``opentelemetry-exporter-otlp`` exporters.
+
+What an exporter may offer beyond ``SpanExporter`` (step summaries, episodes it took but did not
+store, running episodes shown as they hang) are the protocols of ``otel_rollouts.exporters.extras``:
+``MetricsSink``, ``NotStoredReporter`` and ``PendingViewer``.
 """
 
 from otel_rollouts.exporters.console import ConsoleExporter
 from otel_rollouts.exporters.dataset import DatasetExporter
+from otel_rollouts.exporters.extras import MetricsSink, NotStoredReporter, PendingViewer
 from otel_rollouts.exporters.otlp_json import OtlpJsonFileExporter
 from otel_rollouts.exporters.trackio import TrackioExporter
 
-__all__ = ["ConsoleExporter", "DatasetExporter", "OtlpJsonFileExporter", "TrackioExporter"]
+__all__ = [
+    "ConsoleExporter",
+    "DatasetExporter",
+    "MetricsSink",
+    "NotStoredReporter",
+    "OtlpJsonFileExporter",
+    "PendingViewer",
+    "TrackioExporter",
+]

@@ -73,6 +73,7 @@ from otel_rollouts.exporters._tree import (
     root_of,
     trace_link,
 )
+from otel_rollouts.exporters.extras import MetricsSink, NotStoredReporter, PendingViewer
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -973,7 +974,7 @@ def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
     return (reward is None, reward if reward is not None else 0.0, advantage if advantage is not None else 0.0)
 
 
-class TrackioExporter(SpanExporter):
+class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewer):
     """Writes each kept episode as a ``trackio.Trace`` at ``step=rl.step``, and per step a table.
 
     ``project``/``run``/``space_id`` are Trackio's (a ``space_id`` syncs to a Hugging Face

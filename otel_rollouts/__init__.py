@@ -10,6 +10,12 @@
         ep.reward(1.0)
     otr.end_step(0)
     otr.shutdown()
+
+The sampling names at the root (``otr.TailSampler``, ``otr.Policy``, ``otr.Bucket``, ``otr.Errors``,
+``otr.Groups``, ...) are the objects of ``otel_rollouts.sampling`` (``otr.sampling``), their
+canonical home, which also holds ``Candidate``, ``Decision``, ``BasePolicy`` and ``make_policy``:
+import from there in a library, use the root in a script. The exporters and their optional extras
+(``MetricsSink``, ``NotStoredReporter``, ``PendingViewer``) are in ``otel_rollouts.exporters``.
 """
 
 # Before anything imports the OpenTelemetry SDK: it reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT & co at
@@ -19,7 +25,7 @@ from otel_rollouts._core.settings import check_environment as _check_environment
 
 _check_environment()
 
-from otel_rollouts import conventions  # noqa: E402
+from otel_rollouts import conventions, sampling  # noqa: E402
 from otel_rollouts._core.guard import InvalidValue  # noqa: E402
 from otel_rollouts._core.logprobs import MismatchOptions  # noqa: E402
 from otel_rollouts._rollouts import (  # noqa: E402
@@ -32,8 +38,8 @@ from otel_rollouts._rollouts import (  # noqa: E402
     shutdown,
     stats,
     tracer_provider,
-    version,
 )
+from otel_rollouts._rollouts import version as _version  # noqa: E402
 from otel_rollouts.correlate.baggage import copy_baggage_to_logs, copy_baggage_to_spans  # noqa: E402
 from otel_rollouts.correlate.gateway import GatewayOptions, SpanGateway  # noqa: E402
 from otel_rollouts.correlate.logs import instrument_logging, uninstrument_logging  # noqa: E402
@@ -70,8 +76,7 @@ from otel_rollouts.record.episode import (  # noqa: E402
     trace_id_for,
 )
 from otel_rollouts.record.traced import traced  # noqa: E402
-from otel_rollouts.sampling.hung import HangOptions  # noqa: E402
-from otel_rollouts.sampling.policies import (  # noqa: E402
+from otel_rollouts.sampling import (  # noqa: E402
     Bucket,
     Compose,
     DegenerateGroups,
@@ -85,75 +90,77 @@ from otel_rollouts.sampling.policies import (  # noqa: E402
     TopBottom,
     Uniform,
 )
+from otel_rollouts.sampling.hung import HangOptions  # noqa: E402
 from otel_rollouts.sampling.ray_budget import RayBudget  # noqa: E402
 
-__version__ = version()
+__version__ = _version()
 
 __all__ = [
-    "__version__",
+    "BatchSummary",
+    "Bucket",
+    "Compose",
+    "CountingExporter",
+    "DatasetFilters",
+    "DatasetResult",
+    "DegenerateGroups",
+    "DeliveryCounts",
+    "Episode",
+    "Errors",
+    "First",
+    "GatewayOptions",
+    "Generation",
+    "Groups",
+    "HangOptions",
+    "InvalidValue",
+    "Mismatch",
+    "MismatchOptions",
+    "Policy",
+    "RayBudget",
     "Rollouts",
-    "tracer_provider",
+    "Slowest",
+    "SpanGateway",
+    "SplittingExporter",
+    "SpoolingSender",
+    "TailSampler",
+    "TokenBatchSummary",
+    "ToolCall",
+    "TopBottom",
+    "Turn",
+    "Uniform",
+    "WorkerResult",
+    "__version__",
     "adopt",
+    "build_dataset",
+    "configure",
     "context_carrier",
+    "conventions",
     "copy_baggage_to_logs",
     "copy_baggage_to_spans",
+    "current_episode",
+    "current_generation",
+    "end_step",
+    "episode",
     "extract_context",
+    "flush",
+    "gateway",
     "httpx_event_hooks",
     "inject_headers",
     "instrument_logging",
     "instrument_requests_session",
     "openai_extra_headers",
+    "prompt_hash",
     "ray_actor",
     "ray_remote",
-    "submit",
-    "uninstrument_logging",
-    "with_context",
-    "WorkerResult",
-    "Compose",
-    "DegenerateGroups",
-    "HangOptions",
-    "Mismatch",
-    "MismatchOptions",
-    "Slowest",
-    "prompt_hash",
-    "CountingExporter",
-    "DatasetFilters",
-    "DatasetResult",
-    "build_dataset",
-    "DeliveryCounts",
-    "SplittingExporter",
-    "SpoolingSender",
-    "configure",
-    "conventions",
-    "current_episode",
-    "current_generation",
-    "trace_id_for",
-    "Bucket",
-    "end_step",
-    "episode",
-    "Episode",
-    "Errors",
-    "First",
-    "flush",
-    "gateway",
-    "GatewayOptions",
-    "Generation",
-    "Groups",
-    "SpanGateway",
-    "InvalidValue",
-    "Policy",
-    "RayBudget",
-    "record_token_batch",
     "record_batch",
+    "record_token_batch",
+    "sampling",
     "set_step",
     "shutdown",
     "stats",
-    "TailSampler",
-    "TokenBatchSummary",
-    "BatchSummary",
-    "ToolCall",
-    "TopBottom",
+    "submit",
+    "trace_id_for",
     "traced",
-    "Turn",
-    "Uniform",
+    "tracer_provider",
+    "uninstrument_logging",
+    "with_context",
 ]

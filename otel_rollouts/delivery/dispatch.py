@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from otel_rollouts.delivery.layers import (
 from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.sender import SpoolingSender
+from otel_rollouts.exporters.extras import MetricsSink, PendingViewer
 
 __all__ = ["Delivery"]
 
@@ -222,15 +224,16 @@ class Delivery:
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)
 
-    def metric_sinks(self) -> list[Any]:
-        """Where step summaries go (``log_metrics``): the exporters themselves here; the
-        renderer process's copies, through the channel, in ``render="process"`` mode."""
-        return list(self.exporters)
+    def metric_sinks(self) -> list[MetricsSink]:
+        """Where step summaries go (the exporters that are a ``MetricsSink``): the exporters
+        themselves here; the renderer process's copies, through the channel, in
+        ``render="process"`` mode."""
+        return [e for e in self.exporters if isinstance(e, MetricsSink)]
 
     @property
     def shows_pending(self) -> bool:
         """Whether any exporter shows pending snapshots (has ``show_pending``)."""
-        return any(callable(getattr(e, "show_pending", None)) for e in self.exporters)
+        return any(isinstance(e, PendingViewer) for e in self.exporters)
 
     def pending(self, snapshots: Sequence[EpisodeRecord], ended: Sequence[int]) -> bool:
         """Pending snapshots of episodes still running past the hang threshold (copies made by
@@ -312,7 +315,10 @@ class Delivery:
         result: list[Any] = []
         remaining_ms = int(max(deadline - time.monotonic(), 0.0) * 1000)
         worker = threading.Thread(
-            target=lambda: result.append(self._call(sender, "force_flush", remaining_ms)), daemon=True
+            target=lambda: result.append(
+                self._call(sender, "force_flush", lambda: sender.user_exporter.force_flush(remaining_ms))
+            ),
+            daemon=True,
         )
         worker.start()
         worker.join(max(deadline - time.monotonic(), 0.0))
@@ -374,7 +380,7 @@ class Delivery:
 
     def _shutdown_exporters(self) -> None:
         for sender in self.senders:
-            self._call(sender, "shutdown")
+            self._call(sender, "shutdown", partial(_shut_down, sender.user_exporter))
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per exporter: episodes delivered, spooled to disk, pending (the ledger's: in all and
@@ -469,20 +475,22 @@ class Delivery:
         if not rendered and not ended:
             return
         for sender in self.senders:
-            show = getattr(sender.user_exporter, "show_pending", None)
-            if not callable(show):
+            viewer = sender.user_exporter
+            if not isinstance(viewer, PendingViewer):
                 continue
             try:
-                show(spans, ended)
+                viewer.show_pending(spans, ended)
             except BaseException as exc:  # noqa: BLE001 - an exporter bug never reaches training
                 self.stats.add(f"errors.show_pending.{sender.name}")
                 self._log_once(f"{sender.name}.show_pending", exc)
         if rendered:
             self.stats.add("exported.pending_snapshots", rendered)
 
-    def _call(self, sender: SpoolingSender, method: str, *args: Any) -> Any:
+    def _call(self, sender: SpoolingSender, method: str, call: Callable[[], Any]) -> Any:
+        """``call()`` (the exporter's ``method``), contained: what it raises is counted and
+        logged once, and the answer is False."""
         try:
-            return getattr(sender.user_exporter, method)(*args)
+            return call()
         except BaseException as exc:  # noqa: BLE001 - an exporter bug never reaches training
             self.stats.add(f"errors.{method}.{sender.name}")
             self._log_once(f"{sender.name}.{method}", exc)
@@ -494,3 +502,8 @@ class Delivery:
             return
         message = exception_text(error) if isinstance(error, BaseException) else str(error)
         warn("otel_rollouts: %s failed: %s (logged once; counted in otr.stats())", where, message)
+
+
+def _shut_down(exporter: SpanExporter) -> None:
+    """``exporter.shutdown()``, looked up when called (inside ``Delivery._call``'s guard)."""
+    exporter.shutdown()

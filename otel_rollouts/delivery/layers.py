@@ -8,8 +8,11 @@ put any of them in front of any OpenTelemetry exporter of their own::
         CountingExporter(     delivered / failed / not stored, per exporter
           exporter)))
 
-What a layer needs from the one below beyond ``export`` is the ``PartialExporter`` protocol:
-which parts of a split batch failed, so that a retry never sends a stored part twice.
+What a layer needs from the one below beyond ``export`` is a protocol, found with ``isinstance``:
+``PartialExporter`` (which parts of a split batch failed, so that a retry never sends a stored
+part twice) and ``RequestSender`` (how one request went: refused requests are split). What the
+library needs from a user's exporter beyond ``export`` are the protocols of
+``otel_rollouts.exporters.extras`` (``NotStoredReporter`` here).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from otel_rollouts._core.guard import first_time
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.otlp_probe import OtlpProbe
+from otel_rollouts.exporters.extras import NotStoredReporter
 
 __all__ = [
     "CountingExporter",
     "DeliveryCounts",
     "PartialExporter",
+    "RequestSender",
     "SplittingExporter",
     "Warner",
     "exporter_name",
@@ -74,6 +79,17 @@ class PartialExporter(Protocol):
 
     def export_parts(self, spans: Sequence[ReadableSpan]) -> list[list[ReadableSpan]]:
         """Export ``spans``; return the parts that failed (empty: all stored)."""
+        ...
+
+
+@runtime_checkable
+class RequestSender(Protocol):
+    """A layer that tells how one request went (``CountingExporter.send``): ``"ok"``,
+    ``"failed"`` (retry later) or ``"refused"`` (the collector refuses this request for good:
+    ``SplittingExporter`` splits it)."""
+
+    def send(self, spans: Sequence[ReadableSpan]) -> str:
+        """Export ``spans`` once and say how it went."""
         ...
 
 
@@ -210,18 +226,17 @@ def take_not_stored(exporter: Any, spans: Sequence[ReadableSpan]) -> dict[str, s
     exporter without the method stored everything it took). A count instead of ids (an older
     exporter) is taken as that many of the batch's episodes, in order. What the method raises
     is reported as a reason with no ids (``KeyboardInterrupt`` passes: Ctrl-C during a replay)."""
-    take = getattr(exporter, "take_not_stored", None)
-    if not callable(take):
+    if not isinstance(exporter, NotStoredReporter):
         return {}
     try:
-        taken = take()
+        taken = exporter.take_not_stored()
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a hostile exporter: reported, nothing trusted
         return {f"take_not_stored raised {exception_text(exc)}": set()}
     out: dict[str, set[int]] = {}
     roots: list[int] | None = None
-    for reason, value in dict(taken or {}).items():
+    for reason, value in dict(taken or {}).items():  # a Mapping, or what a hostile one returned
         if isinstance(value, int):
             if roots is None:
                 roots = [s.context.trace_id for s in spans if s.context is not None
@@ -347,9 +362,8 @@ class SplittingExporter(SpanExporter):
         return failed
 
     def _send(self, part: list[ReadableSpan]) -> str:
-        send = getattr(self.exporter, "send", None)
-        if callable(send):
-            return str(send(part))
+        if isinstance(self.exporter, RequestSender):
+            return str(self.exporter.send(part))
         return OK if self.exporter.export(part) is SpanExportResult.SUCCESS else FAILED
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

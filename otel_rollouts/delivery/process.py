@@ -83,6 +83,7 @@ from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.layers import DeliveryCounts, Warner, exporter_name, warn
 from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
+from otel_rollouts.exporters.extras import MetricsSink, PendingViewer
 
 __all__ = ["ProcessDelivery", "RENDER_PROCESS", "RENDER_THREAD", "exporter_recipe", "make_delivery", "wire_record"]
 
@@ -500,7 +501,8 @@ def _child(rfd: int, wfd: int) -> None:
                 index, step, values = payload
                 sink = exporters[index]
                 try:
-                    sink.log_metrics(step, values)  # type: ignore[attr-defined]
+                    if isinstance(sink, MetricsSink):
+                        sink.log_metrics(step, values)
                 except BaseException:  # noqa: BLE001 - an exporter bug never stops the renderer
                     stats.add(f"errors.log_metrics.{type(sink).__name__}")
             elif kind == "flush":
@@ -601,7 +603,7 @@ class ProcessDelivery(Delivery):
                         "max_queue_bytes": max_queue_bytes},
         }
         self._materializer = materializer
-        self._shows_pending = any(callable(getattr(e, "show_pending", None)) for e in self.exporters)
+        self._shows_pending = any(isinstance(e, PendingViewer) for e in self.exporters)
         self._items: deque[tuple[str, bytes, int, int | None]] = deque()
         self._wake = threading.Condition()
         self._bytes = 0  # queued here, or written and not yet taken by the child
@@ -664,12 +666,12 @@ class ProcessDelivery(Delivery):
     def shows_pending(self) -> bool:
         return self._shows_pending
 
-    def metric_sinks(self) -> list[Any]:
+    def metric_sinks(self) -> list[MetricsSink]:
         """Step summaries for the exporters that take them (``log_metrics``: Trackio) go to
         their copies in the renderer process, after the spans sent before them: the exporter
         objects given to ``configure()`` stay unused in this process (a second Trackio run)."""
         return [_RemoteMetrics(self, i) for i, e in enumerate(self.exporters)
-                if callable(getattr(e, "log_metrics", None))]
+                if isinstance(e, MetricsSink)]
 
     def _log_metrics(self, index: int, step: int, values: dict[str, float]) -> None:
         try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from otel_rollouts.sampling.policies import Policy, reason_of
+from otel_rollouts.sampling.policy import Policy, reason_of
 
 __all__ = ["Coordinator", "Member", "coordinator_for", "merge", "merge_all", "summaries"]
 

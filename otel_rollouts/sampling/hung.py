@@ -96,7 +96,7 @@ class HangOptions:
                 raise ValueError(f"HangOptions.{name} must be an int >= 1, got {value!r}")
 
     @classmethod
-    def of(cls, value: HangOptions | bool | float | None) -> HangOptions | None:
+    def of(cls, value: object) -> HangOptions | None:
         """The options ``configure(hang=...)`` means: None or True, the defaults (automatic
         threshold); False, off (None returned); a number, a fixed threshold in seconds."""
         if value is None or value is True:

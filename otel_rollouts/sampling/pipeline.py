@@ -26,7 +26,9 @@ from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch, rows
 from otel_rollouts.sampling.health import StepGroups
-from otel_rollouts.sampling.policies import Bucket, TailSampler, reason_of
+from otel_rollouts.sampling.observer import StepObserver
+from otel_rollouts.sampling.policy import BatchBucket, Bucket, WholeBatchBucket, reason_of
+from otel_rollouts.sampling.tail import TailSampler
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
@@ -72,7 +74,7 @@ class Pipeline(SpanProcessor):
         self._foreign: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
         self._seq = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
-        self.observer: Any = None  # metrics: told of each decision and each closed step
+        self.observer: StepObserver | None = None  # metrics: told of each decision and each closed step
         # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
         self._claimed: OrderedDict[int, None] = OrderedDict()
         self._claim_lock = threading.Lock()
@@ -188,14 +190,12 @@ class Pipeline(SpanProcessor):
             step.last_seen = time.monotonic()
             step.groups.add_batch(batch)
             bucket = step.bucket
-            whole = getattr(bucket, "offer_batch", None)
-            if callable(whole):  # the bucket takes the batch whole (Groups: a run at a time)
-                return self._offer_whole(batch, whole, step)
+            if isinstance(bucket, WholeBatchBucket):  # the bucket takes the batch whole (Groups: a run at a time)
+                return self._offer_whole(batch, bucket.offer_batch, step)
             watched = self._watched_rows(batch, step)
             if watched:  # the bucket chooses among the other rows, as one by one it would
                 batch.skip(list(watched))
-            find = getattr(bucket, "candidates", None)
-            chosen = find(batch) if callable(find) else None
+            chosen = bucket.candidates(batch) if isinstance(bucket, BatchBucket) else None
             indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
             if watched:
                 indices = [i for i in indices if i not in watched]
@@ -291,6 +291,10 @@ class Pipeline(SpanProcessor):
     def _dropped_rows(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
         """Rows dropped before their episodes were recorded: one count, one call to the metrics."""
         self.stats.step(batch.key, "dropped." + reason, len(indices))
+        self._dropped_rows_observed(batch, indices, reason)
+
+    def _dropped_rows_observed(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
+        """Tell the observer (the metrics) that rows of ``batch`` were dropped unrecorded."""
         observer = self.observer
         if observer is not None:
             try:
@@ -323,7 +327,7 @@ class Pipeline(SpanProcessor):
         was interrupted): dropped under ``batch_record_failed``, per step and in totals (its
         ``seen`` is counted per step: so must its end be)."""
         self.stats.step(row.batch.key, "dropped.batch_record_failed")
-        self._observe("dropped_rows", row.batch, [row.index], "batch_record_failed")
+        self._dropped_rows_observed(row.batch, [row.index], "batch_record_failed")
 
     def part_ended(self, record: EpisodeRecord) -> None:
         """The root or the reward span ended: offer the episode once it is complete.
@@ -448,7 +452,7 @@ class Pipeline(SpanProcessor):
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
-        self._observe("decided", record, None)
+        self._observe_decided(record, None)
         logs, record.logs = record.logs, None
         self.delivery.episode(record)
         if logs:
@@ -477,8 +481,7 @@ class Pipeline(SpanProcessor):
             record.logs = None
         if reason is not None:
             self.stats.step((record.step, record.split), "dropped." + reason)
-            if self.observer is not None:
-                self._observe("decided", record, reason)
+            self._observe_decided(record, reason)
         record.release()
 
     # --- closing steps -----------------------------------------------------------------------
@@ -600,13 +603,19 @@ class Pipeline(SpanProcessor):
                     record.notes = {**(record.notes or {}), **health}
             self._keep(record)
         self._closed[key] = step.kept + len(chosen)
-        self._observe("step_closed", key, groups.summary())
-
-    def _observe(self, event: str, *args: Any) -> None:
         observer = self.observer
         if observer is not None:
             try:
-                getattr(observer, event)(*args)
+                observer.step_closed(key, groups.summary())
+            except Exception:  # noqa: BLE001 - metrics never break the pipeline
+                self.stats.add("errors.metrics")
+
+    def _observe_decided(self, record: EpisodeRecord, reason: str | None) -> None:
+        """Tell the observer (the metrics) that ``record`` was kept or dropped (``reason``)."""
+        observer = self.observer
+        if observer is not None:
+            try:
+                observer.decided(record, reason)
             except Exception:  # noqa: BLE001 - metrics never break the pipeline
                 self.stats.add("errors.metrics")
 

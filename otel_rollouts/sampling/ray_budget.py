@@ -62,7 +62,7 @@ from typing import Any
 
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts.sampling import distributed
-from otel_rollouts.sampling.policies import Policy
+from otel_rollouts.sampling.policy import Policy
 
 __all__ = ["BudgetCoordinator", "RayBudget"]
 
