@@ -1,4 +1,4 @@
-"""Every adapter entry point follows ``adapters._common.AdapterEntryPoint``: the framework's
+"""Every adapter entry point follows ``adapters.kit.AdapterEntryPoint``: the framework's
 objects positionally, a keyword-only ``step``, ``split``/``model`` options, a count or trace
 ids back, and never an exception into the training loop."""
 
@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 
-from otel_rollouts.adapters._common import AdapterEntryPoint
+from otel_rollouts.adapters.kit import AdapterEntryPoint
 
 ADAPTERS = ["areal", "open_instruct", "skyrl", "tinker", "torchforge", "verl"]
 

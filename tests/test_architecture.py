@@ -139,6 +139,20 @@ def test_the_base_imports_nothing_of_the_stages_above_it(module: str) -> None:
     assert not above
 
 
+
+def test_adapters_import_the_library_only_through_the_public_kit() -> None:
+    """The built-in adapters are written with the public adapter kit (``adapters.kit``) and the
+    public root, as an adapter outside this repository would be: only the kit reaches into
+    ``_core``. Any import counts (module level, lazy, under ``TYPE_CHECKING``)."""
+    graph = _graph()
+    kit = "otel_rollouts.adapters.kit"
+    adapters = [m for m in graph if _part(m) == "adapters"]
+    assert kit in adapters
+    private = {
+        f"{m} -> {t}" for m in adapters if m != kit for t in graph[m] if _part(t) == "_core"
+    }
+    assert not private, "adapters importing _core instead of the kit:\n" + "\n".join(sorted(private))
+
 # Module state that is allowed: the one process slot (the installed instance and the exit hooks
 # that must be process-wide), and caches documented as such. Anything else is a bug: state lives
 # in the installed ``Rollouts`` instance.

@@ -363,7 +363,7 @@ def test_real_grpo_tool_loop_turns_usage_and_results(tmp_path, otr_shutdown):
 def test_unknown_structures_warn_once(caplog, memory):
     """A completion neither text nor messages, and a ``_generate`` of another shape: recorded as
     far as understood, with one warning per field."""
-    from otel_rollouts.adapters import _common
+    from otel_rollouts.adapters import kit
 
     class State:
         global_step = 1
@@ -407,7 +407,7 @@ def test_unknown_structures_warn_once(caplog, memory):
     assert all(messages_of(memory)[e][-1]["content"] == "42" for e in eps)
     warnings = [r.getMessage() for r in caplog.records if "otel_rollouts.adapters.trl" in r.getMessage()]
     assert sum("completion:" in w for w in warnings) == 1 and sum("_generate:" in w for w in warnings) == 1
-    assert otr.stats()["totals"][_common.COUNT_UNKNOWN] >= 4
+    assert otr.stats()["totals"][kit.COUNT_UNKNOWN] >= 4
 
 
 def test_a_newer_trl_is_warned_once(memory, caplog, monkeypatch):

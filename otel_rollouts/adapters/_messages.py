@@ -14,8 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from otel_rollouts._core.content import Deferred
-from otel_rollouts.adapters._common import field, to_list
+from otel_rollouts.adapters.kit import Deferred, field, to_list
 
 __all__ = [
     "conversation",

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from otel_rollouts.decode.batch import tokenizer_knowledge
-from otel_rollouts.decode.chat_roles import RoleMarkers
-from otel_rollouts.decode.toolcalls import ParsedMessage, parse_tool_calls
+from otel_rollouts.adapters.kit import (
+    ParsedMessage,
+    RoleMarkers,
+    parse_tool_calls,
+    tokenizer_knowledge,
+)
 
 __all__ = ["assistant_message", "clean", "messages_of", "unspecial"]
 

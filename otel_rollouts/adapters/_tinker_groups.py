@@ -13,18 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import Deferred, exception_text
-from otel_rollouts._core.values import to_int
-from otel_rollouts.adapters._common import (
-    Columns,
-    as_float,
-    field,
-    mark_invalid,
-    mark_partial,
-    set_policy,
-    to_list,
-    warn_unknown,
-)
+from otel_rollouts import episode as new_episode
 from otel_rollouts.adapters._messages import (
     conversation,
     feedback_after,
@@ -34,9 +23,24 @@ from otel_rollouts.adapters._messages import (
     token_ids,
 )
 from otel_rollouts.adapters._tinker_text import Layout
-from otel_rollouts.decode.batch import ROLE_ENVIRONMENT, TokenizerInfo, tokenizer_info
-from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
-from otel_rollouts.record.episode import episode as new_episode
+from otel_rollouts.adapters.kit import (
+    ROLE_ENVIRONMENT,
+    Columns,
+    Deferred,
+    TokenizerInfo,
+    as_float,
+    exception_text,
+    field,
+    mark_invalid,
+    mark_partial,
+    set_policy,
+    strip_tool_responses,
+    to_int,
+    to_list,
+    tokenizer_info,
+    tool_responses,
+    warn_unknown,
+)
 
 FRAMEWORK = "tinker-cookbook"
 ADAPTER = "tinker"

@@ -36,26 +36,28 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from otel_rollouts import Episode
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import exception_text
-from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts import episode as new_episode
 from otel_rollouts.adapters import _tinker_groups as _tinker
-from otel_rollouts.adapters._common import (
+from otel_rollouts.adapters._messages import record_assistant, token_count, token_ids
+from otel_rollouts.adapters.kit import (
     COUNT_FILTERED,
     Columns,
+    InvalidValue,
     as_float,
     check_release,
     count,
+    exception_text,
     field,
+    guarded_or,
     mark_invalid,
     mark_partial,
+    report,
     set_policy,
     to_list,
     warn_unknown,
 )
-from otel_rollouts.adapters._messages import record_assistant, token_count, token_ids
-from otel_rollouts.record.episode import Episode
-from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = [
     "PreferenceVerdicts",

@@ -25,9 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_rollouts.decode.batch import tokenizer_info
-from otel_rollouts.decode.chat_roles import RoleMarkers
-from otel_rollouts.decode.toolcalls import parse_tool_calls
+from otel_rollouts.adapters.kit import RoleMarkers, parse_tool_calls, tokenizer_info
 
 __all__ = ["Layout"]
 

@@ -101,20 +101,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import exception_text
-from otel_rollouts._core.guard import guarded, report
-from otel_rollouts.adapters._common import (
+from otel_rollouts import episode as new_episode
+from otel_rollouts import record_token_batch
+from otel_rollouts.adapters._messages import record_assistant
+from otel_rollouts.adapters._text import assistant_message
+from otel_rollouts.adapters.kit import (
     COUNT_FILTERED,
     COUNT_PARTIAL,
     check_release,
     count,
+    current_instance,
     end_step,
+    exception_text,
     field,
     generated_versions,
+    guarded,
     mark_invalid,
     mark_partial,
     replay_messages,
+    report,
     reward_total,
     set_policy,
     set_times,
@@ -122,10 +127,6 @@ from otel_rollouts.adapters._common import (
     to_list,
     warn_unknown,
 )
-from otel_rollouts.adapters._messages import record_assistant
-from otel_rollouts.adapters._text import assistant_message
-from otel_rollouts.decode.batch import record_token_batch
-from otel_rollouts.record.episode import episode as new_episode
 
 __all__ = ["record_trajectories", "traced"]
 
@@ -617,7 +618,7 @@ class _Recorder:
     def _current(self) -> None:
         """A new ``otr.configure()`` (another run) starts from nothing: the old run's open
         steps are not this one's. Called with the lock held."""
-        rt = _runtime.installed()
+        rt = current_instance()
         if rt is not self.runtime:
             self.runtime = rt
             self.open.clear()

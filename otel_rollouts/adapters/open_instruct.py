@@ -92,14 +92,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import Deferred
-from otel_rollouts._core.guard import guarded
-from otel_rollouts.adapters._common import (
+from otel_rollouts.adapters._text import assistant_message, clean, messages_of
+from otel_rollouts.adapters.kit import (
     Columns,
+    Deferred,
     Sample,
     as_float,
     captures_content,
     group_ids,
+    guarded,
     items,
     lazy_text,
     mask_runs,
@@ -110,12 +111,12 @@ from otel_rollouts.adapters._common import (
     set_span_attribute,
     split_name,
     status_for,
+    strip_tool_responses,
     to_list,
+    tokenizer_info,
+    tool_responses,
     warn_unknown,
 )
-from otel_rollouts.adapters._text import assistant_message, clean, messages_of
-from otel_rollouts.decode.batch import tokenizer_info
-from otel_rollouts.decode.toolcalls import strip_tool_responses, tool_responses
 
 __all__ = ["record_batch"]
 

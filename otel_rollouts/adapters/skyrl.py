@@ -106,7 +106,7 @@ recorded because its ``execute_tool`` spans are structure too.
 
 Also: rows map to prompts by ``trajectory_ids`` (blocked layout only when complete); a repeated
 id outside step-wise mode is a duplicate, recorded once; structures not understood are warned
-about once (``_common.warn_unknown``).
+about once (``kit.warn_unknown``).
 """
 
 from __future__ import annotations
@@ -116,11 +116,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import Deferred
-from otel_rollouts._core.guard import guarded
-from otel_rollouts.adapters._common import (
+from otel_rollouts.adapters._messages import record_assistant
+from otel_rollouts.adapters._text import assistant_message, clean, messages_of
+from otel_rollouts.adapters.kit import (
     COUNT_DUPLICATE,
+    HERMES_OPEN,
     Columns,
+    Deferred,
     Sample,
     as_float,
     check_release,
@@ -128,6 +130,7 @@ from otel_rollouts.adapters._common import (
     field,
     first_occurrences,
     group_ids,
+    guarded,
     lazy_text,
     mask_runs,
     read_samples,
@@ -140,11 +143,9 @@ from otel_rollouts.adapters._common import (
     status_for,
     to_cpu,
     to_list,
+    tool_responses,
     warn_unknown,
 )
-from otel_rollouts.adapters._messages import record_assistant
-from otel_rollouts.adapters._text import assistant_message, clean, messages_of
-from otel_rollouts.decode.toolcalls import HERMES_OPEN, tool_responses
 
 __all__ = ["RecordingGenerator", "record_generator_output", "record_output_group"]
 

@@ -94,10 +94,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from otel_rollouts._core.content import exception_text
-from otel_rollouts._core.guard import InvalidValue, guarded_or, report
 from otel_rollouts.adapters import _tinker_kinds
-from otel_rollouts.adapters._common import COUNT_FILTERED, Columns, check_release, count
 from otel_rollouts.adapters._tinker_groups import (
     ADAPTER,
     FRAMEWORK,
@@ -111,6 +108,16 @@ from otel_rollouts.adapters._tinker_groups import (
 from otel_rollouts.adapters._tinker_kinds import (
     PreferenceVerdicts,
     TeacherLogprobs,
+)
+from otel_rollouts.adapters.kit import (
+    COUNT_FILTERED,
+    Columns,
+    InvalidValue,
+    check_release,
+    count,
+    exception_text,
+    guarded_or,
+    report,
 )
 
 __all__ = [

@@ -81,27 +81,27 @@ from itertools import combinations
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import Deferred
-from otel_rollouts._core.guard import guarded_or
-from otel_rollouts._core.values import to_int
-from otel_rollouts.adapters._common import (
+from otel_rollouts.adapters._messages import record_assistant, token_count, token_ids
+from otel_rollouts.adapters._text import assistant_message, messages_of
+from otel_rollouts.adapters.kit import (
     COUNT_DUPLICATE,
+    Deferred,
     Sample,
     as_float,
     captures_content,
     count,
     field,
     first_occurrences,
+    guarded_or,
     read_samples,
     record_samples,
     set_policy,
     status_for,
+    to_int,
     to_list,
+    tokenizer_info,
     warn_unknown,
 )
-from otel_rollouts.adapters._messages import record_assistant, token_count, token_ids
-from otel_rollouts.adapters._text import assistant_message, messages_of
-from otel_rollouts.decode.batch import tokenizer_info
 
 __all__ = ["record_episodes"]
 

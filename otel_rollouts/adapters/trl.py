@@ -85,17 +85,21 @@ from typing import Any
 from transformers import TrainerCallback
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.content import exception_text
-from otel_rollouts._core.guard import InvalidValue, guarded, report
-from otel_rollouts.adapters._common import (
+from otel_rollouts.adapters._messages import record_assistant
+from otel_rollouts.adapters._text import assistant_message, clean, messages_of
+from otel_rollouts.adapters.kit import (
+    InvalidValue,
     Sample,
     as_float,
     check_release,
     end_step,
+    exception_text,
     group_ids,
+    guarded,
     mask_runs,
     read_samples,
     record_samples,
+    report,
     set_policy,
     set_span_attribute,
     status_for,
@@ -103,8 +107,6 @@ from otel_rollouts.adapters._common import (
     to_list,
     warn_unknown,
 )
-from otel_rollouts.adapters._messages import record_assistant
-from otel_rollouts.adapters._text import assistant_message, clean, messages_of
 
 __all__ = ["RolloutTraceCallback"]
 

@@ -88,12 +88,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.guard import guarded
-from otel_rollouts.adapters._common import (
+from otel_rollouts import record_token_batch
+from otel_rollouts.adapters.kit import (
     COUNT_PARTIAL,
     check_release,
     count,
     field,
+    guarded,
     seconds,
     set_policy,
     set_times,
@@ -101,7 +102,6 @@ from otel_rollouts.adapters._common import (
     to_list,
     warn_unknown,
 )
-from otel_rollouts.decode.batch import record_token_batch
 
 __all__ = ["ROLLOUT_N_COLUMN", "STAGE_COLUMNS", "mark_rollouts", "record_batch", "rollout_numbers",
            "stage_columns"]

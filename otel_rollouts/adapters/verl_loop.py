@@ -51,9 +51,15 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from otel_rollouts._core.guard import guarded
 from otel_rollouts.adapters import verl as _verl
-from otel_rollouts.adapters._common import check_release, field, to_list, warn_unknown
+from otel_rollouts.adapters.kit import (
+    check_release,
+    current_instance,
+    field,
+    guarded,
+    to_list,
+    warn_unknown,
+)
 
 __all__ = ["AgentLoopManager", "AgentLoopManagerTQ", "observe", "observe_session"]  # noqa: F822 - built on lookup
 
@@ -417,9 +423,7 @@ def _close_earlier_steps(manager: Any, step: int, split: str) -> None:
 def _ensure_configured() -> None:
     """The trainer runs in a Ray actor: configure otel_rollouts there from the environment
     (``OTEL_*`` / ``OTEL_ROLLOUTS_*``) when nothing did."""
-    from otel_rollouts._core import runtime
-
-    if runtime.installed() is None:
+    if current_instance() is None:
         from otel_rollouts import configure
 
         configure()

@@ -1,7 +1,35 @@
-"""Helpers every framework adapter shares: reading duck-typed inputs safely.
+"""The adapter kit: everything a framework adapter needs, public and typed.
 
-The frameworks' own rollout loggers got the same things wrong in review (see DESIGN.md §7), so
-the fixes live here once:
+An *adapter* turns a training framework's own objects (a batch, a generator output, trajectory
+groups) into otel_rollouts episodes, after the fact, from the framework's hook points. Every
+built-in adapter (``otel_rollouts.adapters.trl``, ``verl``, ``skyrl`` ...) is written with this
+module and the public ``otel_rollouts`` API only, so an adapter for another framework can be
+written the same way, outside this repository.
+
+An entry point (the contract: ``AdapterEntryPoint``) takes the framework's objects positionally
+and a keyword-only ``step``; it reads them with ``field`` / ``Columns`` / ``to_list`` (never
+trusting a shape), coerces numbers with ``as_float`` / ``to_int`` (a refused value is marked,
+never guessed), records through ``otr.episode`` or ``record_samples``, and is wrapped in
+``guarded`` so a failure is reported and counted instead of raised into the training loop::
+
+    import otel_rollouts as otr
+    from otel_rollouts.adapters import kit
+
+    @kit.guarded
+    def record_results(results, *, step: int, split: str = "train", model=None) -> int:
+        rows = kit.to_list(results) or []
+        for i, row in enumerate(rows):
+            reward, problem = kit.as_float(kit.field(row, "reward", "score"), "reward")
+            with otr.episode(step=step, split=kit.split_name(split), framework="myfw",
+                             sample_index=i) as ep:
+                kit.mark_invalid(ep, problem)
+                if reward is not None:
+                    ep.reward(reward)
+        return len(rows)
+
+``tests/test_adapter_kit.py`` is a complete small adapter written this way.
+
+What the frameworks' own rollout loggers got wrong in review (DESIGN.md §7) is fixed here once:
 
 * ``field`` / ``items`` read dicts, dataclasses, TypedDicts and plain objects alike;
 * ``Columns`` aligns parallel per-sample arrays explicitly: a ragged array never raises
@@ -14,18 +42,19 @@ the fixes live here once:
 * ``first_occurrences`` de-duplicates by episode id;
 * ``generated_versions`` takes the policy version from generated tokens only (−1 placeholders
   ignored);
-* ``count`` / ``mark_partial`` / ``mark_invalid`` record what went wrong on the episode and in
-  ``otr.stats()``;
+* ``count`` / ``mark_partial`` / ``mark_invalid`` / ``warn_unknown`` record what went wrong on
+  the episode and in ``otr.stats()``;
 * ``Sample`` / ``record_samples`` record a step's samples through the batch path: what the
   sampler reads (reward, status, group) is collected for every sample, the content only for
-  the samples it may keep.
+  the samples it may keep;
+* ``guarded`` / ``guarded_or`` / ``report`` contain failures; ``lazy_text`` / ``Deferred`` /
+  ``tokenizer_info`` defer decoding to the export thread; ``parse_tool_calls`` and friends read
+  tool calls out of generated text.
 
-Nothing here imports a framework, torch or numpy: tensors are recognised by their methods.
-
-Every adapter's entry point follows one contract, ``AdapterEntryPoint`` (below): a new adapter
-(``adapters/<framework>.py``) is a module of such functions built on these helpers. Adapters
-stand beside the recording API, below the package root: they import ``otel_rollouts.record``,
-``otel_rollouts.decode`` and ``otel_rollouts._core``, never ``otel_rollouts`` itself.
+Nothing here imports a framework, torch or numpy: tensors are recognised by their methods. This
+is the one module of ``otel_rollouts.adapters`` that reaches into the library's internals
+(``tests/test_architecture.py`` checks it): the adapters stand above the public root, as a
+user's training loop does.
 """
 
 from __future__ import annotations
@@ -34,59 +63,129 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import exception_text, scalar
-from otel_rollouts._core.guard import InvalidValue, first_time, report
-from otel_rollouts._core.values import to_float
+from otel_rollouts._core.content import Deferred, exception_text, scalar, snapshot
+from otel_rollouts._core.content import text as _text
+from otel_rollouts._core.guard import InvalidValue, first_time, guarded, guarded_or, report
+from otel_rollouts._core.values import to_float, to_int
+from otel_rollouts.decode.batch import ROLE_ENVIRONMENT as _ROLE_ENVIRONMENT
+from otel_rollouts.decode.batch import TokenizerInfo, tokenizer_info, tokenizer_knowledge
+from otel_rollouts.decode.chat_roles import RoleMarkers
+from otel_rollouts.decode.toolcalls import HERMES_OPEN as _HERMES_OPEN
+from otel_rollouts.decode.toolcalls import (
+    ParsedMessage,
+    parse_tool_calls,
+    strip_tool_responses,
+    tool_responses,
+)
+
+if TYPE_CHECKING:
+    from otel_rollouts import Rollouts
 
 __all__ = [
     "AdapterEntryPoint",
+    "COUNT_DUPLICATE",
+    "COUNT_FILTERED",
+    "COUNT_INVALID",
+    "COUNT_NEWER_RELEASE",
+    "COUNT_PARTIAL",
+    "COUNT_UNGROUPED",
+    "COUNT_UNKNOWN",
     "Columns",
+    "Deferred",
+    "HERMES_OPEN",
+    "InvalidValue",
+    "ParsedMessage",
+    "ROLE_ENVIRONMENT",
+    "RoleMarkers",
+    "Sample",
+    "TokenizerInfo",
+    "as_float",
     "captures_content",
     "check_release",
-    "end_step",
-    "as_float",
     "count",
+    "current_instance",
+    "end_step",
+    "exception_text",
     "field",
     "first_occurrences",
+    "first_time",
     "generated_versions",
     "group_ids",
+    "guarded",
+    "guarded_or",
     "host_lists",
     "items",
     "lazy_text",
     "mark_invalid",
-    "set_policy",
-    "warn_unknown",
-    "mask_runs",
     "mark_partial",
+    "mask_runs",
+    "parse_tool_calls",
     "read_samples",
     "record_samples",
     "replay_messages",
-    "Sample",
+    "report",
     "reward_total",
+    "scalar",
     "seconds",
+    "set_policy",
     "set_span_attribute",
     "set_times",
+    "snapshot",
     "split_name",
     "status_for",
+    "strip_tool_responses",
     "to_cpu",
+    "to_float",
+    "to_int",
     "to_list",
+    "tokenizer_info",
+    "tokenizer_knowledge",
+    "tool_responses",
     "turns_from_mask",
+    "warn_unknown",
 ]
+
+ROLE_ENVIRONMENT: str = _ROLE_ENVIRONMENT
+"""The role of text an environment (not the policy, not a tool) put into a conversation."""
+
+HERMES_OPEN: str = _HERMES_OPEN
+"""The tag that opens a Hermes-style tool call in generated text (``<tool_call>``)."""
 
 _MISSING = object()
 
-# stats counter names (totals and per (step, split))
+# stats counter names (totals and per (step, split)), as ``otr.stats()`` shows them
 COUNT_PARTIAL = "adapters.alignment_partial"
+"""``otr.stats()`` counter: samples recorded with ``rl.alignment=partial`` (a ragged column)."""
 COUNT_DUPLICATE = "adapters.duplicates"
+"""``otr.stats()`` counter: samples left out as duplicates of an episode already recorded."""
 COUNT_FILTERED = "adapters.filtered"
+"""``otr.stats()`` counter: samples the framework filtered out before training."""
 COUNT_UNGROUPED = "adapters.ungrouped"
+"""``otr.stats()`` counter: samples recorded without a group (no id and no known layout)."""
 COUNT_INVALID = "adapters.invalid_values"
+"""``otr.stats()`` counter: values an adapter refused (each also in the episode's ``rl.invalid``)."""
 COUNT_UNKNOWN = "adapters.unknown_structure"
+"""``otr.stats()`` counter: structures an adapter did not understand (``warn_unknown``)."""
 COUNT_NEWER_RELEASE = "adapters.newer_release"
+"""``otr.stats()`` counter: calls on a framework release newer than the adapter is tested on."""
+
+
+def current_instance() -> Rollouts | None:
+    """The otel_rollouts instance active here: the one bound to this context
+    (``Rollouts.activate()``, an instance's own episode, an entry point's ``rollouts=``), else
+    the one installed in this process; None before ``configure()`` and after ``otr.shutdown()``.
+
+    Adapters use it for two things: to tell runs apart (state an adapter keeps across calls, such
+    as the steps it has open, belongs to one instance and is dropped when another one is
+    installed: compare with ``is``), and to configure from the environment where nothing did (a
+    trainer in a Ray actor: ``if kit.current_instance() is None: otr.configure()``). It never
+    warns, never builds an instance and never rebuilds a forked child's.
+    """
+    return cast("Rollouts | None", _runtime.active())
 
 
 # --- the extension point -----------------------------------------------------------------------
@@ -107,7 +206,7 @@ class AdapterEntryPoint(Protocol):
     It records one episode per sample through ``otel_rollouts.record`` (and ``decode`` for token
     batches) and returns what it recorded: the number of episodes, or their trace ids (a list of
     32-hex-digit strings), whichever the framework's loop can use. It never raises into the
-    training loop (it is wrapped in ``_core.guard.guarded``/``guarded_or``: a library failure
+    training loop (it is wrapped in ``guarded``/``guarded_or``: a library failure
     is reported and the fallback, ``None`` or ``[]``, returned), never blocks (decoding is
     deferred), moves each tensor to the CPU once per batch, and marks what it could not read
     (``mark_partial``, ``mark_invalid``, ``warn_unknown``) instead of guessing.
@@ -123,9 +222,9 @@ class AdapterEntryPoint(Protocol):
 
 
 def end_step(step: int, split: str | None = None) -> None:
-    """Close ``step`` on the installed instance, as ``otr.end_step`` does (for adapters that
-    hook a trainer's step boundary). The instance is reached through the process slot, so this
-    module does not import the package root above it; no instance: nothing to close."""
+    """Close ``step`` (of ``split``) on the installed instance, as ``otr.end_step`` does, for
+    adapters that hook a trainer's step boundary: the tail sampler decides the step's episodes
+    now instead of waiting for a later step. No instance installed: nothing to close."""
     close = getattr(_runtime.current(), "end_step", None)
     if callable(close):
         close(step, split)
@@ -264,11 +363,8 @@ def generated_versions(versions: Sequence[Any] | None, loss_mask: Sequence[Any] 
     for j, v in enumerate(versions):
         if loss_mask is not None and (j >= len(loss_mask) or not loss_mask[j]):
             continue
-        try:
-            v = int(v)
-        except (TypeError, ValueError):
-            continue
-        if v < 0:
+        v, _ = to_int(v, "version")  # a hostile __index__ is refused like any non-number
+        if v is None or v < 0:
             continue
         lo = v if lo is None or v < lo else lo
         hi = v if hi is None or v > hi else hi
@@ -450,8 +546,9 @@ def mark_invalid(ep: Any, problem: str | None) -> None:
 
 
 def count(name: str, n: int = 1, *, step: int | None = None, split: str | None = None) -> None:
-    """Add ``n`` to the ``otr.stats()`` counter ``name`` (total, and per step when given)."""
-    rt = _runtime.installed()
+    """Add ``n`` to the active instance's ``otr.stats()`` counter ``name`` (total, and per step
+    when given)."""
+    rt = _runtime.active()
     if rt is None or rt.counters is None or n <= 0:
         return
     if step is not None:
@@ -540,17 +637,11 @@ def set_policy(ep: Any, version: Any, trained_version: Any = None) -> None:
     """``rl.policy.version`` and ``rl.staleness`` by the one definition in ``conventions``:
     ``version`` = optimizer updates the generating weights had received, ``trained_version`` =
     updates the weights that train on the sample have received; staleness = their difference."""
-    try:
-        v = None if version is None else int(version)
-    except (TypeError, ValueError):
-        v = None
+    v = None if version is None else to_int(version, "policy version")[0]
     if v is None:
         return
     ep.set_attribute(c.RL_POLICY_VERSION, v)
-    try:
-        t = None if trained_version is None else int(trained_version)
-    except (TypeError, ValueError):
-        t = None
+    t = None if trained_version is None else to_int(trained_version, "trained version")[0]
     if t is not None:
         ep.set_attribute(c.RL_STALENESS, t - v)
 
@@ -611,7 +702,7 @@ def split_name(value: Any, default: str = "train") -> str:
         return default
     if isinstance(value, bool):
         return "eval" if value else "train"
-    text = str(value).strip()
+    text = _text(value).strip()
     low = text.lower()
     if low in _EVAL_SPLITS:
         return "eval"
@@ -628,7 +719,7 @@ def status_for(finish_reason: Any) -> str:
     """``rl.status`` for a generation's finish reason: ``length`` → truncated, errors → error."""
     if finish_reason is None:
         return c.STATUS_OK
-    low = str(finish_reason).strip().lower()
+    low = _text(finish_reason).strip().lower()
     if low in _TRUNCATED:
         return c.STATUS_TRUNCATED
     if low in _ERROR:
@@ -662,16 +753,15 @@ def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
     can fail in the training thread) and keeps special tokens, so chat markers and tool tags stay
     visible.
     """
-    from otel_rollouts._core.content import Deferred
-    from otel_rollouts.decode.batch import tokenizer_info
-
     info = tokenizer_info(tokenizer)  # learned once per tokenizer, on the calling thread
     ids = [int(t) for t in ids]
 
     def decode() -> str:
-        return info.decoder.decode(ids, skip_special_tokens=False)
+        decoded: str = info.decoder.decode(ids, skip_special_tokens=False)
+        return decoded
 
-    return Deferred(decode)
+    # Deferred.__init__ is untyped in _core.content (it takes any zero-argument callable)
+    return Deferred(decode)  # type: ignore[no-untyped-call]
 
 
 # --- time the framework measured -----------------------------------------------------------------
@@ -769,9 +859,7 @@ def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = Non
     the prompt; each assistant message opens a turn (its ``tool_calls`` become tool spans, the
     ``tool`` messages answering them their results); other messages are feedback. Returns the
     number of turns. The messages are snapshotted (later mutation does not leak in)."""
-    from otel_rollouts._core.content import snapshot
-
-    msgs = [m if isinstance(m, Mapping) else {"role": "user", "content": str(m)} for m in messages]
+    msgs = [m if isinstance(m, Mapping) else {"role": "user", "content": _text(m)} for m in messages]
     msgs = snapshot([dict(m) for m in msgs])
     first = next((k for k, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
     ep.prompt(msgs[:first])
@@ -793,8 +881,8 @@ def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = Non
                 nested = call.get("function")
                 fn: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}
                 call_id = call.get("id") or f"call_{n_call}"
-                handle = turn.tool_call(str(fn.get("name") or call.get("name") or "tool"),
-                                        arguments=fn.get("arguments"), call_id=str(call_id))
+                handle = turn.tool_call(_text(fn.get("name") or call.get("name") or "tool"),
+                                        arguments=fn.get("arguments"), call_id=_text(call_id))
                 answer = results.get(call_id)
                 if answer is not None:
                     used.add(call_id)
@@ -802,5 +890,5 @@ def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = Non
             for m in msgs[k + 1:end]:
                 if m.get("role") == "tool" and m.get("tool_call_id") in used:
                     continue
-                turn.feedback(m.get("content"), role=str(m.get("role") or "environment"))
+                turn.feedback(m.get("content"), role=_text(m.get("role") or "environment"))
     return turns
