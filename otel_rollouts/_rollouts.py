@@ -9,7 +9,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -29,7 +30,17 @@ from otel_rollouts._core.redaction import (
     redact_sdk_logs,
 )
 from otel_rollouts._core.runtime import Redacting
-from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES, Settings, resolve
+from otel_rollouts._core.settings import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ContentSettings,
+    DeliverySettings,
+    LimitSettings,
+    SamplingSettings,
+    Settings,
+    from_environment,
+    given_or,
+    validated,
+)
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.correlate.gateway import GatewayOptions, SpanGateway
 from otel_rollouts.correlate.gateway_logs import LogOutlet, default_log_exporter
@@ -39,10 +50,11 @@ from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.delivery.process import make_delivery
+from otel_rollouts.exporters.extras import MetricsSink
 from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.hung import HangOptions, HungWatcher
 from otel_rollouts.sampling.pipeline import Pipeline
-from otel_rollouts.sampling.policies import TailSampler
+from otel_rollouts.sampling.tail import TailSampler
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -127,7 +139,10 @@ class Rollouts(_runtime.Runtime):
     def _build(self) -> None:
         s = self.settings
         content, limits, delivery_settings = s.content, s.limits, s.delivery
-        sampler = s.sampling.sampler or TailSampler()
+        given = s.sampling.sampler
+        if given is not None and not isinstance(given, TailSampler):
+            raise TypeError(f"sampler: expected an otr.TailSampler, got {type(given).__name__}")
+        sampler = given if given is not None else TailSampler()
         run_id = s.run_id or uuid.uuid4().hex[:12]
         redactor = make_redactor(content.redact, content.redact_patterns)
         resource = _resource(s.service_name, s.resource_attributes, run_id, redactor)
@@ -196,9 +211,9 @@ class Rollouts(_runtime.Runtime):
         pipeline.observer = self.metrics
 
     def _hung(self, key: tuple[int, str], n: int) -> None:
-        hung = getattr(self.metrics, "hung", None)
-        if hung is not None:
-            hung(key, n)
+        metrics = self.metrics  # read once: shutdown may clear it meanwhile
+        if metrics is not None:
+            metrics.hung(key, n)
 
     def tracer_provider(self) -> TracerProvider | None:
         """This run's OpenTelemetry tracer provider: give it to other instrumentation so that
@@ -250,6 +265,8 @@ class Rollouts(_runtime.Runtime):
             return
         if options is True:
             options = GatewayOptions()
+        if not isinstance(options, GatewayOptions):
+            raise TypeError(f"gateway: expected True or an otr.GatewayOptions, got {type(options).__name__}")
         exporter = options.log_exporter if options.log_exporter is not None else default_log_exporter()
         self._log_outlet = LogOutlet(exporter, self.counters)
         self.gateway = SpanGateway(options, self.sampling_pipeline, self.counters, self._log_outlet,
@@ -282,6 +299,22 @@ class Rollouts(_runtime.Runtime):
         """An episode recorded into this run (``otr.episode`` records into the installed one);
         takes the same arguments as ``otr.episode``."""
         return Episode(step, split, runtime=self, **fields)
+
+    @contextmanager
+    def activate(self) -> Iterator[Rollouts]:
+        """Make this instance the active one in the current context for the ``with`` block.
+
+        Every entry point called inside (``otr.episode``, ``otr.record_batch``,
+        ``otr.record_token_batch``, ``@otr.traced``, the adapters, ``otr.end_step`` and the
+        other module-level controls) then records into, counts in and takes its strictness from
+        this instance instead of the installed one. Other threads and tasks are not affected
+        (a ``contextvars`` binding: copy the context to carry it into a thread)."""
+        bound = _runtime.slot().bound
+        token = bound.set(self)
+        try:
+            yield self
+        finally:
+            bound.reset(token)
 
     # --- the controls ------------------------------------------------------------------------
     def end_step(self, step: int, split: str | None = None) -> None:
@@ -477,11 +510,54 @@ def configure(
       ``"thread"`` with a warning (``render.process_fallback`` in ``stats()``).
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
       ``otel_rollouts.correlate.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
-      ``log_metrics(step, values)`` method (Trackio) get each closed step's summary.
+      ``log_metrics(step, values)`` method (``otel_rollouts.exporters.MetricsSink``: Trackio) get each closed step's summary.
     """
-    arguments = dict(locals())
-    arguments.pop("install")
-    settings = resolve(arguments)
+    env = from_environment()
+    settings = validated(Settings(
+        service_name=service_name,
+        exporters=tuple(exporters) if exporters is not None else None,
+        resource_attributes=resource_attributes,
+        run_id=given_or(run_id, env, "run_id", None),
+        trackio_project=given_or(trackio_project, env, "trackio_project", None),
+        strict=strict,
+        set_global_provider=set_global_provider,
+        metric_readers=tuple(metric_readers) if metric_readers is not None else None,
+        disabled=given_or(None, env, "disabled", False),
+        gateway=gateway,
+        content=ContentSettings(
+            capture_content=given_or(capture_content, env, "content.capture_content",
+                                     ContentSettings.capture_content),
+            redact=redact,
+            redact_patterns=tuple(redact_patterns),
+            max_attribute_chars=given_or(max_attribute_chars, env, "content.max_attribute_chars",
+                                         ContentSettings.max_attribute_chars),
+            max_episode_chars=max_episode_chars,
+            agent_name=agent_name,
+        ),
+        limits=LimitSettings(
+            max_spans_per_episode=max_spans_per_episode,
+            max_attributes_per_span=given_or(max_attributes_per_span, env, "limits.max_attributes_per_span",
+                                             LimitSettings.max_attributes_per_span),
+            episode_timeout_s=episode_timeout_s,
+        ),
+        delivery=DeliverySettings(
+            max_queue=max_queue,
+            spool_dir=given_or(spool_dir, env, "delivery.spool_dir", None),
+            spool_max_bytes=spool_max_bytes,
+            max_request_bytes=max_request_bytes,
+            max_pending_bytes=max_pending_bytes,
+            max_queue_bytes=max_queue_bytes,
+            handle_signals=handle_signals,
+            exit_timeout=exit_timeout,
+            render=given_or(render, env, "delivery.render", DeliverySettings.render),
+        ),
+        sampling=SamplingSettings(
+            sampler=sampler,
+            deterministic_ids=deterministic_ids,
+            hang=hang,
+            mismatch=mismatch,
+        ),
+    ))
     rollouts = Rollouts(settings)
     return rollouts.install() if install else rollouts
 
@@ -492,7 +568,7 @@ def _metrics(resource: Resource, readers: Sequence[Any] | None, exporters: Seque
     from otel_rollouts.correlate.metrics import meter_provider
 
     provider = meter_provider(resource, readers)
-    sinks = [e for e in exporters if callable(getattr(e, "log_metrics", None))]
+    sinks = [e for e in exporters if isinstance(e, MetricsSink)]
     if provider is None and not sinks:
         return None
     label = redactor.name if redactor is not None else None
@@ -500,7 +576,9 @@ def _metrics(resource: Resource, readers: Sequence[Any] | None, exporters: Seque
 
 
 def _installed() -> Rollouts | None:
-    rt = _runtime.installed()
+    """The instance the module-level controls act on: the one bound to this context
+    (``Rollouts.activate()``), else the installed one."""
+    rt = _runtime.active()
     return rt if isinstance(rt, Rollouts) else None
 
 
@@ -560,5 +638,5 @@ def stats() -> dict[str, Any]:
     After ``shutdown()`` (and until the next ``configure()``) the final totals of the last run.
     """
     slot = _runtime.slot()
-    rt = slot.installed if slot.installed is not None else slot.last_stopped
+    rt = _runtime.active() or slot.last_stopped
     return rt.stats() if isinstance(rt, Rollouts) else {"totals": {}, "steps": {}}

@@ -22,11 +22,12 @@ from otr_helpers import traces
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts._core import messages as views_module
 from otel_rollouts._core import redaction
 from otel_rollouts._core.content import cut, precut
-from otel_rollouts._core.messages import EpisodeViews, SoFar, attach_tool_call, to_parts
+from otel_rollouts._core.messages import attach_tool_call, to_parts
+from otel_rollouts.delivery import views as views_module
 from otel_rollouts.delivery.materialize import Materializer, _json
+from otel_rollouts.delivery.views import EpisodeViews, SoFar
 
 Span = tuple[int, int | None, str, dict[str, Any], str | None]
 

@@ -23,8 +23,9 @@ class InvalidValue(ValueError):
 
 
 def report(message: str, *, exc: BaseException | None = None, may_raise: bool = True) -> None:
-    """Count and log (once per message kind) a problem; raise it in strict mode."""
-    rt = _runtime.installed()
+    """Count and log (once per message kind) a problem; raise it in strict mode (of the instance
+    active in this context: bound to it, else installed)."""
+    rt = _runtime.active()
     if rt is not None and rt.counters is not None:
         rt.counters.add("errors.library" if exc is not None else "invalid_values")
     if rt is not None and rt.strict and may_raise:
@@ -114,3 +115,23 @@ def guarded(fn: Callable[P, R]) -> Callable[P, R | None]:
 
 def _none() -> None:
     return None
+
+
+def takes_instance(fn: Callable[P, R]) -> Callable[P, R]:
+    """An entry point whose ``rollouts=`` keyword names the instance it records into: bound to
+    the context for the call (its guard, strictness and counters included), so the installed
+    instance is not consulted. A value that is not an instance is reported and ignored."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        rt = kwargs.get("rollouts")
+        if rt is None:
+            return fn(*args, **kwargs)
+        if not isinstance(rt, _runtime.Runtime):
+            kwargs["rollouts"] = None
+            report(f"rollouts: expected an otr.Rollouts (from otr.configure), got {type(rt).__name__}")
+            return fn(*args, **kwargs)
+        with _runtime.bound_to(rt):
+            return fn(*args, **kwargs)
+
+    return wrapper

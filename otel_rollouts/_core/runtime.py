@@ -17,7 +17,9 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +37,8 @@ logger = logging.getLogger("otel_rollouts")
 __all__ = [
     "EpisodeSink",
     "ProcessSlot",
+    "active",
+    "bound_to",
     "Redacting",
     "Runtime",
     "current",
@@ -149,6 +153,9 @@ class ProcessSlot:
         self.logging_lock = threading.Lock()
         self.warned_unconfigured = False
         self.logged_unconfigured: set[str] = set()  # log-once kinds before any configure()
+        # the instance bound to the current context (``Rollouts.activate()``, an episode of an
+        # instance that is not installed): it wins over the installed one in that context only
+        self.bound: ContextVar[Runtime | None] = ContextVar("otel_rollouts_instance", default=None)
 
     def claim_unconfigured_note(self) -> bool:
         """True the first time in this process: the caller says, once, why little is recorded
@@ -203,8 +210,8 @@ class ProcessSlot:
         self.revive = rt.rebuild_after_fork()
 
     def logged(self) -> set[str]:
-        """The log-once set of the installed instance (or of the unconfigured process)."""
-        rt = self.installed
+        """The log-once set of the active instance (or of the unconfigured process)."""
+        rt = self.bound.get() or self.installed
         return rt.logged if rt is not None else self.logged_unconfigured
 
 
@@ -217,14 +224,35 @@ def slot() -> ProcessSlot:
 
 
 def current() -> Runtime:
-    """The active instance; a disabled one (with a one-time warning) before configure()."""
-    rt = _slot.installed
+    """The active instance: the one bound to this context, else the installed one; a disabled
+    one (with a one-time warning) before configure()."""
+    rt = _slot.bound.get() or _slot.installed
     return rt if rt is not None else _slot.current()
+
+
+def active() -> Runtime | None:
+    """The instance bound to this context, else the installed one, or None (no warning, no
+    rebuild): whose strictness and counters a report in this context uses."""
+    return _slot.bound.get() or _slot.installed
 
 
 def installed() -> Runtime | None:
     """The installed instance, or None (no warning, no rebuild)."""
     return _slot.installed
+
+
+@contextmanager
+def bound_to(rt: Runtime | None) -> Iterator[None]:
+    """Bind ``rt`` to the current context for the block (an entry point given its instance as
+    an argument); None leaves the context as it is."""
+    if rt is None:
+        yield
+        return
+    token = _slot.bound.set(rt)
+    try:
+        yield
+    finally:
+        _slot.bound.reset(token)
 
 
 def install(rt: Runtime | None) -> None:

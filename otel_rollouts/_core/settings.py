@@ -21,10 +21,11 @@ import os
 import re
 import urllib.parse
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.logprobs import MismatchOptions
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -40,9 +41,14 @@ __all__ = [
     "Settings",
     "check_environment",
     "env_flag",
+    "from_environment",
+    "given_or",
     "phoenix_annotations",
     "traces_exporter_names",
+    "validated",
 ]
+
+T = TypeVar("T")
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
 
@@ -297,10 +303,13 @@ class SamplingSettings:
     """Which episodes of a step are kept: the tail sampler (default ``TailSampler(32,
     "top_bottom")``) and whether ids are derived from (run, step, episode id)."""
 
-    sampler: Any = None
+    # an otel_rollouts.sampling.TailSampler, or None for the default; _core cannot name the
+    # class (it sits above this layer), the instance checks it when it is built
+    sampler: object = None
     deterministic_ids: bool = False
-    hang: Any = None  # HangOptions (sampling.hung), True/None: automatic, a number: seconds, False: off
-    mismatch: Any = None  # MismatchOptions (_core.logprobs): the ratio band, worst tokens shown
+    # HangOptions (sampling.hung), True/None: automatic, a number: seconds, False: off
+    hang: object = None
+    mismatch: MismatchOptions | None = None  # the ratio band, worst tokens shown
 
 
 @dataclass(frozen=True)
@@ -317,7 +326,7 @@ class Settings:
     set_global_provider: bool = False
     metric_readers: tuple[Any, ...] | None = None
     disabled: bool = False
-    gateway: Any = None  # GatewayOptions (correlate.gateway) or None: no span gateway
+    gateway: object = None  # GatewayOptions (correlate.gateway), True, or None: no span gateway
     content: ContentSettings = field(default_factory=ContentSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
@@ -450,33 +459,26 @@ def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[s
     return values
 
 
-_GROUPS = {"content": ContentSettings, "limits": LimitSettings, "delivery": DeliverySettings,
-           "sampling": SamplingSettings}
-
-
-def resolve(arguments: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
-    """Settings from ``configure()``'s flat keyword arguments (None or absent: not given) and
-    the environment, through ``ENV_TABLE``."""
+def from_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``configure()`` options the environment sets, by option path (``ENV_TABLE``:
+    ``"content.capture_content"`` -> False...); invalid values are warned about and left out."""
     environ = os.environ if environ is None else environ
     # a read-only mapping is checked as a copy: what is invalid is warned about and left out
     checked = check_environment(environ if isinstance(environ, MutableMapping) else dict(environ))
-    values: dict[str, Any] = dict(arguments)
-    for entry in ENV_TABLE:
-        # None is "not given" for the options the environment may set; elsewhere None is a
-        # value (``max_episode_chars=None``: no episode budget)
-        name = entry.option.rpartition(".")[2]
-        if values.get(name) is not None:
-            continue
-        values.pop(name, None)
-        value = checked.get(entry.variable)
-        if value is not None:
-            values[name] = value
-    groups: dict[str, Any] = {}
-    for group, cls in _GROUPS.items():
-        names = {f.name for f in fields(cls)}
-        groups[group] = cls(**{k: v for k, v in values.items() if k in names})
-    top = {f.name for f in fields(Settings)} - set(_GROUPS)
-    settings = Settings(**{k: v for k, v in values.items() if k in top}, **groups)
+    return {entry.option: checked[entry.variable] for entry in ENV_TABLE if entry.variable in checked}
+
+
+def given_or(value: T | None, environment: Mapping[str, Any], option: str, default: T) -> T:
+    """One option as ``configure()`` resolves it: its argument (None: not given), else its
+    environment variable's value (``option``: its path in ``ENV_TABLE``), else ``default``."""
+    if value is not None:
+        return value
+    found: T = environment.get(option, default)
+    return found
+
+
+def validated(settings: Settings) -> Settings:
+    """``settings`` with its sequences made tuples, checked (``ValueError`` names the option)."""
     if settings.exporters is not None and not isinstance(settings.exporters, tuple):
         settings = replace(settings, exporters=tuple(settings.exporters))
     if settings.metric_readers is not None and not isinstance(settings.metric_readers, tuple):
@@ -498,16 +500,3 @@ def _validate(settings: Settings) -> None:
     pending = settings.delivery.max_pending_bytes
     if not pending > 0:
         raise ValueError(f"max_pending_bytes must be > 0, got {pending!r}")
-
-
-def flat(settings: Settings) -> dict[str, Any]:
-    """The flat keyword arguments that build ``settings`` again (for ``configure(**...)``)."""
-    out: dict[str, Any] = {}
-    for f in fields(Settings):
-        value = getattr(settings, f.name)
-        if f.name in _GROUPS:
-            out.update({g.name: getattr(value, g.name) for g in fields(value)})
-        elif f.name != "disabled":
-            out[f.name] = value
-    return out
-

@@ -25,7 +25,7 @@ def fits_int64(value: int) -> bool:
 def refused(value: Any) -> str:
     """How a refused value is described in ``rl.invalid`` and the library's warning: its type and
     a short ``repr``, or its type alone when content capture is off (the value may be content)."""
-    rt = _runtime.installed()
+    rt = _runtime.active()
     if rt is not None and not rt.capture_content:
         return type_name(value)
     return f"{type_name(value)} {short_repr(value)}"

@@ -129,7 +129,7 @@ def record_size(body: Any, attributes: Any) -> int:
 
 
 def _count(name: str, n: int = 1) -> None:
-    rt = _runtime.installed()
+    rt = _runtime.active()
     if rt is not None and rt.counters is not None:
         rt.counters.add(name, n)
 
@@ -168,8 +168,9 @@ class _OtlpHandler(LoggingHandler):
         self.fallback = Redactor()
 
     def _rules(self) -> tuple[Redacting | None, bool, int]:
-        """The redactor, whether content is captured, and the text limit of the configured run."""
-        rt = _runtime.installed()
+        """The redactor, whether content is captured, and the text limit of the run active in
+        this context (bound to it, else installed)."""
+        rt = _runtime.active()
         if rt is None or not rt.enabled:
             return self.fallback, True, _runtime.Runtime.max_attribute_chars
         return rt.redactor, rt.capture_content, rt.max_attribute_chars
@@ -361,7 +362,7 @@ class EpisodeLogProcessor(LogRecordProcessor):
     emit = on_emit
 
     def _join(self, trace_id: int, records: list[Any], size: int, record: Any = None) -> bool:
-        rt = _runtime.installed()
+        rt = _runtime.active()
         pipeline = getattr(rt, "pipeline", None) if rt is not None and rt.enabled else None
         join = getattr(pipeline, "join_logs", None)
         if join is None:

@@ -249,7 +249,7 @@ class _Capture:
 def run_identity() -> dict[str, Any]:
     """The run's ``service.name`` and ``rl.run.id`` (from the configured run, else from the
     logging integration's resource): what a worker process stamps on the records it sends."""
-    rt = _runtime.installed()
+    rt = _runtime.active()
     resource = rt.provider.resource if rt is not None and rt.enabled and rt.provider is not None else None
     if resource is None:
         from otel_rollouts.correlate.logs import active_processor

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Entry
-from otel_rollouts._core.guard import guarded_or, report
+from otel_rollouts._core.guard import guarded_or, report, takes_instance
 from otel_rollouts._core.logprobs import (
     MismatchOptions,
     RowTotals,
@@ -467,6 +467,7 @@ def _pick(column: list[Any] | None, i: int) -> Any:
     return None if column is None else column[i]
 
 
+@takes_instance
 @guarded_or(TokenBatchSummary)
 def record_token_batch(
     input_ids: Any,
@@ -496,6 +497,7 @@ def record_token_batch(
     attributes: Sequence[Mapping[str, Any] | None] | None = None,
     logprobs: Any = None,
     trainer_logprobs: Any = None,
+    rollouts: _runtime.Runtime | None = None,
 ) -> TokenBatchSummary:
     """Record one episode per sample of a token-id batch; decode only the episodes that are kept.
 
@@ -520,6 +522,9 @@ def record_token_batch(
     ``attributes``: per sample, extra attributes for the episode root (e.g. an adapter's
     ``rl.alignment``: "partial"). Returns a ``TokenBatchSummary``. A sample whose masks do not match its ids is refused with a
     reason naming it (recorded as an error episode); the rest of the batch is still recorded.
+
+    ``rollouts``: the instance to record into (``otr.configure(install=False)``); default: the
+    one active in this context (``Rollouts.activate()``), else the installed one.
     """
     summary = TokenBatchSummary()
     rt = _runtime.current()

@@ -18,9 +18,9 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import redaction
 from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.content import Deferred, cut, jsonable, precut, to_json
-from otel_rollouts._core.messages import EpisodeViews, Expand, SoFar, SpanView, error_type, settle
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stages import stage_totals
+from otel_rollouts.delivery.views import EpisodeViews, Expand, SoFar, SpanView, error_type, settle
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PRIMITIVES = (str, bool, int, float)
@@ -576,8 +576,8 @@ def _may_be_json(text: str) -> bool:
 
 
 def _read_as_json(key: str, text: str) -> bool:
-    """Whether the views parse this recorded text as JSON (see ``messages._messages`` and
-    ``messages._arguments``)."""
+    """Whether the views parse this recorded text as JSON (see ``_core.messages.messages_of`` and
+    ``_core.messages.arguments_of``)."""
     if key in _MESSAGES_TEXT:
         return text[:1] in ("[", "{")
     return key == c.GEN_AI_TOOL_CALL_ARGUMENTS and _may_be_json(text)

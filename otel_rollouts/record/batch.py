@@ -27,7 +27,7 @@ from typing import Any
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import exception_text, text, type_name
-from otel_rollouts._core.guard import InvalidValue, guarded_or, report
+from otel_rollouts._core.guard import InvalidValue, guarded_or, report, takes_instance
 from otel_rollouts._core.logprobs import (
     MismatchOptions,
     RowTotals,
@@ -255,6 +255,7 @@ def _column(name: str, value: Any, size: int, problems: list[str]) -> list[Any] 
     return column
 
 
+@takes_instance
 @guarded_or(BatchSummary)
 def record_batch(
     size: int,
@@ -281,6 +282,7 @@ def record_batch(
     logprob_masks: Any = None,
     response_tokens: Any = None,
     tokenizer: Any = None,
+    rollouts: _runtime.Runtime | None = None,
 ) -> BatchSummary:
     """Record ``size`` finished episodes of one step from per-sample columns; the tail sampler
     chooses in one call and only the samples it may keep are recorded as episodes.
@@ -313,6 +315,9 @@ def record_batch(
     generation ``record`` made, with its worst tokens (rendered only if kept).
     ``response_tokens``: the same tokens' texts or ids (ids decoded with ``tokenizer``, for the
     worst few tokens of kept samples only, on the export thread, with a private copy).
+
+    ``rollouts``: the instance to record into (``otr.configure(install=False)``); default: the
+    one active in this context (``Rollouts.activate()``), else the installed one.
     """
     summary = BatchSummary()
     n, problem = to_int(size, "size")

@@ -711,6 +711,9 @@ class Episode:
         self._runtime = runtime  # None: the installed instance, when the episode starts
         self._record: EpisodeRecord | None = None
         self._token: Token[Context] | None = None  # the context before the ``with`` block
+        # an instance given explicitly is bound to the context inside the ``with`` block, so the
+        # entry points called there (record_batch, @traced, adapters, reports) use it too
+        self._bound: Token[Any] | None = None
         self.episode_id: str | None = episode_id
         self.step: int | None = None
         self.split: str = split
@@ -842,6 +845,8 @@ class Episode:
                 root.attributes[name] = snapshot(value)
 
     def __enter__(self) -> Episode:
+        if self._runtime is not None:
+            self._bound = _runtime.slot().bound.set(self._runtime)
         self.start()
         record = self._record
         if record is not None and record.root is not None:
@@ -859,6 +864,12 @@ class Episode:
                 except Exception:  # noqa: BLE001 - a token of another context is let be
                     pass
             self._close(exc)
+            bound, self._bound = self._bound, None
+            if bound is not None:
+                try:
+                    _runtime.slot().bound.reset(bound)
+                except Exception:  # noqa: BLE001 - a token of another context is let be
+                    pass
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
             contained("Episode.__exit__", err)

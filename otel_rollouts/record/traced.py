@@ -265,12 +265,13 @@ def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...
 
 
 def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
-           binder: _Params, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
+           binder: _Params, args: tuple[Any, ...], kwargs: dict[str, Any],
+           own: _runtime.Runtime | None = None) -> _Call | None:
     current = current_span()
     parent = current if isinstance(current, SpanRecord) and current.episode.state < 2 else None
     inside = parent.episode if parent is not None else None
     if inside is None or kind == c.KIND_EPISODE:
-        rt = _runtime.current()
+        rt = own if own is not None else _runtime.current()
         if not rt.enabled:
             return None
         capture = rt.capture_content
@@ -283,7 +284,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         params = {k: arguments[k] for k in _EPISODE_ARGS if k in arguments}
         split = params.pop("split", "train")
         step = params.pop("step", None)
-        ep = Episode(step, split, name=name or c.SPAN_EPISODE, **params)
+        ep = Episode(step, split, name=name or c.SPAN_EPISODE, runtime=own, **params)
         ep.start()
         root = ep.root
         if root is None:
@@ -375,7 +376,8 @@ def _safe_start(*a: Any) -> _Call | None:
         return None
 
 
-def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None) -> Callable[..., Any]:
+def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None,
+          own: _runtime.Runtime | None = None) -> Callable[..., Any]:
     binder = _Params(_signature(fn))
     short_name = getattr(fn, "__name__", "call")
     fn_name = getattr(fn, "__qualname__", short_name)
@@ -384,7 +386,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
             agen = fn(*args, **kwargs)
             if call is None:
                 async for item in agen:
@@ -427,7 +429,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
             gen = fn(*args, **kwargs)
             if call is None:
                 return (yield from gen)
@@ -468,7 +470,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
+            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
             if call is None:
                 return await fn(*args, **kwargs)
             token = call.attach()
@@ -488,7 +490,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs)
+        call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
         if call is None:
             return fn(*args, **kwargs)
         token = call.attach()
@@ -514,26 +516,34 @@ _exit.calls_user_code([_wrap])
 @overload
 def traced(fn: F) -> F: ...
 @overload
-def traced(*, name: str | None = None, kind: str = "span", model: str | None = None) -> Callable[[F], F]: ...
+def traced(*, name: str | None = None, kind: str = "span", model: str | None = None,
+           rollouts: _runtime.Runtime | None = None) -> Callable[[F], F]: ...
 
 
 def traced(fn: Callable[..., Any] | None = None, *, name: str | None = None, kind: str = c.KIND_SPAN,
-           model: str | None = None) -> Any:
+           model: str | None = None, rollouts: _runtime.Runtime | None = None) -> Any:
     """Trace each call of the decorated callable as a span.
 
     ``kind`` is one of ``span``, ``generation``, ``tool``, ``turn`` or ``episode``. Works on
     functions, methods, classmethods, staticmethods, coroutines, generators and async
     generators. Exceptions mark the span as an error and propagate untouched.
+
+    ``rollouts``: the instance an episode (or a span outside any episode) records into
+    (``otr.configure(install=False)``); default: the one active when the call starts
+    (``Rollouts.activate()``), else the installed one. A span inside an episode records into
+    that episode, whichever instance it belongs to.
     """
     if kind not in c.TRACED_KINDS:
         raise ValueError(f"traced: kind must be one of {', '.join(c.TRACED_KINDS)}, got {kind!r}")
+    if rollouts is not None and not isinstance(rollouts, _runtime.Runtime):
+        raise TypeError(f"traced: rollouts must be an otr.Rollouts (from otr.configure), got {type(rollouts).__name__}")
 
     def decorate(target: Any) -> Any:
         if isinstance(target, classmethod):
-            return classmethod(_wrap(target.__func__, name, kind, model))
+            return classmethod(_wrap(target.__func__, name, kind, model, rollouts))
         if isinstance(target, staticmethod):
-            return staticmethod(_wrap(target.__func__, name, kind, model))
-        return _wrap(target, name, kind, model)
+            return staticmethod(_wrap(target.__func__, name, kind, model, rollouts))
+        return _wrap(target, name, kind, model, rollouts)
 
     if fn is not None:
         return decorate(fn)
