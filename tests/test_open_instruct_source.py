@@ -477,15 +477,14 @@ def test_truncation_filter_then_record_pairs_nothing_wrongly(memory):
     assert all(e["root"][c.RL_ALIGNMENT] == "partial" for e in eps.values())
 
 
-# --- the README names the real hook point and the real module ---------------------------------
-README = Path(__file__).resolve().parent.parent / "README.md"
+# --- the docs name the real hook point and the real module ------------------------------------
+ADAPTER_PAGE = Path(__file__).resolve().parent.parent / "docs" / "adapters" / "open-instruct.md"
 
 
 def _section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"### {title}\n")
-    end = text.find("\n### ", start + 1)
-    return text[start:end]
+    text = ADAPTER_PAGE.read_text(encoding="utf-8")
+    assert text.startswith(f"# {title}\n")
+    return text
 
 
 def test_readme_names_the_function_that_exists():

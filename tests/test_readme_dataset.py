@@ -1,4 +1,4 @@
-"""README's "Kept episodes as a dataset", run as written: the demo, then each command of the
+"""The docs' "Kept episodes as a dataset" (docs/dataset.md), run as written: the demo, then each command of the
 section's bash block, then its Python block; what they wrote is loaded back."""
 
 from __future__ import annotations
@@ -12,20 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from docs_blocks import page_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 
 
-def _section() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text.split("## Kept episodes as a dataset", 1)[1].split("\n## ", 1)[0]
-
-
 def _blocks(kind: str) -> list[str]:
-    found = re.findall(rf"```{kind}\n(.*?)```", _section(), re.S)
-    assert found, f"the README's dataset section has no {kind} block"
+    found = [b.code for b in page_blocks("dataset.md", kind)]
+    assert found, f"docs/dataset.md has no {kind} block"
     return found
 
 

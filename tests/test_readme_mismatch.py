@@ -1,27 +1,21 @@
-"""The README's train–inference mismatch example, extracted from README.md and run verbatim in a
-child process against the default local Trackio, then read back from Trackio's storage."""
+"""The docs' train–inference mismatch example, extracted from docs/mismatch.md and run verbatim in
+a child process against the default local Trackio, then read back from Trackio's storage."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
+from docs_blocks import first_block
 from otr_helpers import trackio_rows
 
 from otel_rollouts import conventions as c
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-
 
 def mismatch_code() -> str:
-    section = README.read_text().split("\n## Train–inference mismatch (token logprobs)\n", 1)[1]
-    section = section.split("\n## ", 1)[0]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README's mismatch section has no python block"
-    return match.group(1)
+    """The first ``python`` block of docs/mismatch.md."""
+    return first_block("mismatch.md", "python")
 
 
 def test_the_readme_example_keeps_the_diverging_sample_with_its_worst_token(tmp_path, monkeypatch):

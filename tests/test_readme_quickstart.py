@@ -1,7 +1,8 @@
-"""The README's Quickstart, extracted from README.md and run verbatim, read back as a person would.
+"""The docs' Quickstart, extracted from docs/getting-started.md and run verbatim, read back as a
+person would (README.md's short Quickstart is run by tests/test_docs_snippets.py).
 
 It writes to Trackio (the default exporter) and, through the OpenTelemetry environment
-variables the README names, to a real Phoenix. Each tool call the Quickstart makes must be one
+variables the docs name, to a real Phoenix. Each tool call the Quickstart makes must be one
 tool call everywhere: one ``execute_tool`` span, one call in the chat span's output, one tool
 result in Trackio's conversation; a Phoenix session holds one GRPO group of one step; absent
 token usage is absent. Then Chromium opens both viewers on a kept episode.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import uuid
@@ -19,20 +19,16 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from docs_blocks import first_block
 from otr_helpers import trackio_rows
 from receivers import PhoenixReceiver
 
 from otel_rollouts import conventions as c
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-
 
 def quickstart_code() -> str:
-    """The first ``python`` block under ``## Quickstart``."""
-    section = README.read_text().split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README's Quickstart has no python block"
-    return match.group(1)
+    """The first ``python`` block under ``## Quickstart`` of docs/getting-started.md."""
+    return first_block("getting-started.md", "python", heading="Quickstart")
 
 
 @pytest.fixture(scope="module")

@@ -81,12 +81,12 @@ def _installed_by_ci() -> dict[str, str]:
 ])
 def test_each_adapter_names_exactly_the_releases_ci_tests(adapter: str, distribution: str) -> None:
     """An adapter's TESTED releases (what a newer release is warned against) are the main
-    environment's pin plus its matrix entries, and the README's table lists them."""
+    environment's pin plus its matrix entries, and the docs' table (docs/adapters/index.md) lists them."""
     tested = importlib.import_module(f"otel_rollouts.adapters.{adapter}").TESTED
     main = _installed_by_ci()[distribution]
     others = [e.version for e in MATRIX if e.distribution == distribution]
     assert sorted(tested) == sorted([main, *others]), (adapter, tested, main, others)
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| Framework | Releases tested |"):]
+    page = (ROOT / "docs" / "adapters" / "index.md").read_text()
+    table = page[page.index("| Framework | Releases tested |"):]
     row = next(line for line in table.splitlines() if line.lower().startswith(f"| {distribution.split('-')[0]}"))
     assert all(v in row for v in tested), (row, tested)
