@@ -42,6 +42,24 @@ def _text(page: Path) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page.read_text(encoding="utf-8")))
 
 
+def test_no_list_is_rendered_as_a_run_on_paragraph(site: Path) -> None:
+    """Python-Markdown reads a list that follows a paragraph line with no blank line between, or
+    a second paragraph inside an item followed by the next item, as one paragraph with "- " in
+    it (GitHub renders both as lists): a page would show items run together. No built
+    paragraph may hold a line that starts a list item."""
+    run_on = re.compile(r"\n\s*(?:[-*]|\d+\.) \S")
+    found = []
+    for page in site.rglob("*.html"):
+        for paragraph in re.findall(r"<p>(.*?)</p>", page.read_text(encoding="utf-8"), re.S):
+            if run_on.search(paragraph) and not re.search(r"\n\s*0\. ", paragraph):
+                found.append(f"{page.relative_to(site)}: {_text_of(paragraph)[:100]!r}")
+    assert not found, "\n".join(found)
+
+
+def _text_of(fragment: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
 def test_api_reference_is_generated_from_the_docstrings(site: Path) -> None:
     api = _text(site / "api" / "index.html")
     for name in ("record_batch", "record_token_batch", "configure", "TailSampler", "episode", "traced"):
