@@ -532,14 +532,77 @@ def record_token_batch(
         return summary
     info = tokenizer_info(tokenizer)
     eos_ids = frozenset(int(x) for x in eos_token_ids) if eos_token_ids is not None else info.eos_ids
-    capture = rt.capture_content
+    # 1. the batch's arrays, read once (problems noted and reported)
+    cols = _read_columns(
+        input_ids, attention_mask, loss_mask, versions, summary,
+        logprobs=logprobs, trainer_logprobs=trainer_logprobs, options=rt.mismatch, rewards=rewards,
+        advantages=advantages, reward_components=reward_components, group_ids=group_ids,
+        episode_ids=episode_ids, sample_indices=sample_indices, finish_reasons=finish_reasons,
+        statuses=statuses, dataset_indices=dataset_indices, metadata=metadata, attributes=attributes,
+    )
+    # 2. its structure, vectorised over the batch; what each sample's episode reads from it
+    rows = _TokenRows(cols, info, eos_ids, max_length, model, rt.capture_content, skip_special_tokens)
+    for i, reason in sorted(cols.refused.items()):  # reported whether or not the sample is kept
+        summary.refused.append((i, reason))
+        report(f"record_token_batch: {reason}")
+    # 3. the batch offered to the sampler as columns; the rows it may keep built as episodes
+    versions_col: Any = cols.per_sample_versions
+    if rows.vrange is not None:  # read for the recorded samples only
+        versions_col = _Lazy(rows.version)
+    offered = Rows(
+        cols.batch, step, split,
+        rewards=cols.rewards, advantages=cols.advantages, group_ids=cols.group_ids,
+        sample_indices=cols.sample_indices, episode_ids=cols.episode_ids, policy_versions=versions_col,
+        dataset_indices=cols.dataset_indices, statuses=rows.statuses, dataset_name=dataset_name,
+        framework=framework, metadata=cols.metadata,
+        scores=None if cols.mismatch is None else cols.mismatch.columns,
+    )
+    _, failed = record_rows(offered, rows.build)
+    summary.recorded = cols.batch - len(failed)  # offered to the sampler as episodes
+    for i, reason in failed:
+        summary.refused.append((i, reason))
+    return summary
 
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """A token batch's arrays, read once (``_read_columns``): the ids' layout and the samples
+    refused, the per-token loss mask and versions laid out like the ids, the mismatch statistics,
+    and the per-sample columns aligned to the batch (``None``: not given)."""
+
+    ids: Layout
+    refused: dict[int, str]  # sample -> why its tokens are unusable
+    batch: int
+    mask: Layout | None
+    vers: Layout | None  # per-token versions
+    per_sample_versions: list[Any] | None  # versions given one per sample
+    mismatch: _Mismatch | None
+    rewards: list[Any] | None
+    advantages: list[Any] | None
+    components: list[dict[str, Any] | None] | None
+    group_ids: list[Any] | None
+    episode_ids: list[Any] | None
+    sample_indices: list[Any] | None
+    finish_reasons: list[Any] | None
+    statuses: list[Any] | None
+    dataset_indices: list[Any] | None
+    metadata: Mapping[str, Any] | list[Any] | None  # one mapping for every sample, or one per sample
+    attributes: list[Any] | None
+
+
+def _read_columns(input_ids: Any, attention_mask: Any, loss_mask: Any, versions: Any,
+                  summary: TokenBatchSummary, *, logprobs: Any, trainer_logprobs: Any,
+                  options: MismatchOptions, rewards: Any, advantages: Any, reward_components: Any,
+                  group_ids: Any, episode_ids: Any, sample_indices: Any, finish_reasons: Any,
+                  statuses: Any, dataset_indices: Any, metadata: Any, attributes: Any) -> _Columns:
+    """``record_token_batch``'s arguments read into a ``_Columns``; the batch-level problems
+    are added to ``summary`` and reported (the refused samples are reported by the caller)."""
     import numpy as np
 
     from otel_rollouts.decode.layout import field_layout, layout_of
 
     # the ids and versions of a batch already on the host are read in place, not copied: only
-    # the samples recorded as episodes are, before this call returns
+    # the samples recorded as episodes are, before record_token_batch returns
     ids, refused = layout_of(input_ids, attention_mask, view=True)
     batch = len(ids.starts)
     mask = field_layout("loss_mask", loss_mask, ids, np.bool_, refused)
@@ -556,7 +619,7 @@ def record_token_batch(
 
     mismatch = None
     if logprobs is not None and trainer_logprobs is not None and mask is not None:
-        mismatch = _Mismatch.of(logprobs, trainer_logprobs, ids, mask, rt.mismatch, summary)
+        mismatch = _Mismatch.of(logprobs, trainer_logprobs, ids, mask, options, summary)
     reward_col = _token_values("rewards", rewards, ids, mask, batch, summary, "sum")
     advantage_col = _token_values("advantages", advantages, ids, mask, batch, summary, "mean")
     components = _components(reward_components, batch, summary)
@@ -566,115 +629,163 @@ def record_token_batch(
     finish_col = _per_sample("finish_reasons", finish_reasons, batch, summary)
     status_col = _per_sample("statuses", statuses, batch, summary)
     dataset_col = _per_sample("dataset_indices", dataset_indices, batch, summary)
-    shared_meta: Mapping[str, Any] | None = None  # one mapping for every sample
-    if isinstance(metadata, Mapping) or metadata is None:
-        meta_col, shared_meta = None, metadata
-    else:
-        meta_col = _per_sample("metadata", metadata, batch, summary)
+    meta: Mapping[str, Any] | list[Any] | None = metadata  # one mapping for every sample
+    if not (isinstance(metadata, Mapping) or metadata is None):
+        meta = _per_sample("metadata", metadata, batch, summary)
     attr_col = _per_sample("attributes", attributes, batch, summary)
     for problem in summary.problems:
         report(f"record_token_batch: {problem}")
+    return _Columns(ids, refused, batch, mask, vers, per_sample_versions, mismatch, reward_col,
+                    advantage_col, components, group_col, episode_col, index_col, finish_col,
+                    status_col, dataset_col, meta, attr_col)
 
-    # batch-level, vectorized: mask-run edges, generated-token version range, last tokens
-    n_list = ids.lengths.tolist()
-    s_list = ids.starts.tolist()
-    if mask is not None:
-        mflat = mask.flat
-        edges = np.flatnonzero(mflat[1:] != mflat[:-1]) + 1
-        lo = np.searchsorted(edges, mask.starts, side="right").tolist()
-        hi = np.searchsorted(edges, mask.starts + mask.lengths, side="left").tolist()
-        ms_list = mask.starts.tolist()
-        first_values = mflat[np.minimum(mask.starts, max(len(mflat) - 1, 0))].tolist() if len(mflat) else [False] * batch
-    vrange = _VersionRanges(vers, mask) if vers is not None and mask is not None else None
-    right_padded = (
-        ids.width is not None and ids.last_column is not None
-        and bool(np.any((ids.lengths > 0) & (ids.last_column < ids.width - 1)))
-    )
-    last_col = ids.last_column.tolist() if ids.last_column is not None else None
-    flat_ids = ids.flat
-    model = str(model) if model is not None else None
 
-    for i, reason in sorted(refused.items()):  # reported whether or not the sample is kept
-        summary.refused.append((i, reason))
-        report(f"record_token_batch: {reason}")
+class _TokenRows:
+    """A token batch's structure, computed once and vectorised over the batch (loss-mask run
+    edges, generated-token version ranges, right padding, last columns), and what each sample's
+    episode reads from it: ``bounds`` (segment edges), ``finish_of``, ``status_of``; ``build``
+    records a sample the sampler may keep. ``status_of`` runs for every sample of the batch (the
+    sampler reads the statuses): the hot path, so what it reads is held here, not looked up."""
 
-    def finish_of(i: int) -> str | None:
+    __slots__ = ("cols", "refused", "finish_col", "status_col", "n_list", "s_list", "mask", "edges",
+                 "lo", "hi", "ms_list", "first_values", "vrange", "right_padded", "last_col",
+                 "flat_ids", "width", "info", "eos_ids", "max_length", "model", "capture",
+                 "skip_special")
+    cols: _Columns
+    refused: dict[int, str]
+    finish_col: list[Any] | None
+    status_col: list[Any] | None
+    n_list: list[int]
+    s_list: list[int]
+    mask: Layout | None
+    edges: np.ndarray  # flat positions where the loss mask changes value (mask given)
+    lo: list[int]  # sample i's edges are edges[lo[i] : hi[i]] (mask given)
+    hi: list[int]
+    ms_list: list[int]
+    first_values: list[Any]  # loss-mask value of each sample's first token (mask given)
+    vrange: _VersionRanges | None
+    right_padded: bool
+    last_col: list[int] | None
+    flat_ids: np.ndarray
+    width: int | None
+    info: _TokenizerInfo
+    eos_ids: frozenset[int]
+    max_length: int | None
+    model: str | None
+    capture: bool
+    skip_special: bool
+
+    def __init__(self, cols: _Columns, info: _TokenizerInfo, eos_ids: frozenset[int], max_length: int | None,
+                 model: str | None, capture: bool, skip_special: bool) -> None:
+        import numpy as np
+
+        ids, mask, batch = cols.ids, cols.mask, cols.batch
+        self.cols, self.refused, self.mask = cols, cols.refused, mask
+        self.finish_col, self.status_col = cols.finish_reasons, cols.statuses
+        self.n_list = ids.lengths.tolist()
+        self.s_list = ids.starts.tolist()
+        if mask is not None:
+            mflat = mask.flat
+            self.edges = edges = np.flatnonzero(mflat[1:] != mflat[:-1]) + 1
+            self.lo = np.searchsorted(edges, mask.starts, side="right").tolist()
+            self.hi = np.searchsorted(edges, mask.starts + mask.lengths, side="left").tolist()
+            self.ms_list = mask.starts.tolist()
+            self.first_values = (mflat[np.minimum(mask.starts, max(len(mflat) - 1, 0))].tolist()
+                                 if len(mflat) else [False] * batch)
+        else:  # never read: every sample has no segments
+            self.edges, self.lo, self.hi, self.ms_list, self.first_values = ids.flat[:0], [], [], [], []
+        self.vrange = _VersionRanges(cols.vers, mask) if cols.vers is not None and mask is not None else None
+        self.right_padded = (
+            ids.width is not None and ids.last_column is not None
+            and bool(np.any((ids.lengths > 0) & (ids.last_column < ids.width - 1)))
+        )
+        self.last_col = ids.last_column.tolist() if ids.last_column is not None else None
+        self.flat_ids = ids.flat
+        self.width = ids.width
+        self.info, self.eos_ids, self.max_length = info, eos_ids, max_length
+        self.model = str(model) if model is not None else None
+        self.capture, self.skip_special = capture, skip_special
+
+    def bounds(self, i: int) -> list[int]:
+        """Sample ``i``'s loss-mask segment edges, from 0 to its length ([] without tokens or mask)."""
+        n = self.n_list[i]
+        return ([0, *(self.edges[self.lo[i] : self.hi[i]] - self.ms_list[i]).tolist(), n]
+                if n and self.mask is not None else [])
+
+    def finish_of(self, i: int) -> str | None:
         """The finish reason: given, else ``stop`` after an EOS, ``length`` at the limit."""
-        finish = None if finish_col is None else finish_col[i]
-        n = n_list[i]
-        if finish is not None or i in refused or not n or mask is None:
+        finish = None if self.finish_col is None else self.finish_col[i]
+        n = self.n_list[i]
+        if finish is not None or i in self.refused or not n or self.mask is None:
             return finish
-        bounds = _bounds(i)
-        first_value = bool(first_values[i])
+        bounds = self.bounds(i)
+        first_value = bool(self.first_values[i])
         if len(bounds) > 1 + (0 if first_value else 1):  # something was generated
-            s = s_list[i]
+            s = self.s_list[i]
             last = bounds[-1] if (len(bounds) - 1) % 2 == (1 if first_value else 0) else bounds[-2]
-            finish = _infer_finish(int(flat_ids[s + last - 1]) in eos_ids, n, max_length, right_padded,
-                                   last_col[i] if last_col else None, ids.width)
+            last_col = self.last_col
+            finish = _infer_finish(int(self.flat_ids[s + last - 1]) in self.eos_ids, n, self.max_length,
+                                   self.right_padded, last_col[i] if last_col else None, self.width)
         return finish
 
-    def _bounds(i: int) -> list[int]:
-        n = n_list[i]
-        return [0, *(edges[lo[i] : hi[i]] - ms_list[i]).tolist(), n] if n and mask is not None else []
-
-    def given_status(i: int, finish: str | None) -> Any:
+    def given_status(self, i: int, finish: str | None) -> Any:
         """The status handed to ``Episode.finish``: as given, else ``truncated`` at the limit."""
-        given = None if status_col is None else status_col[i]
+        given = None if self.status_col is None else self.status_col[i]
         return c.STATUS_TRUNCATED if given is None and finish == FINISH_LENGTH else given
 
-    def status_of(i: int) -> str | None:
+    def status_of(self, i: int) -> str | None:
         """The ``rl.status`` the sample's episode will hold (what the sampler reads)."""
-        if i in refused:
+        if i in self.refused:
             return c.STATUS_ERROR
-        return status_value(given_status(i, finish_of(i)))
+        return status_value(self.given_status(i, self.finish_of(i)))
 
-    def build(i: int, ep: Any) -> None:
-        extra = None if attr_col is None else attr_col[i]
+    def statuses(self) -> list[str | None]:
+        """Every sample's ``rl.status`` (read by the sampler when it needs them)."""
+        status_of = self.status_of
+        return [status_of(i) for i in range(self.cols.batch)]
+
+    def version(self, i: int) -> int | None:
+        """Sample ``i``'s ``rl.policy.version``: the newest over its generated tokens."""
+        vrange = self.vrange
+        return None if i in self.refused or vrange is None else vrange[i][1]
+
+    def build(self, i: int, ep: Any) -> None:
+        """Record sample ``i`` into ``ep`` (a row the sampler may keep): attributes, its lazy
+        body (a copy of its ids), mismatch, reward and finish."""
+        import numpy as np
+
+        cols = self.cols
+        extra = None if cols.attributes is None else cols.attributes[i]
         if isinstance(extra, Mapping):
             for key, value in extra.items():
                 ep.set_attribute(str(key), value)
-        reason = refused.get(i)
+        reason = self.refused.get(i)
         if reason is not None:
             ep.set_attribute(c.RL_INVALID_FIELDS, [reason])
-            _finish_reward(ep, i, reward_col, advantage_col, components, None, c.STATUS_ERROR, reason)
+            _finish_reward(ep, i, cols.rewards, cols.advantages, cols.components, None, c.STATUS_ERROR, reason)
             return
-        if per_sample_versions is None and vrange is not None:
+        vrange = self.vrange
+        if cols.per_sample_versions is None and vrange is not None:
             vmin, vmax = vrange[i]
             if vmin is not None and vmin != vmax:  # several policy versions: staleness
                 ep.set_attribute(c.RL_POLICY_VERSION_MIN, vmin)
                 ep.set_attribute(c.RL_POLICY_VERSION_MAX, vmax)
-        s, n = s_list[i], n_list[i]
-        bounds = _bounds(i)
-        first_value = bool(first_values[i]) if n and mask is not None else False
+        s, n = self.s_list[i], self.n_list[i]
+        bounds = self.bounds(i)
+        first_value = bool(self.first_values[i]) if n and self.mask is not None else False
         generated = len(bounds) > 1 + (0 if first_value else 1)
-        finish = finish_of(i)
+        finish = self.finish_of(i)
         root = ep.root
         if isinstance(root, SpanRecord):
-            own = np.array(flat_ids[s : s + n], dtype=np.int32)  # a copy: the caller's buffer may change
-            body = _body(root, info, own, bounds, first_value, skip_special_tokens,
-                         model, finish, capture, eos_ids)
-            if mismatch is not None:
-                mismatch.record(i, root, body, s, n)
-            if capture and generated:
+            own = np.array(self.flat_ids[s : s + n], dtype=np.int32)  # a copy: the caller's buffer may change
+            body = _body(root, self.info, own, bounds, first_value, self.skip_special,
+                         self.model, finish, self.capture, self.eos_ids)
+            if cols.mismatch is not None:
+                cols.mismatch.record(i, root, body, s, n)
+            if self.capture and generated:
                 root.set_attribute(c.RL_TOOL_PARSE_ERROR, Entry(body.decoded, "errors"))
-        _finish_reward(ep, i, reward_col, advantage_col, components, finish, given_status(i, finish), None)
-
-    versions_col: Any = per_sample_versions
-    if vrange is not None:  # read for the recorded samples only
-        versions_col = _Lazy(lambda i: None if i in refused else vrange[i][1])
-    rows = Rows(
-        batch, step, split,
-        rewards=reward_col, advantages=advantage_col, group_ids=group_col, sample_indices=index_col,
-        episode_ids=episode_col, policy_versions=versions_col, dataset_indices=dataset_col,
-        statuses=lambda: [status_of(i) for i in range(batch)],
-        dataset_name=dataset_name, framework=framework, metadata=shared_meta if meta_col is None else meta_col,
-        scores=None if mismatch is None else mismatch.columns,
-    )
-    _, failed = record_rows(rows, build)
-    summary.recorded = batch - len(failed)  # offered to the sampler as episodes
-    for i, reason in failed:
-        summary.refused.append((i, reason))
-    return summary
+        _finish_reward(ep, i, cols.rewards, cols.advantages, cols.components, finish,
+                       self.given_status(i, finish), None)
 
 
 def _body(root: SpanRecord, info: _TokenizerInfo, ids: np.ndarray, bounds: list[int], first_value: bool,
