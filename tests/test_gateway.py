@@ -262,9 +262,9 @@ def test_a_busy_port_is_reported_not_raised(sink: OtlpSink, caplog: pytest.LogCa
 def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink, monkeypatch) -> None:
     """Server spans held with undecided episodes count against one byte budget: past it they
     are dropped and counted, never held without bound; a decision gives the bytes back."""
-    from otel_rollouts.sampling import pipeline
+    from otel_rollouts.sampling import foreign
 
-    monkeypatch.setattr(pipeline, "_MAX_HELD_BYTES", 1200)
+    monkeypatch.setattr(foreign, "_MAX_HELD_BYTES", 1200)
     gateway = _configure(sink)
     to_gateway = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces")
     padding = {"pad": "x" * 200}  # ~260 bytes a span on the wire

@@ -5,6 +5,12 @@ It also sits in the SDK TracerProvider as a ``SpanProcessor``, so spans made by 
 OpenTelemetry instrumentation inside an episode are held with that episode and kept or dropped
 with it (also when they end after the episode was decided); spans outside any episode pass
 straight through.
+
+The pipeline keeps the step bookkeeping (open and closed steps, the lag and timeout rules) and the
+decisions (offer, keep, drop); two parts it holds do the rest, each with a reference to it (its
+lock and state): ``batch_offer.BatchOffer`` (whole batches offered as rows) and
+``foreign.Foreign`` (spans and logs of other instrumentation and processes joined to the held
+episodes).
 """
 
 from __future__ import annotations
@@ -12,11 +18,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from otel_rollouts import conventions as c
@@ -24,35 +29,20 @@ from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
-from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch, rows
-from otel_rollouts.sampling.health import StepGroups
+from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch
+from otel_rollouts.sampling.batch_offer import BatchOffer
+from otel_rollouts.sampling.foreign import Foreign
 from otel_rollouts.sampling.observer import StepObserver
-from otel_rollouts.sampling.policy import BatchBucket, Bucket, WholeBatchBucket, reason_of
+from otel_rollouts.sampling.policy import reason_of
+from otel_rollouts.sampling.step_state import StepState
 from otel_rollouts.sampling.tail import TailSampler
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
-_MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
 _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule), least recent forgotten
 
 _MAX_CLAIMED = 16_384  # deterministic trace ids remembered to tell a repeated episode id (~2 MB)
 
-_MAX_DECIDED = 32_768  # decided trace ids remembered (→ kept?) for spans and logs arriving later
-# what other processes sent for undecided episodes (server spans through the gateway, log
-# records), held with them until they are decided: all episodes together
-_MAX_HELD_BYTES = 64 * 1024 * 1024
-
 _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
-
-class _Step:
-    __slots__ = ("bucket", "last_seen", "kept", "groups", "watched")
-
-    def __init__(self, bucket: Bucket, group_size: int | None = None) -> None:
-        self.bucket = bucket
-        self.last_seen = time.monotonic()
-        self.kept = 0
-        self.groups = StepGroups(group_size)  # the health of the step's groups
-        self.watched = 0  # episodes of watched prompts kept (outside the cap)
-
 
 class Pipeline(SpanProcessor):
     """Thread-safe holder of the episodes in flight and the per-step sampler buckets."""
@@ -68,27 +58,24 @@ class Pipeline(SpanProcessor):
         self.stats = stats
         self._lock = threading.RLock()
         self._live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
-        self._steps: dict[tuple[int, str], _Step] = {}
+        self._steps: dict[tuple[int, str], StepState] = {}
         self._closed: OrderedDict[tuple[int, str], int] = OrderedDict()  # key → kept count
         self._max_step: OrderedDict[str, int] = OrderedDict()
-        self._foreign: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
         self._seq = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
         self.observer: StepObserver | None = None  # metrics: told of each decision and each closed step
         # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
         self._claimed: OrderedDict[int, None] = OrderedDict()
         self._claim_lock = threading.Lock()
-        # episodes decided lately, trace id → kept: spans and logs of another process (the span
-        # gateway) arriving after the decision follow it. Only remembered while something needs
-        # it (a running gateway: ~140 bytes an episode, up to _MAX_DECIDED), so a run without one
-        # keeps memory flat from the first step
-        self._decided: OrderedDict[int, bool] = OrderedDict()
+        # whether decided episodes are remembered for what arrives after the decision (set by a
+        # running span gateway; ``foreign.Foreign.remember``)
         self.remember_decisions = False
-        self._held_bytes = 0
         # a watch list with prompt hashes: episodes hash their prompt when they record it
         self.watch_hashes = any(isinstance(k, str) for k in sampler.watch)
         self.hung: Any = None  # sampling.hung.HungWatcher: episodes shown while they hang
         self._policy_reason = reason_of(sampler.policy)
+        self.batches = BatchOffer(self)  # the batch path: whole batches offered as rows
+        self.foreign = Foreign(self)  # other instrumentation's and processes' spans and logs
 
     # --- deterministic ids ---------------------------------------------------------------------
     def claim_trace_id(
@@ -159,175 +146,23 @@ class Pipeline(SpanProcessor):
         if self.sampler.step_timeout_s is not None:
             self._expire()
 
-    # --- batches -------------------------------------------------------------------------------
+    # --- batches: the batch path (batch_offer.BatchOffer) -------------------------------------
     def takes_batches(self) -> bool:
-        """Whether a batch can be offered as rows: the policy's buckets are offered rows and
-        read nothing a batch's columns lack (decided per batch by ``offer_batch``)."""
-        return callable(getattr(self.sampler.policy, "bucket", None))
+        """Whether a batch can be offered as rows (see ``BatchOffer.takes_batches``)."""
+        return self.batches.takes_batches()
 
     def offer_batch(self, batch: RowBatch) -> list[BatchRow] | None:
-        """Offer every row of ``batch`` (finished episodes of one step) in one call; return the
-        rows to record (held by the sampler, or kept already), or None when this policy must
-        see whole episode records (it reads an attribute the batch has no column for): the
-        caller then records every row as an episode.
-
-        One lock round-trip, one stats update per outcome; a row never offered (no candidate)
-        is never an object. Record each returned row's episode, then ``attach`` them."""
-        policy = self.sampler.policy
-        if not all(batch.has(name) for name in policy.needs()):
-            return None
-        key = batch.key
-        with self._lock:
-            self._step_started(batch.step, batch.split, batch.n)
-            if batch.n == 0:
-                return []
-            self.stats.step(key, "seen", batch.n)
-            step = self._steps.get(key)
-            if step is None:
-                if self._is_closed(key):
-                    return self._late_batch(batch, key)
-                step = self._new_step(key)
-            step.last_seen = time.monotonic()
-            step.groups.add_batch(batch)
-            bucket = step.bucket
-            if isinstance(bucket, WholeBatchBucket):  # the bucket takes the batch whole (Groups: a run at a time)
-                return self._offer_whole(batch, bucket.offer_batch, step)
-            watched = self._watched_rows(batch, step)
-            if watched:  # the bucket chooses among the other rows, as one by one it would
-                batch.skip(list(watched))
-            chosen = bucket.candidates(batch) if isinstance(bucket, BatchBucket) else None
-            indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
-            if watched:
-                indices = [i for i in indices if i not in watched]
-            offered = rows(batch, indices, self._seq)
-            kept_now: list[BatchRow] = list(watched.values())
-            if watched:
-                self.stats.step(key, "kept.watch", len(watched))
-            dropped = batch.n - len(offered) - len(kept_now)  # never offered: dropped without an object
-            for row in offered:
-                released, keep_now = bucket.offer(row)
-                for r in released:
-                    if isinstance(r, BatchRow) and r.batch is batch:
-                        dropped += 1
-                    else:
-                        self._drop(r, "sampled_out")
-                for r in keep_now:
-                    step.kept += 1
-                    kept_now.append(r)
-            held = [r for r in bucket.held() if isinstance(r, BatchRow) and r.batch is batch]
-            survivors = held + kept_now
-            if dropped:
-                alive = {r.index for r in survivors}
-                self._dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
-            for r in kept_now:
-                self._keep(r)
-            return sorted(survivors, key=lambda r: r.seq)
-
-    def _offer_whole(self, batch: RowBatch, offer: Any, step: _Step) -> list[BatchRow]:
-        """A bucket that is offered the batch at once: rows numbered in order as if offered one
-        by one; only the rows it still holds become objects (and watched rows it let go)."""
-        base = next(self._seq)
-        if batch.n > 1:
-            deque(itertools.islice(self._seq, batch.n - 1), maxlen=0)  # reserve the batch's numbers
-        released, held = offer(batch, lambda i: BatchRow(batch, i, base + i))
-        for r in released:
-            self._drop(r, "sampled_out")
-        alive = {r.index for r in held}
-        watched = [r for i, r in self._watched_rows(batch, step, base).items() if i not in alive]
-        if watched:
-            self.stats.step(batch.key, "kept.watch", len(watched))
-        for r in watched:
-            self._keep(r)
-        held += watched
-        if len(held) < batch.n:
-            alive = {r.index for r in held}
-            self._dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
-        return sorted(held, key=lambda r: r.seq)
-
-    def _new_step(self, key: tuple[int, str]) -> _Step:
-        stream = self._distributed() is None
-        step = self._steps[key] = _Step(self.sampler.bucket(key, stream=stream), self.sampler.group_size)
-        return step
-
-    def _watched_rows(self, batch: RowBatch, step: _Step, base: int | None = None) -> dict[int, BatchRow]:
-        """The rows of watched prompts (by dataset index), kept outside the cap while the step's
-        watch budget lasts: index -> row, marked kept."""
-        watch = self.sampler.watch
-        if not watch or step.watched >= self.sampler.watch_per_step:
-            return {}
-        column = batch.column(c.RL_DATASET_INDEX)
-        if column is None:
-            return {}
-        out: dict[int, BatchRow] = {}
-        for i, index in enumerate(column):
-            if type(index) not in (int, str) or index not in watch:  # only ints and strings are keys
-                continue
-            row = BatchRow(batch, i, base + i if base is not None else next(self._seq))
-            row.reason = c.REASON_WATCH
-            row.notes = {c.RL_WATCH_KEY: str(index)}
-            out[i] = row
-            step.watched += 1
-            if step.watched >= self.sampler.watch_per_step:
-                break
-        return out
-
-    def _late_batch(self, batch: RowBatch, key: tuple[int, str]) -> list[BatchRow]:
-        """The late rule for a batch: its first rows kept while the step kept fewer than the
-        cap (none under a distributed budget), the rest dropped, counted at once."""
-        self.stats.step(key, "late", batch.n)
-        kept = self._closed.get(key, 0)
-        room = 0 if self._distributed() is not None else max(self.sampler.max_traces_per_step - kept, 0)
-        taken = rows(batch, range(min(room, batch.n)), self._seq)
-        if taken:
-            self._closed[key] = kept + len(taken)
-            self._trim_closed()
-        for row in taken:
-            row.reason = c.REASON_LATE
-            self._keep(row)
-        if batch.n > len(taken):
-            self._dropped_rows(batch, range(len(taken), batch.n), reason="late")
-        return taken
-
-    def _dropped_rows(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
-        """Rows dropped before their episodes were recorded: one count, one call to the metrics."""
-        self.stats.step(batch.key, "dropped." + reason, len(indices))
-        self._dropped_rows_observed(batch, indices, reason)
-
-    def _dropped_rows_observed(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
-        """Tell the observer (the metrics) that rows of ``batch`` were dropped unrecorded."""
-        observer = self.observer
-        if observer is not None:
-            try:
-                observer.dropped_rows(batch, indices, reason)
-            except Exception:  # noqa: BLE001 - metrics never break the pipeline
-                self.stats.add("errors.metrics")
+        """Offer every row of ``batch`` in one lock round-trip (see ``BatchOffer.offer_batch``)."""
+        return self.batches.offer_batch(batch)
 
     def attach(self, recorded: list[tuple[BatchRow, EpisodeRecord | None]]) -> None:
-        """The episodes recorded for rows ``offer_batch`` returned (None: recording failed).
-        A row still held now stands for its record; one decided meanwhile gets its decision."""
-        with self._lock:
-            for row, record in recorded:
-                row.built = True
-                if record is None:
-                    if row.decision == KEEP:
-                        self._record_failed(row)
-                    continue
-                record.seq = row.seq
-                record.state = OFFERED
-                record.reason = row.reason
-                record.notes = row.notes
-                row.record = record
-                if row.decision == KEEP:
-                    self._keep(record)
-                elif row.decision == DROP:
-                    self._drop(record, None)
+        """The episodes recorded for rows ``offer_batch`` returned (see ``BatchOffer.attach``)."""
+        self.batches.attach(recorded)
 
-    def _record_failed(self, row: BatchRow) -> None:
-        """A row chosen to keep whose episode could not be recorded (its callback raised, or
-        was interrupted): dropped under ``batch_record_failed``, per step and in totals (its
-        ``seen`` is counted per step: so must its end be)."""
-        self.stats.step(row.batch.key, "dropped.batch_record_failed")
-        self._dropped_rows_observed(row.batch, [row.index], "batch_record_failed")
+    def _new_step(self, key: tuple[int, str]) -> StepState:
+        stream = self._distributed() is None
+        step = self._steps[key] = StepState(self.sampler.bucket(key, stream=stream), self.sampler.group_size)
+        return step
 
     def part_ended(self, record: EpisodeRecord) -> None:
         """The root or the reward span ended: offer the episode once it is complete.
@@ -434,7 +269,7 @@ class Pipeline(SpanProcessor):
             row = record
             if row.record is None:  # decided before its episode was recorded: kept on arrival
                 if row.built:  # its recording failed: nothing to keep
-                    self._record_failed(row)
+                    self.batches.record_failed(row)
                 row.decision = KEEP
                 return
             record = row.record
@@ -446,9 +281,8 @@ class Pipeline(SpanProcessor):
         if record.reason is None:  # a custom bucket that said nothing: the policy's own label
             record.reason = self._policy_reason
         self._live.pop(record.trace_id, None)
-        self._held_bytes -= record.held_bytes
-        record.held_bytes = 0
-        self._remember(record.trace_id, True)
+        self.foreign.release(record)
+        self.foreign.remember(record.trace_id, True)
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
@@ -457,7 +291,7 @@ class Pipeline(SpanProcessor):
         self.delivery.episode(record)
         if logs:
             for outlet, items, _ in logs:
-                self._send_logs(outlet, items)
+                self.foreign.send_logs(outlet, items)
 
     def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
         """``reason`` None: counted already (a row dropped before its record arrived)."""
@@ -466,15 +300,14 @@ class Pipeline(SpanProcessor):
             if row.record is None:
                 if row.decision != DROP and reason is not None:
                     row.decision = DROP
-                    self._dropped_rows(row.batch, [row.index], reason)
+                    self.batches.dropped_rows(row.batch, [row.index], reason)
                 return
             record = row.record
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
-        self._held_bytes -= record.held_bytes
-        record.held_bytes = 0
+        self.foreign.release(record)
         if self.remember_decisions:
-            self._remember(record.trace_id, False)
+            self.foreign.remember(record.trace_id, False)
         if record.logs:
             for _, items, _ in record.logs:
                 self.stats.add("dropped.episode_logs", len(items))
@@ -587,7 +420,7 @@ class Pipeline(SpanProcessor):
         )
         self._apply(key, step, step.bucket.decide(limit))
 
-    def _apply(self, key: tuple[int, str], step: _Step, chosen: list[EpisodeRecord]) -> None:
+    def _apply(self, key: tuple[int, str], step: StepState, chosen: list[EpisodeRecord]) -> None:
         companions = getattr(step.bucket, "with_companions", None)
         if companions is not None:  # the local companions of what was chosen, here or globally
             chosen = companions(chosen)
@@ -677,161 +510,33 @@ class Pipeline(SpanProcessor):
         with self._lock:
             return [r for r in list(self._live.values()) if r.state == OPEN]
 
-    # --- SpanProcessor: spans of other OpenTelemetry instrumentation ---------------------------
+    # --- SpanProcessor and other processes' telemetry: foreign.Foreign -----------------------
     def on_start(self, span, parent_context=None) -> None:
-        """Note which episode a foreign span belongs to (its parent is an episode span, or a
-        foreign span already noted)."""
-        parent = trace.get_current_span(parent_context)
-        record: EpisodeRecord | None
-        if isinstance(parent, SpanRecord):
-            record = parent.episode
-        else:
-            ctx = parent.get_span_context()
-            if not ctx.is_valid:
-                return
-            record = self._foreign.get(ctx.span_id)
-            if record is None:
-                return
-        if len(self._foreign) < _MAX_FOREIGN_OPEN:
-            self._foreign[span.context.span_id] = record
-        else:
-            self.stats.add("dropped.foreign_untracked")
+        """Note which episode a foreign span belongs to (see ``Foreign.on_start``)."""
+        self.foreign.on_start(span, parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        record = self._foreign.pop(span.context.span_id, None)
-        if record is None:
-            if span.context.trace_id in self._live:
-                # a foreign span of an episode we could not track: never export a fragment
-                self.stats.add("dropped.late_spans")
-                return
-            self.delivery.spans([span])  # not part of any episode: passes through
-            return
-        with self._lock:
-            if record.state in (OPEN, OFFERED):
-                if len(record.spans) + len(record.foreign) < record.max_spans:
-                    record.foreign.append(span)
-                else:
-                    record.dropped_spans += 1
-                return
-        if record.state == KEPT:
-            self.delivery.spans([span])  # ended after its episode was kept
-        else:  # DROPPED: nothing of a dropped episode is exported
-            self.stats.add("dropped.late_spans")
+        """A foreign span ended: held, exported or dropped with its episode (``Foreign.on_end``)."""
+        self.foreign.on_end(span)
 
     def adopt(self, spans: list[ReadableSpan], record: EpisodeRecord | None = None) -> None:
-        """Finished spans made in another process (a worker task) for an episode held here:
-        held with it while undecided, exported if it was kept, dropped (counted) otherwise."""
-        late: list[ReadableSpan] = []
-        with self._lock:
-            for span in spans:
-                trace_id = span.context.trace_id
-                owner = record if record is not None and record.trace_id == trace_id else None
-                owner = owner or self._live.get(trace_id)
-                if owner is not None and owner.state in (OPEN, OFFERED):
-                    if len(owner.spans) + len(owner.foreign) < owner.max_spans:
-                        owner.foreign.append(span)
-                    else:
-                        owner.dropped_spans += 1
-                elif owner is not None and owner.state == KEPT:
-                    late.append(span)
-                else:  # dropped, or decided so long ago that it is not known any more
-                    self.stats.add("dropped.late_spans")
-        if late:
-            self.delivery.spans(late)
-
-    # --- telemetry of other processes: the span gateway, worker tasks' logs -------------------
-    def _remember(self, trace_id: int, kept: bool) -> None:
-        if not self.remember_decisions:
-            return
-        decided = self._decided
-        decided[trace_id] = kept
-        if len(decided) > _MAX_DECIDED:
-            decided.popitem(last=False)
-
-    def _owner(self, trace_id: int, record: EpisodeRecord | None) -> tuple[EpisodeRecord | None, bool | None]:
-        """The undecided episode of ``trace_id``, else whether it was kept (None: unknown)."""
-        if record is not None and record.trace_id == trace_id and record.state in (OPEN, OFFERED):
-            return record, None
-        owner = self._live.get(trace_id)
-        if owner is not None and owner.state in (OPEN, OFFERED):
-            return owner, None
-        if record is not None and record.trace_id == trace_id and record.state >= KEPT:
-            return None, record.state == KEPT
-        return None, self._decided.get(trace_id)
-
-    def _hold(self, record: EpisodeRecord, size: int) -> bool:
-        """Count ``size`` more bytes held for ``record``; False (nothing counted) past the cap."""
-        if self._held_bytes + size > _MAX_HELD_BYTES:
-            return False
-        self._held_bytes += size
-        record.held_bytes += size
-        return True
+        """Finished spans of a worker task for an episode held here (see ``Foreign.adopt``)."""
+        self.foreign.adopt(spans, record)
 
     def join_spans(self, spans: Sequence[PendingSpan]) -> list[PendingSpan]:
-        """Spans made in another process (an inference server, through the span gateway) for
-        episodes of this one: held with their episode while it is undecided, exported if it was
-        kept, dropped (counted ``dropped.gateway_spans``) if it was dropped. Returns the spans
-        whose trace is no episode known here: the caller holds them a while and asks again.
-        What is held is bounded in bytes, all episodes together. Nothing is decoded here: a
-        span is decoded when its episode is rendered (``delivery``), if it is kept."""
-        unknown: list[PendingSpan] = []
-        late: list[ReadableSpan | PendingSpan] = []
-        with self._lock:
-            for span in spans:
-                owner, kept = self._owner(span.trace_id, None)
-                if owner is not None:
-                    if len(owner.spans) + len(owner.foreign) >= owner.max_spans:
-                        owner.dropped_spans += 1
-                    elif self._hold(owner, span.size):
-                        owner.foreign.append(span)
-                    else:
-                        self.stats.add("dropped.held_bytes_full.spans")
-                elif kept is None:
-                    unknown.append(span)
-                elif kept:
-                    late.append(span)
-                else:
-                    self.stats.add("dropped.gateway_spans")
-        if late:
-            self.delivery.spans(late)
-        return unknown
+        """Spans of another process joined to their episodes; returns the unknown ones (see
+        ``Foreign.join_spans``)."""
+        return self.foreign.join_spans(spans)
 
     def join_logs(self, trace_id: int, logs: Sequence[Any], outlet: Callable[[Sequence[Any]], None],
                   size: int, record: EpisodeRecord | None = None) -> bool:
-        """Log records of episode ``trace_id`` (any objects ``outlet`` takes, e.g. SDK log
-        records): held with it while undecided and handed to ``outlet`` if it is kept; handed
-        over at once if it was kept already; dropped (counted ``dropped.episode_logs``) if it
-        was or will be dropped. ``size``: their bytes (all held records are bounded together).
-        False: the trace is no episode known here, nothing was done (the caller sends them on)."""
-        if not logs:
-            return True
-        with self._lock:
-            owner, kept = self._owner(trace_id, record)
-            if owner is not None:
-                if not self._hold(owner, size):
-                    self.stats.add("dropped.held_bytes_full.logs", len(logs))
-                    return True
-                if owner.logs is None:
-                    owner.logs = []
-                owner.logs.append((outlet, logs, size))
-                return True
-            if kept is None:
-                return False
-            if not kept:
-                self.stats.add("dropped.episode_logs", len(logs))
-                return True
-        self._send_logs(outlet, logs)
-        return True
-
-    def _send_logs(self, outlet: Callable[[Sequence[Any]], None], logs: Sequence[Any]) -> None:
-        try:
-            outlet(logs)
-        except Exception:  # noqa: BLE001 - a log outlet never breaks the pipeline
-            self.stats.add("errors.episode_logs", len(logs))
+        """Log records joined to episode ``trace_id``; False: no episode known here (see
+        ``Foreign.join_logs``)."""
+        return self.foreign.join_logs(trace_id, logs, outlet, size, record)
 
     def dropped(self, trace_id: int) -> bool:
         """Whether ``trace_id``'s episode was dropped lately (final: no lock needed)."""
-        return self._decided.get(trace_id) is False
+        return self.foreign.dropped(trace_id)
 
     def shutdown(self) -> None:
         """OpenTelemetry's ``provider.shutdown()``: end open episodes (truncated), close every
