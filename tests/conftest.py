@@ -1,17 +1,33 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures.
+
+The tests are grouped by the data path's folders (``record/``, ``decode/``, ``sampling/``,
+``delivery/``, ``exporters/``, ``correlate/``, ``adapters/``), what a user runs (``user/``:
+the README, the docs' snippets, the examples, the CLI) and, at the top, what crosses them
+(architecture, public API, instances, containment, hardening). Helpers shared by all live at the
+top (``otr_helpers``, ``receivers``, ``frameworks``...); a test module may import another
+group's module by name (a Trackio server started the same way), so every group folder is on
+``sys.path`` whichever file is run alone.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+
+for _group in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _group.is_dir() and _group.name.isidentifier() and not _group.name.startswith("_") \
+            and str(_group) not in sys.path:
+        sys.path.append(str(_group))
 
 # Trackio reads TRACKIO_DIR when it is first imported: point it at a throwaway directory for the
 # whole session before anything imports trackio. Tests use their own project names.
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="otr-trackio-"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # Ray reads this when it is first imported (a framework's import may be first): with it, a local
-# Ray cluster binds and advertises 127.0.0.1 only (tests/test_ray.py checks its listeners).
+# Ray cluster binds and advertises 127.0.0.1 only (tests/correlate/test_ray.py checks its listeners).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402

@@ -3,7 +3,7 @@
 The docs are Markdown under ``docs/`` (plus the repository's ``README.md``). A test reads a page,
 optionally narrows it to one heading's section, and takes its fenced blocks of one language;
 each block knows the ``<!-- ... -->`` marker on the line before its fence (``not-run: <reason>``
-or ``run-by: <test file>``), so that ``tests/test_docs_snippets.py`` can check that every
+or ``run-by: <test file>``), so that ``tests/user/test_docs_snippets.py`` can check that every
 ``python`` block is either executed or says why not.
 """
 

@@ -10,7 +10,7 @@ previous release when that is the newest), so every adapter is tested on two rel
 * a ``full`` environment is built by ``.ci/run`` on another Python (SkyRL 0.4.0 needs 3.12).
 
 ``.ci/run`` builds them (``python3 tests/version_matrix.py overlays`` lists the overlay specs) and
-``tests/test_version_matrix.py`` runs each entry's real-framework tests inside its environment.
+``tests/adapters/test_version_matrix.py`` runs each entry's real-framework tests inside its environment.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ class Entry:
 
 
 MATRIX: tuple[Entry, ...] = (
-    Entry("verl", "0.9.0", ("tests/test_real_verl.py", "tests/test_real_verl_reward_loop.py",
-                           "tests/test_real_verl_v1.py")),
-    Entry("tinker-cookbook", "0.5.8", ("tests/test_real_tinker.py", "tests/test_real_tinker_kinds.py")),
-    Entry("trl", "1.15.0", ("tests/test_real_trl.py",)),
+    Entry("verl", "0.9.0", ("tests/adapters/test_real_verl.py", "tests/adapters/test_real_verl_reward_loop.py",
+                           "tests/adapters/test_real_verl_v1.py")),
+    Entry("tinker-cookbook", "0.5.8", ("tests/adapters/test_real_tinker.py", "tests/adapters/test_real_tinker_kinds.py")),
+    Entry("trl", "1.15.0", ("tests/adapters/test_real_trl.py",)),
     # SkyRL 0.4.0 needs Python >= 3.12: a full environment on pyenv's 3.12 (.ci/run's
     # setup_skyrl_py312); the main environment holds 0.3.0, what pip on 3.11 resolves.
-    Entry("skyrl", "0.4.0", ("tests/test_real_skyrl.py",), kind="full"),
+    Entry("skyrl", "0.4.0", ("tests/adapters/test_real_skyrl.py",), kind="full"),
 )
 
 

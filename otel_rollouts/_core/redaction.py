@@ -104,7 +104,7 @@ DEFAULT_PATTERNS: tuple[str, ...] = (
 )
 
 # The literals each default pattern needs (in DEFAULT_PATTERNS' order; checked by
-# tests/test_security.py and tests/test_render_bounds.py): text without any of a pattern's
+# tests/test_security.py and tests/delivery/test_render_bounds.py): text without any of a pattern's
 # literals (compared case-folded, see _folded) cannot match that pattern, so a pattern runs only on
 # text that holds one of its own. One scan finds them all (_trigger_mask); most text holds none.
 _PATTERN_TRIGGERS: tuple[tuple[str, ...], ...] = (

@@ -44,7 +44,7 @@ from otel_rollouts.adapters.kit import (
 
 FRAMEWORK = "tinker-cookbook"
 ADAPTER = "tinker"
-TESTED = ("0.5.8", "0.6.1")  # the releases tests/test_real_tinker.py runs on
+TESTED = ("0.5.8", "0.6.1")  # the releases tests/adapters/test_real_tinker.py runs on
 
 # Transition metrics that are reward terms in the cookbook's own environments: ProblemEnv.step
 # returns metrics {"format", "correct"} with reward = format_coef * (format - 1) + correct; the

@@ -27,7 +27,7 @@ never guessed), records through ``otr.episode`` or ``record_samples``, and is wr
                     ep.reward(reward)
         return len(rows)
 
-``tests/test_adapter_kit.py`` is a complete small adapter written this way.
+``tests/adapters/test_adapter_kit.py`` is a complete small adapter written this way.
 
 What the frameworks' own rollout loggers got wrong in review (DESIGN.md §7) is fixed here once:
 

@@ -111,7 +111,7 @@ from otel_rollouts.adapters.kit import (
 __all__ = ["RolloutTraceCallback"]
 
 FRAMEWORK = "trl"
-TESTED = ("1.15.0", "1.16.0")  # the releases tests/test_real_trl.py runs on
+TESTED = ("1.15.0", "1.16.0")  # the releases tests/adapters/test_real_trl.py runs on
 _ABSENT = object()
 _WRAPPED = "__otr_trl_wrapped__"
 

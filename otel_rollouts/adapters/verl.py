@@ -107,7 +107,7 @@ __all__ = ["ROLLOUT_N_COLUMN", "STAGE_COLUMNS", "mark_rollouts", "record_batch",
            "stage_columns"]
 
 FRAMEWORK = "verl"
-TESTED = ("0.9.0", "0.9.1")  # the releases tests/test_real_verl*.py run on
+TESTED = ("0.9.0", "0.9.1")  # the releases tests/adapters/test_real_verl*.py run on
 ROLLOUT_N_COLUMN = "__otr_rollout_n__"  # non_tensor_batch column written by mark_rollouts
 _REWARD_TENSORS = ("token_level_scores", "token_level_rewards", "rm_scores")
 _VERSION_COLUMNS = ("max_global_steps", "global_steps", "param_version", "policy_version")

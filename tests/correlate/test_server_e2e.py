@@ -30,7 +30,7 @@ from otel_rollouts import conventions as c
 
 pytestmark = [pytest.mark.receiver, pytest.mark.slow]
 
-SERVER = Path(__file__).with_name("openai_server.py")
+SERVER = Path(__file__).resolve().parents[1] / "openai_server.py"
 
 
 @pytest.fixture(scope="module")

@@ -478,7 +478,7 @@ def test_truncation_filter_then_record_pairs_nothing_wrongly(memory):
 
 
 # --- the docs name the real hook point and the real module ------------------------------------
-ADAPTER_PAGE = Path(__file__).resolve().parent.parent / "docs" / "adapters" / "open-instruct.md"
+ADAPTER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "adapters" / "open-instruct.md"
 
 
 def _section(title: str) -> str:

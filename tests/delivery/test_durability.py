@@ -27,7 +27,7 @@ import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts.delivery.replay import spans_from_file
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Receiver(InMemorySpanExporter):

@@ -20,7 +20,7 @@ import pytest
 
 from otel_rollouts._core.settings import ENV_VARIABLES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("material")

@@ -150,7 +150,7 @@ def test_nothing_to_read_the_prompt_from_is_warned_naming_the_fields(caplog, mem
 
 
 def test_readme_says_where_episode_lives():
-    page = Path(__file__).resolve().parent.parent / "docs" / "adapters" / "torchforge.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "adapters" / "torchforge.md"
     section = page.read_text(encoding="utf-8")
     assert "forge.rl" in section
     assert "lives in the app, not the package" not in section

@@ -1,5 +1,5 @@
 """The docs' Quickstart, extracted from docs/getting-started.md and run verbatim, read back as a
-person would (README.md's short Quickstart is run by tests/test_docs_snippets.py).
+person would (README.md's short Quickstart is run by tests/user/test_docs_snippets.py).
 
 It writes to Trackio (the default exporter) and, through the OpenTelemetry environment
 variables the docs name, to a real Phoenix. Each tool call the Quickstart makes must be one

@@ -20,7 +20,7 @@ import pytest
 from disk_faults import fill, mount_tmpfs, umount
 from otlp_sink import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
     """

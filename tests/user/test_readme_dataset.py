@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from docs_blocks import page_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 

@@ -464,7 +464,7 @@ def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_dis
     import sys
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]
     small = tmp_path / "trackio"
     if not mount_tmpfs(small, "size=16m"):
         if os.environ.get("CI"):

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-DOCKER = Path(__file__).resolve().parent.parent / "docker"
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 COLLECTOR = DOCKER / "otel-collector.yaml"
 PROMETHEUS = DOCKER / "prometheus.yml"

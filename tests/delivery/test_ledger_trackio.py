@@ -30,7 +30,7 @@ import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts.exporters import TrackioExporter
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _project() -> str:

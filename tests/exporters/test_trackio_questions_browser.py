@@ -73,7 +73,7 @@ def run_going(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], subproces
     trackio_dir = tmp / "trackio"
     trackio_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
-    env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=str(Path(__file__).parent))
+    env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]))
     code = _CHILD.format(project=PROJECT, answers=ANSWERS, watched=WATCHED)
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

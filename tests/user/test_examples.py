@@ -33,8 +33,8 @@ from receivers import PhoenixReceiver, in_ci
 
 from otel_rollouts import conventions as c
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TESTS = Path(__file__).resolve().parent
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TESTS = Path(__file__).resolve().parents[1]
 MARKUP = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 PUBLIC = ("otel_rollouts", "otel_rollouts.adapters", "otel_rollouts.exporters", "otel_rollouts.conventions",
           "otel_rollouts.sampling")

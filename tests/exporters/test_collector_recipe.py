@@ -22,7 +22,7 @@ import yaml
 
 from otel_rollouts import conventions as c
 
-DOCKER = Path(__file__).resolve().parent.parent / "docker"
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
 BASE_COMPOSE = DOCKER / "docker-compose.yml"
 TAIL_COMPOSE = DOCKER / "docker-compose.tail.yml"
 TIER1 = DOCKER / "otel-collector-lb.yaml"

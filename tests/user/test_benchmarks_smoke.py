@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # bench_loop's variants on every path of its own code that needs nothing beyond the project's
 # dependencies (a child process each: the A/A control and the unsampled raw SDK add time, not

@@ -27,7 +27,7 @@ from docs_blocks import ROOT, Block, page_blocks, pages
 
 from otel_rollouts import conventions as c
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # What a fragment takes from its surroundings, keyed by (page, the block's first line). A
 # preamble holding "{body}" wraps the block: the block is indented into its place.
@@ -154,7 +154,7 @@ def test_every_python_block_is_run_or_says_why_not() -> None:
     print("\nnot run (reason):\n" + "\n".join(f"  {b}: {b.marker_text}" for b in marked))
     for b in marked:
         assert len(b.marker_text) > 20, f"{b}: say why the block is not run"
-        for named in re.findall(r"tests/(test_\w+)(\*)?\.py", b.marker_text):
+        for named in re.findall(r"tests/((?:\w+/)?test_\w+)(\*)?\.py", b.marker_text):
             assert list(TESTS.glob(f"{named[0]}{named[1]}.py")), f"{b}: names {named[0]} that does not exist"
     assert len(marked) <= 16, "keep the blocks that are not run few"
     for b in (b for b in found if b.marker == "run-by"):
