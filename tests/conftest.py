@@ -17,10 +17,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-for _group in sorted(Path(__file__).resolve().parent.iterdir()):
-    if _group.is_dir() and _group.name.isidentifier() and not _group.name.startswith("_") \
-            and str(_group) not in sys.path:
-        sys.path.append(str(_group))
+TESTS = Path(__file__).resolve().parent
+# the group folders, then the top of tests/ and the repository: what a worker process (Ray's,
+# a subprocess) needs on its PYTHONPATH to import this session's test modules and helpers
+GROUPS = [p for p in sorted(TESTS.iterdir()) if p.is_dir() and p.name.isidentifier() and not p.name.startswith("_")]
+TEST_PATHS = os.pathsep.join(str(p) for p in [TESTS, *GROUPS, TESTS.parent])
+sys.path.extend(str(p) for p in GROUPS if str(p) not in sys.path)
 
 # Trackio reads TRACKIO_DIR when it is first imported: point it at a throwaway directory for the
 # whole session before anything imports trackio. Tests use their own project names.
@@ -68,7 +70,6 @@ def phoenix() -> Iterator[PhoenixReceiver]:
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     import secrets
-    from pathlib import Path
 
     import ray
     from ray._private import ray_constants
@@ -76,14 +77,13 @@ def ray_cluster(tmp_path_factory):
     assert ray_constants.ENABLE_RAY_CLUSTER is False, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 came too late"
     saved = os.environ.get("RAY_AUTH_TOKEN")
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    tests = Path(__file__).resolve().parent
     context = ray.init(
         address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
         _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}},
+        runtime_env={"env_vars": {"PYTHONPATH": TEST_PATHS}},
     )
     try:
         yield context
