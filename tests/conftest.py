@@ -15,13 +15,9 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-# the group folders, then the top of tests/ and the repository: what a worker process (Ray's,
-# a subprocess) needs on its PYTHONPATH to import this session's test modules and helpers
-GROUPS = [p for p in sorted(TESTS.iterdir()) if p.is_dir() and p.name.isidentifier() and not p.name.startswith("_")]
-TEST_PATHS = os.pathsep.join(str(p) for p in [TESTS, *GROUPS, TESTS.parent])
+from suite_paths import GROUPS, TEST_PATHS
+
 sys.path.extend(str(p) for p in GROUPS if str(p) not in sys.path)
 
 # Trackio reads TRACKIO_DIR when it is first imported: point it at a throwaway directory for the

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from suite_paths import TEST_PATHS
+
 import otel_rollouts as otr
 
 MODEL = "tiny-policy"
@@ -90,7 +92,7 @@ def kept_by_top_bottom(recorded: Sequence[Recorded]) -> tuple[list[Recorded], li
 def run_python(code: str, trackio_dir: Path, timeout: float = 120, **env: str) -> str:
     """Run ``code`` in a fresh interpreter with ``TRACKIO_DIR`` set; its stdout (fails loudly)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
-    full_env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=str(Path(__file__).parent), **env)
+    full_env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=TEST_PATHS, **env)
     done = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"

@@ -11,7 +11,6 @@ import ipaddress
 import json
 import os
 import threading
-from pathlib import Path
 
 import psutil
 import pytest
@@ -19,11 +18,10 @@ import ray
 import ray_workloads as w
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from suite_paths import TEST_PATHS
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-
-TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -228,8 +226,7 @@ def test_an_actor_killed_mid_call_fails_the_call_not_the_episode(exported):
 # --- what an unconfigured worker says --------------------------------------------------------------
 def test_an_unconfigured_worker_says_its_spans_travel_with_the_call(exported):
     # a worker process of its own (a runtime_env of its own): what it logs is from this test only
-    groups = [p for p in sorted(TESTS.iterdir()) if p.is_dir() and p.name.isidentifier() and not p.name.startswith("_")]
-    fresh = {"env_vars": {"PYTHONPATH": os.pathsep.join(str(p) for p in [TESTS, *groups, TESTS.parent]),
+    fresh = {"env_vars": {"PYTHONPATH": TEST_PATHS,
                           "OTR_TEST_WORKER": f"{os.getpid()}-{threading.get_ident()}"}}
     env = w.Unconfigured.options(runtime_env=fresh).remote()
     assert ray.get(env.step.remote("out")) == "out:3"  # outside an episode first: not recorded

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from suite_paths import with_test_paths
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -471,8 +472,7 @@ def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_dis
             pytest.fail("CI runs as root: mounting a small tmpfs must work")
         pytest.skip("needs root to mount a small tmpfs")
     try:
-        env = dict(os.environ, TRACKIO_DIR=str(small), PYTHONPATH=os.pathsep.join(
-            filter(None, [str(here.parent), os.environ.get("PYTHONPATH")])))
+        env = with_test_paths({**os.environ, "TRACKIO_DIR": str(small)})
         done = subprocess.run(
             [sys.executable, str(here / "ledger_trackio_property.py"), os.environ.get("OTR_LEDGER_TRACKIO_EXAMPLES", "6")],
             capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)

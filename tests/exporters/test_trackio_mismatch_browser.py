@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from browser_support import chromium, media_tables, save_screenshot, scroll_to_table
+from suite_paths import TEST_PATHS
 from test_trackio_browser import _serve
 
 pytestmark = pytest.mark.browser
@@ -48,7 +49,7 @@ def dashboard_with_run(tmp_path_factory) -> Iterator[tuple[str, list[dict[str, s
     trackio_dir = tmp / "trackio"
     trackio_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
-    env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]))
+    env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=TEST_PATHS)
     done = subprocess.run([sys.executable, "-c", _CHILD.format(project=PROJECT)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from browser_support import chromium, media_tables, save_screenshot, scroll_to_table, wait_for
 from otr_helpers import wait_ready
+from suite_paths import TEST_PATHS
 from test_trackio_browser import _serve
 
 pytestmark = pytest.mark.browser
@@ -73,7 +74,7 @@ def run_going(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], subproces
     trackio_dir = tmp / "trackio"
     trackio_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
-    env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]))
+    env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=TEST_PATHS)
     code = _CHILD.format(project=PROJECT, answers=ANSWERS, watched=WATCHED)
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
