@@ -3,16 +3,16 @@
 A batch (``sampling.batch.RowBatch``) is offered in one lock round-trip; only the rows the
 sampler holds or keeps become objects, and only their episodes are recorded (``attach`` then
 joins each recorded episode to its row). Rows dropped before they were recorded are counted
-here. The pipeline owns the state (its lock, the open steps, the closed steps, the arrival
-numbers) and the decisions (keep, drop); this part holds a reference to it and takes the
-pipeline's lock for every state change, exactly as the pipeline itself does.
+here. The pipeline owns the state (its lock, its step book, the arrival numbers) and the
+decisions (keep, drop); this part holds a reference to it and takes the pipeline's lock for every
+state change, exactly as the pipeline itself does.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -23,7 +23,7 @@ from otel_rollouts._core.stats import Stats
 from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch, rows
 from otel_rollouts.sampling.observer import StepObserver
 from otel_rollouts.sampling.policy import BatchBucket, WholeBatchBucket
-from otel_rollouts.sampling.step_state import StepState
+from otel_rollouts.sampling.steps import StepBook, StepState
 from otel_rollouts.sampling.tail import TailSampler
 
 
@@ -39,17 +39,13 @@ class BatchHost(Protocol):
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
     @property
-    def _steps(self) -> dict[tuple[int, str], StepState]: ...
-    @property
-    def _closed(self) -> OrderedDict[tuple[int, str], int]: ...
+    def steps(self) -> StepBook: ...
     @property
     def _seq(self) -> itertools.count[int]: ...
 
     def _step_started(self, step: int, split: str, n: int) -> None: ...
-    def _is_closed(self, key: tuple[int, str]) -> bool: ...
     def _new_step(self, key: tuple[int, str]) -> StepState: ...
     def _distributed(self) -> Any: ...
-    def _trim_closed(self) -> None: ...
     def _keep(self, record: EpisodeRecord | BatchRow) -> None: ...
     def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None: ...
 
@@ -83,9 +79,9 @@ class BatchOffer:
             if batch.n == 0:
                 return []
             host.stats.step(key, "seen", batch.n)
-            step = host._steps.get(key)
+            step = host.steps.open.get(key)
             if step is None:
-                if host._is_closed(key):
+                if host.steps.is_closed(key):
                     return self._late_batch(batch, key)
                 step = host._new_step(key)
             step.last_seen = time.monotonic()
@@ -174,12 +170,10 @@ class BatchOffer:
         cap (none under a distributed budget), the rest dropped, counted at once."""
         host = self._host
         host.stats.step(key, "late", batch.n)
-        kept = host._closed.get(key, 0)
-        room = 0 if host._distributed() is not None else max(host.sampler.max_traces_per_step - kept, 0)
+        room = 0 if host._distributed() is not None else host.steps.late_room(key)
         taken = rows(batch, range(min(room, batch.n)), host._seq)
         if taken:
-            host._closed[key] = kept + len(taken)
-            host._trim_closed()
+            host.steps.kept_late(key, len(taken))
         for row in taken:
             row.reason = c.REASON_LATE
             host._keep(row)

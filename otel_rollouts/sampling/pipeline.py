@@ -6,11 +6,12 @@ OpenTelemetry instrumentation inside an episode are held with that episode and k
 with it (also when they end after the episode was decided); spans outside any episode pass
 straight through.
 
-The pipeline keeps the step bookkeeping (open and closed steps, the lag and timeout rules) and the
-decisions (offer, keep, drop); two parts it holds do the rest, each with a reference to it (its
-lock and state): ``batch_offer.BatchOffer`` (whole batches offered as rows) and
-``foreign.Foreign`` (spans and logs of other instrumentation and processes joined to the held
-episodes).
+The pipeline is the front (the ``SpanProcessor`` and the library's calls) and makes the decisions
+(offer, keep, drop) under its lock; three parts it holds do the rest: ``steps.StepBook`` (the step
+bookkeeping: open and closed steps, the lag and timeout rules), ``batch_offer.BatchOffer`` (whole
+batches offered as rows) and ``foreign.Foreign`` (spans and logs of other instrumentation and
+processes joined to the held episodes); the last two hold a reference to the pipeline (its lock
+and its decisions).
 """
 
 from __future__ import annotations
@@ -34,11 +35,8 @@ from otel_rollouts.sampling.batch_offer import BatchOffer
 from otel_rollouts.sampling.foreign import Foreign
 from otel_rollouts.sampling.observer import StepObserver
 from otel_rollouts.sampling.policy import reason_of
-from otel_rollouts.sampling.step_state import StepState
+from otel_rollouts.sampling.steps import StepBook, StepState
 from otel_rollouts.sampling.tail import TailSampler
-
-_MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
-_MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule), least recent forgotten
 
 _MAX_CLAIMED = 16_384  # deterministic trace ids remembered to tell a repeated episode id (~2 MB)
 
@@ -58,9 +56,7 @@ class Pipeline(SpanProcessor):
         self.stats = stats
         self._lock = threading.RLock()
         self._live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
-        self._steps: dict[tuple[int, str], StepState] = {}
-        self._closed: OrderedDict[tuple[int, str], int] = OrderedDict()  # key → kept count
-        self._max_step: OrderedDict[str, int] = OrderedDict()
+        self.steps = StepBook(sampler)  # open and closed steps, the lag and timeout rules
         self._seq = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
         self.observer: StepObserver | None = None  # metrics: told of each decision and each closed step
@@ -123,8 +119,7 @@ class Pipeline(SpanProcessor):
         record.seq = next(self._seq)
         self._live[record.trace_id] = record  # one dict store: atomic
         self.stats.step((record.step, record.split), "started")
-        previous = self._max_step.get(record.split)
-        if previous is None or record.step > previous or self.sampler.step_timeout_s is not None:
+        if self.steps.needs_lock(record.step, record.split):
             with self._lock:
                 self._step_advanced(record.step, record.split)
 
@@ -134,15 +129,9 @@ class Pipeline(SpanProcessor):
         self._step_advanced(step, split)
 
     def _step_advanced(self, step: int, split: str) -> None:
-        previous = self._max_step.get(split)
-        if previous is None or step > previous:
-            self._max_step[split] = step
-            self._max_step.move_to_end(split)
-            if len(self._max_step) > _MAX_SPLITS:
-                self._max_step.popitem(last=False)
-            lag = self.sampler.step_lag
-            if lag is not None and previous is not None:
-                self._close_old(split, step - lag)
+        newest_closed = self.steps.advance(step, split)
+        if newest_closed is not None:
+            self._close_old(split, newest_closed)
         if self.sampler.step_timeout_s is not None:
             self._expire()
 
@@ -160,9 +149,7 @@ class Pipeline(SpanProcessor):
         self.batches.attach(recorded)
 
     def _new_step(self, key: tuple[int, str]) -> StepState:
-        stream = self._distributed() is None
-        step = self._steps[key] = StepState(self.sampler.bucket(key, stream=stream), self.sampler.group_size)
-        return step
+        return self.steps.start(key, stream=self._distributed() is None)
 
     def part_ended(self, record: EpisodeRecord) -> None:
         """The root or the reward span ended: offer the episode once it is complete.
@@ -183,7 +170,7 @@ class Pipeline(SpanProcessor):
         if reward is None or reward.end_ns is None:  # not complete (EpisodeRecord.complete)
             # the lock-free check (a dict lookup): a step closing meanwhile offers it itself,
             # since its root's end is set before this is called
-            if not self._is_closed((record.step, record.split)):
+            if not self.steps.is_closed((record.step, record.split)):
                 return
         with self._lock:
             if record.state == OPEN:
@@ -212,22 +199,15 @@ class Pipeline(SpanProcessor):
 
     def is_closed(self, key: tuple[int, str]) -> bool:
         """Whether (step, split) was closed (its episodes from now on are late)."""
-        return self._is_closed(key)
-
-    def _is_closed(self, key: tuple[int, str]) -> bool:
-        if key in self._closed:
-            return True
-        lag = self.sampler.step_lag
-        newest = self._max_step.get(key[1])
-        return lag is not None and newest is not None and key[0] <= newest - lag
+        return self.steps.is_closed(key)
 
     def _offer(self, record: EpisodeRecord) -> None:
         key = (record.step, record.split)
         record.state = OFFERED
         self.stats.step(key, "seen")
-        step = self._steps.get(key)
+        step = self.steps.open.get(key)
         if step is None:
-            if self._is_closed(key):
+            if self.steps.is_closed(key):
                 self._late(record, key)
                 return
             step = self._new_step(key)
@@ -255,10 +235,8 @@ class Pipeline(SpanProcessor):
         With a distributed budget a rank cannot know what others kept: late ones are dropped.
         """
         self.stats.step(key, "late")
-        kept = self._closed.get(key, 0)
-        if kept < self.sampler.max_traces_per_step and self._distributed() is None:
-            self._closed[key] = kept + 1
-            self._trim_closed()
+        if self.steps.late_room(key) > 0 and self._distributed() is None:
+            self.steps.kept_late(key)
             record.reason = record.reason or c.REASON_LATE
             self._keep(record)
         else:
@@ -323,16 +301,16 @@ class Pipeline(SpanProcessor):
         coordinator = self._distributed()
         with self._lock:
             self._offer_waiting(lambda r: r.step == step and (split is None or r.split == split))
-            keys = [k for k in self._steps if k[0] == step and (split is None or k[1] == split)]
-            splits = {split} if split is not None else {k[1] for k in keys} | set(self._max_step)
+            keys = self.steps.of_step(step, split)
+            splits = {split} if split is not None else {k[1] for k in keys} | set(self.steps.newest)
             for s in splits:
-                self._closed.setdefault((step, s), 0)
+                self.steps.mark_closed((step, s))
             if coordinator is None:
                 for key in keys:
                     self._close(key)
-                self._trim_closed()
+                self.steps.trim()
                 return
-            closing = {key: self._steps.pop(key) for key in keys}
+            closing = {key: self.steps.open.pop(key) for key in keys}
         # the collective runs outside the lock: other threads keep recording meanwhile
         try:
             chosen = coordinator.choose(
@@ -352,7 +330,7 @@ class Pipeline(SpanProcessor):
         with self._lock:
             for key, held in closing.items():
                 self._apply(key, held, chosen.get(key, []))
-            self._trim_closed()
+            self.steps.trim()
 
     def close_all(self, timeout: float | None = None) -> bool:
         """Close every open step (flush/shutdown). Not collective: see ``_close``.
@@ -365,9 +343,9 @@ class Pipeline(SpanProcessor):
             return False
         try:
             self._offer_waiting(lambda r: True)
-            for key in list(self._steps):
+            for key in list(self.steps.open):
                 self._close(key)
-            self._trim_closed()
+            self.steps.trim()
             return True
         finally:
             self._lock.release()
@@ -392,9 +370,9 @@ class Pipeline(SpanProcessor):
     def _close_old(self, split: str, newest_closed: int) -> None:
         """Close the steps of ``split`` up to ``newest_closed`` (the lag rule)."""
         self._offer_waiting(lambda r: r.split == split and r.step <= newest_closed)
-        for key in [k for k in self._steps if k[1] == split and k[0] <= newest_closed]:
+        for key in self.steps.up_to(split, newest_closed):
             self._close(key)
-        self._trim_closed()
+        self.steps.trim()
 
     def _offer_waiting(self, match) -> None:
         """Episodes whose root ended but whose reward never came are offered as they are."""
@@ -411,7 +389,7 @@ class Pipeline(SpanProcessor):
         """A local decision. Under a distributed budget (lag, timeout, flush: no collective is
         possible there) each rank keeps at most ``cap // world_size``, so the job stays under
         the cap."""
-        step = self._steps.pop(key, None)
+        step = self.steps.open.pop(key, None)
         if step is None:
             return
         coordinator = self._distributed()
@@ -435,7 +413,7 @@ class Pipeline(SpanProcessor):
                 if health is not None:
                     record.notes = {**(record.notes or {}), **health}
             self._keep(record)
-        self._closed[key] = step.kept + len(chosen)
+        self.steps.mark_closed(key, step.kept + len(chosen))
         observer = self.observer
         if observer is not None:
             try:
@@ -452,27 +430,21 @@ class Pipeline(SpanProcessor):
             except Exception:  # noqa: BLE001 - metrics never break the pipeline
                 self.stats.add("errors.metrics")
 
-    def _trim_closed(self) -> None:
-        while len(self._closed) > _MAX_CLOSED:
-            self._closed.popitem(last=False)
-
     def _expire(self) -> None:
-        timeout = self.sampler.step_timeout_s
-        if timeout is None or not self._steps:
-            return
-        now = time.monotonic()
-        for key in [k for k, s in self._steps.items() if now - s.last_seen > timeout]:
+        expired = self.steps.expired()
+        for key in expired:
             self._offer_waiting(lambda r, key=key: (r.step, r.split) == key)
             self._close(key)
-            self._closed.setdefault(key, 0)
-        self._trim_closed()
+            self.steps.mark_closed(key)
+        if expired:
+            self.steps.trim()
 
     def tick(self) -> None:
         """Called every second by the configuration's ticker thread: ends episodes open past
         ``episode_timeout_s``, closes timed-out steps."""
         if self.episode_timeout_s is not None and self._live:
             self.end_stale(self.episode_timeout_s)
-        if self.sampler.step_timeout_s is not None and self._steps:
+        if self.sampler.step_timeout_s is not None and self.steps.open:
             with self._lock:
                 self._expire()
         hung = self.hung

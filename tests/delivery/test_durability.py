@@ -488,4 +488,4 @@ def test_metrics_memory_stays_flat_over_ten_thousand_steps_and_many_splits(otr_s
     steps(20_000, 5_000, splits=5_000)  # 5,000 splits leave a bounded number of entries behind
     from otel_rollouts._core import runtime as _runtime
 
-    assert len(_runtime.installed().pipeline._max_step) <= 1024
+    assert len(_runtime.installed().pipeline.steps.newest) <= 1024
