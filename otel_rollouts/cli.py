@@ -51,7 +51,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 def _policy(text: str) -> str:
     """A policy name, checked by building it (the names and '+' rules live in sampling)."""
-    from otel_rollouts.sampling.policies import make_policy
+    from otel_rollouts.sampling import make_policy
 
     try:
         make_policy(text)
@@ -150,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from otel_rollouts.sampling.policies import POLICIES
+    from otel_rollouts.sampling.compose import POLICIES
 
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="otel-rollouts", description=__doc__, epilog=EPILOG,

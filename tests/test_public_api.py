@@ -128,11 +128,6 @@ def test_the_roots_sampling_names_are_the_objects_of_otel_rollouts_sampling() ->
     for n in at_root:
         assert getattr(otr, n) is getattr(sampling, n), n
         assert getattr(otr, n).__module__.startswith("otel_rollouts.sampling."), n
-    # the former home keeps working for code written against it
-    from otel_rollouts.sampling import policies
-
-    for n in sampling.__all__:
-        assert getattr(policies, n) is getattr(sampling, n), n
 
 
 def test_the_sampling_protocols_are_checkable_and_the_built_ins_satisfy_them() -> None:

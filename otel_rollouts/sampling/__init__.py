@@ -12,7 +12,8 @@ scripts). Writing a policy of your own: a ``Policy`` makes one ``Bucket`` per (s
 bucket is offered each finished episode as a ``Candidate`` and answers with a ``Decision``;
 ``BasePolicy`` gives a subclass the built-ins' defaults. A bucket may also be a ``BatchBucket``
 (it prefilters the rows of ``otr.record_batch``) or a ``WholeBatchBucket`` (it takes a batch at
-once). Every name here is typed and ``isinstance``-checkable where it is a protocol.
+once). A ``StepObserver`` is told of every decision and every closed step (the run's rollout
+metrics are one). Every name here is typed and ``isinstance``-checkable where it is a protocol.
 
 The built-in policies, by family: ``First``, ``Uniform``, ``Errors`` (``simple``);
 ``TopBottom``, ``Slowest``, ``Mismatch`` (``scores``); ``Groups``, ``DegenerateGroups``
@@ -21,6 +22,7 @@ The built-in policies, by family: ``First``, ``Uniform``, ``Errors`` (``simple``
 
 from otel_rollouts.sampling.compose import Compose, default_policy, make_policy
 from otel_rollouts.sampling.groups import DegenerateGroups, Groups
+from otel_rollouts.sampling.observer import StepObserver
 from otel_rollouts.sampling.policy import (
     BasePolicy,
     BatchBucket,
@@ -49,6 +51,7 @@ __all__ = [
     "Mismatch",
     "Policy",
     "Slowest",
+    "StepObserver",
     "TailSampler",
     "TopBottom",
     "Uniform",

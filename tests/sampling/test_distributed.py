@@ -228,7 +228,7 @@ def test_batches_on_every_rank_merge_into_the_same_global_choice(three_ranks):
 
 
 def test_global_uniform_sample_is_the_union_choice(three_ranks):
-    from otel_rollouts.sampling.policies import _stable_hash
+    from otel_rollouts.sampling.policy import _stable_hash
 
     recorded, kept = _union(three_ranks, "uniform")
     expected = sorted(recorded, key=lambda e: _stable_hash(0, e["trace_id"]))[:5]

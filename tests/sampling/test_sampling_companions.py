@@ -10,8 +10,8 @@ from adapter_fixtures import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.sampling import TailSampler
 from otel_rollouts.sampling.batch import RowBatch, rows
-from otel_rollouts.sampling.policies import TailSampler
 
 
 def record(step, name, reward, companions=None, group=None):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.sampling.policies import make_policy
+from otel_rollouts.sampling import make_policy
 
 
 class Rec:
@@ -369,7 +369,7 @@ class _HighestBucket:
 
 
 def test_a_plain_class_satisfies_the_policy_protocol_alone_and_composed():
-    from otel_rollouts.sampling.policies import Bucket, Policy
+    from otel_rollouts.sampling import Bucket, Policy
 
     custom = HighestTraceIds()
     assert isinstance(custom, Policy) and isinstance(custom.bucket(1, (0, "train")), Bucket)

@@ -15,7 +15,7 @@ from otr_scenario import SPANS_PER_EPISODE, record_step
 import otel_rollouts as otr
 from otel_rollouts import cli
 from otel_rollouts.exporters import OtlpJsonFileExporter
-from otel_rollouts.sampling.policies import POLICIES
+from otel_rollouts.sampling.compose import POLICIES
 
 TIMEOUT = 120  # seconds, for every command: none may hang
 
