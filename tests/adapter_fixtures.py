@@ -41,19 +41,17 @@ def ids(text: str) -> list[int]:
 
 
 def configure_memory(cap: int = 1000, policy: str = "first", trackio_project: str | None = None):
-    """``otr.configure`` with a real InMemorySpanExporter (and Trackio when a project is given)."""
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    """``otr.configure`` with a real InMemorySpanExporter (and Trackio when a project is given);
+    returns the in-memory exporter. Kept here because the adapter tests import it by this name; it
+    is ``otr_helpers.configure_memory`` with a TrackioExporter added after the in-memory one."""
+    import otr_helpers
 
-    import otel_rollouts as otr
-
-    exporter = InMemorySpanExporter()
-    exporters: list[Any] = [exporter]
+    also = []
     if trackio_project is not None:
         from otel_rollouts.exporters import TrackioExporter
 
-        exporters.append(TrackioExporter(trackio_project))
-    otr.configure(exporters=exporters, sampler=otr.TailSampler(cap, policy))
-    return exporter
+        also.append(TrackioExporter(trackio_project))
+    return otr_helpers.configure_memory(cap, policy, also=also)
 
 
 def episodes(exporter) -> dict[str, dict[str, Any]]:

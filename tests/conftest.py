@@ -52,9 +52,14 @@ def phoenix() -> Iterator[PhoenixReceiver]:
 # ---------------------------------------------------------------------------------------------
 # The SDK configured with a real in-memory exporter (helpers in tests/otr_helpers.py)
 #
-# `memory`: otr.configure(exporters=[InMemorySpanExporter()], sampler=TailSampler(1000, "first"))
-# for one test, shut down afterwards. Build your own configure() call for other settings and call
-# otr.shutdown() in a finally (or use the `otr_shutdown` fixture).
+# `configured`: the function otr_helpers.configure_memory, with otr.shutdown() after the test.
+#   spans = configured(10, "top_bottom", handle_signals=False)
+# configures the SDK with a new InMemorySpanExporter (then the exporters given as `also=`),
+# sampler TailSampler(cap, policy, **sampler_options) and any other configure() argument, and
+# returns the in-memory exporter. Call it again to reconfigure; the last run is shut down.
+# `memory`: configured() with its defaults, TailSampler(1000, "first"), for one test.
+# `otr_shutdown`: only the otr.shutdown() after the test, for a test that builds its own
+# configure() call (other exporters, the returned Rollouts, install=False...).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -100,14 +105,19 @@ def otr_shutdown() -> Iterator[None]:
 
 
 @pytest.fixture
-def memory(otr_shutdown):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+def configured(otr_shutdown):
+    """``otr_helpers.configure_memory``: configure with a new in-memory exporter and return it; the
+    SDK is shut down after the test (``otr_shutdown``). Saves each test its exporter, sampler and
+    shutdown lines."""
+    from otr_helpers import configure_memory
 
-    import otel_rollouts as otr
+    return configure_memory
 
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(1000, "first"))
-    return exporter
+
+@pytest.fixture
+def memory(configured):
+    """The SDK configured with a new InMemorySpanExporter and TailSampler(1000, "first")."""
+    return configured()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -6,7 +6,41 @@ import json
 import os
 import sqlite3
 from collections import defaultdict
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+
+def configure_memory(
+    cap: int = 1000,
+    policy: Any = "first",
+    *,
+    also: Sequence[SpanExporter] = (),
+    sampler_options: Mapping[str, Any] | None = None,
+    **settings: Any,
+) -> InMemorySpanExporter:
+    """Configure the SDK with a new real InMemorySpanExporter and return that exporter.
+
+    The call most tests make, written once: ``otr.configure(exporters=[InMemorySpanExporter(),
+    *also], sampler=otr.TailSampler(cap, policy, **sampler_options), **settings)``. ``policy`` is
+    a policy name or a ``Policy`` object; ``also`` are further exporters, after the in-memory one;
+    ``settings`` are any other ``configure()`` arguments (``handle_signals=False``, ``run_id=``,
+    limits...). The caller shuts the SDK down: use the ``configured`` fixture (conftest), which
+    does it after the test, or call ``otr.shutdown()`` yourself."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import otel_rollouts as otr
+
+    exporter = InMemorySpanExporter()
+    otr.configure(
+        exporters=[exporter, *also],
+        sampler=otr.TailSampler(cap, policy, **(sampler_options or {})),
+        **settings,
+    )
+    return exporter
 
 
 def traces(exporter) -> dict[int, list]:

@@ -93,9 +93,8 @@ def test_a_huge_container_is_copied_up_to_the_budget_keeping_head_and_tail():
     assert len(json.dumps(rendered)) < 10_000_000
 
 
-def test_recording_hostile_structures_neither_hangs_nor_loses_the_episode(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"), max_attribute_chars=4096)
+def test_recording_hostile_structures_neither_hangs_nor_loses_the_episode(configured):
+    memory = configured(100, "first", max_attribute_chars=4096)
     loop: dict = {}
     loop["self"] = loop
     loop["again"] = loop
@@ -138,9 +137,8 @@ class _Raising:
 
 
 @pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt, GeneratorExit, RuntimeError])
-def test_values_whose_repr_raises_do_not_kill_the_render_thread(otr_shutdown, exc_type):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"))
+def test_values_whose_repr_raises_do_not_kill_the_render_thread(configured, exc_type):
+    memory = configured(100, "first")
     hostile = _Raising(exc_type)
     with otr.episode(step=0, episode_id="hostile", metadata={"obj": hostile}) as ep:
         with ep.turn() as turn:
@@ -211,9 +209,8 @@ def test_exporter_flush_and_shutdown_raising_base_exceptions_are_counted(otr_shu
     assert set(_roots(exporter)) == {"e"}
 
 
-def test_ctrl_c_from_a_users_float_still_interrupts_the_main_thread(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"))
+def test_ctrl_c_from_a_users_float_still_interrupts_the_main_thread(configured):
+    memory = configured(100, "first")
     with pytest.raises(KeyboardInterrupt):
         with otr.episode(step=0, episode_id="main") as ep:
             ep.reward(_Raising(KeyboardInterrupt))
@@ -262,9 +259,8 @@ def _raise_in(where: str, exc: BaseException) -> None:
 
 @pytest.mark.parametrize("where", ["episode", "turn", "tool_call", "generation"])
 @pytest.mark.parametrize("exc_type", [_Unprintable, _ExitUnprintable])
-def test_a_user_exception_leaves_as_the_same_object_and_the_episode_is_exported(otr_shutdown, where, exc_type):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"))
+def test_a_user_exception_leaves_as_the_same_object_and_the_episode_is_exported(configured, where, exc_type):
+    memory = configured(100, "first")
     raised = exc_type()
     with pytest.raises(BaseException) as caught:
         _raise_in(where, raised)
@@ -281,9 +277,8 @@ def test_a_user_exception_leaves_as_the_same_object_and_the_episode_is_exported(
     assert "raised" in events[0].attributes[c.EXCEPTION_MESSAGE]  # a placeholder, not a crash
 
 
-def test_a_traced_function_outside_an_episode_passes_an_unprintable_exception_through(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"))
+def test_a_traced_function_outside_an_episode_passes_an_unprintable_exception_through(configured):
+    memory = configured(100, "first")
     raised = _ExitUnprintable()
 
     @otr.traced
@@ -299,14 +294,12 @@ def test_a_traced_function_outside_an_episode_passes_an_unprintable_exception_th
 
 
 # --- 5. a second configure() with episodes still open -------------------------------------------
-def test_reconfiguring_ends_and_delivers_the_old_pipelines_open_episodes(otr_shutdown):
-    first = InMemorySpanExporter()
-    otr.configure(exporters=[first], sampler=otr.TailSampler(100, "first"))
+def test_reconfiguring_ends_and_delivers_the_old_pipelines_open_episodes(configured):
+    first = configured(100, "first")
     open_episodes = [otr.episode(step=0, episode_id=f"open-{i}").start() for i in range(5)]
     for ep in open_episodes:
         ep.prompt("still running")
-    second = InMemorySpanExporter()
-    otr.configure(exporters=[second], sampler=otr.TailSampler(100, "first"))
+    second = configured(100, "first")
     roots = _roots(first)
     assert set(roots) == {f"open-{i}" for i in range(5)}
     assert {r[c.RL_STATUS] for r in roots.values()} == {c.STATUS_TRUNCATED}
@@ -320,9 +313,8 @@ def test_reconfiguring_ends_and_delivers_the_old_pipelines_open_episodes(otr_shu
 
 
 # --- 8. stats outlive shutdown ------------------------------------------------------------------
-def test_stats_keep_the_final_totals_after_shutdown(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(2, "first"))
+def test_stats_keep_the_final_totals_after_shutdown(configured):
+    configured(2, "first")
     for i in range(5):
         with otr.episode(step=0) as ep:
             ep.reward(float(i))
@@ -330,7 +322,7 @@ def test_stats_keep_the_final_totals_after_shutdown(otr_shutdown):
     after = otr.stats()
     assert after["totals"]["kept"] == 2 and after["totals"]["seen"] == 5
     assert after["delivery"]["InMemorySpanExporter"]["delivered"] == 2
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(2, "first"))
+    configured(2, "first")
     assert otr.stats()["totals"] == {}  # a new run counts from zero
 
 

@@ -97,10 +97,8 @@ values = st.recursive(
 
 
 @pytest.fixture
-def fuzz_memory(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(1000, "first"))
-    return memory
+def fuzz_memory(configured):
+    return configured(1000, "first")
 
 
 def _contained(fn):
@@ -207,9 +205,8 @@ def test_strict_mode_raises_a_clear_error_naming_the_field(otr_shutdown):
             ep.reward(float("nan"))
 
 
-def test_concurrent_end_step_calls_keep_the_cap_and_never_raise(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "top_bottom"))
+def test_concurrent_end_step_calls_keep_the_cap_and_never_raise(configured):
+    memory = configured(5, "top_bottom")
     errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 
@@ -316,10 +313,9 @@ KNOWN: dict[str, str] = {}  # adapter -> known bug (xfail) while one is open
         for m in sorted(ADAPTERS)
     ],
 )
-def test_adapters_never_raise_on_bad_input(module, otr_shutdown):
+def test_adapters_never_raise_on_bad_input(module, configured):
     adapter = getattr(importlib.import_module(f"otel_rollouts.adapters.{module}"), ADAPTERS[module])
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(1000, "first"))
+    configured(1000, "first")
     tok = _tokenizer()
 
     @ADAPTER_FUZZ
@@ -338,10 +334,10 @@ def test_adapters_never_raise_on_bad_input(module, otr_shutdown):
     assert not math.isnan(sum(v for v in totals.values() if isinstance(v, (int, float))))
 
 
-def test_trl_callback_never_raises_on_bad_trainer_logs(otr_shutdown):
+def test_trl_callback_never_raises_on_bad_trainer_logs(configured):
     from otel_rollouts.adapters.trl import RolloutTraceCallback
 
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(1000, "first"))
+    configured(1000, "first")
     names = _field_names("trl")
 
     class State:

@@ -39,10 +39,8 @@ def _step(exporter: InMemorySpanExporter, step: int) -> None:
     exporter.clear()
 
 
-def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP, "top_bottom", step_lag=None),
-                  run_id="memory")
+def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(configured):
+    exporter = configured(CAP, "top_bottom", sampler_options={"step_lag": None}, run_id="memory")
     peaks: dict[int, int] = {}
     blocks: dict[int, int] = {}
     traced = {4, 5, STEPS - 2, STEPS - 1}
@@ -72,9 +70,8 @@ def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(otr_shutdown):
     assert growth < 40 * (STEPS - 20), (blocks, growth)
 
 
-def test_what_a_dropped_episode_held_is_released_at_once(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
+def test_what_a_dropped_episode_held_is_released_at_once(configured):
+    exporter = configured(2, "top_bottom", sampler_options={"step_lag": None})
     handles = []
     for i in range(10):
         with otr.episode(step=0) as ep:
@@ -103,14 +100,13 @@ def _full_episode(step: int, i: int) -> None:
         ep.reward(float(i))
 
 
-def test_a_decided_episode_leaves_no_cycle_of_its_tree_for_the_garbage_collector(otr_shutdown):
+def test_a_decided_episode_leaves_no_cycle_of_its_tree_for_the_garbage_collector(configured):
     """A dropped episode is freed by reference counting the moment it is dropped; a kept one,
     once rendered, leaves at most its record, root and reward span (a late reward still updates
     them) for the cyclic GC. Before, each was a cycle of its whole tree (spans point at their
     record, the record at its spans and at the user's handle, which points back): the cyclic
     GC's passes over them cost a dropped episode more than recording it did."""
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "top_bottom", step_lag=None))
+    exporter = configured(10, "top_bottom", sampler_options={"step_lag": None})
     for i in range(20):  # warm: first-use caches
         _full_episode(0, i)
     otr.end_step(0)

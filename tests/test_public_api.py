@@ -207,12 +207,10 @@ class _Offered:
         return set()
 
 
-def test_what_the_pipeline_offers_a_bucket_is_a_candidate(otr_shutdown: None) -> None:
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+def test_what_the_pipeline_offers_a_bucket_is_a_candidate(configured) -> None:
 
-    exporter = InMemorySpanExporter()
     policy = _Offered()
-    otr.configure(exporters=[exporter], sampler=sampling.TailSampler(8, policy, step_lag=None))
+    exporter = configured(8, policy, sampler_options={"step_lag": None})
     with otr.episode(step=0) as ep:  # an episode record
         ep.prompt("2+2?")
         ep.reward(1.0)

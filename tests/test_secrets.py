@@ -301,11 +301,10 @@ def _secret_of(pattern: str, text: str) -> str:
 
 
 @pytest.mark.parametrize("index", range(len(redaction.DEFAULT_PATTERNS)))
-def test_a_secret_of_every_default_pattern_is_found_at_every_position(index, otr_shutdown, tmp_path):
+def test_a_secret_of_every_default_pattern_is_found_at_every_position(index, configured, tmp_path):
     pattern = redaction.DEFAULT_PATTERNS[index]
-    memory = InMemorySpanExporter()
     logs = InMemoryLogRecordExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(1000, "first"))
+    memory = configured(1000, "first")
     integration = otr.instrument_logging(logging.getLogger("secrets.app"), exporter=logs)
     app = logging.getLogger("secrets.app")
     app.propagate = False

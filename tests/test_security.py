@@ -198,9 +198,8 @@ def test_redactor_fails_closed_when_the_callback_raises():
     assert Redactor(callback=broken)("anything at all") == "[REDACTED]"
 
 
-def test_redaction_covers_spans_of_other_instrumentation(tmp_path, otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "first"), set_global_provider=False)
+def test_redaction_covers_spans_of_other_instrumentation(tmp_path, configured):
+    memory = configured(5, "first", set_global_provider=False)
     rt_tracer = _runtime.installed().tracer
     with otr.episode(step=0) as ep:
         # e.g. an HTTP client instrumentation recording a header it should not have

@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -16,9 +17,7 @@ ANSWER = "secret-answer-1729"
 
 
 def _configure(capture: bool) -> InMemorySpanExporter:
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"), capture_content=capture,
-                  handle_signals=False)
+    memory = configure_memory(100, "first", capture_content=capture, handle_signals=False)
     return memory
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from adapter_fixtures import episodes
 from frameworks import require
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -33,10 +34,8 @@ def engine_logprobs(n: int) -> list[float]:
 
 
 def configure(cap: int, policy: Any = "mismatch"):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, policy))
+    exporter = configure_memory(cap, policy)
     return exporter
 
 

@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -65,8 +66,7 @@ def rollouts() -> Iterator[Any]:
     """A configured run. The instrumentations are given its provider explicitly: the same as
     ``set_global_provider=True`` for them, without taking OpenTelemetry's once-per-process global
     slot away from the tests that come after (tests share a process)."""
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(64, "first"),
-                  run_id=RUN_ID, handle_signals=False)
+    configure_memory(64, "first", run_id=RUN_ID, handle_signals=False)
     try:
         from otel_rollouts._core import runtime
 

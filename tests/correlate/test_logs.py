@@ -10,6 +10,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -29,8 +30,7 @@ class _Collect(logging.Handler):
 
 @pytest.fixture
 def configured() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(8, "first"), handle_signals=False)
+    exporter = configure_memory(8, "first", handle_signals=False)
     yield exporter
     otr.uninstrument_logging()
     otr.shutdown()

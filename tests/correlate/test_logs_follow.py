@@ -15,13 +15,14 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -32,9 +33,10 @@ APP = "otr-test-follow"
 
 
 @pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    yield exporter
+def configured_logs() -> Iterator[Callable[..., InMemorySpanExporter]]:
+    """``otr_helpers.configure_memory`` (a new in-memory exporter, returned); after the test,
+    logging is uninstrumented and the SDK shut down."""
+    yield configure_memory
     otr.uninstrument_logging()
     otr.shutdown()
 
@@ -81,8 +83,8 @@ def _raise_with_secret() -> None:
     raise ValueError("upstream refused api_key=sk-abcdefghijklmnopqrstuvwx1234")
 
 
-def test_tracebacks_and_extra_fields_are_kept_and_redacted(spans, app_logger):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(8, "first"), handle_signals=False)
+def test_tracebacks_and_extra_fields_are_kept_and_redacted(configured_logs, app_logger):
+    configured_logs(8, "first", handle_signals=False)
     exporter = InMemoryLogRecordExporter()
     integration = otr.instrument_logging(app_logger, exporter=exporter)
     with otr.episode(step=1, episode_id="e1") as ep:
@@ -124,8 +126,8 @@ class _Hostile:
         raise SystemExit("repr")
 
 
-def test_hostile_values_are_flagged_not_raised(spans, app_logger):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(8, "first"), handle_signals=False)
+def test_hostile_values_are_flagged_not_raised(configured_logs, app_logger):
+    configured_logs(8, "first", handle_signals=False)
     exporter = InMemoryLogRecordExporter()
     integration = otr.instrument_logging(app_logger, exporter=exporter)
     with otr.episode(step=1, episode_id="e1") as ep:
@@ -139,9 +141,8 @@ def test_hostile_values_are_flagged_not_raised(spans, app_logger):
     assert dict(extra.attributes)["value"] == "<_Hostile: str raised SystemExit>"
 
 
-def test_content_off_keeps_the_exception_type_only(spans, app_logger):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(8, "first"), handle_signals=False,
-                  capture_content=False)
+def test_content_off_keeps_the_exception_type_only(configured_logs, app_logger):
+    configured_logs(8, "first", handle_signals=False, capture_content=False)
     exporter = InMemoryLogRecordExporter()
     integration = otr.instrument_logging(app_logger, exporter=exporter)
     with otr.episode(step=0) as ep:
@@ -160,8 +161,8 @@ def test_content_off_keeps_the_exception_type_only(spans, app_logger):
 
 
 # --- 2. records are kept or dropped with their episode --------------------------------------------
-def test_only_kept_episodes_logs_reach_the_receiver(spans, app_logger, sink):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(2, "first"), handle_signals=False)
+def test_only_kept_episodes_logs_reach_the_receiver(configured_logs, app_logger, sink):
+    spans = configured_logs(2, "first", handle_signals=False)
     integration = otr.instrument_logging(app_logger, otlp=True)
     app_logger.warning("before any episode")
     episodes = []
@@ -206,9 +207,8 @@ def _pool_records(sink: OtlpSink) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_process_pool_task_logs_join_the_episode_and_survive_shutdown(spans, sink, method):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(1, "first"), handle_signals=False,
-                  service_name="rl-job")
+def test_process_pool_task_logs_join_the_episode_and_survive_shutdown(configured_logs, sink, method):
+    configured_logs(1, "first", handle_signals=False, service_name="rl-job")
     integration = otr.instrument_logging(otlp=True)
     ctx = multiprocessing.get_context(method)
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx, initializer=_worker_setup()) as pool:
@@ -234,9 +234,8 @@ def test_process_pool_task_logs_join_the_episode_and_survive_shutdown(spans, sin
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_worker_logs_outside_an_episode_are_flushed_with_the_run_identity(spans, sink, method):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(1, "first"), handle_signals=False,
-                  service_name="rl-job")
+def test_worker_logs_outside_an_episode_are_flushed_with_the_run_identity(configured_logs, sink, method):
+    configured_logs(1, "first", handle_signals=False, service_name="rl-job")
     otr.instrument_logging(otlp=True)
     ctx = multiprocessing.get_context(method)
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx, initializer=_worker_setup()) as pool:
@@ -252,8 +251,8 @@ def test_worker_logs_outside_an_episode_are_flushed_with_the_run_identity(spans,
         assert record["resource"][c.SERVICE_NAME] == "rl-job"
 
 
-def test_multiprocessing_pool_task_logs_join_the_episode(spans, sink):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(1, "first"), handle_signals=False)
+def test_multiprocessing_pool_task_logs_join_the_episode(configured_logs, sink):
+    configured_logs(1, "first", handle_signals=False)
     integration = otr.instrument_logging(otlp=True)
     ctx = multiprocessing.get_context(METHODS[-1])
     pool = ctx.Pool(2, initializer=_worker_setup())
@@ -273,11 +272,11 @@ def test_multiprocessing_pool_task_logs_join_the_episode(spans, sink):
     assert {r["resource"][c.RL_RUN_ID] for r in received} == {_runtime.installed().run_id}
 
 
-def test_a_task_over_its_log_budget_brings_back_what_fits(spans, monkeypatch):
+def test_a_task_over_its_log_budget_brings_back_what_fits(configured_logs, monkeypatch):
     from otel_rollouts.correlate import logs
 
     monkeypatch.setattr(logs, "MAX_TASK_LOG_BYTES", 600)
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(1, "first"), handle_signals=False)
+    configured_logs(1, "first", handle_signals=False)
     exporter = InMemoryLogRecordExporter()
     integration = otr.instrument_logging(exporter=exporter)
     with otr.episode(step=0) as ep:
@@ -299,11 +298,11 @@ def _chatty(n: int) -> int:
 
 
 # --- 4. OTEL_EXPORTER_OTLP_LOGS_PROTOCOL=http/json is honoured ------------------------------------
-def test_http_json_log_records_are_sent_as_json(spans, app_logger, sink, monkeypatch):
+def test_http_json_log_records_are_sent_as_json(configured_logs, app_logger, sink, monkeypatch):
     import json
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "http/json")
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(1, "first"), handle_signals=False)
+    configured_logs(1, "first", handle_signals=False)
     integration = otr.instrument_logging(app_logger, otlp=True)
     with otr.episode(step=0) as kept:
         app_logger.warning("kept line")
@@ -327,8 +326,8 @@ def log_then_fail(i: int) -> None:
     raise RuntimeError("task failed")
 
 
-def test_a_failing_worker_task_brings_its_log_records_back(spans, sink):
-    otr.configure(exporters=[spans], sampler=otr.TailSampler(1, "first"), handle_signals=False)
+def test_a_failing_worker_task_brings_its_log_records_back(configured_logs, sink):
+    configured_logs(1, "first", handle_signals=False)
     integration = otr.instrument_logging(otlp=True)
     ctx = multiprocessing.get_context(METHODS[0])
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_setup()) as pool:

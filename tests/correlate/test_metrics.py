@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -33,8 +34,7 @@ def _episode(step: int, reward: float, tool_fails: bool = False) -> otr.Episode:
 @pytest.fixture
 def reader() -> Iterator[InMemoryMetricReader]:
     reader = InMemoryMetricReader()
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(1, "first"),
-                  metric_readers=[reader], handle_signals=False)
+    configure_memory(1, "first", metric_readers=[reader], handle_signals=False)
     yield reader
     otr.shutdown()
 
@@ -171,8 +171,7 @@ def test_otlp_from_env_delivers_metrics_with_the_run_resource(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
                        f"http://127.0.0.1:{httpd.server_address[1]}/v1/metrics")
     try:
-        otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(1, "first"),
-                      run_id="otlp-run", handle_signals=False)
+        configure_memory(1, "first", run_id="otlp-run", handle_signals=False)
         try:
             for r in REWARDS:
                 _episode(0, r)

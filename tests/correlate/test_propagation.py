@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -23,8 +24,7 @@ from otel_rollouts import conventions as c
 
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(8, "first"), handle_signals=False)
+    exporter = configure_memory(8, "first", handle_signals=False)
     yield exporter
     otr.shutdown()
 

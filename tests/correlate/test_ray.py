@@ -18,6 +18,7 @@ import ray
 import ray_workloads as w
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 from suite_paths import TEST_PATHS
 
 import otel_rollouts as otr
@@ -31,8 +32,7 @@ def cluster(ray_cluster):
 
 @pytest.fixture
 def exported(cluster):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(100, "first"), handle_signals=False)
+    exporter = configure_memory(100, "first", handle_signals=False)
     yield exporter
     otr.shutdown(timeout=10)
 
@@ -155,9 +155,8 @@ def test_outside_an_episode_a_call_is_plain_ray(exported):
 
 
 # --- kept or dropped with the episode --------------------------------------------------------------
-def test_actor_spans_are_kept_or_dropped_with_their_episode(cluster, otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(1, "top_bottom"), handle_signals=False)
+def test_actor_spans_are_kept_or_dropped_with_their_episode(cluster, configured):
+    exporter = configured(1, "top_bottom", handle_signals=False)
     env = w.SyncEnv.remote()
     trace_ids = {}
     for reward in (0.1, 0.9):

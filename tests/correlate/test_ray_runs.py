@@ -15,7 +15,7 @@ import uuid
 import pytest
 import ray
 import ray_workloads as w
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 
@@ -41,9 +41,8 @@ def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
 
 def _reference_rewards(episodes: list[dict], step: int) -> list[float]:
     """The rewards one process holding every episode of the step keeps ("top_bottom")."""
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP, "top_bottom", distributed=False),
-                  handle_signals=False)
+    exporter = configure_memory(CAP, "top_bottom", sampler_options={"distributed": False},
+                                handle_signals=False)
     try:
         for e in sorted(episodes, key=lambda e: e["id"]):
             with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:

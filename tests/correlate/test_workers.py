@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.status import StatusCode
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -114,8 +115,7 @@ def four_concurrent_calls(tasks: list) -> list:
 # --- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(1, "first"), handle_signals=False)
+    exporter = configure_memory(1, "first", handle_signals=False)
     yield exporter
     otr.shutdown()
 

@@ -13,7 +13,7 @@ from decode_samples import (
     single_turn,
     tool_episode,
 )
-from otr_helpers import root, traces, trackio_rows, tree
+from otr_helpers import configure_memory, root, traces, trackio_rows, tree
 from tokenizer_fixture import DecodeLog, build_tokenizer, counting_tokenizer, text_ids
 
 import otel_rollouts as otr
@@ -290,10 +290,8 @@ def test_versions_ignore_placeholders_and_per_sample_versions(tok, memory):
 def test_dropped_episodes_are_never_decoded():
     log = DecodeLog()
     tok = counting_tokenizer(log)
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, "top_bottom"))
+    exporter = configure_memory(2, "top_bottom")
     try:
         samples = [single_turn(tok, f"Question {i}?", f"The answer is {i}.") for i in range(12)]
         samples[3] = tool_episode(tok)
@@ -319,10 +317,8 @@ def test_dropped_episodes_are_never_decoded():
 def test_content_capture_off_records_structure_without_decoding():
     log = DecodeLog()
     counting = counting_tokenizer(log)
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"), capture_content=False)
+    exporter = configure_memory(10, "first", capture_content=False)
     try:
         s = retry_episode(counting)
         summary, got = record(counting, exporter, [s.ids], loss_mask=[s.mask])

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 from tokenizer_fixture import build_tokenizer
 
 import otel_rollouts as otr
@@ -69,8 +70,7 @@ def _kl(s: dict[str, Any]) -> float | None:
 
 # --- the paths -----------------------------------------------------------------------------------
 def _configure(policy: Any, cap: int) -> InMemorySpanExporter:
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, policy, step_lag=None))
+    exporter = configure_memory(cap, policy, sampler_options={"step_lag": None})
     return exporter
 
 

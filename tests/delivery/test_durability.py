@@ -411,9 +411,8 @@ def test_a_hung_exporter_holds_bounded_bytes_and_nothing_kept_is_lost(tmp_path, 
     assert sorted(_ids(hung.get_finished_spans())) == sorted(f"big{i}" for i in range(40))
 
 
-def test_an_episode_open_past_its_timeout_is_ended_truncated_decided_and_counted(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first"), episode_timeout_s=0.2)
+def test_an_episode_open_past_its_timeout_is_ended_truncated_decided_and_counted(configured):
+    memory = configured(10, "first", episode_timeout_s=0.2)
     hung = otr.episode(step=0, episode_id="hung").start()
     hung.prompt("a rollout whose environment never answers")
     with otr.episode(step=0, episode_id="fine") as ep:

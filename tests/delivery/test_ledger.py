@@ -264,13 +264,12 @@ def test_a_partial_success_is_not_counted_delivered(otr_shutdown, sink, answer, 
 # --- exit ----------------------------------------------------------------------------------------
 
 
-def test_an_episode_inside_a_hung_export_at_shutdown_is_counted_lost_once(otr_shutdown):
+def test_an_episode_inside_a_hung_export_at_shutdown_is_counted_lost_once(configured):
     """The exporter hangs in ``export`` past the exit deadline: its episodes are lost under
     ``undelivered_at_exit`` (they were counted neither delivered nor dropped); when the call
     returns after all, nothing is counted a second time."""
     hung = Hostile(["hang"])
-    healthy = InMemorySpanExporter()
-    otr.configure(exporters=[healthy, hung], sampler=otr.TailSampler(100, "first"), handle_signals=False)
+    configured(100, "first", also=[hung], handle_signals=False)
     _episodes(0, 4)
     otr.end_step(0)
     assert hung.hanging.wait(30)
@@ -358,7 +357,7 @@ def test_kept_episodes_waiting_for_a_slow_exporter_are_bounded_in_bytes(otr_shut
     assert books["delivered"] >= 1 and books["delivered"] + books["dropped"] == 40
 
 
-def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(otr_shutdown):
+def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(configured):
     """The render thread held (a deferred prompt that blocks): 40 kept episodes of ~1 MB each
     (distinct texts beyond Latin-1) are offered to the render queue; what it holds stays near
     ``max_queue_bytes`` (8 MiB here), measured with tracemalloc, the rest is dropped under
@@ -366,9 +365,7 @@ def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(
     bound)."""
     from otel_rollouts._core.content import Deferred
 
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(100, "first"), handle_signals=False,
-                  max_queue_bytes=8 * 1024 * 1024)
+    configured(100, "first", handle_signals=False, max_queue_bytes=8 * 1024 * 1024)
     gate, rendering = threading.Event(), threading.Event()
 
     def blocked() -> list:

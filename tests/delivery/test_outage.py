@@ -226,10 +226,9 @@ def test_slow_receiver_never_blocks_training_and_everything_arrives(sink, tmp_pa
     assert _received(sink) == set(_kept_ids(memory))
 
 
-def test_full_queue_drops_are_counted_and_warned_once_per_interval(tmp_path, otr_shutdown, caplog):
+def test_full_queue_drops_are_counted_and_warned_once_per_interval(tmp_path, configured, caplog):
     release = threading.Event()
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(1000, "first"), max_queue=2)
+    memory = configured(1000, "first", max_queue=2)
     caplog.set_level(logging.WARNING, logger="otel_rollouts")
     # the export thread is stuck materialising a value (a slow decode): the queue fills up
     with otr.episode(step=0) as ep:

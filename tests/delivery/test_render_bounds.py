@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as hst
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -258,7 +257,7 @@ def _render(record: Any, materializer: Materializer, *, early: bool) -> list[Any
 
 @pytest.mark.parametrize("json_text", [False, True])
 @pytest.mark.parametrize("redact", [True, False])
-def test_a_kept_episode_with_a_huge_message_renders_as_before(redact: bool, json_text: bool, otr_shutdown: None,
+def test_a_kept_episode_with_a_huge_message_renders_as_before(redact: bool, json_text: bool, configured,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The same spans as when every text was redacted and encoded whole (cut counts aside), with
     the redactor reading a bounded part of the message. Text the views parse as JSON (tool-call
@@ -272,8 +271,7 @@ def test_a_kept_episode_with_a_huge_message_renders_as_before(redact: bool, json
         return original(self, record)
 
     monkeypatch.setattr(Materializer, "episode", capture)
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "first"), redact=redact)
+    configured(5, "first", redact=redact)
     keep = (16_384 // 2) + 1
     big = _big_message(keep, redaction.REDACT_MARGIN)
     with otr.episode(step=0) as ep:

@@ -17,7 +17,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otr_helpers import traces
 
 import otel_rollouts as otr
@@ -169,7 +168,7 @@ def test_messages_read_per_generation_do_not_grow_with_the_episode(monkeypatch: 
     assert most[400] == most[50] <= 24
 
 
-def test_each_text_is_redacted_once_per_render(otr_shutdown: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_text_is_redacted_once_per_render(configured, monkeypatch: pytest.MonkeyPatch) -> None:
     """Texts that repeat across spans (the same tool result every turn, the same role names,
     message keys, a failure's message) are scanned once per render, not once per place."""
     counts: Counter[tuple[str, str]] = Counter()
@@ -191,8 +190,7 @@ def test_each_text_is_redacted_once_per_render(otr_shutdown: None, monkeypatch: 
 
     monkeypatch.setattr(redaction.Redactor, "_scan", counting_scan)
     monkeypatch.setattr(Materializer, "episode", marked)
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first", step_lag=None), run_id="once")
+    memory = configured(10, "first", sampler_options={"step_lag": None}, run_id="once")
     secret = "sk-proj-" + "A1b2C3d4E5f6G7h8I9j0" * 2
     with otr.episode(step=0, group_id="g", sample_index=0) as ep:
         ep.prompt([{"role": "user", "content": f"use key {secret} to search"}])
@@ -214,12 +212,12 @@ def test_each_text_is_redacted_once_per_render(otr_shutdown: None, monkeypatch: 
     assert not any(secret in str(s.attributes) for s in spans)
 
 
-def test_long_episode_renders_every_span_and_the_last_conversation(otr_shutdown: None) -> None:
+def test_long_episode_renders_every_span_and_the_last_conversation(configured) -> None:
     """Through the public API, with no episode budget: every span rendered, and the last
     generation's conversation so far is the original's cut of the whole conversation."""
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first", step_lag=None), run_id="long",
-                  max_attribute_chars=2_000, max_episode_chars=None, max_spans_per_episode=1_000)
+    memory = configured(10, "first", sampler_options={"step_lag": None}, run_id="long",
+                        max_attribute_chars=2_000, max_episode_chars=None,
+                        max_spans_per_episode=1_000)
     turns = 120
     recorded: list[Span] = [(1, None, c.KIND_EPISODE, {}, None)]
     prompt = [{"role": "user", "content": "find the answer"}]

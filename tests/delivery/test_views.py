@@ -13,8 +13,7 @@ import json
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otr_helpers import root, traces
+from otr_helpers import configure_memory, root, traces
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -43,9 +42,8 @@ def check_messages(text: str, *, output: bool = False) -> list[dict[str, Any]]:
 
 
 def _episode(*, capture: bool = True, **configure: Any) -> list:
-    memory = InMemorySpanExporter()
-    otr.configure(service_name="views-test", exporters=[memory], sampler=otr.TailSampler(10, "first"),
-                  capture_content=capture, **configure)
+    memory = configure_memory(10, "first", service_name="views-test", capture_content=capture,
+                              **configure)
     with otr.episode(step=3, group_id="grp-7", sample_index=1) as ep:
         ep.prompt([{"role": "system", "content": "Be brief."},
                    {"role": "user", "content": f"What is 6*7? my key is {SECRET}"}],
@@ -111,8 +109,8 @@ def test_a_generation_without_recorded_input_gets_the_conversation_so_far(otr_sh
     assert attrs[c.OI_LLM_MODEL_NAME] == "pol"
 
 
-def test_the_conversation_is_not_copied_on_the_training_thread(otr_shutdown):
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(10, "first"))
+def test_the_conversation_is_not_copied_on_the_training_thread(configured):
+    configured(10, "first")
     with otr.episode(step=0) as ep:
         ep.prompt("q")
         with ep.turn() as turn:

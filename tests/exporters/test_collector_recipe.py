@@ -665,13 +665,11 @@ def test_decision_wait_and_memory_arithmetic(tier2: dict[str, Any]) -> None:
 # otel_rollouts emits the decision tier 2 keys on
 
 
-def test_otel_rollouts_marks_kept_episode_roots(otr_shutdown: None) -> None:
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+def test_otel_rollouts_marks_kept_episode_roots(configured) -> None:
 
     import otel_rollouts as otr
 
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, "top_bottom"))
+    exporter = configured(2, "top_bottom")
     trace_ids = {}
     for i, reward in enumerate([0.1, 0.9, 0.5, 0.4]):
         with otr.episode(step=0, episode_id=f"e{i}") as ep:

@@ -113,9 +113,8 @@ def test_sessions_of_repeating_group_ids_are_told_apart_across_steps_and_runs(ot
     assert "run-b/train/39/p1" in sessions
 
 
-def test_a_component_named_like_another_evaluation_keeps_its_own_name(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first"))
+def test_a_component_named_like_another_evaluation_keeps_its_own_name(configured):
+    memory = configured(10, "first")
     with otr.episode(step=0, group_id="g") as ep:
         ep.reward(1.0, components={"status": 0.5, "note": 0.25}, advantage=0.0)
         ep.finish(status="ok")

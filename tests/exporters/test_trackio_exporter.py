@@ -358,13 +358,11 @@ def test_no_table_when_turned_off(otr_shutdown):
     assert len(trackio_rows(project)) == 5 and trackio_tables(project) == []
 
 
-def test_a_tool_call_without_an_id_in_the_message_is_shown_once(otr_shutdown):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+def test_a_tool_call_without_an_id_in_the_message_is_shown_once(configured):
 
     from otel_rollouts.exporters.trackio import episode_messages
 
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(10, "first"), handle_signals=False)
+    memory = configured(10, "first", handle_signals=False)
     with otr.episode(step=0) as ep:
         ep.prompt("What is 17 * 23?")
         with ep.turn() as turn:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -98,9 +99,8 @@ def _gid(group: int | None) -> str | None:
 
 
 def _run(policy_name: str, cap: int, steps: list, *, batched: bool) -> tuple[list, dict]:
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, POLICIES[policy_name](), step_lag=None),
-                  deterministic_ids=True, run_id="prop")
+    exporter = configure_memory(cap, POLICIES[policy_name](), sampler_options={"step_lag": None},
+                                deterministic_ids=True, run_id="prop")
     try:
         index = 0
         for step, batches in enumerate(steps):
@@ -146,8 +146,7 @@ def test_the_batch_path_keeps_what_the_per_episode_path_keeps(policy_name, steps
 
 
 def _batch_config(cap=4, policy="top_bottom"):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, policy, step_lag=None))
+    exporter = configure_memory(cap, policy, sampler_options={"step_lag": None})
     return exporter
 
 
@@ -272,12 +271,11 @@ def test_a_step_closed_while_rows_are_being_recorded_gets_them(otr_shutdown):
     assert otr.stats()["steps"]["0/train"]["kept"] == 2
 
 
-def test_metrics_count_rows_dropped_without_records(otr_shutdown):
+def test_metrics_count_rows_dropped_without_records(configured):
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
-    otr.configure(exporters=[InMemorySpanExporter()], metric_readers=[reader],
-                  sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
+    configured(2, "top_bottom", sampler_options={"step_lag": None}, metric_readers=[reader])
     otr.record_batch(50, step=0, rewards=[float(i) for i in range(50)])
     otr.end_step(0)
     otr.flush()

@@ -70,9 +70,8 @@ def test_fewer_episodes_than_cap_keeps_all_once(otr_shutdown):
     assert len(exporter.get_finished_spans()) == 25  # no episode twice
 
 
-def test_nothing_of_a_dropped_episode_is_exported(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(1, "top_bottom"))
+def test_nothing_of_a_dropped_episode_is_exported(configured):
+    exporter = configured(1, "top_bottom")
     eps = []
     for _ in range(4):
         with otr.episode(step=0) as ep:
@@ -87,10 +86,9 @@ def test_nothing_of_a_dropped_episode_is_exported(otr_shutdown):
     assert {s.context.trace_id for s in exporter.get_finished_spans()} == {spans[0].context.trace_id}
 
 
-def test_errors_then_top_bottom_by_name(otr_shutdown):
+def test_errors_then_top_bottom_by_name(configured):
     """In a composition, "errors" takes only the errors; the rest of the cap goes on to top_bottom."""
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "errors+top_bottom"))
+    exporter = configured(10, "errors+top_bottom")
     for i in range(100):
         with otr.episode(step=0) as ep:
             ep.reward(float(i))

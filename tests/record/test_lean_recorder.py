@@ -169,9 +169,8 @@ def test_hostile_values_on_the_fast_paths_are_flagged_not_raised(memory) -> None
     assert "raised" in tool.attributes[c.GEN_AI_TOOL_NAME]  # a placeholder text, not an exception
 
 
-def test_a_late_reward_after_the_root_ended_decides_the_episode(otr_shutdown) -> None:
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
+def test_a_late_reward_after_the_root_ended_decides_the_episode(configured) -> None:
+    exporter = configured(2, "top_bottom", sampler_options={"step_lag": None})
     with otr.episode(step=0, group_id="g", sample_index=0) as low:
         low.reward(0.1)
     with otr.episode(step=0, group_id="g", sample_index=1) as middle:
@@ -277,12 +276,12 @@ def _python_calls(fn: Any) -> int:
     return calls
 
 
-def test_the_work_per_recorded_span_stays_small(otr_shutdown) -> None:
+def test_the_work_per_recorded_span_stays_small(configured) -> None:
     """A dropped episode of 11 spans (the benchmarks' tree: prompt, 3 turns with a generation,
     2 tool calls, a reward) takes a bounded number of Python calls, offer and drop included.
     The bound is structural (calls, not time): the lean path takes about 12 per span (offer,
     drop and the loop's own calls included) where the recorder before it took about 23."""
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(0, "top_bottom", step_lag=None))
+    configured(0, "top_bottom", sampler_options={"step_lag": None})
     prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
 
     def one(i: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
@@ -19,9 +18,8 @@ def _spans(memory):
     return memory.get_finished_spans()
 
 
-def test_long_content_keeps_head_and_tail_and_is_flagged(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "first"), max_attribute_chars=1000)
+def test_long_content_keeps_head_and_tail_and_is_flagged(configured):
+    memory = configured(5, "first", max_attribute_chars=1000)
     text = "HEAD-MARK " + "x" * 50_000 + " TAIL-MARK"
     with otr.episode(step=0) as ep:
         ep.prompt(text)
@@ -35,11 +33,8 @@ def test_long_content_keeps_head_and_tail_and_is_flagged(otr_shutdown):
     assert c.GEN_AI_INPUT_MESSAGES in prompt.attributes[c.RL_TRUNCATED_FIELDS]
 
 
-def test_episode_text_budget_is_shared_by_all_its_spans(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(
-        exporters=[memory], sampler=otr.TailSampler(5, "first"), max_attribute_chars=10_000, max_episode_chars=6_000
-    )
+def test_episode_text_budget_is_shared_by_all_its_spans(configured):
+    memory = configured(5, "first", max_attribute_chars=10_000, max_episode_chars=6_000)
     with otr.episode(step=0) as ep:
         for i in range(20):
             with ep.turn() as turn:
@@ -62,9 +57,8 @@ def test_episode_text_budget_is_shared_by_all_its_spans(otr_shutdown):
     assert sum(len(t) for t in texts) < 20 * 2_000 / 3
 
 
-def test_span_count_limit_per_episode_is_enforced_and_counted(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "first"), max_spans_per_episode=10)
+def test_span_count_limit_per_episode_is_enforced_and_counted(configured):
+    memory = configured(5, "first", max_spans_per_episode=10)
     with otr.episode(step=0) as ep:
         with ep.turn() as turn:
             for i in range(50):
@@ -78,9 +72,8 @@ def test_span_count_limit_per_episode_is_enforced_and_counted(otr_shutdown):
     assert otr.stats()["totals"]["dropped.span_limit"] == 43
 
 
-def test_attribute_count_is_not_cut_at_opentelemetrys_default_128(otr_shutdown):
-    memory = InMemorySpanExporter()
-    otr.configure(exporters=[memory], sampler=otr.TailSampler(5, "first"))
+def test_attribute_count_is_not_cut_at_opentelemetrys_default_128(configured):
+    memory = configured(5, "first")
     tracer = _runtime.installed().tracer
     with otr.episode(step=0, metadata={f"k{i}": i for i in range(300)}) as ep:
         # a span of other OpenTelemetry instrumentation (an SDK span) with many attributes

@@ -18,6 +18,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.status import StatusCode
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -56,10 +57,9 @@ def _completion(content: str | None, *, tool_call: bool = False, usage: bool = T
 
 @pytest.fixture
 def run():
-    memory = InMemorySpanExporter()
     reader = InMemoryMetricReader()
-    otr.configure(service_name="one-call", exporters=[memory], sampler=otr.TailSampler(1000, "first"),
-                  metric_readers=[reader], handle_signals=False)
+    memory = configure_memory(1000, "first", service_name="one-call", metric_readers=[reader],
+                              handle_signals=False)
     yield memory, reader
     otr.shutdown()
 

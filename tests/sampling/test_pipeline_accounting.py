@@ -19,7 +19,6 @@ import tracemalloc
 
 import pytest
 import torch
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otr_helpers import root, traces
 
 import otel_rollouts as otr
@@ -44,10 +43,9 @@ def _rewardless(step: int, n: int) -> None:
             ep.prompt("p" * 2000)  # no reward: the episode waits for one
 
 
-def test_a_rewardless_episode_after_its_step_closed_is_decided_at_once_and_memory_is_flat(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(4, "top_bottom", step_lag=None),
-                  run_id="late-rewardless")
+def test_a_rewardless_episode_after_its_step_closed_is_decided_at_once_and_memory_is_flat(configured):
+    exporter = configured(4, "top_bottom", sampler_options={"step_lag": None},
+                          run_id="late-rewardless")
     with otr.episode(step=0) as ep:
         ep.reward(1.0)
     otr.end_step(0)
@@ -74,10 +72,8 @@ def test_a_rewardless_episode_after_its_step_closed_is_decided_at_once_and_memor
     assert len(traces(exporter)) == 4
 
 
-def test_a_rewardless_episode_of_a_step_closed_by_the_lag_rule_is_decided_when_it_ends(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, "top_bottom", step_lag=1),
-                  run_id="late-lag")
+def test_a_rewardless_episode_of_a_step_closed_by_the_lag_rule_is_decided_when_it_ends(configured):
+    configured(2, "top_bottom", sampler_options={"step_lag": 1}, run_id="late-lag")
     with otr.episode(step=0) as ep:
         ep.reward(1.0)
     with otr.episode(step=1) as ep:  # step 0 closes (lag 1)
@@ -89,10 +85,8 @@ def test_a_rewardless_episode_of_a_step_closed_by_the_lag_rule_is_decided_when_i
 
 
 # --- 2. repeated episode ids with deterministic ids ------------------------------------------------
-def test_a_repeated_episode_id_is_never_merged_into_another_episodes_trace(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"),
-                  deterministic_ids=True, run_id="dup")
+def test_a_repeated_episode_id_is_never_merged_into_another_episodes_trace(configured):
+    exporter = configured(10, "first", deterministic_ids=True, run_id="dup")
     for _ in range(2):  # one after the other
         with otr.episode(step=0, episode_id="same") as ep:
             ep.reward(1.0)
@@ -117,10 +111,8 @@ def test_a_repeated_episode_id_is_never_merged_into_another_episodes_trace(otr_s
     assert all(r.attributes[c.RL_EPISODE_ID] == "same" for r in flagged)
 
 
-def test_repeated_episode_ids_in_a_batch_are_kept_as_distinct_traces(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "uniform"),
-                  deterministic_ids=True, run_id="dup-batch")
+def test_repeated_episode_ids_in_a_batch_are_kept_as_distinct_traces(configured):
+    exporter = configured(10, "uniform", deterministic_ids=True, run_id="dup-batch")
     otr.record_batch(3, step=0, rewards=[1.0, 2.0, 3.0], episode_ids=["a", "a", "b"])
     otr.end_step(0)
     otr.flush()
@@ -131,9 +123,8 @@ def test_repeated_episode_ids_in_a_batch_are_kept_as_distinct_traces(otr_shutdow
 
 # --- 3. the batch path -------------------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["first", "top_bottom"])
-def test_a_keyboard_interrupt_from_the_record_callback_leaves_every_row_counted(otr_shutdown, policy):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(100, policy), run_id="kbi")
+def test_a_keyboard_interrupt_from_the_record_callback_leaves_every_row_counted(configured, policy):
+    exporter = configured(100, policy, run_id="kbi")
 
     def record(i: int, ep) -> None:
         ep.prompt(f"row {i}")
@@ -151,9 +142,8 @@ def test_a_keyboard_interrupt_from_the_record_callback_leaves_every_row_counted(
     assert _runtime.current().pipeline.open_episodes() == []
 
 
-def test_a_0d_tensor_column_is_broadcast_and_the_batch_recorded(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(100, "first"), run_id="0d")
+def test_a_0d_tensor_column_is_broadcast_and_the_batch_recorded(configured):
+    exporter = configured(100, "first", run_id="0d")
     summary = otr.record_batch(4, step=0, rewards=torch.tensor(0.5), advantages=torch.tensor([1.0, 2.0, 3.0, 4.0]))
     otr.flush()
     assert summary.recorded == 4, summary
@@ -163,9 +153,8 @@ def test_a_0d_tensor_column_is_broadcast_and_the_batch_recorded(otr_shutdown):
     assert sorted(root(s).attributes[c.RL_REWARD] for s in kept.values()) == [0.5] * 4
 
 
-def test_a_failed_row_is_counted_per_step(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(100, "first"), run_id="failed-row")
+def test_a_failed_row_is_counted_per_step(configured):
+    configured(100, "first", run_id="failed-row")
 
     def record(i: int, ep) -> None:
         if i == 1:
@@ -180,9 +169,8 @@ def test_a_failed_row_is_counted_per_step(otr_shutdown):
 
 
 # --- 4. a reward after the episode was kept, before it was exported --------------------------------
-def test_a_reward_recorded_after_keep_but_before_export_is_sent_once(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"), run_id="reward-once")
+def test_a_reward_recorded_after_keep_but_before_export_is_sent_once(configured):
+    exporter = configured(10, "first", run_id="reward-once")
     gate, rendering = threading.Event(), threading.Event()
 
     def blocked() -> list:
@@ -207,9 +195,8 @@ def test_a_reward_recorded_after_keep_but_before_export_is_sent_once(otr_shutdow
 
 
 # --- 5. attribute keys and counts ----------------------------------------------------------------
-def test_metadata_keys_and_counts_are_bounded_and_flagged(otr_shutdown):
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"), run_id="keys")
+def test_metadata_keys_and_counts_are_bounded_and_flagged(configured):
+    exporter = configured(10, "first", run_id="keys")
     metadata = {"x" * (2 * 1024 * 1024): 1}  # a 2 MB key
     metadata.update({f"k{i}": i for i in range(20_000)})
     with otr.episode(step=0, metadata=metadata) as ep:
@@ -230,11 +217,10 @@ def test_metadata_keys_and_counts_are_bounded_and_flagged(otr_shutdown):
     assert totals["cut.attribute_keys"] >= 3, totals  # the component on its span and the root
 
 
-def test_attributes_set_through_the_opentelemetry_api_are_bounded(otr_shutdown):
+def test_attributes_set_through_the_opentelemetry_api_are_bounded(configured):
     from opentelemetry import trace
 
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"), run_id="api-keys")
+    exporter = configured(10, "first", run_id="api-keys")
     with otr.episode(step=0) as ep:
         span = trace.get_current_span()
         span.set_attributes({f"a{i}": i for i in range(5000)})
@@ -247,9 +233,8 @@ def test_attributes_set_through_the_opentelemetry_api_are_bounded(otr_shutdown):
     assert any("attributes" in m for m in _invalid(top))
 
 
-def test_an_episode_with_100k_metadata_keys_and_a_2mb_key_holds_bounded_bytes(otr_shutdown):
-    otr.configure(exporters=[InMemorySpanExporter()], sampler=otr.TailSampler(10, "top_bottom"),
-                  run_id="keys-bytes")
+def test_an_episode_with_100k_metadata_keys_and_a_2mb_key_holds_bounded_bytes(configured):
+    configured(10, "top_bottom", run_id="keys-bytes")
     gc.collect()
     tracemalloc.start()
     try:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -123,8 +124,7 @@ def test_lost_members_from_the_expected_group_size():
 
 def test_slowest_ranks_measured_time_and_never_unmeasured():
     """Live episodes are timed by their root; the two slowest are the ones that ran longest."""
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, policy="slowest"))
+    exporter = configure_memory(2, "slowest")
     try:
         for i in range(6):
             with otr.episode(step=0, dataset_index=i) as ep:
@@ -150,8 +150,7 @@ def test_slowest_ranks_measured_time_and_never_unmeasured():
 
 
 def test_slowest_without_any_measure_keeps_nothing_and_writes_no_zero():
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(4, policy="slowest+first"))
+    exporter = configure_memory(4, "slowest+first")
     try:
         for i in range(3):
             with otr.episode(step=0, dataset_index=i, framework="someframework") as ep:
@@ -254,8 +253,7 @@ def test_custom_bucket_without_reasons_gets_the_policy_label():
 
 
 def test_late_episode_says_late():
-    exporter = InMemorySpanExporter()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(4, policy="top_bottom"))
+    exporter = configure_memory(4, "top_bottom")
     try:
         with otr.episode(step=0) as ep:
             ep.reward(1.0)

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import ray
 import ray_workloads as w
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otr_helpers import configure_memory
 
 import otel_rollouts as otr
 
@@ -54,12 +54,9 @@ def _episodes(step: int, actors: int, seed: int, logprobs: bool = False) -> list
 def _reference(policy: str, episodes: list[dict], step: int) -> list[str]:
     """What one process holding every episode of the step keeps (no distributed budget; a
     Groups bucket large enough to hold every group, as the merge does)."""
-    exporter = InMemorySpanExporter()
     chosen = otr.Groups(max_held=1000) if policy == "groups" else policy
-    otr.configure(
-        exporters=[exporter], sampler=otr.TailSampler(CAP, chosen, distributed=False),
-        run_id="ray-budget", deterministic_ids=True, handle_signals=False,
-    )
+    exporter = configure_memory(CAP, chosen, sampler_options={"distributed": False},
+                                run_id="ray-budget", deterministic_ids=True, handle_signals=False)
     try:
         for e in sorted(episodes, key=lambda e: e["id"]):
             with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:

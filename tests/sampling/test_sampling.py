@@ -9,8 +9,7 @@ import time
 from collections import Counter
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otr_helpers import root, traces, tree
+from otr_helpers import configure_memory, root, traces, tree
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -19,10 +18,8 @@ from otel_rollouts.record.episode import trace_id_int
 
 
 def configure(cap=4, policy="top_bottom", **kw):
-    exporter = InMemorySpanExporter()
     sampler_kw = {k: kw.pop(k) for k in ("step_lag", "step_timeout_s") if k in kw}
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(cap, policy, **sampler_kw), **kw)
-    return exporter
+    return configure_memory(cap, policy, sampler_options=sampler_kw, **kw)
 
 
 def one(step, reward=None, split="train", status=None, group=None, reward_after=False):

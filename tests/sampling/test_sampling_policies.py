@@ -393,12 +393,10 @@ def test_a_plain_class_satisfies_the_policy_protocol_alone_and_composed():
     assert sum(1 for i in ids if i in (0, 1, 2)) >= 2 and {8, 9} <= set(ids)
 
 
-def test_a_custom_policy_drives_the_real_pipeline(otr_shutdown):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+def test_a_custom_policy_drives_the_real_pipeline(configured):
 
-    exporter = InMemorySpanExporter()
     custom = HighestTraceIds()
-    otr.configure(exporters=[exporter], sampler=otr.TailSampler(2, custom, step_lag=None))
+    exporter = configured(2, custom, sampler_options={"step_lag": None})
     tids = []
     for i in range(5):
         with otr.episode(step=0) as ep:
