@@ -11,10 +11,13 @@ Token ids are decoded lazily (``decoded``): only episodes the sampler keeps pay 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from otel_rollouts.adapters.kit import Deferred, field, to_list
+
+if TYPE_CHECKING:
+    from otel_rollouts import Episode, ToolCall
 
 __all__ = [
     "conversation",
@@ -27,8 +30,31 @@ __all__ = [
     "token_ids",
 ]
 
+Message = dict[str, object]
+"""An OpenAI-style message as the frameworks keep it (``role``, ``content``, ``tool_calls``...)."""
+M = TypeVar("M", bound=Mapping[str, object])
 
-def conversation(value: Any) -> list[dict[str, Any]]:
+
+class TurnLike(Protocol):
+    """What ``record_assistant`` records on: an ``otr.Turn``, or a wrapper of one that adds
+    keywords to its generations (the Tinker adapter's sampled logprobs)."""
+
+    def record_generation(self, content: object = None, *, model: str | None = None,
+                          messages: object = None, provider: str | None = None,
+                          **output: object) -> object: ...
+
+    def tool_call(self, name: str, arguments: object = None, call_id: str | None = None) -> ToolCall: ...
+
+    def feedback(self, content: object, role: str = "environment") -> None: ...
+
+
+class _Decoder(Protocol):
+    """A tokenizer, as ``decoded`` uses it."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> object: ...
+
+
+def conversation(value: object) -> list[Message]:
     """Messages of ``value``: a ``{"type": "conversation", "messages": [...]}`` payload, a list of
     messages, one message, or plain text (a user message)."""
     if value is None:
@@ -40,7 +66,7 @@ def conversation(value: Any) -> list[dict[str, Any]]:
             return conversation(value.get("messages"))
         return [dict(value)]
     if isinstance(value, Sequence):
-        out = []
+        out: list[Message] = []
         for m in value:
             if isinstance(m, Mapping):
                 out.append(dict(m))
@@ -53,11 +79,11 @@ def conversation(value: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": str(value)}]
 
 
-def _role(message: Mapping[str, Any]) -> str:
+def _role(message: Mapping[str, object]) -> str:
     return str(message.get("role") or "")
 
 
-def leading_prompt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def leading_prompt(messages: list[M]) -> list[M]:
     """The messages before the first assistant message: the episode's initial prompt.
 
     Cutting there also undoes an environment that logged its live history list instead of a
@@ -69,7 +95,7 @@ def leading_prompt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def feedback_after(messages: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
+def feedback_after(messages: Sequence[M], turn: int) -> Sequence[M]:
     """What followed assistant message number ``turn`` in a conversation (tool results, user or
     environment messages), up to the next assistant message.
 
@@ -85,14 +111,17 @@ def feedback_after(messages: list[dict[str, Any]], turn: int) -> list[dict[str, 
     return messages[positions[-1] + 1:]
 
 
-def _tool_calls(message: Mapping[str, Any]) -> list[tuple[str, Any, str | None]]:
+def _tool_calls(message: Mapping[str, object]) -> list[tuple[str, object, str | None]]:
     """(name, arguments, call id) of each tool call in an assistant message."""
-    out = []
-    for call in message.get("tool_calls") or []:
+    out: list[tuple[str, object, str | None]] = []
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, Iterable):
+        raise TypeError(f"tool_calls is not a list: {type(calls).__name__}")
+    for call in calls:
         if not isinstance(call, Mapping):
             continue
-        function = call.get("function")
-        function = function if isinstance(function, Mapping) else {}
+        nested = call.get("function")
+        function: Mapping[str, object] = nested if isinstance(nested, Mapping) else {}
         name = function.get("name") or call.get("name") or "tool"
         arguments = function.get("arguments", call.get("arguments"))
         if isinstance(arguments, str):
@@ -106,15 +135,15 @@ def _tool_calls(message: Mapping[str, Any]) -> list[tuple[str, Any, str | None]]
 
 
 def record_assistant(
-    turn: Any,
-    message: Mapping[str, Any] | None,
-    feedback: Sequence[dict[str, Any]] = (),
+    turn: TurnLike,
+    message: Mapping[str, object] | None,
+    feedback: Sequence[Mapping[str, object]] = (),
     *,
     model: str | None = None,
     finish_reason: str | None = None,
     input_tokens: int | None = None,
     output_tokens: int | None = None,
-    input_messages: Any = None,
+    input_messages: object = None,
 ) -> list[str]:
     """Record one assistant message on ``turn``, its tool calls with their results, and the
     remaining ``feedback``; returns the tool-call parse errors it carried (Tinker's
@@ -140,14 +169,16 @@ def record_assistant(
     for m in rest:
         turn.feedback(m.get("content"), role=_role(m) or "environment")
     errors = []
+    if not isinstance(unparsed, Iterable):
+        raise TypeError(f"unparsed_tool_calls is not a list: {type(unparsed).__name__}")
     for item in unparsed:
         error = field(item, "error") if not isinstance(item, str) else item
         errors.append(str(error or item))
     return errors
 
 
-def _take_result(rest: list[dict[str, Any]], call_id: str | None, name: str, n: int
-                 ) -> dict[str, Any] | None:
+def _take_result(rest: list[Mapping[str, object]], call_id: str | None, name: str, n: int
+                 ) -> Mapping[str, object] | None:
     """Remove and return the tool message answering a call: by id, else the first tool message
     with the call's name, else the first unnamed tool message."""
     tools = [i for i, m in enumerate(rest) if _role(m) == "tool"]
@@ -163,12 +194,12 @@ def _take_result(rest: list[dict[str, Any]], call_id: str | None, name: str, n: 
     return None
 
 
-def record_completion(ep: Any, messages: list[dict[str, Any]], *, model: str | None = None,
+def record_completion(ep: Episode, messages: list[Message], *, model: str | None = None,
                       finish_reason: str | None = None) -> int:
     """Record a conversational completion (assistant turns, tool results, other messages) as
     turns of ``ep``; returns the number of turns. A completion with no assistant message is one
     turn whose generation is the text of the completion."""
-    turns: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    turns: list[tuple[Message, list[Message]]] = []
     for m in messages:
         if _role(m) == "assistant" or not turns:
             if _role(m) == "assistant":
@@ -185,7 +216,7 @@ def record_completion(ep: Any, messages: list[dict[str, Any]], *, model: str | N
 
 
 # --- tokens --------------------------------------------------------------------------------
-def token_ids(value: Any) -> list[int] | None:
+def token_ids(value: object) -> list[int] | None:
     """Token ids of a token container: a list, a tensor, Tinker's ``ModelInput`` (``to_ints``),
     ``TokensWithLogprobs`` (``tokens``). Copied, so later mutation cannot leak in."""
     if value is None:
@@ -203,7 +234,7 @@ def token_ids(value: Any) -> list[int] | None:
     return list(ids) if ids is not None else None
 
 
-def token_count(value: Any) -> int | None:
+def token_count(value: object) -> int | None:
     """How many tokens ``value`` holds (``length`` of a ``ModelInput``, ``len`` otherwise)."""
     if value is None:
         return None
@@ -214,7 +245,7 @@ def token_count(value: Any) -> int | None:
     return None if ids is None else len(ids)
 
 
-def decoded(tokenizer: Any, ids: list[int] | None) -> Deferred | None:
+def decoded(tokenizer: _Decoder | None, ids: list[int] | None) -> Deferred | None:
     """The text of ``ids``, decoded only if the episode is kept (on the export thread)."""
     if tokenizer is None or ids is None:
         return None

@@ -22,13 +22,13 @@ from otel_rollouts.adapters.kit import (
 __all__ = ["assistant_message", "clean", "messages_of", "unspecial"]
 
 
-def _knowledge(tokenizer: Any) -> tuple[RoleMarkers, tuple[str, ...], str | None]:
+def _knowledge(tokenizer: object) -> tuple[RoleMarkers, tuple[str, ...], str | None]:
     if tokenizer is None:
         return RoleMarkers(), (), None
     return tokenizer_knowledge(tokenizer)
 
 
-def unspecial(text: str, tokenizer: Any) -> str:
+def unspecial(text: str, tokenizer: object) -> str:
     """``text`` without the tokenizer's special tokens (EOS, end-of-turn, role markers)."""
     _, special, _ = _knowledge(tokenizer)
     for s in special:
@@ -37,7 +37,7 @@ def unspecial(text: str, tokenizer: Any) -> str:
     return text
 
 
-def clean(text: Any, tokenizer: Any, role: str = "assistant") -> str:
+def clean(text: object, tokenizer: object, role: str = "assistant") -> str:
     """One message's text: its role prefix, end-of-message suffix and special tokens removed."""
     if not isinstance(text, str):
         return "" if text is None else str(text)
@@ -51,7 +51,7 @@ def clean(text: Any, tokenizer: Any, role: str = "assistant") -> str:
     return unspecial(text, tokenizer)
 
 
-def messages_of(text: Any, tokenizer: Any, default_role: str = "user") -> list[dict[str, str]]:
+def messages_of(text: object, tokenizer: object, default_role: str = "user") -> list[dict[str, str]]:
     """The messages of a text rendered with the tokenizer's chat template (one message of
     ``default_role`` when it holds no role marker); the empty generation prompt at the end of an
     observation (``<|im_start|>assistant\\n``) is left out, every content is cleaned."""
@@ -67,11 +67,15 @@ def messages_of(text: Any, tokenizer: Any, default_role: str = "user") -> list[d
     return [m for m in out if m["content"].strip() or m["role"] != default_role]
 
 
-def assistant_message(text: Any, tokenizer: Any, call_id_prefix: str = "call_") -> tuple[dict[str, Any], list[str]]:
+def assistant_message(text: object, tokenizer: object, call_id_prefix: str = "call_"
+                      ) -> tuple[dict[str, Any], list[str]]:
     """An OpenAI-style assistant message from generated text (markup removed, Hermes/Qwen
-    ``<tool_call>`` blocks or a JSON tool call turned into ``tool_calls``), and parse problems."""
+    ``<tool_call>`` blocks or a JSON tool call turned into ``tool_calls``), and parse problems.
+
+    The message's values stay ``Any`` for the callers that read its ``tool_calls`` list
+    (``ParsedMessage.tool_calls``) back out of it."""
     parsed: ParsedMessage = parse_tool_calls(clean(text, tokenizer, "assistant"), call_id_prefix)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    message: dict[str, object] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
     return message, list(parsed.errors)

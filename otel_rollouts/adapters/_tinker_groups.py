@@ -9,12 +9,13 @@ these readers.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
 from otel_rollouts import episode as new_episode
 from otel_rollouts.adapters._messages import (
+    Message,
     conversation,
     feedback_after,
     leading_prompt,
@@ -41,6 +42,12 @@ from otel_rollouts.adapters.kit import (
     tool_responses,
     warn_unknown,
 )
+
+if TYPE_CHECKING:
+    from otel_rollouts import ToolCall, Turn
+
+Prompt = Sequence[Mapping[str, object]] | Deferred
+"""An episode's prompt: its messages, or a ``Deferred`` that splits them only if it is kept."""
 
 FRAMEWORK = "tinker-cookbook"
 ADAPTER = "tinker"
@@ -80,18 +87,27 @@ class _Sampled:
 
     __slots__ = ("_turn", "_sampled")
 
-    def __init__(self, turn: Any, sampled: dict[str, Any]) -> None:
+    def __init__(self, turn: Turn, sampled: dict[str, object]) -> None:
         self._turn = turn
         self._sampled = sampled
 
-    def record_generation(self, *args: Any, **kwargs: Any) -> Any:
-        return self._turn.record_generation(*args, **kwargs, **self._sampled)
+    def record_generation(self, content: object = None, *, model: str | None = None,
+                          messages: object = None, provider: str | None = None,
+                          **output: object) -> object:
+        return self._turn.record_generation(content, model=model, messages=messages, provider=provider,
+                                            **output, **self._sampled)
 
-    def __getattr__(self, name: str) -> Any:
+    def tool_call(self, name: str, arguments: object = None, call_id: str | None = None) -> ToolCall:
+        return self._turn.tool_call(name, arguments=arguments, call_id=call_id)
+
+    def feedback(self, content: object, role: str = "environment") -> None:
+        self._turn.feedback(content, role=role)
+
+    def __getattr__(self, name: str) -> object:
         return getattr(self._turn, name)
 
 
-def sampled(turn: Any, ac: Any) -> Any:
+def sampled(turn: Turn, ac: object) -> Turn | _Sampled:
     """``turn``, or the turn with ``ac``'s sampling logprobs (``TokensWithLogprobs.maybe_logprobs``
     when it holds one per token of ``ac.tokens``; ``None`` or another length: none)."""
     logprobs = to_list(field(ac, "maybe_logprobs"))
@@ -104,7 +120,7 @@ def sampled(turn: Any, ac: Any) -> Any:
     return _Sampled(turn, {"logprobs": logprobs, "tokens": tokens})
 
 
-def _substeps(value: Any) -> int:
+def _substeps(value: object) -> int:
     number, _ = to_int(value, "num_substeps")
     return number if number is not None and number >= 1 else 1
 
@@ -117,9 +133,9 @@ class _Reader:
     (given, or the one the cookbook recommends for the tokenizer's model): see ``_tinker_text``.
     """
 
-    def __init__(self, tokenizer: Any, renderer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.renderer: Any = renderer if callable(getattr(renderer, "parse_response", None)) else None
+    def __init__(self, tokenizer: object, renderer: object) -> None:
+        self.tokenizer: Any = tokenizer  # duck-typed: its decode()
+        self.renderer: object = renderer if callable(getattr(renderer, "parse_response", None)) else None
         self.info: TokenizerInfo | None = None
         self.layout: Layout | None = None
         if tokenizer is not None:  # learn markers and special tokens on this thread, once
@@ -136,7 +152,7 @@ class _Reader:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
-    def prompt(self, ob: Any, ob_len: Any = None) -> Any:
+    def prompt(self, ob: object, ob_len: object = None) -> Prompt:
         """The messages of the rendered first observation, split only if the episode is kept."""
         ids = _ob_ids(ob)
         if ids is None:
@@ -145,13 +161,13 @@ class _Reader:
         if layout is None or info is None:  # both set, or neither
             return [{"role": "user", "content": f"<{len(ids)} prompt tokens; pass tokenizer= to decode>"}]
 
-        def split() -> list[dict[str, Any]]:
+        def split() -> list[Mapping[str, object]]:
             text = str(info.decoder.decode(ids, skip_special_tokens=False))
             return layout.finish(layout.messages(text))
 
         return Deferred(split)
 
-    def action(self, ac: Any, k: int) -> tuple[dict[str, Any], list[str]]:
+    def action(self, ac: object, k: int) -> tuple[dict[str, object], list[str]]:
         """The assistant message of action ``ac`` (tool calls parsed) and its parse problems."""
         ids = token_ids(ac)
         if ids is None or (self.tokenizer is None and self.renderer is None):
@@ -164,13 +180,16 @@ class _Reader:
             return {"role": "assistant", "content": ""}, []
         return self.layout.assistant(self.decode(ids), call_id_prefix=f"call_{k}_")
 
-    def _parsed(self, ids: list[int], k: int) -> tuple[dict[str, Any], list[str]] | None:
+    def _parsed(self, ids: list[int], k: int) -> tuple[dict[str, object], list[str]] | None:
+        parse = getattr(self.renderer, "parse_response", None)
         try:
-            message, _termination = self.renderer.parse_response(list(ids))
+            if not callable(parse):
+                raise AttributeError(f"{type(self.renderer).__name__!r} object has no attribute 'parse_response'")
+            message, _termination = parse(list(ids))
         except Exception as exc:  # noqa: BLE001 - the renderer is the user's object
             warn_unknown(ADAPTER, "renderer.parse_response", f"{exception_text(exc)}")
             return None
-        out: dict[str, Any] = {"role": "assistant", "content": _content_text(message.get("content"))}
+        content = _content_text(message.get("content"))
         calls = []
         for n, call in enumerate(message.get("tool_calls") or []):
             function = field(call, "function")
@@ -180,18 +199,20 @@ class _Reader:
             calls.append({"id": str(field(call, "id") or f"call_{k}_{n}"), "type": "function",
                           "function": {"name": str(name),
                                        "arguments": field(function, "arguments", default="{}")}})
-        if calls:
-            out["tool_calls"] = calls
         unparsed = list(message.get("unparsed_tool_calls") or [])
         errors = [str(field(u, "error") or u) for u in unparsed]
         raw = [str(field(u, "raw_text")) for u in unparsed if field(u, "raw_text")]
         if raw:  # what the model wrote stays readable, as with the tokenizer's parser
-            out["content"] = "\n".join([out["content"], *raw]).strip()
-        if self.layout is not None and isinstance(out["content"], str):
-            out["content"] = self.layout.unspecial(out["content"])
+            content = "\n".join([content, *raw]).strip()
+        if self.layout is not None:
+            content = self.layout.unspecial(content)
+        out: dict[str, object] = {"role": "assistant", "content": content}
+        if calls:
+            out["tool_calls"] = calls
         return out, errors
 
-    def feedback(self, ob: Any, ac: Any, next_ob: Any, has_calls: bool) -> list[dict[str, Any]]:
+    def feedback(self, ob: object, ac: object, next_ob: object, has_calls: bool
+                 ) -> Sequence[Mapping[str, object]]:
         """The messages the environment added after action ``ac``: what ``next_ob`` holds beyond
         ``ob`` + the rendered action, after the last assistant message."""
         layout = self.layout
@@ -211,7 +232,7 @@ class _Reader:
         return layout.finish(_tool_messages(added, has_calls))
 
     def _raw_feedback(self, prev: list[int], ac: list[int], nxt: list[int],
-                      has_calls: bool) -> list[dict[str, Any]]:
+                      has_calls: bool) -> Sequence[Mapping[str, object]]:
         """Without a known layout: the tokens the observation adds after ``ob`` + action, as one
         message (the tool result when the turn called a tool); special tokens removed."""
         layout = self.layout
@@ -231,7 +252,7 @@ class _Reader:
         return _tool_messages([{"role": ROLE_ENVIRONMENT, "content": text}], has_calls)
 
 
-def _layout(tokenizer: Any, renderer: Any) -> Layout:
+def _layout(tokenizer: object, renderer: object) -> Layout:
     """The layout of ``tokenizer`` (+ ``renderer``), learned once per pair."""
     key = id(renderer)
     try:
@@ -244,10 +265,10 @@ def _layout(tokenizer: Any, renderer: Any) -> Layout:
     return layout
 
 
-_LAYOUTS: weakref.WeakKeyDictionary[Any, dict[int, Layout]] = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary[object, dict[int, Layout]] = weakref.WeakKeyDictionary()
 
 
-def _ob_ids(ob: Any) -> list[int] | None:
+def _ob_ids(ob: object) -> list[int] | None:
     if ob is None:
         return None
     ids = token_ids(ob)
@@ -257,7 +278,7 @@ def _ob_ids(ob: Any) -> list[int] | None:
     return ids
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: object) -> str:
     """A renderer message's content as text: text parts, thinking kept as ``<think>`` blocks."""
     if isinstance(content, str) or content is None:
         return content or ""
@@ -273,12 +294,12 @@ def _content_text(content: Any) -> str:
     return "".join(out).strip()
 
 
-def _tool_messages(messages: list[dict[str, Any]], has_calls: bool) -> list[dict[str, Any]]:
+def _tool_messages(messages: Sequence[Mapping[str, object]], has_calls: bool) -> Sequence[Mapping[str, object]]:
     """After a turn with tool calls, each ``<tool_response>`` block (and a message of a role the
     template renders like ``user`` but is not one, e.g. ``tool``/``ipython``) is a tool result."""
     if not has_calls:
         return messages
-    out: list[dict[str, Any]] = []
+    out: list[Mapping[str, object]] = []
     for m in messages:
         content = m.get("content")
         blocks = tool_responses(content) if isinstance(content, str) else []
@@ -298,7 +319,7 @@ def _tool_messages(messages: list[dict[str, Any]], has_calls: bool) -> list[dict
 class _SummaryGroup:
     """Rollout-summary JSONL records of one group, read like a ``TrajectoryGroup``."""
 
-    def __init__(self, records: list[Mapping[str, Any]]) -> None:
+    def __init__(self, records: list[Mapping[str, object]]) -> None:
         self.trajectories_G = records
         self.final_rewards_G = [r.get("final_reward") for r in records]
         self.metrics_G = [r.get("trajectory_metrics") for r in records]
@@ -306,18 +327,19 @@ class _SummaryGroup:
         self.tags = records[0].get("tags")
 
 
-def _as_groups(trajectory_groups: Any) -> list[Any]:
+def _as_groups(trajectory_groups: Iterable[object] | None) -> list[object]:
     """The groups to record; summary records (one per trajectory) are gathered by group."""
     groups = list(trajectory_groups or [])
-    if groups and all(isinstance(x, Mapping) and "steps" in x for x in groups):
-        by_group: dict[Any, list[Mapping[str, Any]]] = {}
-        for record in groups:
+    records = [x for x in groups if isinstance(x, Mapping)]
+    if groups and len(records) == len(groups) and all("steps" in x for x in records):
+        by_group: dict[object, list[Mapping[str, object]]] = {}
+        for record in records:
             by_group.setdefault(record.get("group_idx"), []).append(record)
         return [_SummaryGroup(records) for records in by_group.values()]
     return groups
 
 
-def _tags(group: Any, per_group: Columns, gi: int) -> Any:
+def _tags(group: object, per_group: Columns, gi: int) -> object:
     tags = field(group, "tags")
     builder = field(group, "env_group_builder")
     logging_tags = getattr(builder, "logging_tags", None)
@@ -329,7 +351,7 @@ def _tags(group: Any, per_group: Columns, gi: int) -> Any:
     return tags if tags is not None else per_group.value("tags", gi)
 
 
-def _version(value: Any) -> int | None:
+def _version(value: object) -> int | None:
     """A policy version, or None for a missing value or a negative placeholder."""
     if value is None:
         return None
@@ -338,7 +360,7 @@ def _version(value: Any) -> int | None:
 
 
 # --- one group ------------------------------------------------------------------------------
-def _record_group(group: Any, gi: int, g: int, per_group: Columns, *, step: int, split: str,
+def _record_group(group: object, gi: int, g: int, per_group: Columns, *, step: int, split: str,
                   reader: _Reader, model: str | None, substeps: int,
                   reward_keys: tuple[str, ...]) -> list[str]:
     inner = field(group, "trajectory_group", default=group)
@@ -361,7 +383,7 @@ def _record_group(group: Any, gi: int, g: int, per_group: Columns, *, step: int,
     )
     group_id = f"{split}:{step}:{g}"
     ids = []
-    group_prompt: Any = None
+    group_prompt: Prompt | None = None
     policy = (version, trained)
     for t, trajectory in enumerate(trajectories):
         episode_id = f"{group_id}:{field(trajectory, 'traj_idx', default=t)}"
@@ -380,14 +402,14 @@ def _record_group(group: Any, gi: int, g: int, per_group: Columns, *, step: int,
     return ids
 
 
-def _record_rollout_error(error: Any, *, episode_id: str, group_id: str, step: int, split: str,
-                          version: int | None, tags: Any, prompt: Any) -> None:
+def _record_rollout_error(error: object, *, episode_id: str, group_id: str, step: int, split: str,
+                          version: int | None, tags: object, prompt: Prompt | None) -> None:
     """A rollout that raised (``RolloutError``): an error episode, with the group's prompt."""
     kind = str(field(error, "error_type", default=type(error).__name__))
     message = field(error, "error_message", default=None)
     if message is None and isinstance(error, BaseException):
         message = str(error)
-    metadata = {"error_message": str(message or "")}
+    metadata: dict[str, object] = {"error_message": str(message or "")}
     if tags is not None:
         metadata["tags"] = tags
     with new_episode(step=step, split=split, group_id=group_id, episode_id=episode_id,
@@ -399,9 +421,9 @@ def _record_rollout_error(error: Any, *, episode_id: str, group_id: str, step: i
 
 
 # --- one trajectory --------------------------------------------------------------------------
-def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: str, group_id: str,
-                       step: int, split: str, policy: tuple[int | None, int | None], tags: Any,
-                       reader: _Reader, model: str | None, reward_keys: tuple[str, ...]) -> Any:
+def _record_trajectory(trajectory: object, t: int, cols: Columns, *, episode_id: str, group_id: str,
+                       step: int, split: str, policy: tuple[int | None, int | None], tags: object,
+                       reader: _Reader, model: str | None, reward_keys: tuple[str, ...]) -> Prompt:
     transitions = list(field(trajectory, "transitions", "steps", default=[]) or [])
     traces = [field(tr, "trace") for tr in transitions]
     prompts = [conversation(field(tc, "prompt")) for tc in traces]
@@ -409,8 +431,8 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
     nexts = [conversation(field(field(tc, "extra"), "next_messages")) for tc in traces]
     obs = [field(tr, "ob") for tr in transitions] + [field(trajectory, "final_ob")]
 
-    steps_meta: list[dict[str, Any]] = []
-    metadata: dict[str, Any] = {}
+    steps_meta: list[dict[str, object]] = []
+    metadata: dict[str, object] = {}
     if tags is not None:
         metadata["tags"] = tags
     trajectory_metrics = cols.value("metrics", t)
@@ -427,8 +449,9 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
         status, reason, parse_errors = c.STATUS_OK, None, []
         step_rewards: list[float] = []
         terms: list[tuple[int, str, float]] = []
-        reward_data: list[Mapping[str, Any]] = []
-        extras: list[Any] = []
+        reward_data: list[Mapping[str, object]] = []
+        extras: list[object] = []
+        last_stop = None  # the last transition's stop_reason
         for k, tr in enumerate(transitions):
             ac = field(tr, "ac")
             stop_reason = field(ac, "stop_reason", default=field(tr, "stop_reason"))
@@ -441,6 +464,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
                 "env_state": field(traces[k], "env_state"),
             }
             steps_meta.append({key: v for key, v in info.items() if v is not None})
+            last_stop = stop_reason
             reward, problem = as_float(field(tr, "reward"),
                                        f"sample {episode_id}: transitions[{k}].reward")
             mark_invalid(ep, problem)
@@ -461,6 +485,7 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
             else:
                 message, errors = reader.action(ac, k)
             following = nexts[k] or (prompts[k + 1] if k + 1 < len(prompts) else [])
+            feedback: Sequence[Mapping[str, object]]
             if following:
                 feedback = feedback_after(following, k)
             else:
@@ -508,19 +533,18 @@ def _record_trajectory(trajectory: Any, t: int, cols: Columns, *, episode_id: st
                                       f"sample {episode_id}: advantage")
         mark_invalid(ep, problem)
         ep.reward(total, components=components, advantage=advantage)
-        last_stop = steps_meta[-1].get("stop_reason") if steps_meta else None
         ep.finish(reason=reason or (str(ended) if ended is not None else last_stop), status=status)
     return prompt
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """A copy of a mapping (None when empty); anything else as it is."""
     if isinstance(value, Mapping):
         return dict(value) or None
     return value
 
 
-def _prompt(prompts: list[list[dict[str, Any]]], ob: Any, reader: _Reader) -> Any:
+def _prompt(prompts: list[list[Message]], ob: object, reader: _Reader) -> Prompt:
     """The initial prompt: the first trace's leading messages, else the first observation."""
     for messages in prompts[:1]:
         if messages:
@@ -528,7 +552,7 @@ def _prompt(prompts: list[list[dict[str, Any]]], ob: Any, reader: _Reader) -> An
     return reader.prompt(ob)
 
 
-def _response(messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _response(messages: list[Message]) -> Message:
     """The assistant message of a step's trace."""
     for m in reversed(messages):
         if m.get("role") == "assistant":
@@ -536,14 +560,14 @@ def _response(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(messages[-1], role="assistant")
 
 
-def _positive(metrics: Any, key: str) -> bool:
+def _positive(metrics: object, key: str) -> bool:
     if not isinstance(metrics, Mapping) or key not in metrics:
         return False
     number, _ = as_float(metrics.get(key))
     return bool(number)
 
 
-def _step_status(stop_reason: Any, metrics: Any, parse_errors: list[str]) -> tuple[str, str | None]:
+def _step_status(stop_reason: object, metrics: object, parse_errors: list[str]) -> tuple[str, str | None]:
     for key in _ERROR_METRICS:
         if _positive(metrics, key):
             return c.STATUS_ERROR, key
@@ -557,7 +581,7 @@ def _step_status(stop_reason: Any, metrics: Any, parse_errors: list[str]) -> tup
     return c.STATUS_OK, None
 
 
-def _trajectory_status(stop_reason: Any) -> tuple[str, str | None]:
+def _trajectory_status(stop_reason: object) -> tuple[str, str | None]:
     name = str(getattr(stop_reason, "value", stop_reason))
     status = _STOP_STATUS.get(name)
     if status is None:
@@ -574,7 +598,7 @@ def _worse(a: tuple[str, str | None], b: tuple[str, str | None]) -> tuple[str, s
     return b if _RANK[b[0]] > _RANK[a[0]] else a
 
 
-def _reward_terms(metrics: Any, k: int, keys: tuple[str, ...]) -> list[tuple[int, str, float]]:
+def _reward_terms(metrics: object, k: int, keys: tuple[str, ...]) -> list[tuple[int, str, float]]:
     if not isinstance(metrics, Mapping):
         return []
     out = []

@@ -33,8 +33,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from otel_rollouts import Episode
 from otel_rollouts import conventions as c
@@ -59,6 +59,9 @@ from otel_rollouts.adapters.kit import (
     warn_unknown,
 )
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
+
 __all__ = [
     "PreferenceVerdicts",
     "TeacherLogprobs",
@@ -82,12 +85,12 @@ class PreferenceVerdicts:
     ``convo_prefix`` list as the comparison's ``prompt_conversation``: verdicts are kept per that
     list (identity), in call order, for the last 4096 prompts."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Callable[..., Awaitable[float]]) -> None:
         self.model = model
         self._lock = threading.Lock()
-        self._calls: OrderedDict[int, tuple[Any, list[tuple[Any, float]]]] = OrderedDict()
+        self._calls: OrderedDict[int, tuple[object, list[tuple[object, float]]]] = OrderedDict()
 
-    async def __call__(self, comparison: Any) -> Any:
+    async def __call__(self, comparison: object) -> float:
         verdict = await self.model(comparison)
         try:
             prompt = field(comparison, "prompt_conversation")
@@ -102,7 +105,7 @@ class PreferenceVerdicts:
             report(f"tinker adapter: PreferenceVerdicts: {exception_text(exc)}", exc=exc)
         return verdict
 
-    def take(self, prompt: Any) -> list[tuple[Any, float]] | None:
+    def take(self, prompt: object) -> list[tuple[object, float]] | None:
         """The (comparison, verdict) pairs asked with ``prompt``, in order (forgotten then)."""
         with self._lock:
             entry = self._calls.get(id(prompt))
@@ -111,25 +114,36 @@ class PreferenceVerdicts:
             del self._calls[id(prompt)]
             return entry[1]
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # a stand-in for the wrapped model: its attributes
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
 
 
+class _Future(Protocol):
+    """What ``_Pending`` reads of a ``tinker`` ``APIFuture`` of logprobs."""
+
+    def coroutine(self) -> Awaitable[Iterable[object]]: ...
+
+    def result(self, *args: object, **kwargs: object) -> Iterable[object]: ...
+
+
+_Keep = Callable[[Iterable[object]], Iterable[object]]
+
+
 class _Pending:
     """``compute_logprobs``'s future, its result remembered when it arrives."""
 
-    def __init__(self, future: Any, keep: Any) -> None:
+    def __init__(self, future: _Future, keep: _Keep) -> None:
         self._future, self._keep = future, keep
 
-    async def coroutine(self) -> Any:
+    async def coroutine(self) -> Iterable[object]:
         return self._keep(await self._future.coroutine())
 
-    def result(self, *args: Any, **kwargs: Any) -> Any:
+    def result(self, *args: object, **kwargs: object) -> Iterable[object]:
         return self._keep(self._future.result(*args, **kwargs))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._future, name)
 
 
@@ -139,16 +153,16 @@ class TeacherLogprobs:
     ``compute_logprobs_async`` (0.5) as the cookbook calls them). ``name``: the teacher's name
     on the episodes (default: the client's ``model_name`` / ``base_model`` when it has one)."""
 
-    def __init__(self, client: Any, name: str | None = None) -> None:
-        self.client = client
+    def __init__(self, client: object, name: str | None = None) -> None:
+        self.client: Any = client  # duck-typed: compute_logprobs (0.6) or compute_logprobs_async (0.5)
         self.name = name or field(client, "model_name", "base_model")
         self._lock = threading.Lock()
-        self._seen: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
+        self._seen: OrderedDict[tuple[int, ...], list[object]] = OrderedDict()
 
-    def _remember(self, model_input: Any) -> Any:
+    def _remember(self, model_input: object) -> _Keep:
         ids = token_ids(model_input)
 
-        def keep(logprobs: Any) -> Any:
+        def keep(logprobs: Iterable[object]) -> Iterable[object]:
             try:
                 if ids is not None:
                     with self._lock:
@@ -161,26 +175,27 @@ class TeacherLogprobs:
 
         return keep
 
-    def compute_logprobs(self, model_input: Any, *args: Any, **kwargs: Any) -> Any:
+    def compute_logprobs(self, model_input: object, *args: object, **kwargs: object) -> _Pending:
         return _Pending(self.client.compute_logprobs(model_input, *args, **kwargs),
                         self._remember(model_input))
 
-    async def compute_logprobs_async(self, model_input: Any, *args: Any, **kwargs: Any) -> Any:
+    async def compute_logprobs_async(self, model_input: object, *args: object, **kwargs: object
+                                     ) -> Iterable[object]:
         keep = self._remember(model_input)
         return keep(await self.client.compute_logprobs_async(model_input, *args, **kwargs))
 
-    def logprobs(self, ids: Sequence[int]) -> list[Any] | None:
+    def logprobs(self, ids: Sequence[int]) -> list[object] | None:
         with self._lock:
             return self._seen.get(tuple(ids))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # a stand-in for the wrapped client: its attributes
         if name == "client":
             raise AttributeError(name)
         return getattr(self.client, name)
 
 
 # --- which kind ----------------------------------------------------------------------------------
-def kind_of(group: Any, *, teacher: Any = None) -> str | None:
+def kind_of(group: object, *, teacher: object = None) -> str | None:
     """The kind of a group (a ``WrappedTrajectoryGroup``, or a group with its builder), or None
     for one ``record_trajectory_groups`` records itself. Distillation needs ``teacher``."""
     builder = field(group, "env_group_builder")
@@ -195,8 +210,8 @@ def kind_of(group: Any, *, teacher: Any = None) -> str | None:
 
 # --- entry points -----------------------------------------------------------------------------
 @guarded_or(list)
-def record_preference_groups(trajectory_groups: Sequence[Any], *, step: int, split: str = "train",
-                             env_group_builders: Sequence[Any] | None = None,
+def record_preference_groups(trajectory_groups: Sequence[object], *, step: int, split: str = "train",
+                             env_group_builders: Sequence[object] | None = None,
                              verdicts: PreferenceVerdicts | None = None, **options: Any) -> list[str]:
     """Record pairwise-preference groups: one episode per answer, its matchups on its reward
     span (opponents' trace ids, verdicts from its side, span links both ways). ``verdicts``:
@@ -209,8 +224,8 @@ def record_preference_groups(trajectory_groups: Sequence[Any], *, step: int, spl
 
 
 @guarded_or(list)
-def record_multiplayer_groups(trajectory_groups: Sequence[Any], *, step: int, split: str = "train",
-                              env_group_builders: Sequence[Any] | None = None,
+def record_multiplayer_groups(trajectory_groups: Sequence[object], *, step: int, split: str = "train",
+                              env_group_builders: Sequence[object] | None = None,
                               num_players: int | None = None, self_play: bool | None = None,
                               **options: Any) -> list[str]:
     """Record multiplayer groups: one episode per player, ``rl.game.*`` on its root, the game's
@@ -221,9 +236,9 @@ def record_multiplayer_groups(trajectory_groups: Sequence[Any], *, step: int, sp
 
 
 @guarded_or(list)
-def record_distillation_groups(trajectory_groups: Sequence[Any], *, step: int, split: str = "train",
-                               teacher: Any = None, kl_penalty_coef: Any = None,
-                               env_group_builders: Sequence[Any] | None = None,
+def record_distillation_groups(trajectory_groups: Sequence[object], *, step: int, split: str = "train",
+                               teacher: object = None, kl_penalty_coef: object = None,
+                               env_group_builders: Sequence[object] | None = None,
                                **options: Any) -> list[str]:
     """Record prompt-only distillation groups: the student's answer, the teacher's score of it
     (``rl.distill.reverse_kl``: mean student − teacher logprob over the answer tokens, the
@@ -237,8 +252,10 @@ _OPTIONS = ("tokenizer", "renderer", "model", "advantages", "sampling_client_ste
             "num_substeps", "group_start")
 
 
-def _record(kind: str, trajectory_groups: Any, step: int, split: str, builders: Any,
-            extra: dict[str, Any], options: dict[str, Any]) -> list[str]:
+def _record(kind: str, trajectory_groups: Iterable[object] | None, step: int, split: str,
+            builders: Sequence[object] | None, extra: dict[str, Any], options: dict[str, Any]
+            ) -> list[str]:
+    # extra / options: keywords handed on to record_group's typed parameters, as given
     check_release(_ADAPTER, _tinker.FRAMEWORK, _tinker.TESTED)
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -273,10 +290,11 @@ def _record(kind: str, trajectory_groups: Any, step: int, split: str, builders: 
     return ids
 
 
-def record_group(kind: str, group: Any, gi: int, g: int, per_group: Columns, *, step: int,
-                 split: str, reader: Any, model: str | None, substeps: int,
-                 verdicts: Any = None, num_players: Any = None, self_play: Any = None,
-                 teacher: Any = None, kl_penalty_coef: Any = None) -> list[str]:
+def record_group(kind: str, group: object, gi: int, g: int, per_group: Columns, *, step: int,
+                 split: str, reader: _tinker._Reader, model: str | None, substeps: int,
+                 verdicts: PreferenceVerdicts | None = None, num_players: object = None,
+                 self_play: object = None, teacher: object = None, kl_penalty_coef: object = None
+                 ) -> list[str]:
     """One group of ``kind`` (what ``record_trajectory_groups`` dispatches to)."""
     inner = field(group, "trajectory_group", default=group)
     trajectories = list(field(inner, "trajectories_G", "trajectories", default=[]) or [])
@@ -295,7 +313,7 @@ def record_group(kind: str, group: Any, gi: int, g: int, per_group: Columns, *, 
     try:
         for t, trajectory in enumerate(trajectories):  # all begun first: their trace ids known
             episode_id = f"{group_id}:{field(trajectory, 'traj_idx', default=t)}"
-            metadata: dict[str, Any] = {}
+            metadata: dict[str, object] = {}
             if tags is not None:
                 metadata["tags"] = tags
             if cols.value("metrics", t):
@@ -329,8 +347,9 @@ def record_group(kind: str, group: Any, gi: int, g: int, per_group: Columns, *, 
 
 
 # --- one trajectory's content ----------------------------------------------------------------------
-def _fill(ep: Episode, trajectory: Any, t: int, cols: Columns, reader: Any, model: str | None,
-          *, prompt: Any = None, terms: Mapping[str, Any] | None = None) -> Any:
+def _fill(ep: Episode, trajectory: object, t: int, cols: Columns, reader: _tinker._Reader,
+          model: str | None, *, prompt: object = None, terms: Mapping[str, object] | None = None
+          ) -> _Span | None:
     """Prompt, turns, status and reward of one trajectory into ``ep`` (begun, still open);
     returns the reward span (for what the kind adds to it)."""
     transitions = list(field(trajectory, "transitions", default=[]) or [])
@@ -338,7 +357,8 @@ def _fill(ep: Episode, trajectory: Any, t: int, cols: Columns, reader: Any, mode
     ep.prompt(prompt if prompt is not None else reader.prompt(obs[0]))
     status, reason, parse_errors = c.STATUS_OK, None, []
     step_rewards: list[float] = []
-    steps_meta: list[dict[str, Any]] = []
+    steps_meta: list[dict[str, object]] = []
+    last = None  # the last transition's stop_reason
     for k, tr in enumerate(transitions):
         ac = field(tr, "ac")
         stop_reason = field(ac, "stop_reason")
@@ -349,6 +369,7 @@ def _fill(ep: Episode, trajectory: Any, t: int, cols: Columns, reader: Any, mode
                 "metrics": dict(metrics) if isinstance(metrics, Mapping) else metrics,
                 "logs": _tinker._plain(field(tr, "logs")), "reward": reward}
         steps_meta.append({key: v for key, v in meta.items() if v is not None})
+        last = stop_reason
         if reward is not None:
             step_rewards.append(reward)
         message, errors = reader.action(ac, k)
@@ -384,24 +405,31 @@ def _fill(ep: Episode, trajectory: Any, t: int, cols: Columns, reader: Any, mode
     advantage, problem = as_float(cols.value("advantages", t), f"advantage[{t}]")
     mark_invalid(ep, problem)
     ep.reward(total, components=components, advantage=advantage)
-    last = steps_meta[-1].get("stop_reason") if steps_meta else None
     ep.finish(reason=reason or (str(ended) if ended is not None else last), status=status)
     return ep.reward_span
 
 
-def _link(span: Any, other: Episode, kind: str, episode_id: str) -> None:
+class _Span(Protocol):
+    """What the kinds write to a span of an episode (its root, its reward span)."""
+
+    def set_attribute(self, key: str, value: object) -> None: ...
+
+    def add_link(self, context: SpanContext, attributes: Mapping[str, object] | None = None) -> None: ...
+
+
+def _link(span: _Span | None, other: Episode, kind: str, episode_id: str) -> None:
     root = other.root
     if span is not None and root is not None:
         span.add_link(root.get_span_context(), {c.RL_LINK_KIND: kind, c.RL_EPISODE_ID: episode_id})
 
 
-def _put(span: Any, key: str, value: Any) -> None:
+def _put(span: _Span | None, key: str, value: object) -> None:
     if span is not None:
         span.set_attribute(key, value)
 
 
 # --- preference ------------------------------------------------------------------------------------
-def _pairs(n: int, pattern: Any, chunk: Any) -> list[tuple[int, int]] | None:
+def _pairs(n: int, pattern: object, chunk: object) -> list[tuple[int, int]] | None:
     """The matchups ``compute_group_rewards`` asks for (``get_pairs_chunked``), or None."""
     name = str(getattr(pattern, "value", pattern))
     size = chunk if isinstance(chunk, int) and chunk > 0 else n
@@ -418,8 +446,18 @@ def _pairs(n: int, pattern: Any, chunk: Any) -> list[tuple[int, int]] | None:
     return out
 
 
-def _preference(episodes: list[Episode], ids: list[str], trajectories: list[Any], cols: Columns,
-                builder: Any, verdicts: Any, reader: Any, model: str | None, group_id: str) -> None:
+class _Match(TypedDict):
+    """One matchup of an answer, as its reward span shows it."""
+
+    opponent: str
+    opponent_trace_id: str | None
+    position: str
+    verdict: float | None
+
+
+def _preference(episodes: list[Episode], ids: list[str], trajectories: list[object], cols: Columns,
+                builder: object, verdicts: PreferenceVerdicts | None, reader: _tinker._Reader,
+                model: str | None, group_id: str) -> None:
     n = len(trajectories)
     pattern = field(builder, "tournament_pattern")
     chunk = field(builder, "matchup_group_size", default=n)
@@ -434,7 +472,7 @@ def _preference(episodes: list[Episode], ids: list[str], trajectories: list[Any]
                      "matchups: verdicts not recorded")
         said = None
     size = chunk if isinstance(chunk, int) and chunk > 0 else max(n, 1)
-    matches: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    matches: list[list[_Match]] = [[] for _ in range(n)]
     for m, (i, j) in enumerate(pairs or []):
         raw = float(said[m][1]) if said is not None else None
         # the model's verdict is for B (j): j gains it, i loses it (win_minus_loss)
@@ -467,9 +505,9 @@ def _preference(episodes: list[Episode], ids: list[str], trajectories: list[Any]
 
 
 # --- multiplayer -----------------------------------------------------------------------------------
-def _multiplayer(episodes: list[Episode], ids: list[str], trajectories: list[Any], cols: Columns,
-                 builder: Any, reader: Any, model: str | None, group_id: str,
-                 num_players: Any, self_play: Any) -> None:
+def _multiplayer(episodes: list[Episode], ids: list[str], trajectories: list[object], cols: Columns,
+                 builder: object, reader: _tinker._Reader, model: str | None, group_id: str,
+                 num_players: object, self_play: object) -> None:
     players = num_players if num_players is not None else field(builder, "num_players", default=2)
     players = players if isinstance(players, int) and players > 0 else 2
     selfplay = self_play if self_play is not None else bool(field(builder, "self_play", default=True))
@@ -499,8 +537,8 @@ def _multiplayer(episodes: list[Episode], ids: list[str], trajectories: list[Any
 
 
 # --- prompt-only distillation ------------------------------------------------------------------------
-def _distillation(episodes: list[Episode], trajectories: list[Any], cols: Columns, teacher: Any,
-                  coef: Any, reader: Any, model: str | None) -> None:
+def _distillation(episodes: list[Episode], trajectories: list[object], cols: Columns, teacher: object,
+                  coef: object, reader: _tinker._Reader, model: str | None) -> None:
     kl_coef, _ = as_float(coef)
     name = field(teacher, "name")
     for t, (ep, trajectory) in enumerate(zip(episodes, trajectories, strict=True)):
@@ -528,7 +566,7 @@ def _distillation(episodes: list[Episode], trajectories: list[Any], cols: Column
             ep.set_attribute(c.RL_DISTILL_REVERSE_KL, reverse_kl)
 
 
-def _teacher_scores(trajectory: Any, teacher: Any) -> tuple[list[float] | None, list[float]] | None:
+def _teacher_scores(trajectory: object, teacher: object) -> tuple[list[float] | None, list[float]] | None:
     """(student, teacher) logprobs of the answer tokens, from the sequence the cookbook sent
     the teacher (``ob`` + ``ac.tokens`` of a single-turn trajectory), or None."""
     transitions = list(field(trajectory, "transitions", default=[]) or [])

@@ -22,6 +22,7 @@ what is shown. Nothing here lists a model's markup.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ _S = {"system": "QZXSYSTEMSENTINEL", "user": "QZXUSERSENTINEL", "assistant": "QZ
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def special_strings(tokenizer: Any) -> tuple[str, ...]:
+def special_strings(tokenizer: object) -> tuple[str, ...]:
     """The tokenizer's special tokens as they appear in decoded text, longest first."""
     found: set[str] = set()
     if tokenizer is None:
@@ -47,11 +48,12 @@ def special_strings(tokenizer: Any) -> tuple[str, ...]:
         pass
     tml = getattr(tokenizer, "tml_tokenizer", None)
     names = getattr(tml, "special_tokens", None)
-    if callable(names) and tml is not None:  # tml-renderers: names; their decoded form is what a text holds
+    decode = getattr(tokenizer, "decode", None)  # without it, no name could be decoded
+    if callable(names) and callable(decode) and tml is not None:  # tml-renderers: names; their decoded form is what a text holds
         try:
             for name in names():
                 try:
-                    found.add(str(tokenizer.decode([tml.encode_special(name)])))
+                    found.add(str(decode([tml.encode_special(name)])))
                 except Exception:  # noqa: BLE001 - one token that cannot be decoded
                     continue
         except Exception:  # noqa: BLE001
@@ -73,8 +75,8 @@ class LearnedLayout:
     ends: tuple[str, ...] = ()
     starts: re.Pattern[str] | None = None
 
-    def messages(self, text: str, default_role: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def messages(self, text: str, default_role: str) -> list[dict[str, str]]:
+        out: list[dict[str, str]] = []
         positions: list[tuple[int, int, str, str | None]] = []  # (start, content start, role, name)
         if self.starts is not None:
             for found in self.starts.finditer(text):
@@ -89,7 +91,7 @@ class LearnedLayout:
             out.append({"role": default_role, "content": self.clean(text[:head_end])})
         for k, (_, begin, role, name) in enumerate(positions):
             end = positions[k + 1][0] if k + 1 < len(positions) else len(text)
-            message: dict[str, Any] = {"role": role, "content": self.clean(text[begin:end])}
+            message = {"role": role, "content": self.clean(text[begin:end])}
             if name:
                 message["name"] = name.strip()
             out.append(message)
@@ -108,8 +110,10 @@ class LearnedLayout:
 class Layout:
     """How one tokenizer (and renderer) lays out messages; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, renderer: Any = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: object, renderer: object = None) -> None:
+        # duck-typed (Hugging Face's or tml-renderers' adapter: decode, name_or_path, eos_token),
+        # handed on as the tokenizer of the cookbook's own renderer (get_renderer)
+        self.tokenizer: Any = tokenizer
         self.special = special_strings(tokenizer)
         self.kept = tuple(s for s in self.special if s in _TOOL_MARKUP)  # parsed before removal
         self.removed = tuple(s for s in self.special if s not in self.kept)
@@ -118,7 +122,7 @@ class Layout:
         self.source = "none"
         self.problem: str | None = None
         self.given = renderer
-        self.renderer: Any = None  # the renderer the layout was learned from, when it was
+        self.renderer: object = None  # the renderer the layout was learned from, when it was
         try:
             self.markers = tokenizer_info(tokenizer).markers
         except Exception:  # noqa: BLE001 - a tokenizer without a chat template API
@@ -139,7 +143,7 @@ class Layout:
             self.learned = None
             self.problem = self.problem or f"{type(renderer).__name__} output has no message headers"
 
-    def _recommended_renderer(self) -> Any:
+    def _recommended_renderer(self) -> object:
         """The renderer the cookbook recommends for this tokenizer's model, or None."""
         name = getattr(self.tokenizer, "name_or_path", None)
         if not isinstance(name, str) or not name:
@@ -167,13 +171,13 @@ class Layout:
                 text = text.replace(s, "")
         return text
 
-    def messages(self, text: Any, default_role: str = "user") -> list[dict[str, Any]]:
+    def messages(self, text: object, default_role: str = "user") -> list[dict[str, str]]:
         """The messages of a rendered text, tool tags kept (see ``finish``); the empty generation
         prompt at its end and empty default-role parts are left out."""
         if not isinstance(text, str):
             text = "" if text is None else str(text)
         if self.markers.prefixes:
-            parts: list[dict[str, Any]] = list(self.markers.messages(text, default_role=default_role))
+            parts: list[dict[str, str]] = list(self.markers.messages(text, default_role=default_role))
         elif self.learned is not None:
             parts = self.learned.messages(text, default_role)
         else:
@@ -184,12 +188,15 @@ class Layout:
             out.pop()
         return [m for m in out if m["content"].strip() or m["role"] != default_role]
 
-    def finish(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def finish(self, messages: Sequence[Mapping[str, object]]) -> list[Mapping[str, object]]:
         """Messages with the tool tags removed too (once tool results were taken out)."""
-        return [dict(m, content=self.unspecial(m["content"])) if isinstance(m.get("content"), str) else m
-                for m in messages]
+        out: list[Mapping[str, object]] = []
+        for m in messages:
+            content = m.get("content")
+            out.append(dict(m, content=self.unspecial(content)) if isinstance(content, str) else m)
+        return out
 
-    def assistant(self, text: str, call_id_prefix: str) -> tuple[dict[str, Any], list[str]]:
+    def assistant(self, text: str, call_id_prefix: str) -> tuple[dict[str, object], list[str]]:
         """An assistant message from generated text: tool calls parsed before special tokens are
         removed (``<tool_call>`` may be one of them), markup and end-of-turn removed."""
         if self.markers.prefixes:
@@ -205,7 +212,7 @@ class Layout:
             parts = self.messages(text, default_role="assistant")
             text = "\n".join(str(m["content"]) for m in parts if m["content"].strip())
         parsed = parse_tool_calls(text, call_id_prefix)
-        message: dict[str, Any] = {"role": "assistant", "content": self.unspecial(parsed.content).strip()
+        message: dict[str, object] = {"role": "assistant", "content": self.unspecial(parsed.content).strip()
                                    if not self.markers.prefixes else self.unspecial(parsed.content)}
         if parsed.tool_calls:
             message["tool_calls"] = parsed.tool_calls
@@ -213,14 +220,18 @@ class Layout:
 
 
 # --- learning a renderer's layout -----------------------------------------------------------
-def learn_from_renderer(renderer: Any, decode: Any, special: tuple[str, ...]) -> LearnedLayout | None:
+def learn_from_renderer(renderer: object, decode: Callable[[list[int]], str],
+                        special: tuple[str, ...]) -> LearnedLayout | None:
     """Headers and message ends of ``renderer``, from sentinel conversations it renders."""
     if not special:
         return None
+    build = getattr(renderer, "build_generation_prompt", None)
+    if not callable(build):  # as if it refused every layout (render would return None)
+        return None
 
-    def render(messages: list[dict[str, Any]]) -> str | None:
+    def render(messages: list[dict[str, object]]) -> str | None:
         try:
-            model_input = renderer.build_generation_prompt(messages)
+            model_input = build(messages)
             return str(decode(model_input.to_ints()))
         except Exception:  # noqa: BLE001 - a layout this renderer refuses
             return None
@@ -267,16 +278,17 @@ def learn_from_renderer(renderer: Any, decode: Any, special: tuple[str, ...]) ->
     return _compile(headers, tuple(dict.fromkeys(e for e in ends if e)), special)
 
 
-def _tool_header(renderer: Any, render: Any, ends: list[str]) -> str | None:
+def _tool_header(renderer: object, render: Callable[[list[dict[str, object]]], str | None],
+                 ends: list[str]) -> str | None:
     """The header of a tool result (with the tool's name where the renderer writes it)."""
     try:
         from tinker_cookbook.renderers.base import ToolCall  # the cookbook's own type
 
-        call: Any = ToolCall(function=ToolCall.FunctionBody(name=_S["name"], arguments="{}"), id="call_0")
+        call: object = ToolCall(function=ToolCall.FunctionBody(name=_S["name"], arguments="{}"), id="call_0")
     except Exception:  # noqa: BLE001 - an older cookbook: a plain mapping
         call = {"type": "function", "id": "call_0", "function": {"name": _S["name"], "arguments": "{}"}}
-    messages = [{"role": "user", "content": _S["user"]},
-                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    messages: list[dict[str, object]] = [{"role": "user", "content": _S["user"]},
+                                         {"role": "assistant", "content": "", "tool_calls": [call]}]
     before = render(messages)
     after = render(messages + [{"role": "tool", "content": _S["tool"], "tool_call_id": "call_0",
                                 "name": _S["name"]}])

@@ -97,8 +97,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
 from otel_rollouts import episode as new_episode
@@ -128,6 +128,9 @@ from otel_rollouts.adapters.kit import (
     warn_unknown,
 )
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["record_trajectories", "traced"]
 
 FRAMEWORK = "areal"
@@ -141,19 +144,19 @@ _NOT_RECORDED = frozenset({"multi_modal_input", "begin_of_trajectory"})
 _KNOWN = frozenset({*_TOKEN_KEYS, "rewards", *_LOGPROB_KEYS, *_MESSAGE_KEYS, "interactions", *_NOT_RECORDED})
 
 
-class _Attributes(dict):
+class _Attributes(dict[str, object]):
     """Per-sample root attributes for ``record_token_batch``, filled through the episode API."""
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: object) -> None:
         self[key] = value
 
 
 @guarded
 def record_trajectories(
-    trajectories: Any,
+    trajectories: Iterable[object] | None,
     *,
     step: int,
-    tokenizer: Any,
+    tokenizer: object,
     split: str = "train",
     model: str | None = None,
     trained_version: int | None = None,
@@ -187,7 +190,7 @@ def record_trajectories(
 
 
 @guarded
-def _filtered(index: int, *, step: int, split: str, label: tuple[str, str, dict[str, Any]] | None = None,
+def _filtered(index: int, *, step: int, split: str, label: tuple[str, str, dict[str, object]] | None = None,
               reason: str = "rejected") -> None:
     """A rejected trajectory (``None`` from ``wait()`` or from a workflow): nothing but its place
     is known."""
@@ -200,8 +203,8 @@ def _filtered(index: int, *, step: int, split: str, label: tuple[str, str, dict[
 
 
 @guarded
-def _unknown(trajectory: Any, index: int, *, step: int, split: str,
-             label: tuple[str, str, dict[str, Any]]) -> int:
+def _unknown(trajectory: object, index: int, *, step: int, split: str,
+             label: tuple[str, str, dict[str, object]]) -> int:
     """A trajectory with neither token ids, messages nor interactions: an error episode."""
     group, prefix, extra = label
     detail = f"{type(trajectory).__name__} without input_ids, messages or interactions"
@@ -213,7 +216,7 @@ def _unknown(trajectory: Any, index: int, *, step: int, split: str,
     return 1
 
 
-def _local(value: Any) -> Any:
+def _local(value: object) -> Any:
     """RTensor-like objects (no ``.detach()``) are localized once; the rest is passed through."""
     to_local = getattr(value, "to_local", None)
     if callable(to_local) and not hasattr(value, "detach"):
@@ -221,7 +224,7 @@ def _local(value: Any) -> Any:
     return value
 
 
-def _host(value: Any) -> Any:
+def _host(value: object) -> Any:
     """A token-level tensor as a numpy array: localized, moved off the device and converted once
     (the decoder and the version/turn computations below then share it)."""
     value = _local(value)
@@ -236,28 +239,30 @@ def _host(value: Any) -> Any:
     return t.float().numpy() if str(t.dtype) in ("torch.bfloat16", "torch.float16") else t.numpy()
 
 
-def _rows(value: Any) -> int | None:
+def _rows(value: object) -> int | None:
     if value is None:
         return None
     shape = getattr(value, "shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) else 1
+    if not isinstance(value, Sized):  # no __len__: len() would raise TypeError
+        return None
     try:
         return len(value)
     except TypeError:
         return None
 
 
-def _keys(trajectory: Any) -> list[str]:
+def _keys(trajectory: object) -> list[str]:
     if isinstance(trajectory, Mapping):
         return [str(k) for k in trajectory]
     return [k for k in vars(trajectory) if not k.startswith("_")] if hasattr(trajectory, "__dict__") else []
 
 
 @guarded
-def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split: str,
-                  tokenizer: Any, model: str | None, trained_version: int | None,
-                  label: tuple[str, str, dict[str, Any]] | None = None,
+def _record_group(trajectory: object, index: int, offset: int, *, step: int, split: str,
+                  tokenizer: object, model: str | None, trained_version: int | None,
+                  label: tuple[str, str, dict[str, object]] | None = None,
                   duration: float | None = None) -> int | None:
     """One group's rows as episodes. ``label``: (group id, episode-id prefix, metadata) when the
     group is not the ``index``-th of a batch (the workflow wrapper: AReaL's task id).
@@ -292,7 +297,7 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
         size = len(messages) if isinstance(messages, list) else 0
     # explicit alignment: a column with another number of rows covers only its prefix
     ragged = {name: rows for name, v in values.items() if (rows := _rows(v)) is not None and rows != size}
-    metadata: list[dict[str, Any]] = []
+    metadata: list[dict[str, object]] = []
     missing: list[list[str]] = []
     for j in range(size):
         metadata.append({**extra, "sample_index_in_group": j})
@@ -346,7 +351,7 @@ def _record_group(trajectory: Any, index: int, offset: int, *, step: int, split:
     return size
 
 
-def _token_aligned(next_token: Any) -> Any:
+def _token_aligned(next_token: object) -> object:
     """AReaL's ``prox_logp`` (``compute_logp``: column t is the logprob of token t + 1, the
     last column scores nothing) moved onto the tokens it scores, like ``input_ids`` and the
     engine's ``logprobs``: column 0 (a prompt token, never compared) is NaN. Numpy arrays are
@@ -369,7 +374,7 @@ def _token_aligned(next_token: Any) -> Any:
     return [[math.nan, *r[:-1]] if r else [] for r in rows]
 
 
-def _generated(mask: Any, attention: Any, shape: tuple[int, ...]) -> Any:
+def _generated(mask: object, attention: object, shape: tuple[int, ...]) -> np.ndarray | None:
     """Boolean [B, L] array of generated, attended tokens, or None when the shapes disagree."""
     import numpy as np
 
@@ -381,7 +386,7 @@ def _generated(mask: Any, attention: Any, shape: tuple[int, ...]) -> Any:
     return gen
 
 
-def _version_ranges(versions: Any, mask: Any, attention: Any, size: int) -> list[tuple[int | None, int | None]]:
+def _version_ranges(versions: object, mask: object, attention: object, size: int) -> list[tuple[int | None, int | None]]:
     """(min, max) version over each sample's generated tokens, vectorized over the group."""
     import numpy as np
 
@@ -404,7 +409,7 @@ def _version_ranges(versions: Any, mask: Any, attention: Any, size: int) -> list
     return out
 
 
-def _turn_counts(mask: Any, attention: Any, size: int) -> list[int | None]:
+def _turn_counts(mask: object, attention: object, size: int) -> list[int | None]:
     """Runs of generated tokens per sample (one per generation call), vectorized."""
     import numpy as np
 
@@ -421,13 +426,13 @@ def _turn_counts(mask: Any, attention: Any, size: int) -> list[int | None]:
     return out
 
 
-def _has_structured(messages: Any, size: int) -> bool:
+def _has_structured(messages: object, size: int) -> bool:
     return (isinstance(messages, list) and len(messages) == size and size > 0
             and all(isinstance(m, list) for m in messages))
 
 
-def _record_messages(messages: list[Any], values: dict[str, Any], group: str, offset: int,
-                     episode_ids: list[str], metadata: list[dict[str, Any]], missing: list[list[str]],
+def _record_messages(messages: Sequence[Sequence[object]], values: Mapping[str, object], group: str,
+                     offset: int, episode_ids: list[str], metadata: list[dict[str, object]], missing: list[list[str]],
                      *, step: int, split: str, model: str | None, trained_version: int | None,
                      duration: float | None = None) -> None:
     """A workflow that stored chat messages per sample: replay them, no decoding needed."""
@@ -454,9 +459,9 @@ def _record_messages(messages: list[Any], values: dict[str, Any], group: str, of
                     ep.reward(total)
 
 
-def _record_interactions(interactions: list[Any], index: int, offset: int, *, step: int, split: str,
-                         tokenizer: Any, model: str | None, trained_version: int | None,
-                         label: tuple[str, str, dict[str, Any]]) -> int:
+def _record_interactions(interactions: list[object], index: int, offset: int, *, step: int, split: str,
+                         tokenizer: object, model: str | None, trained_version: int | None,
+                         label: tuple[str, str, dict[str, object]]) -> int:
     """AReaL's string-only trajectory (external API mode): ``{"interactions": [{"request":
     messages, "response": text, "reward": float}]}``, one episode per interaction."""
     group, prefix, extra = label
@@ -491,7 +496,7 @@ def _record_interactions(interactions: list[Any], index: int, offset: int, *, st
 
 
 # --- the plug-in: a workflow wrapper -------------------------------------------------------------
-def traced(workflow: Any, workflow_kwargs: Mapping[str, Any] | None = None, *, tokenizer: Any = None,
+def traced(workflow: object, workflow_kwargs: Mapping[str, object] | None = None, *, tokenizer: object = None,
            model: str | None = None, end_steps: bool = True) -> Any:
     """``workflow`` wrapped so that every trajectory it finishes is recorded, with no edit to
     AReaL: pass the result wherever AReaL takes a workflow (``trainer.train(workflow=...,
@@ -532,7 +537,7 @@ def __getattr__(name: str) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _traced_class() -> Any:
+def _traced_class() -> type | None:
     """The wrapper class, built once per process (with AReaL's ``RolloutWorkflow`` as its base).
     Its ``recorder`` holds what the process's wrappers share (see ``_Recorder``)."""
     try:
@@ -549,14 +554,14 @@ def _traced_class() -> Any:
 
         recorder = _Recorder()  # shared by every wrapper of the process
 
-        def __init__(self, workflow: Any, workflow_kwargs: Mapping[str, Any] | None = None, *,
-                     tokenizer: Any = None, model: str | None = None, end_steps: bool = True) -> None:
+        def __init__(self, workflow: object, workflow_kwargs: Mapping[str, object] | None = None, *,
+                     tokenizer: object = None, model: str | None = None, end_steps: bool = True) -> None:
             self.workflow = _resolve(workflow, workflow_kwargs)
             self.tokenizer = tokenizer if tokenizer is not None else getattr(self.workflow, "tokenizer", None)
             self.model = model
             self.end_steps = end_steps
 
-        async def arun_episode(self, engine: Any, data: Any) -> Any:
+        async def arun_episode(self, engine: object, data: object) -> object:
             started = time.monotonic()
             try:
                 trajectory = await self.workflow.arun_episode(engine, data)
@@ -573,7 +578,7 @@ def _traced_class() -> Any:
     return TracedWorkflow
 
 
-def _quietly(record: Any, *args: Any, **kwargs: Any) -> None:
+def _quietly(record: Callable[..., object], *args: object, **kwargs: object) -> None:
     """Record, never raising into AReaL, not even in strict mode: AReaL's executor would turn
     the exception into a rejected rollout, and the training data would change."""
     try:
@@ -582,7 +587,7 @@ def _quietly(record: Any, *args: Any, **kwargs: Any) -> None:
         report(f"areal adapter: {exception_text(exc)}", exc=exc, may_raise=False)
 
 
-def _resolve(workflow: Any, kwargs: Mapping[str, Any] | None) -> Any:
+def _resolve(workflow: object, kwargs: Mapping[str, object] | None) -> Any:
     """An instance from AReaL's workflow forms: instance, class + kwargs, import path + kwargs."""
     if isinstance(workflow, str):
         import importlib
@@ -612,8 +617,8 @@ class _Recorder:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.open: dict[str, set[int]] = {}  # split → steps recorded and not closed yet
-        self.samples: OrderedDict[tuple[str, Any], int] = OrderedDict()
-        self.runtime: Any = None  # the otel_rollouts instance these belong to
+        self.samples: OrderedDict[tuple[str, object], int] = OrderedDict()
+        self.runtime: object = None  # the otel_rollouts instance these belong to
 
     def _current(self) -> None:
         """A new ``otr.configure()`` (another run) starts from nothing: the old run's open
@@ -625,7 +630,7 @@ class _Recorder:
             self.samples.clear()
 
     @guarded
-    def finished(self, engine: Any, trajectory: Any, *, tokenizer: Any, model: str | None,
+    def finished(self, engine: object, trajectory: object, *, tokenizer: object, model: str | None,
                  end_steps: bool, duration: float | None = None) -> None:
         split, task = _context()
         step, trained = self._step(engine, split, end_steps)
@@ -640,7 +645,7 @@ class _Recorder:
                       trained_version=trained, label=label, duration=duration)
 
     @guarded
-    def failed(self, engine: Any, exc: BaseException, *, end_steps: bool, duration: float | None = None) -> None:
+    def failed(self, engine: object, exc: BaseException, *, end_steps: bool, duration: float | None = None) -> None:
         """The workflow raised (AReaL logs it and rejects the rollout): an error episode."""
         split, task = _context()
         step, _ = self._step(engine, split, end_steps)
@@ -652,7 +657,7 @@ class _Recorder:
             ep.prompt("")
             ep.finish(reason=f"workflow raised: {exception_text(exc)}", status=c.STATUS_ERROR)
 
-    def _next_sample(self, split: str, task: Any) -> int:
+    def _next_sample(self, split: str, task: object) -> int:
         with self.lock:
             self._current()
             key = (split, task)
@@ -662,7 +667,7 @@ class _Recorder:
                 self.samples.popitem(last=False)
             return k
 
-    def _step(self, engine: Any, split: str, end_steps: bool) -> tuple[int, int | None]:
+    def _step(self, engine: object, split: str, end_steps: bool) -> tuple[int, int | None]:
         """(step, trained version or None) from the engine; closes the split's older steps."""
         version = None
         get_version = getattr(engine, "get_version", None)
@@ -696,7 +701,7 @@ class _Recorder:
 
 
 
-def _context() -> tuple[str, Any]:
+def _context() -> tuple[str, object]:
     """(split, task id) from AReaL's workflow context (set by its executor for each task)."""
     import sys
 
@@ -709,7 +714,7 @@ def _context() -> tuple[str, Any]:
     return ("eval" if getattr(ctx, "is_eval", False) else "train"), getattr(ctx, "task_id", None)
 
 
-def _tensor_dict(trajectory: Any) -> Any:
+def _tensor_dict(trajectory: object) -> object:
     """A workflow's ``{id: InteractionWithTokenLogpReward}`` as AReaL's executor converts it
     (token tensors when every interaction has them, else its string-only form)."""
     if not isinstance(trajectory, Mapping) or not trajectory:

@@ -63,7 +63,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast, runtime_checkable
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
@@ -83,7 +83,10 @@ from otel_rollouts.decode.toolcalls import (
 )
 
 if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
+
     from otel_rollouts import Rollouts
+    from otel_rollouts.record.episode import Episode, Turn
 
 __all__ = [
     "AdapterEntryPoint",
@@ -188,6 +191,13 @@ def current_instance() -> Rollouts | None:
     return cast("Rollouts | None", _runtime.active())
 
 
+class _AttributeTarget(Protocol):
+    """What ``set_policy`` / ``set_times`` / ``mark_partial`` write to: an episode, or a
+    per-sample attribute dict an adapter hands to ``record_token_batch``."""
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None: ...
+
+
 # --- the extension point -----------------------------------------------------------------------
 @runtime_checkable
 class AdapterEntryPoint(Protocol):
@@ -231,7 +241,7 @@ def end_step(step: int, split: str | None = None) -> None:
 
 
 # --- reading duck-typed inputs -----------------------------------------------------------------
-def field(obj: Any, *names: str, default: Any = None) -> Any:
+def field(obj: object, *names: str, default: object = None) -> Any:
     """The first of ``names`` that ``obj`` holds with a non-None value (key or attribute).
 
     Works for dicts / TypedDicts (keys), dataclasses and plain objects (attributes); ``default``
@@ -249,7 +259,7 @@ def field(obj: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def items(obj: Any) -> dict[str, Any]:
+def items(obj: object) -> dict[str, object]:
     """A shallow ``{name: value}`` view of a dict, dataclass or object (for extra columns)."""
     if obj is None:
         return {}
@@ -264,7 +274,7 @@ def items(obj: Any) -> dict[str, Any]:
 
 
 # --- tensors -------------------------------------------------------------------------------------
-def to_cpu(value: Any) -> Any:
+def to_cpu(value: object) -> Any:
     """``value`` on the host, moved once: torch tensors ``.detach().cpu()``, remote/sharded
     tensors (AReaL ``RTensor``) ``.to_local()`` first; numpy arrays and lists are returned as is.
 
@@ -285,7 +295,7 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def to_list(value: Any) -> list[Any] | None:
+def to_list(value: object) -> list[Any] | None:
     """A Python list of ``value`` (tensor, ndarray, tuple, list); None stays None.
 
     Tensors are moved to the host once (``to_cpu``) and converted with ``tolist()`` in one call.
@@ -298,24 +308,24 @@ def to_list(value: Any) -> list[Any] | None:
         return list(value)
     if isinstance(value, (str, bytes, Mapping)):
         return [value]
-    value = to_cpu(value)
-    tolist = getattr(value, "tolist", None)
+    host = to_cpu(value)  # a framework's tensor, array or iterable, on the host
+    tolist = getattr(host, "tolist", None)
     if callable(tolist):
         out = tolist()
         return out if isinstance(out, list) else [out]
     try:
-        return list(value)
+        return list(host)
     except TypeError:
-        return [value]
+        return [host]
 
 
-def host_lists(mapping: Any, names: Iterable[str]) -> dict[str, list[Any] | None]:
+def host_lists(mapping: object, names: Iterable[str]) -> dict[str, list[Any] | None]:
     """``{name: to_list(mapping[name])}`` for each name present: every tensor moved once."""
     return {name: to_list(field(mapping, name)) for name in names}
 
 
 # --- numbers -------------------------------------------------------------------------------------
-def as_float(value: Any, field_name: str = "value") -> tuple[float | None, str | None]:
+def as_float(value: object, field_name: str = "value") -> tuple[float | None, str | None]:
     """(float, None) for a number-like value, (None, reason naming ``field_name``) otherwise.
 
     Accepts Python numbers, numpy/torch scalars and 1-element tensors, and numeric strings
@@ -326,7 +336,7 @@ def as_float(value: Any, field_name: str = "value") -> tuple[float | None, str |
     return to_float(value, field_name)
 
 
-def reward_total(value: Any, field_name: str = "reward") -> tuple[float | None, list[float] | None, str | None]:
+def reward_total(value: object, field_name: str = "reward") -> tuple[float | None, list[float] | None, str | None]:
     """(total, per-token values or None, problem or None) for a scalar or token-level reward.
 
     A per-token reward list (SkyRL) or a multi-element tensor sums to the total; the list is
@@ -350,7 +360,7 @@ def reward_total(value: Any, field_name: str = "reward") -> tuple[float | None, 
     return float(sum(per_token)), per_token, None
 
 
-def generated_versions(versions: Sequence[Any] | None, loss_mask: Sequence[Any] | None = None
+def generated_versions(versions: Sequence[object] | None, loss_mask: Sequence[object] | None = None
                        ) -> tuple[int | None, int | None]:
     """(min, max) policy version over generated tokens only.
 
@@ -383,9 +393,9 @@ class Columns:
     cover sample ``i`` reliably; those samples are recorded with ``rl.alignment=partial``.
     """
 
-    def __init__(self, n: int, *, drop_if_ragged: Iterable[str] = (), **columns: Any) -> None:
+    def __init__(self, n: int, *, drop_if_ragged: Iterable[str] = (), **columns: object) -> None:
         self.n = max(0, int(n))
-        self.columns: dict[str, list[Any] | None] = {}
+        self.columns: dict[str, list[object] | None] = {}
         self.ragged: dict[str, int] = {}
         drop = set(drop_if_ragged)
         for name, column in columns.items():
@@ -399,7 +409,7 @@ class Columns:
     def has(self, name: str) -> bool:
         return self.columns.get(name) is not None
 
-    def value(self, name: str, i: int, default: Any = None) -> Any:
+    def value(self, name: str, i: int, default: object = None) -> Any:
         """Entry ``i`` of column ``name`` or ``default`` when absent or not covered."""
         values = self.columns.get(name)
         if values is None or i < 0 or i >= len(values):
@@ -421,30 +431,30 @@ class Sample:
     """One sample of a batch as an adapter read it: the root's fields and what the sampler
     reads, and ``content(episode)``, which records its prompt and turns if it may be kept."""
 
-    content: Callable[[Any], None]
+    content: Callable[[Episode], None]
     episode_id: str | None = None
-    group_id: Any = None
+    group_id: object = None
     sample_index: int | None = None
     dataset_name: str | None = None
-    dataset_index: Any = None
-    metadata: Mapping[str, Any] | None = None
+    dataset_index: object = None
+    metadata: Mapping[str, object] | None = None
     reward: float | None = None
-    components: Mapping[str, Any] | None = None
-    advantage: Any = None
-    finish_reason: Any = None
+    components: Mapping[str, object] | None = None
+    advantage: object = None
+    finish_reason: object = None
     status: str | None = None
     missing: Sequence[str] = ()  # ragged columns that do not cover it (rl.alignment=partial)
     problems: Sequence[str] = ()  # values refused while reading it (rl.invalid)
     # what the framework measured: the episode's wall time and seconds per stage (absent: not
     # measured, never 0), written on the root (rl.duration.seconds, rl.stage.<stage>.seconds)
     duration: float | None = None
-    stages: Mapping[str, float] | None = None
+    stages: Mapping[str, object] | None = None
     # the response tokens' logprobs: the inference engine's and the trainer's (1-D each, any of
     # tensor / array / list; None: not known), which tokens count, and the tokens (texts or ids)
-    logprobs: Any = None
-    trainer_logprobs: Any = None
-    logprob_mask: Any = None
-    response_ids: Any = None
+    logprobs: object = None
+    trainer_logprobs: object = None
+    logprob_mask: object = None
+    response_ids: object = None
 
 
 def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framework: str) -> list[Sample]:
@@ -462,7 +472,7 @@ def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framewor
 
 
 def record_samples(samples: Sequence[Sample], *, step: int, split: str, framework: str,
-                   tokenizer: Any = None) -> int:
+                   tokenizer: object = None) -> int:
     """Record ``samples`` (one step) with ``record_batch``: the tail sampler chooses from their
     rewards, statuses and groups in one call, and only the samples it may keep are recorded as
     episodes. Partial and invalid ones are counted for all; returns how many were offered."""
@@ -478,7 +488,7 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
     names = sorted({k for s in samples if s.components for k in s.components})
     components = {k: [None if not s.components else s.components.get(k) for s in samples] for k in names}
 
-    def record(i: int, ep: Any) -> None:
+    def record(i: int, ep: Episode) -> None:
         sample = samples[i]
         if sample.missing:
             _partial_attributes(ep, sample.missing)
@@ -502,7 +512,17 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
     return n
 
 
-def _logprob_columns(samples: Sequence[Sample], tokenizer: Any) -> dict[str, Any]:
+class _LogprobColumns(TypedDict, total=False):
+    """``record_batch``'s logprob keywords (one entry per sample)."""
+
+    logprobs: list[object]
+    trainer_logprobs: list[object]
+    logprob_masks: list[object]
+    response_tokens: list[object]
+    tokenizer: object
+
+
+def _logprob_columns(samples: Sequence[Sample], tokenizer: object) -> _LogprobColumns:
     """``record_batch``'s logprob keywords, when some sample has both logprobs."""
     if not any(s.logprobs is not None and s.trainer_logprobs is not None for s in samples):
         return {}
@@ -515,12 +535,12 @@ def _logprob_columns(samples: Sequence[Sample], tokenizer: Any) -> dict[str, Any
     }
 
 
-def _partial_attributes(ep: Any, missing: Sequence[str]) -> None:
+def _partial_attributes(ep: _AttributeTarget, missing: Sequence[str]) -> None:
     ep.set_attribute(c.RL_ALIGNMENT, "partial")
     ep.set_attribute(c.RL_ALIGNMENT_MISSING, list(missing))
 
 
-def _flag_invalid(ep: Any, problem: str) -> bool:
+def _flag_invalid(ep: object, problem: str) -> bool:
     record = getattr(ep, "_record", None)
     if record is None or record.root is None:
         return False
@@ -530,7 +550,7 @@ def _flag_invalid(ep: Any, problem: str) -> bool:
     return True
 
 
-def mark_partial(ep: Any, missing: Sequence[str]) -> None:
+def mark_partial(ep: _AttributeTarget, missing: Sequence[str]) -> None:
     """Record ``rl.alignment=partial`` (and which columns) on an episode, and count it."""
     if not missing:
         return
@@ -538,7 +558,7 @@ def mark_partial(ep: Any, missing: Sequence[str]) -> None:
     count(COUNT_PARTIAL, step=getattr(ep, "step", None), split=getattr(ep, "split", None))
 
 
-def mark_invalid(ep: Any, problem: str | None) -> None:
+def mark_invalid(ep: object, problem: str | None) -> None:
     """Record a refused value on the episode root (``rl.invalid``) and count it."""
     if not problem or not _flag_invalid(ep, problem):
         return
@@ -627,13 +647,13 @@ def _release_key(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def captures_content(ep: Any) -> bool:
+def captures_content(ep: object) -> bool:
     """Whether episode ``ep`` records content (``capture_content``): an answer field is content."""
     root = getattr(ep, "root", None)
     return root is not None and bool(root.episode.capture_content)
 
 
-def set_policy(ep: Any, version: Any, trained_version: Any = None) -> None:
+def set_policy(ep: _AttributeTarget, version: object, trained_version: object = None) -> None:
     """``rl.policy.version`` and ``rl.staleness`` by the one definition in ``conventions``:
     ``version`` = optimizer updates the generating weights had received, ``trained_version`` =
     updates the weights that train on the sample have received; staleness = their difference."""
@@ -650,8 +670,8 @@ def set_policy(ep: Any, version: Any, trained_version: Any = None) -> None:
 def group_ids(
     n: int,
     *,
-    ids: Sequence[Any] | None = None,
-    key: Callable[[Any], Any] | None = None,
+    ids: Sequence[object] | None = None,
+    key: Callable[[object], object] | None = None,
     per_group: int | None = None,
     complete: bool = False,
     prefix: str = "",
@@ -677,9 +697,9 @@ def group_ids(
     return [None] * n, "none"
 
 
-def first_occurrences(keys: Sequence[Any]) -> tuple[list[int], int]:
+def first_occurrences(keys: Sequence[object]) -> tuple[list[int], int]:
     """Indices of the first occurrence of each key (order kept) and how many duplicates."""
-    seen: set[Any] = set()
+    seen: set[object] = set()
     keep: list[int] = []
     for i, k in enumerate(keys):
         if k is not None and k in seen:
@@ -695,7 +715,7 @@ _EVAL_SPLITS = {"eval", "evaluation", "eval-rollout", "validate", "validation", 
 _TRAIN_SPLITS = {"train", "training", "rollout", "rollouts"}
 
 
-def split_name(value: Any, default: str = "train") -> str:
+def split_name(value: object, default: str = "train") -> str:
     """``train`` / ``eval`` for the frameworks' phase names (``rollout``, ``eval-rollout``,
     ``validate``, ``training_phase``); other names are kept as they are."""
     if value is None:
@@ -715,7 +735,7 @@ _TRUNCATED = {"length", "max_tokens", "truncated", "context_overflow", "max_leng
 _ERROR = {"error", "abort", "aborted", "failed", "exception"}
 
 
-def status_for(finish_reason: Any) -> str:
+def status_for(finish_reason: object) -> str:
     """``rl.status`` for a generation's finish reason: ``length`` → truncated, errors → error."""
     if finish_reason is None:
         return c.STATUS_OK
@@ -728,7 +748,7 @@ def status_for(finish_reason: Any) -> str:
 
 
 # --- token ids --------------------------------------------------------------------------------------
-def mask_runs(mask: Sequence[Any]) -> list[tuple[int, int, int]]:
+def mask_runs(mask: Sequence[object]) -> list[tuple[int, int, int]]:
     """Maximal runs of equal mask value: ``[(start, end, value)]`` with value 0 or 1."""
     out: list[tuple[int, int, int]] = []
     start = 0
@@ -745,7 +765,7 @@ def mask_runs(mask: Sequence[Any]) -> list[tuple[int, int, int]]:
     return out
 
 
-def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
+def lazy_text(tokenizer: object, ids: Sequence[int]) -> Deferred:
     """Text of ``ids`` decoded only if the episode is kept (a ``Deferred`` for the exporter).
 
     The ids are copied now (the caller may reuse its buffers). Decoding runs on the export
@@ -765,7 +785,7 @@ def lazy_text(tokenizer: Any, ids: Sequence[int]) -> Any:
 
 
 # --- time the framework measured -----------------------------------------------------------------
-def seconds(value: Any) -> float | None:
+def seconds(value: object) -> float | None:
     """``value`` as a duration in seconds when it is one (a finite number ≥ 0, numpy/torch
     scalars too), else None: a framework's missing, NaN, infinite (AReaL's ``float("inf")``
     default) or negative time is "not measured", never a number made up for it."""
@@ -775,7 +795,7 @@ def seconds(value: Any) -> float | None:
     return float(number)
 
 
-def set_times(ep: Any, duration: Any = None, stages: Mapping[str, Any] | None = None) -> None:
+def set_times(ep: _AttributeTarget, duration: object = None, stages: Mapping[str, object] | None = None) -> None:
     """Write what the framework measured on the episode's root: ``rl.duration.seconds`` (its
     wall time) and ``rl.stage.<stage>.seconds`` for each stage of ``conventions.STAGES`` it
     timed. An adapter records after the fact, so its root span's own duration is not the
@@ -792,7 +812,7 @@ def set_times(ep: Any, duration: Any = None, stages: Mapping[str, Any] | None = 
             ep.set_attribute(c.stage_seconds(stage), number)
 
 
-def set_span_attribute(handle: Any, key: str, value: Any) -> None:
+def set_span_attribute(handle: object, key: str, value: object) -> None:
     """Set an attribute on the span behind an episode-API handle (turn, tool call, generation)."""
     span = getattr(handle, "_span", None)
     if span is not None and value is not None:
@@ -800,14 +820,14 @@ def set_span_attribute(handle: Any, key: str, value: Any) -> None:
 
 
 def turns_from_mask(
-    ep: Any,
+    ep: Episode,
     token_ids: Sequence[int],
-    mask: Sequence[Any],
-    tokenizer: Any,
+    mask: Sequence[object],
+    tokenizer: object,
     *,
     model: str | None = None,
-    finish_reason: Any = None,
-    on_observation: Callable[[Any, int, Any], None] | None = None,
+    finish_reason: object = None,
+    on_observation: Callable[[Turn, int, Deferred | str], None] | None = None,
     feedback_role: str = "environment",
 ) -> int:
     """Record a response of concatenated turns as turns; returns how many.
@@ -822,7 +842,7 @@ def turns_from_mask(
     runs = mask_runs(mask)
     ids = list(token_ids)
 
-    def text(start: int, end: int) -> Any:
+    def text(start: int, end: int) -> Deferred | str:
         return lazy_text(tokenizer, ids[start:end]) if tokenizer is not None else ""
 
     turns = observations = 0
@@ -853,8 +873,8 @@ def turns_from_mask(
     return turns
 
 
-def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = None,
-                    finish_reason: Any = None) -> int:
+def replay_messages(ep: Episode, messages: Sequence[object], *, model: str | None = None,
+                    finish_reason: object = None) -> int:
     """Record an OpenAI-style conversation: the messages before the first assistant message are
     the prompt; each assistant message opens a turn (its ``tool_calls`` become tool spans, the
     ``tool`` messages answering them their results); other messages are feedback. Returns the
@@ -879,7 +899,7 @@ def replay_messages(ep: Any, messages: Sequence[Any], *, model: str | None = Non
             for n_call, call in enumerate(calls):
                 call = call if isinstance(call, Mapping) else {}
                 nested = call.get("function")
-                fn: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}
+                fn: Mapping[str, object] = nested if isinstance(nested, Mapping) else {}
                 call_id = call.get("id") or f"call_{n_call}"
                 handle = turn.tool_call(_text(fn.get("name") or call.get("name") or "tool"),
                                         arguments=fn.get("arguments"), call_id=_text(call_id))

@@ -88,8 +88,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
 from otel_rollouts.adapters._text import assistant_message, clean, messages_of
@@ -118,6 +118,9 @@ from otel_rollouts.adapters.kit import (
     warn_unknown,
 )
 
+if TYPE_CHECKING:
+    from otel_rollouts import Episode, Turn
+
 __all__ = ["record_batch"]
 
 FRAMEWORK = "open-instruct"
@@ -135,19 +138,19 @@ _REQUEST_INFO_FIELDS = (
 _ROLE_LINE = re.compile(r"^(system|user|assistant|tool|developer): ", re.MULTILINE)
 # one output wrapped in a tag of the tool parser's own (``<output>`` for the legacy parser)
 _RESPONSE_OPEN = "<tool_response>"
-_Pair = tuple["dict[str, Any] | None", "tuple[str, str, bool] | None"]  # (call, its answer)
+_Pair = tuple["dict[str, object] | None", "tuple[str, str, bool] | None"]  # (call, its answer)
 _WRAPPED = re.compile(r"\s*<(?P<tag>[A-Za-z_][\w-]{0,31})>(?P<body>.*?)</(?P=tag)>\s*", re.DOTALL)
 
 
 @guarded
 def record_batch(
-    batch: Any,
-    result: Any,
+    batch: object,
+    result: object,
     *,
     step: int,
-    advantages: Any = None,
+    advantages: object = None,
     num_samples_per_prompt: int = 1,
-    tokenizer: Any = None,
+    tokenizer: object = None,
     split: str = "train",
     model: str | None = None,
     trained_version: int | None = None,
@@ -210,7 +213,7 @@ def record_batch(
     return record_samples(samples, step=step, split=split, framework=FRAMEWORK)
 
 
-def _get(obj: Any, name: str) -> Any:
+def _get(obj: object, name: str) -> object:
     if obj is None:
         return None
     if isinstance(obj, Mapping):
@@ -218,12 +221,12 @@ def _get(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, tokenizer: Any,
+def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, tokenizer: object,
             model: str | None, n_per_group: int, trained_version: int | None) -> Sample:
     """Sample ``i``: what the sampler reads now, its prompt and turns only if it may be kept."""
     v = cols.value
     model_step = _model_step(v("model_steps", i))
-    metadata: dict[str, Any] = {}
+    metadata: dict[str, object] = {}
     for name in ("num_calls", "timeouts", "tool_errors", "tool_runtimes"):
         value = v(name, i)
         if value not in (None, "", [], 0, False):
@@ -238,7 +241,7 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
     finish = v("finish_reasons", i)
     total, _, problem = reward_total(v("scores", i), f"scores[{i}]")
 
-    def content(ep: Any) -> None:
+    def content(ep: Episode) -> None:
         set_policy(ep, model_step, trained_version)
         if truth is not None and captures_content(ep):
             # the dataset's answer is content, as the prompt is: an ``rl.metadata.*`` label
@@ -257,7 +260,7 @@ def _sample(cols: Columns, i: int, *, step: int, split: str, group: str | None, 
     )
 
 
-def _scalar(value: Any) -> Any:
+def _scalar(value: object) -> object:
     """A numpy/torch scalar as a Python one; other values unchanged."""
     if hasattr(value, "item") and not isinstance(value, (str, bytes, list, tuple, Mapping)):
         try:
@@ -267,7 +270,7 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def _dataset_name(value: Any) -> str | None:
+def _dataset_name(value: object) -> str | None:
     """``datasets[i]``: the default transform wraps the verifier source in a list (one entry per
     verifier); one name is the dataset name, several are joined with ``,``."""
     if value is None:
@@ -283,7 +286,7 @@ def _dataset_name(value: Any) -> str | None:
     return ",".join(names) if names else None
 
 
-def _ground_truth(value: Any) -> Any:
+def _ground_truth(value: object) -> str | int | float | bool | list[str] | None:
     """``ground_truths[i]`` as an attribute value: a one-entry list (the default transform's
     wrapping) is its entry, several scalars a list of strings, anything else JSON text."""
     value = _scalar(value)
@@ -301,7 +304,7 @@ def _ground_truth(value: Any) -> Any:
         return str(value)
 
 
-def _model_step(value: Any) -> int | None:
+def _model_step(value: object) -> int | None:
     """``model_steps[i]`` as a policy version: −1 placeholders are none, non-numbers reported."""
     if value is None:
         return None
@@ -317,7 +320,7 @@ def _model_step(value: Any) -> int | None:
 
 
 # --- the prompt ----------------------------------------------------------------------------------
-def _prompt(cols: Columns, i: int, tokenizer: Any) -> Any:
+def _prompt(cols: Columns, i: int, tokenizer: object) -> Deferred | list[dict[str, str]]:
     """The prompt's messages: the chat-templated ``queries[i]`` split by the template's role
     markers (only if the episode is kept); without a tokenizer the ``raw_queries`` lines."""
     query = cols.value("queries", i)
@@ -326,7 +329,7 @@ def _prompt(cols: Columns, i: int, tokenizer: Any) -> Any:
         info = tokenizer_info(tokenizer)
         ids = [int(t) for t in ids]
 
-        def split() -> list[dict[str, Any]]:
+        def split() -> list[dict[str, str]]:
             return messages_of(info.decoder.decode(ids, skip_special_tokens=False), tokenizer, "user")
 
         return Deferred(split)
@@ -338,7 +341,7 @@ def _prompt(cols: Columns, i: int, tokenizer: Any) -> Any:
     return [{"role": "user", "content": ""}]
 
 
-def _unflatten(text: str) -> list[dict[str, Any]]:
+def _unflatten(text: str) -> list[dict[str, str]]:
     """Open-Instruct's ``raw_queries`` join messages as ``"{role}: {content}"`` lines (read only
     without a tokenizer: a content holding such a line cannot be told apart)."""
     marks = list(_ROLE_LINE.finditer(text))
@@ -354,7 +357,7 @@ def _unflatten(text: str) -> list[dict[str, Any]]:
 
 
 # --- the turns -----------------------------------------------------------------------------------
-def _stats(cols: Columns, i: int) -> list[dict[str, Any]]:
+def _stats(cols: Columns, i: int) -> list[dict[str, object]]:
     stats = []
     for s in to_list(cols.value("tool_call_stats", i)) or []:
         stat = items(s)
@@ -365,7 +368,7 @@ def _stats(cols: Columns, i: int) -> list[dict[str, Any]]:
     return stats
 
 
-def _turns(ep: Any, cols: Columns, i: int, tokenizer: Any, model: str | None, finish: Any) -> None:
+def _turns(ep: Episode, cols: Columns, i: int, tokenizer: object, model: str | None, finish: object) -> None:
     v = cols.value
     stats = _stats(cols, i)
     response = to_list(v("responses", i))
@@ -407,7 +410,7 @@ class _Gen:
 
     __slots__ = ("message", "tokens")
 
-    def __init__(self, message: Any, tokens: int | None) -> None:
+    def __init__(self, message: str | Deferred, tokens: int | None) -> None:
         self.message = message
         self.tokens = tokens
 
@@ -421,10 +424,10 @@ class _Obs:
         self.items = found
 
 
-def _lazy_message(tokenizer: Any, ids: list[int] | None = None, text: str | None = None) -> Deferred:
+def _lazy_message(tokenizer: object, ids: list[int] | None = None, text: str | None = None) -> Deferred:
     decoded = lazy_text(tokenizer, ids) if ids is not None else None
 
-    def message() -> dict[str, Any]:
+    def message() -> dict[str, object]:
         raw = decoded.resolve() if decoded is not None else text
         return assistant_message(raw, tokenizer)[0]
 
@@ -435,7 +438,7 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.decode(ids, skip_special_tokens=False))
 
 
-def _parts(response: list[int], mask: list[Any] | None, tokenizer: Any, *, called: bool
+def _parts(response: list[int], mask: Sequence[object] | None, tokenizer: object, *, called: bool
            ) -> list[_Gen | _Obs]:
     """The response as generations and observations: by the mask's runs (0 = inserted by the
     engine); without masked observations but with tool calls (``mask_tool_use`` off) by the chat
@@ -467,7 +470,7 @@ def _parts(response: list[int], mask: list[Any] | None, tokenizer: Any, *, calle
     return [_Gen(_lazy_message(tokenizer, response), len(response))]
 
 
-def _observation(text: str, tokenizer: Any) -> list[tuple[str, str, bool]]:
+def _observation(text: str, tokenizer: object) -> list[tuple[str, str, bool]]:
     """The messages of an observation run: one per executed call, each rendered by the tool
     parser with its role's template (and the next generation prompt, left out)."""
     found: list[tuple[str, str, bool]] = []
@@ -507,8 +510,8 @@ def _wrapped(text: str) -> list[str]:
     return out or [text.strip()]
 
 
-def _record_parts(ep: Any, parts: list[_Gen | _Obs], stats: list[dict[str, Any]], tokenizer: Any,
-                  model: str | None, finish: Any) -> None:
+def _record_parts(ep: Episode, parts: list[_Gen | _Obs], stats: list[dict[str, object]], tokenizer: object,
+                  model: str | None, finish: object) -> None:
     """One turn per generation with the observation after it; each tool output (and each text
     environment reply) answers the next executed call of ``tool_call_stats`` in order. Calls left
     without an output (the context budget ran out) are spans of the last turn that called."""
@@ -545,13 +548,14 @@ def _record_parts(ep: Any, parts: list[_Gen | _Obs], stats: list[dict[str, Any]]
     n_call = 0
     for t, ((gen, _), pairs) in enumerate(zip(turns, owned, strict=True)):
         with ep.turn() as turn:
-            parsed: list[dict[str, Any]] = []
+            parsed: list[dict[str, object]] = []
             if gen is not None:
-                message = gen.message
+                message: str | Deferred | dict[str, object] = gen.message
                 errors: list[str] = []
                 if isinstance(message, str):
-                    message, errors = assistant_message(message, tokenizer, f"call_{t}_")
-                    parsed = list(message.get("tool_calls") or [])
+                    reply, errors = assistant_message(message, tokenizer, f"call_{t}_")
+                    parsed = list(reply.get("tool_calls") or [])
+                    message = reply
                 turn.record_generation(message, model=model,
                                        finish_reason=finish if t == len(turns) - 1 else None,
                                        output_tokens=gen.tokens)
@@ -573,7 +577,7 @@ def _record_parts(ep: Any, parts: list[_Gen | _Obs], stats: list[dict[str, Any]]
                       answered=answer is not None)
 
 
-def _take_call(parsed: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+def _take_call(parsed: list[dict[str, object]], name: str) -> dict[str, object] | None:
     """The first tool call the model wrote that names ``name`` (removed), if any."""
     for k, call in enumerate(parsed):
         function = call.get("function")
@@ -582,7 +586,7 @@ def _take_call(parsed: list[dict[str, Any]], name: str) -> dict[str, Any] | None
     return None
 
 
-def _arguments(call: dict[str, Any] | None) -> Any:
+def _arguments(call: Mapping[str, Any] | None) -> object:
     if not call:
         return None
     arguments = (call.get("function") or {}).get("arguments")
@@ -594,7 +598,7 @@ def _arguments(call: dict[str, Any] | None) -> Any:
     return arguments
 
 
-def _tool(turn: Any, stat: dict[str, Any], call_id: str, arguments: Any, result: Any, *,
+def _tool(turn: Turn, stat: Mapping[str, object], call_id: str, arguments: object, result: object, *,
           answered: bool = True) -> None:
     name = stat.get("tool_name") or stat.get("name") or "tool"
     with turn.tool_call(str(name), arguments=arguments, call_id=call_id) as call:
@@ -606,12 +610,12 @@ def _tool(turn: Any, stat: dict[str, Any], call_id: str, arguments: Any, result:
         # else: executed, but its output never reached the model (context budget): no result
 
 
-def _float_or_none(value: Any) -> float | None:
+def _float_or_none(value: object) -> float | None:
     total, _, problem = reward_total(value)
     return None if problem else total
 
 
-def _env_rewards(state: Any) -> dict[str, Any]:
+def _env_rewards(state: object) -> dict[str, object]:
     """Per-environment-step rewards of a tool rollout (``RolloutState.rewards``) as components."""
     if state is None:
         return {}

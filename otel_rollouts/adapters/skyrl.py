@@ -112,8 +112,8 @@ about once (``kit.warn_unknown``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from otel_rollouts import conventions as c
 from otel_rollouts.adapters._messages import record_assistant
@@ -147,6 +147,9 @@ from otel_rollouts.adapters.kit import (
     warn_unknown,
 )
 
+if TYPE_CHECKING:
+    from otel_rollouts import Episode
+
 __all__ = ["RecordingGenerator", "record_generator_output", "record_output_group"]
 
 FRAMEWORK = "skyrl"
@@ -168,16 +171,16 @@ TESTED = ("0.3.0", "0.4.0")
 
 @guarded
 def record_generator_output(
-    generator_input: Any,
-    generator_output: Any,
+    generator_input: object,
+    generator_output: object,
     *,
     step: int,
-    tokenizer: Any = None,
+    tokenizer: object = None,
     split: str = "train",
     n_samples_per_prompt: int | None = None,
     model: str | None = None,
     trains_at_step: bool = True,
-    trainer_logprobs: Any = None,
+    trainer_logprobs: object = None,
 ) -> int:
     """Record each trajectory of a SkyRL generation as one episode; returns how many.
 
@@ -235,9 +238,10 @@ def record_generator_output(
     # repeated trajectory id is a duplicate, recorded once
     stepwise = cols.has("is_last_step")
     if stepwise:
-        rows_of: dict[Any, list[int]] = {}
+        rows_of: dict[str | tuple[str, int], list[int]] = {}
         for i in range(n):
-            rows_of.setdefault(keys[i] if keys[i] is not None else ("row", i), []).append(i)
+            tid = keys[i]
+            rows_of.setdefault(tid if tid is not None else ("row", i), []).append(i)
         episodes = list(rows_of.values())
     else:
         keep, dups = first_occurrences(keys)
@@ -296,8 +300,8 @@ def record_generator_output(
 
 
 @guarded
-def record_output_group(group: Any, *, step: int, tokenizer: Any = None,
-                        model: str | None = None, trainer_logprobs: Any = None) -> int | None:
+def record_output_group(group: object, *, step: int, tokenizer: object = None,
+                        model: str | None = None, trainer_logprobs: object = None) -> int | None:
     """Record one ``GeneratedOutputGroup`` of SkyRL's fully asynchronous trainer (its
     ``generator_output``, ``uid``, ``global_step_when_scheduled``, ``prompts``), e.g. for each
     group in ``convert_generation_group_mini_batch_to_training_input`` with
@@ -337,12 +341,12 @@ class RecordingGenerator:
     raises into generation.
     """
 
-    def __init__(self, generator: Any, *, tokenizer: Any = None, model: str | None = None,
+    def __init__(self, generator: Any, *, tokenizer: object = None, model: str | None = None,
                  fully_async: bool = False) -> None:
         self.generator = generator
-        self._record = {"tokenizer": tokenizer, "model": model, "trains_at_step": not fully_async}
+        self._record: _Options = {"tokenizer": tokenizer, "model": model, "trains_at_step": not fully_async}
 
-    async def generate(self, input_batch: Any, disable_tqdm: bool = False, **kwargs: Any) -> Any:
+    async def generate(self, input_batch: object, disable_tqdm: bool = False, **kwargs: object) -> Any:
         if disable_tqdm and _accepts(self.generator.generate, "disable_tqdm"):
             kwargs["disable_tqdm"] = disable_tqdm
         output = await self.generator.generate(input_batch, **kwargs)
@@ -355,8 +359,16 @@ class RecordingGenerator:
         return getattr(self.generator, name)
 
 
+class _Options(TypedDict):
+    """``RecordingGenerator``'s keywords for ``record_generator_output``."""
+
+    tokenizer: object
+    model: str | None
+    trains_at_step: bool
+
+
 @guarded
-def _record_generation(input_batch: Any, output: Any, options: dict[str, Any]) -> None:
+def _record_generation(input_batch: object, output: object, options: _Options) -> None:
     step = _int_or_none(field(field(input_batch, "batch_metadata"), "global_step"), "batch_metadata.global_step")
     if step is None:
         warn_unknown(FRAMEWORK, "batch_metadata.global_step", "missing: generation not recorded")
@@ -364,7 +376,7 @@ def _record_generation(input_batch: Any, output: Any, options: dict[str, Any]) -
     record_generator_output(input_batch, output, step=step, **options)
 
 
-def _accepts(function: Any, name: str) -> bool:
+def _accepts(function: Callable[..., object], name: str) -> bool:
     try:
         import inspect
 
@@ -374,7 +386,7 @@ def _accepts(function: Any, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def _stage_times(splits: Any, n: int) -> dict[int, dict[str, float]]:
+def _stage_times(splits: object, n: int) -> dict[int, dict[str, float]]:
     """``trajectory_time_splits`` (SkyRL 0.4: ``{"llm": [...], "env": [...]}``, a trajectory's
     seconds in model calls and in ``env.step``) as ``{row: {stage: seconds}}``.
 
@@ -408,7 +420,7 @@ def _stage_times(splits: Any, n: int) -> dict[int, dict[str, float]]:
     return out
 
 
-def _durations(times: Any, n: int) -> dict[int, float]:
+def _durations(times: object, n: int) -> dict[int, float]:
     """``trajectory_generation_times`` as ``{row: seconds}``: each trajectory's ``e2e_time``, the
     wall time of its whole agent loop (model calls, ``env.step``, waiting), measured by SkyRL's
     generator around ``agent_loop`` — the episode's duration. One entry per row (step-wise rows
@@ -432,7 +444,7 @@ def _durations(times: Any, n: int) -> dict[int, float]:
     return out
 
 
-def _dataset_index(env_extras: Any, instance_id: Any) -> int | None:
+def _dataset_index(env_extras: object, instance_id: object) -> int | None:
     """The prompt's dataset index: ``env_extras["extra_info"]["index"]`` (SkyRL's dataset
     preprocessing scripts write verl's ``extra_info`` column with the source row's index), else the
     trajectory's ``instance_id`` when it is a number (``PromptDataset.__getitem__`` makes the uid
@@ -448,7 +460,7 @@ def _dataset_index(env_extras: Any, instance_id: Any) -> int | None:
     return None
 
 
-def _warn_unmapped_fields(out: Any) -> None:
+def _warn_unmapped_fields(out: object) -> None:
     """Warn once per ``GeneratorOutput`` key this adapter neither maps nor knowingly skips (a
     newer SkyRL's field is named, never silently dropped)."""
     if isinstance(out, Mapping):
@@ -467,7 +479,7 @@ def _int_or_none(value: Any, name: str) -> int | None:
         return None
 
 
-def _tid_string(tid: Any) -> str | None:
+def _tid_string(tid: object) -> str | None:
     if tid is None:
         return None
     if isinstance(tid, str):
@@ -482,21 +494,21 @@ def _tid_string(tid: Any) -> str | None:
     return f"{instance}_{rep}"
 
 
-def _at(values: Any, j: int | None) -> Any:
-    values = to_list(values)
-    if values is None or j is None or j >= len(values):
+def _at(values: object, j: int | None) -> object:
+    rows = to_list(values)
+    if rows is None or j is None or j >= len(rows):
         return None
-    return values[j]
+    return rows[j]
 
 
-def _with_tool_results(message: Mapping[str, Any], feedback: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _with_tool_results(message: Mapping[str, object], feedback: list[dict[str, str]]) -> list[dict[str, str]]:
     """The observation after a turn that made tool calls, as ``tool`` messages answering them:
     Hermes/Qwen ``<tool_response>`` blocks in order, else the whole observation for the first
     call (SkyRL's tool environments answer in a user message). Other feedback is kept."""
     calls = message.get("tool_calls") or []
     if not calls or not feedback:
         return feedback
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, str]] = []
     for m in feedback:
         blocks = tool_responses(str(m.get("content") or ""))
         if blocks:
@@ -509,7 +521,7 @@ def _with_tool_results(message: Mapping[str, Any], feedback: list[dict[str, Any]
     return out
 
 
-def _reward(value: Any, name: str) -> tuple[float | None, list[float] | None, str | None]:
+def _reward(value: object, name: str) -> tuple[float | None, list[float] | None, str | None]:
     """``reward_total`` with a fast path for SkyRL's per-token lists of numbers."""
     if isinstance(value, list):
         try:
@@ -521,7 +533,7 @@ def _reward(value: Any, name: str) -> tuple[float | None, list[float] | None, st
     return reward_total(value, name)
 
 
-def _runs(mask: list[Any]) -> list[tuple[int, int, int]]:
+def _runs(mask: Sequence[object]) -> list[tuple[int, int, int]]:
     """``mask_runs`` for 0/1 masks found with ``list.index`` (C speed), else ``mask_runs``."""
     try:
         if not set(mask) <= {0, 1}:
@@ -551,16 +563,16 @@ def _reward_by_turn(per_token: list[float], runs: list[tuple[int, int, int]]) ->
 
 
 def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: int | None,
-            trained: int | None, prompt: Any, prompt_found: bool, input_index: int | None,
-            episode_id: str, group: str | None, env_class: Any, env_extras: Any,
+            trained: int | None, prompt: object, prompt_found: bool, input_index: int | None,
+            episode_id: str, group: str | None, env_class: Any, env_extras: object,
             text: _Text | None, model: str | None, sample_index: int,
             stages: Mapping[str, float] | None = None, duration: float | None = None,
-            instance_id: str | None = None, engine_rows: list[Any] | None = None,
-            trainer_rows: list[Any] | None = None) -> Sample:
+            instance_id: str | None = None, engine_rows: object = None,
+            trainer_rows: object = None) -> Sample:
     """One trajectory (its rows): the reward and status now, the turns only if it may be kept."""
     v = cols.value
     last = rows[-1]
-    metadata: dict[str, Any] = {"rows": len(rows)} if len(rows) > 1 else {}
+    metadata: dict[str, object] = {"rows": len(rows)} if len(rows) > 1 else {}
     if input_index is not None:
         metadata["input_index"] = input_index
     if scheduled is not None:
@@ -590,8 +602,8 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
     total: float | None = None
     per_turn: list[float] = []
     problems: list[str] = []
-    turns: list[tuple[int, list[Any], list[Any], bool]] = []  # row, ids, mask, whole mask zeroed
-    counted: list[Any] = []  # the loss mask as SkyRL trains with it (the logprobs' mask)
+    turns: list[tuple[int, list[int], list[object], bool]] = []  # row, ids, mask, whole mask zeroed
+    counted: list[object] = []  # the loss mask as SkyRL trains with it (the logprobs' mask)
     for i in rows:
         ids = to_list(v("response_ids", i)) or []
         mask = to_list(v("loss_masks", i))
@@ -618,7 +630,7 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
             elif per_token is not None:
                 per_turn = _reward_by_turn(per_token, _runs(mask))
 
-    def content(ep: Any) -> None:
+    def content(ep: Episode) -> None:
         set_policy(ep, version, trained)
         shown = prompt
         if shown is None and text is not None:
@@ -648,7 +660,7 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
     )
 
 
-def _logprob_rows(values: Any, n: int, name: str) -> Any:
+def _logprob_rows(values: object, n: int, name: str) -> Any:
     """Per-row logprobs (``rollout_logprobs``, the trainer's): one list per ``GeneratorOutput``
     row, a tensor moved to the host once. Another number of rows is warned, not guessed."""
     if values is None:
@@ -665,8 +677,8 @@ def _logprob_rows(values: Any, n: int, name: str) -> Any:
     return rows[:n]  # the trainer's batch may carry padding rows after the real ones
 
 
-def _episode_logprobs(values: Any, turns: list[tuple[int, list[Any], list[Any], bool]],
-                      name: str, *, aligned: str) -> Any:
+def _episode_logprobs(values: Any, turns: list[tuple[int, list[int], list[object], bool]],
+                      name: str, *, aligned: str) -> object:
     """One episode's logprobs over its response tokens (its rows', concatenated), or None when
     a row has none. ``aligned="right"``: a row longer than its response holds it in its last
     columns (SkyRL's padded response tensors); ``"exact"``: the lengths must be equal."""
@@ -694,8 +706,8 @@ def _episode_logprobs(values: Any, turns: list[tuple[int, list[Any], list[Any], 
     return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
 
 
-def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, model: str | None,
-           finish_reason: Any) -> int:
+def _turns(ep: Episode, ids: list[int], mask: Sequence[object], text: _Text | None, *, model: str | None,
+           finish_reason: str | None) -> int:
     """Record one row's turns (runs of 1s) with the observations after them; returns how many
     generations. Without a tokenizer only token counts are recorded."""
     runs = _runs(mask)
@@ -714,7 +726,7 @@ def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, mode
                 continue
             generations += 1
             k += 1
-            feedback: list[dict[str, Any]] = []
+            feedback: list[dict[str, str]] = []
             if k < len(runs) and not runs[k][2]:
                 feedback = _feedback(decoded.get(k), text)
                 k += 1
@@ -727,7 +739,7 @@ def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, mode
                 for m in feedback:
                     turn.feedback(m["content"], role=m["role"])
                 continue
-            message: dict[str, Any] = {"role": "assistant", "content": ""}
+            message: dict[str, object] = {"role": "assistant", "content": ""}
             errors: list[str] = []
             if text is not None:
                 (content,) = text.decode([segment])
@@ -739,7 +751,7 @@ def _turns(ep: Any, ids: list[int], mask: list[Any], text: _Text | None, *, mode
     return generations
 
 
-def _feedback(content: str | None, text: _Text | None) -> list[dict[str, Any]]:
+def _feedback(content: str | None, text: _Text | None) -> list[dict[str, str]]:
     if content is None or text is None:
         return [{"role": ROLE_ENVIRONMENT, "content": ""}]
     return messages_of(content, text.tokenizer, ROLE_ENVIRONMENT)

@@ -130,22 +130,22 @@ __all__ = [
 
 @guarded_or(list)
 def record_trajectory_groups(
-    trajectory_groups: Sequence[Any],
+    trajectory_groups: Sequence[object],
     *,
     step: int,
     split: str = "train",
-    tokenizer: Any = None,
-    taglist: Sequence[Any] | None = None,
-    sampling_client_steps: Sequence[Any] | None = None,
-    advantages: Sequence[Any] | None = None,
+    tokenizer: object = None,
+    taglist: Sequence[object] | None = None,
+    sampling_client_steps: Sequence[object] | None = None,
+    advantages: Sequence[object] | None = None,
     model: str | None = None,
     group_start: int = 0,
-    renderer: Any = None,
+    renderer: object = None,
     reward_metrics: Sequence[str] = REWARD_METRICS,
     num_substeps: int = 1,
-    preference_verdicts: Any = None,
-    teacher: Any = None,
-    kl_penalty_coef: Any = None,
+    preference_verdicts: Any = None,  # a PreferenceVerdicts, or a stand-in with its take()
+    teacher: object = None,
+    kl_penalty_coef: object = None,
 ) -> list[str]:
     """Record every trajectory of ``trajectory_groups`` as one episode of training step ``step``.
 

@@ -78,7 +78,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from itertools import combinations
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from otel_rollouts import conventions as c
 from otel_rollouts.adapters._messages import record_assistant, token_count, token_ids
@@ -103,6 +103,9 @@ from otel_rollouts.adapters.kit import (
     warn_unknown,
 )
 
+if TYPE_CHECKING:
+    from otel_rollouts import Episode
+
 __all__ = ["record_episodes"]
 
 FRAMEWORK = "torchforge"
@@ -119,13 +122,13 @@ _EPISODE_FIELDS = ("episode_id", "request", "prompt", "response", "completion", 
 
 @guarded_or(list)
 def record_episodes(
-    episodes: Any,
+    episodes: object,
     *,
     step: int,
     split: str = "train",
     model: str | None = None,
     trained_version: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: object = None,
 ) -> list[str]:
     """Record each of ``episodes`` (``Episode`` objects or sample dicts) in training step ``step``.
 
@@ -152,7 +155,7 @@ def record_episodes(
     return [s.episode_id for s in read if s.episode_id is not None]
 
 
-def _as_samples(episodes: Any) -> list[Any]:
+def _as_samples(episodes: object) -> list[object]:
     if episodes is None:
         return []
     if isinstance(episodes, Mapping):
@@ -164,19 +167,19 @@ def _as_samples(episodes: Any) -> list[Any]:
     return [episodes]
 
 
-def _understood(sample: Any) -> bool:
+def _understood(sample: object) -> bool:
     """A sample dict, or an object with at least one of ``Episode``'s fields."""
     if isinstance(sample, Mapping):
         return any(k in sample for k in (*_EPISODE_FIELDS, "score"))
     return any(field(sample, name) is not None for name in _EPISODE_FIELDS)
 
 
-def _episode_id(sample: Any) -> str | None:
+def _episode_id(sample: object) -> str | None:
     value = field(sample, "episode_id")
     return None if value is None else str(value)
 
 
-def _version(sample: Any) -> int | None:
+def _version(sample: object) -> int | None:
     completion = field(sample, "completion")
     value = field(sample, "policy_version", default=field(completion, "generator_version"))
     if value is None:
@@ -187,14 +190,14 @@ def _version(sample: Any) -> int | None:
     return number if number is not None and number >= 0 else None
 
 
-def _group_id(request: Any, target: Any) -> str | None:
+def _group_id(request: object, target: object) -> str | None:
     if request is None:
         return None
     digest = hashlib.blake2b(f"{request}\x1f{target}".encode(), digest_size=6).hexdigest()
     return f"prompt-{digest}"
 
 
-def _prompt_of(completion: Any) -> tuple[Any, list[dict[str, Any]] | None]:
+def _prompt_of(completion: object) -> tuple[str | None, list[dict[str, str]] | None]:
     """(the request text, or None; its messages when the ``Prompt`` holds several) from
     ``completion.prompt``: ``Prompt(messages=[Message(chunks, role)])``, which the generator
     builds from the chat-templated request (one user message) — the request a torchforge
@@ -204,7 +207,7 @@ def _prompt_of(completion: Any) -> tuple[Any, list[dict[str, Any]] | None]:
         return None, None
     if isinstance(prompt, str):
         return prompt, None
-    messages = []
+    messages: list[dict[str, str]] = []
     for m in to_list(field(prompt, "messages")) or []:
         chunks = field(m, "chunks")
         text = chunks if isinstance(chunks, str) else "".join(str(x) for x in to_list(chunks) or [])
@@ -220,7 +223,7 @@ def _prompt_of(completion: Any) -> tuple[Any, list[dict[str, Any]] | None]:
     return "\x1e".join(f"{m['role']}:{m['content']}" for m in messages), messages
 
 
-def _breakdown(sample: Any, reward: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _breakdown(sample: object, reward: float | None) -> tuple[dict[str, object], dict[str, object]]:
     """(reward terms, other numeric columns): ``reward_breakdown``, or the columns ``to_dict``
     flattened — the largest set of them whose mean (forge's ``RewardActor``) or sum the reward
     is; columns outside it are not understood: metadata, with a warning."""
@@ -256,8 +259,13 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
-            trained_version: int | None, tokenizer: Any) -> Sample:
+class _Usage(TypedDict):
+    input_tokens: int | None
+    output_tokens: int | None
+
+
+def _sample(sample: object, i: int, *, step: int, split: str, model: str | None,
+            trained_version: int | None, tokenizer: object) -> Sample:
     """One forge episode: its reward, terms and status now, its text only if it may be kept."""
     if not _understood(sample):
         warn_unknown(FRAMEWORK, "episode", f"{type(sample).__name__} with none of Episode's fields; "
@@ -265,11 +273,11 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
     episode_id = _episode_id(sample) or f"{split}:{step}:{i}"
     completion = field(sample, "completion")
     request = field(sample, "request", "prompt")
-    prompt_messages: list[dict[str, Any]] | None = None
+    prompt_messages: list[dict[str, str]] | None = None
     prompt_ids: list[int] | None = None
     if request is None:  # a torchforge before PR #486: Episode has no request
         request, prompt_messages = _prompt_of(completion)
-    group_key: Any = request
+    group_key: object = request
     if request is None:
         prompt_ids = token_ids(field(completion, "prompt_ids"))
         if prompt_ids:
@@ -285,7 +293,7 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
     reward, reward_problem = as_float(field(sample, "reward", "score"), f"sample {episode_id}: reward")
     terms, others = _breakdown(sample, reward)
 
-    metadata: dict[str, Any] = {}
+    metadata: dict[str, object] = {}
     for name in ("request_len", "response_len"):  # padded maxima, not real lengths
         value = field(sample, name)
         if value is not None:
@@ -307,7 +315,7 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
         if number is not None:
             components[str(name)] = number
 
-    def content(ep: Any) -> None:
+    def content(ep: Episode) -> None:
         set_policy(ep, version, trained_version)
         if target is not None and captures_content(ep):
             # the answer is content, as the prompt is: an ``rl.metadata.*`` label would keep it
@@ -315,7 +323,7 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
             ep.set_attribute(f"{c.RL_METADATA_PREFIX}target", str(target))
         ep.prompt(_prompt(request, prompt_messages, prompt_ids, tokenizer))
         with ep.turn() as turn:
-            usage: dict[str, Any] = {"input_tokens": token_count(field(completion, "prompt_ids")),
+            usage: _Usage = {"input_tokens": token_count(field(completion, "prompt_ids")),
                                      "output_tokens": token_count(field(completion, "token_ids"))}
             if tokenizer is not None:
                 message, errors = assistant_message("" if response is None else str(response), tokenizer)
@@ -333,8 +341,8 @@ def _sample(sample: Any, i: int, *, step: int, split: str, model: str | None,
     )
 
 
-def _prompt(request: Any, messages: list[dict[str, Any]] | None, ids: list[int] | None,
-            tokenizer: Any) -> Any:
+def _prompt(request: object, messages: list[dict[str, str]] | None, ids: list[int] | None,
+            tokenizer: object) -> list[dict[str, str]] | Deferred:
     """The prompt messages: the chat-templated request split by the tokenizer's template, the
     ``Prompt``'s own messages, or the prompt ids decoded (only if the episode is kept)."""
     if messages is not None:  # a Prompt of several messages: plain texts already

@@ -79,8 +79,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypedDict, TypeVar
 
 from transformers import TrainerCallback
 
@@ -108,12 +108,77 @@ from otel_rollouts.adapters.kit import (
     warn_unknown,
 )
 
+if TYPE_CHECKING:
+    from otel_rollouts import Episode
+
 __all__ = ["RolloutTraceCallback"]
 
 FRAMEWORK = "trl"
 TESTED = ("1.15.0", "1.16.0")  # the releases tests/adapters/test_real_trl.py runs on
 _ABSENT = object()
 _WRAPPED = "__otr_trl_wrapped__"
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+_LogprobName = Literal["logprobs", "trainer_logprobs", "logprob_mask", "response_ids"]
+_RowKey = tuple[tuple[object, ...], tuple[object, ...]]
+
+
+class _State(Protocol):
+    """What is read of the ``TrainerState`` the callback events receive."""
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def is_world_process_zero(self) -> bool: ...
+
+
+class _Tokens(TypedDict, total=False):
+    """TRL's token lists of a generation batch (``_generate``), with its per-token logprobs
+    (``_generate_and_score_completions``), for this process's samples."""
+
+    prompt_ids: list[list[int]] | None
+    completion_ids: list[list[int]] | None
+    tool_mask: list[list[int]] | None
+    version: int | None
+    micro: int | None
+    logprobs: object
+    trainer_logprobs: object
+    logprob_mask: object
+    response_ids: object
+
+
+class _RowLogprobs(TypedDict, total=False):
+    """One sample's row of each logprob column (the ``Sample`` fields of the same names)."""
+
+    logprobs: object
+    trainer_logprobs: object
+    logprob_mask: object
+    response_ids: object
+
+
+class _Batch(TypedDict, total=False):
+    """A batch snapshotted from the trainer's buffers, waiting to be recorded."""
+
+    n: int
+    columns: dict[str, list[object]]
+    missing: list[str]
+    split: str
+    version: int | None
+    tokens: _Tokens
+    slices: list[int | None] | None
+    trained: list[int] | None
+    offset: int
+    rows: list[_RowKey] | None
+
+
+class _Usage(TypedDict):
+    """A sample's prompt length, model-token mask and finish reason."""
+
+    input_tokens: int | None
+    mask: list[int]
+    finish_reason: str | None
 
 
 class RolloutTraceCallback(TrainerCallback):
@@ -129,28 +194,28 @@ class RolloutTraceCallback(TrainerCallback):
     inside the callback reaches the training loop.
     """
 
-    def __init__(self, trainer: Any = None, *, model: str | None = None,
+    def __init__(self, trainer: object = None, *, model: str | None = None,
                  end_steps: bool = True) -> None:
         check_release(FRAMEWORK, "trl", TESTED)
-        self._trainer: Any = None
+        self._trainer: object = None
         self.model = model
         self.end_steps = end_steps
         self.recorded = 0  # episodes recorded so far
-        self._last: Any = _ABSENT  # the newest buffer entry already recorded (identity marker)
+        self._last: object = _ABSENT  # the newest buffer entry already recorded (identity marker)
         self._version: int | None = None
         self._batches = 0
-        self._pending: list[dict[str, Any]] = []  # batches snapshotted by the hooks, not recorded yet
-        self._generated: dict[str, Any] | None = None  # what the latest ``_generate`` returned
-        self._to_match: dict[str, Any] | None = None  # batch whose slices are read after shuffling
+        self._pending: list[_Batch] = []  # batches snapshotted by the hooks, not recorded yet
+        self._generated: _Tokens | None = None  # what the latest ``_generate`` returned
+        self._to_match: _Batch | None = None  # batch whose slices are read after shuffling
         self.hooked = False
         self.trainer = trainer
 
     @property
-    def trainer(self) -> Any:
+    def trainer(self) -> object:
         return self._trainer
 
     @trainer.setter
-    def trainer(self, value: Any) -> None:
+    def trainer(self, value: object) -> None:
         self._trainer = value
         self.hooked = False
         try:
@@ -188,14 +253,14 @@ class RolloutTraceCallback(TrainerCallback):
         self._flush_pending(args, state, None)
 
     # --- hooks on the trainer's own methods ---------------------------------------------------------
-    def _install(self, trainer: Any) -> None:
+    def _install(self, trainer: object) -> None:
         """Wrap ``_generate``, ``_generate_and_score_completions`` and ``_prepare_inputs`` on
         this trainer instance (not its class); results pass through unchanged."""
         if trainer is None:
             return
         names = ("_generate", "_generate_and_score_completions", "_prepare_inputs")
-        methods = [getattr(trainer, name, None) for name in names]
-        if not all(callable(m) for m in methods) or not isinstance(getattr(trainer, "_logs", None), Mapping):
+        methods = [m for m in (getattr(trainer, name, None) for name in names) if callable(m)]
+        if len(methods) != len(names) or not isinstance(getattr(trainer, "_logs", None), Mapping):
             return
         hooks = ((None, self._after_generate), (self._before_score, self._after_score),
                  (None, self._after_prepare))
@@ -209,7 +274,7 @@ class RolloutTraceCallback(TrainerCallback):
         state = getattr(self._trainer, "state", None)
         return bool(getattr(state, "is_world_process_zero", True))
 
-    def _after_generate(self, result: Any, _: Any) -> None:
+    def _after_generate(self, result: object, _: object) -> None:
         """Keep TRL's own token lists of the batch just generated (this process's samples)."""
         trainer = self._trainer
         if not self._main():
@@ -227,7 +292,7 @@ class RolloutTraceCallback(TrainerCallback):
             "micro": _int(getattr(trainer, "_step", None)),
         }
 
-    def _fresh(self, logs: Any) -> tuple[dict[str, list[Any]], int] | None:
+    def _fresh(self, logs: object) -> tuple[dict[str, list[object]], int] | None:
         """TRL's log columns and how many rows are new since the last batch (None: nothing new)."""
         if not isinstance(logs, Mapping):
             return None
@@ -238,7 +303,7 @@ class RolloutTraceCallback(TrainerCallback):
     def _before_score(self) -> None:
         self._generated = None
 
-    def _after_score(self, output: Any, _: Any) -> None:
+    def _after_score(self, output: object, _: object) -> None:
         """Snapshot the batch TRL just appended to ``_logs`` with its tokens and versions."""
         trainer = self._trainer
         if not self._main():
@@ -250,15 +315,15 @@ class RolloutTraceCallback(TrainerCallback):
         columns, new = fresh
         model = getattr(trainer, "model", None)
         split = "train" if getattr(model, "training", True) else "eval"
-        generated = self._generated or {}
+        generated: _Tokens = self._generated or {}
         self._generated = None
         version = generated.get("version")
         if version is None:
             version = _int(getattr(getattr(trainer, "state", None), "global_step", None))
         batch = _slice_batch(columns, new)
         generated.update(_logprobs(output))
-        batch.update(split=split, version=version, tokens=generated, slices=None,
-                     trained=_slice_versions(trainer, split, version, generated.get("micro")))
+        batch.update({"split": split, "version": version, "tokens": generated, "slices": None,
+                      "trained": _slice_versions(trainer, split, version, generated.get("micro"))})
         expected = _expected_size(trainer, generated)
         batch["offset"] = 0
         maxlen = getattr((logs or {}).get("advantages"), "maxlen", None)
@@ -266,35 +331,35 @@ class RolloutTraceCallback(TrainerCallback):
             batch["offset"] = expected - new  # the buffer (sized for training) dropped the first ones
             warn_unknown(FRAMEWORK, "_logs", f"buffer holds {new} of a batch of {expected}: the first "
                                              f"{expected - new} samples are not recorded")
-        if split == "train" and len(set(batch["trained"] or [None])) > 1:
+        if split == "train" and len(set(batch["trained"] or ())) > 1:
             # the slices are trained after different numbers of updates: find each sample's slice
             batch["rows"] = _row_keys(output)
             self._to_match = batch
         self._pending.append(batch)
 
-    def _after_prepare(self, result: Any, _: Any) -> None:
+    def _after_prepare(self, result: object, _: object) -> None:
         batch, self._to_match = self._to_match, None
         if batch is None or batch.get("rows") is None:
             return
         buffered = getattr(self._trainer, "_buffered_inputs", None)
         if not isinstance(buffered, Sequence):
             return
-        where: dict[Any, list[int]] = {}
+        where: dict[_RowKey, list[int]] = {}
         for k, part in enumerate(buffered):
             for key in _row_keys(part) or []:
                 where.setdefault(key, []).append(k)
-        slices = []
-        for key in batch.pop("rows"):
+        slices: list[int | None] = []
+        for key in batch.pop("rows") or []:  # not None (above)
             ks = where.get(key)
             slices.append(ks.pop(0) if ks else None)
         batch["slices"] = slices
 
     # --- recording ------------------------------------------------------------------------------------
-    def _flush_pending(self, args: Any, state: Any, split: str | None) -> None:
+    def _flush_pending(self, args: object, state: _State, split: str | None) -> None:
         if not self._pending:
             return
-        keep: list[Any] = []
-        todo: list[Any] = []
+        keep: list[_Batch] = []
+        todo: list[_Batch] = []
         for batch in self._pending:
             (todo if split is None or batch["split"] == split else keep).append(batch)
         self._pending = keep
@@ -306,7 +371,7 @@ class RolloutTraceCallback(TrainerCallback):
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
                 report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc)
 
-    def _collect(self, args: Any, state: Any, split: str, *, policy_version: int | None,
+    def _collect(self, args: object, state: _State, split: str, *, policy_version: int | None,
                  trained_version: int | None) -> None:
         """Whatever reached ``_logs`` without passing the hooks (another trainer class)."""
         try:
@@ -317,15 +382,15 @@ class RolloutTraceCallback(TrainerCallback):
                 return
             columns, new = fresh
             batch = _slice_batch(columns, new)
-            batch.update(split=split, version=policy_version, tokens={}, slices=None, offset=0,
-                         trained=None if trained_version is None else [trained_version])
+            batch.update({"split": split, "version": policy_version, "tokens": {}, "slices": None, "offset": 0,
+                          "trained": None if trained_version is None else [trained_version]})
             self._record(batch, args, step=int(state.global_step))
         except InvalidValue:
             raise
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
             report(f"trl RolloutTraceCallback: {exception_text(exc)}", exc=exc)
 
-    def _new_count(self, columns: dict[str, list[Any]]) -> int:
+    def _new_count(self, columns: dict[str, list[object]]) -> int:
         """How many of the newest entries were not recorded yet.
 
         The buffers are bounded deques refilled with each generation batch; the last entry
@@ -345,7 +410,7 @@ class RolloutTraceCallback(TrainerCallback):
         self._last = marker_column[-1]
         return len(marker_column) - start
 
-    def _record(self, batch: dict[str, Any], args: Any, *, step: int) -> None:
+    def _record(self, batch: _Batch, args: object, *, step: int) -> None:
         split = batch["split"]
         n, offset = batch["n"], batch["offset"]
         index = self._batches
@@ -359,7 +424,7 @@ class RolloutTraceCallback(TrainerCallback):
         group_size = _group_size(args, trainer, split)
         groups, _ = group_ids(offset + n, per_group=group_size, complete=True,
                               prefix=f"{split}:{step}:{index}:")
-        tokens = batch["tokens"] or {}
+        tokens: _Tokens = batch["tokens"] or {}
         trained = batch["trained"]
         slices = batch["slices"]
         def read(i: int) -> Sample:
@@ -369,8 +434,8 @@ class RolloutTraceCallback(TrainerCallback):
                 trained_version = None
             elif len(set(trained)) == 1:
                 trained_version = trained[0]
-            elif slices is not None and g < len(slices) and slices[g] is not None:
-                trained_version = trained[slices[g]]
+            elif slices is not None and g < len(slices) and (part := slices[g]) is not None:
+                trained_version = trained[part]
             else:
                 trained_version = None
             return _sample(
@@ -385,10 +450,10 @@ class RolloutTraceCallback(TrainerCallback):
                                         tokenizer=tokenizer)
 
 
-def _sample(values: dict[str, Any], missing: list[str], names: list[str], weights: list[float], *,
-            model: str | None, tokenizer: Any, version: int | None, trained_version: int | None,
+def _sample(values: dict[str, object], missing: list[str], names: list[str], weights: list[float], *,
+            model: str | None, tokenizer: object, version: int | None, trained_version: int | None,
             episode_id: str, group_id: str | None, sample_index: int,
-            usage: dict[str, Any] | None, logprobs: Mapping[str, Any] | None = None) -> Sample:
+            usage: _Usage | None, logprobs: _RowLogprobs | None = None) -> Sample:
     """One sample: its reward terms and status now, its prompt and turns only if it may be kept."""
     metadata = {key[len("extra."):]: v for key, v in values.items()
                 if key.startswith("extra.") and v is not None}
@@ -411,7 +476,7 @@ def _sample(values: dict[str, Any], missing: list[str], names: list[str], weight
     if problem:
         problems.append(problem)
 
-    def content(ep: Any) -> None:
+    def content(ep: Episode) -> None:
         set_policy(ep, version, trained_version)
         ep.prompt(_prompt_messages(values.get("prompt"), tokenizer))
         turns = _turns(values.get("completion"), tokenizer)
@@ -435,12 +500,13 @@ def _sample(values: dict[str, Any], missing: list[str], names: list[str], weight
 
 
 # --- hooks ------------------------------------------------------------------------------------------
-def _wrap(method: Any, before: Any, after: Any) -> Any:
+def _wrap(method: Callable[_P, _R], before: Callable[[], object] | None,
+          after: Callable[[_R, object], None]) -> Callable[_P, _R]:
     """``method`` with ``before()`` / ``after(result, token)`` around it: their failures are
     reported, never raised; the method's own result and exceptions pass through untouched."""
 
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         token = None
         if before is not None:
             try:
@@ -458,14 +524,14 @@ def _wrap(method: Any, before: Any, after: Any) -> Any:
     return wrapper
 
 
-def _int(value: Any) -> int | None:
+def _int(value: Any) -> int | None:  # whatever int() converts
     try:
         return None if value is None else int(value)
     except (TypeError, ValueError):
         return None
 
 
-def _slice_versions(trainer: Any, split: str, version: int | None, micro: int | None) -> list[int] | None:
+def _slice_versions(trainer: object, split: str, version: int | None, micro: int | None) -> list[int] | None:
     """Updates of the weights that first train each slice of a generation batch (train only)."""
     if split != "train" or version is None:
         return None
@@ -477,7 +543,7 @@ def _slice_versions(trainer: Any, split: str, version: int | None, micro: int | 
     return [version + (m0 + k) // ga - m0 // ga for k in range(max(1, spg))]
 
 
-def _expected_size(trainer: Any, generated: Mapping[str, Any]) -> int | None:
+def _expected_size(trainer: object, generated: _Tokens) -> int | None:
     """Size of the gathered batch: this process's samples × number of processes."""
     ids = generated.get("completion_ids")
     if not isinstance(ids, list):
@@ -486,7 +552,7 @@ def _expected_size(trainer: Any, generated: Mapping[str, Any]) -> int | None:
     return len(ids) * processes
 
 
-def _row_keys(part: Any) -> list[tuple] | None:
+def _row_keys(part: object) -> list[_RowKey] | None:
     """One hashable key per row of a batch dict (its padded prompt and completion ids)."""
     if not isinstance(part, Mapping):
         return None
@@ -500,7 +566,7 @@ class _Finish:
     """TRL's rule for a clipped completion (``is_truncated``): its last id is neither an EOS id
     nor the pad id."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: object) -> None:
         ids = getattr(trainer, "eos_token_ids", None)
         tokenizer = getattr(trainer, "_tokenizer", None) or _tokenizer(trainer)
         if ids is None:
@@ -515,7 +581,7 @@ class _Finish:
         return c.FINISH_STOP if completion_ids[-1] in self.stop_ids else c.FINISH_LENGTH
 
 
-def _usage(tokens: Mapping[str, Any], g: int, finish: _Finish) -> dict[str, Any] | None:
+def _usage(tokens: _Tokens, g: int, finish: _Finish) -> _Usage | None:
     """Token counts and finish reason of gathered sample ``g`` (this process's samples only)."""
     completions = tokens.get("completion_ids")
     if not isinstance(completions, list) or g >= len(completions):
@@ -532,11 +598,13 @@ def _usage(tokens: Mapping[str, Any], g: int, finish: _Finish) -> dict[str, Any]
 
 
 # TRL's output key -> the Sample field it feeds
-_LOGPROB_FIELDS = (("sampling_per_token_logps", "logprobs"), ("old_per_token_logps", "trainer_logprobs"),
-                   ("completion_ids", "response_ids"))
+_LOGPROB_FIELDS: tuple[tuple[str, _LogprobName], ...] = (
+    ("sampling_per_token_logps", "logprobs"), ("old_per_token_logps", "trainer_logprobs"),
+    ("completion_ids", "response_ids"))
+_ROW_FIELDS: tuple[_LogprobName, ...] = ("logprobs", "trainer_logprobs", "logprob_mask", "response_ids")
 
 
-def _logprobs(output: Any) -> dict[str, Any]:
+def _logprobs(output: object) -> _Tokens:
     """The per-token logprobs of this process's samples from what
     ``_generate_and_score_completions`` returned, [B, completion length] each, moved to the host
     once per batch and kept as arrays (a row is a view: a dropped sample's values never become
@@ -546,7 +614,7 @@ def _logprobs(output: Any) -> dict[str, Any]:
         return {}
     if output.get("sampling_per_token_logps") is None and output.get("old_per_token_logps") is None:
         return {}
-    out: dict[str, Any] = {}
+    out: _Tokens = {}
     for key, name in _LOGPROB_FIELDS:
         value = output.get(key)
         if value is not None:
@@ -560,21 +628,22 @@ def _logprobs(output: Any) -> dict[str, Any]:
     return out
 
 
-def _rows(value: Any) -> Any:
+def _rows(value: object) -> object:
     """A [B, L] tensor on the host (one move per batch), or a list of rows as TRL gave them."""
-    if getattr(value, "shape", None) is not None and len(value.shape) == 2:
+    shape = getattr(value, "shape", None)
+    if shape is not None and len(shape) == 2:
         return to_cpu(value)
     return to_list(value)
 
 
-def _row_logprobs(tokens: Mapping[str, Any], g: int) -> dict[str, Any]:
+def _row_logprobs(tokens: _Tokens, g: int) -> _RowLogprobs:
     """Gathered sample ``g``'s row of each logprob column (this process's samples only: another
     process's logprobs never reach the main process)."""
     if "logprobs" not in tokens and "trainer_logprobs" not in tokens:
         return {}
-    out: dict[str, Any] = {}
-    for name in ("logprobs", "trainer_logprobs", "logprob_mask", "response_ids"):
-        rows: Any = tokens.get(name)
+    out: _RowLogprobs = {}
+    for name in _ROW_FIELDS:
+        rows: Any = tokens.get(name)  # a list of rows, or a host tensor / array (indexed by row)
         if isinstance(rows, list) and g < len(rows) and isinstance(rows[g], list):
             out[name] = rows[g]
         elif rows is not None and getattr(rows, "shape", None) is not None and g < rows.shape[0]:
@@ -582,7 +651,7 @@ def _row_logprobs(tokens: Mapping[str, Any], g: int) -> dict[str, Any]:
     return out
 
 
-def _turn_usage(usage: Mapping[str, Any] | None, turns: int) -> list[tuple[int | None, int | None]]:
+def _turn_usage(usage: _Usage | None, turns: int) -> list[tuple[int | None, int | None]]:
     """(input, output) tokens of each turn: the runs of model tokens (``tool_mask`` = 1), one per
     turn; when they do not match the turns, the totals go on the last turn."""
     out: list[tuple[int | None, int | None]] = [(None, None)] * turns
@@ -601,7 +670,7 @@ def _turn_usage(usage: Mapping[str, Any] | None, turns: int) -> list[tuple[int |
 
 
 # --- text -------------------------------------------------------------------------------------------
-def _tokenizer(trainer: Any) -> Any:
+def _tokenizer(trainer: object) -> object:
     tokenizer = getattr(trainer, "_tokenizer", None)
     if tokenizer is None:
         tokenizer = getattr(trainer, "processing_class", None)
@@ -609,7 +678,7 @@ def _tokenizer(trainer: Any) -> Any:
     return tokenizer if callable(getattr(tokenizer, "convert_ids_to_tokens", None)) else None
 
 
-def _prompt_messages(prompt: Any, tokenizer: Any) -> list[dict[str, Any]]:
+def _prompt_messages(prompt: object, tokenizer: object) -> Sequence[Mapping[str, object]]:
     """A conversational prompt as its messages; a text prompt (possibly rendered with the chat
     template by the user) split into its messages."""
     if prompt is None:
@@ -619,7 +688,7 @@ def _prompt_messages(prompt: Any, tokenizer: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, Mapping):
         prompt = [prompt]
     if isinstance(prompt, Sequence):
-        out = []
+        out: list[dict[str, object]] = []
         for m in prompt:
             if isinstance(m, Mapping):
                 out.append(dict(m))
@@ -630,7 +699,7 @@ def _prompt_messages(prompt: Any, tokenizer: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": str(prompt)}]
 
 
-def _assistant(message: Mapping[str, Any], tokenizer: Any, turn: int) -> dict[str, Any]:
+def _assistant(message: Mapping[str, object], tokenizer: object, turn: int) -> dict[str, object]:
     """An assistant message as a person reads it: markup removed; tool calls TRL parsed kept
     (given ids, which TRL's tool calls lack: ``call_<turn>_<n>``), Hermes ``<tool_call>`` text
     (no response schema) turned into ``tool_calls``."""
@@ -652,7 +721,7 @@ def _assistant(message: Mapping[str, Any], tokenizer: Any, turn: int) -> dict[st
     return out
 
 
-def _turns(completion: Any, tokenizer: Any) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+def _turns(completion: object, tokenizer: object) -> list[tuple[dict[str, object], list[dict[str, object]]]]:
     """(assistant message, what followed it) per turn of a completion (text or messages)."""
     if completion is None:
         completion = ""
@@ -663,7 +732,7 @@ def _turns(completion: Any, tokenizer: Any) -> list[tuple[dict[str, Any], list[d
     if not isinstance(completion, Sequence):
         warn_unknown(FRAMEWORK, "completion", f"expected text or messages, got {type(completion).__name__}")
         return [(_assistant({"role": "assistant", "content": str(completion)}, tokenizer, 0), [])]
-    turns: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    turns: list[tuple[dict[str, object], list[dict[str, object]]]] = []
     for m in completion:
         if not isinstance(m, Mapping):
             m = {"role": "assistant", "content": "" if m is None else str(m)}
@@ -678,10 +747,10 @@ def _turns(completion: Any, tokenizer: Any) -> list[tuple[dict[str, Any], list[d
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _columns(logs: Mapping[str, Any]) -> dict[str, list[Any]]:
+def _columns(logs: Mapping[str, Iterable[object]]) -> dict[str, list[object]]:
     """Flat snapshot (lists) of the trainer's per-sample buffers: ``prompt``, ``completion``,
     ``advantages``, ``rewards.<name>``, ``extra.<column>``."""
-    out: dict[str, list[Any]] = {}
+    out: dict[str, list[object]] = {}
     for key in ("prompt", "completion", "advantages"):
         if logs.get(key) is not None:
             out[key] = list(logs[key])
@@ -693,7 +762,7 @@ def _columns(logs: Mapping[str, Any]) -> dict[str, list[Any]]:
     return out
 
 
-def _slice_batch(columns: dict[str, list[Any]], n: int) -> dict[str, Any]:
+def _slice_batch(columns: dict[str, list[object]], n: int) -> _Batch:
     """The newest ``n`` entries of every column. TRL extends every buffer in lockstep; one of
     another length cannot be paired with the samples safely, so it is left out of this batch and
     its samples are marked partial."""
@@ -706,12 +775,12 @@ def _slice_batch(columns: dict[str, list[Any]], n: int) -> dict[str, Any]:
     }
 
 
-def _marker(columns: Mapping[str, list[Any]]) -> list[Any]:
+def _marker(columns: Mapping[str, list[object]]) -> list[object]:
     """The buffer whose entries identify a batch: the advantages (fresh float objects)."""
     return columns.get("advantages") or columns.get("completion") or []
 
 
-def _group_size(args: Any, trainer: Any, split: str) -> int | None:
+def _group_size(args: object, trainer: object, split: str) -> int | None:
     size = None
     if split == "eval":
         size = getattr(args, "num_generations_eval", None) or getattr(trainer, "num_generations_eval", None)
@@ -719,15 +788,15 @@ def _group_size(args: Any, trainer: Any, split: str) -> int | None:
     return _int(size) or None
 
 
-def _reward_names(trainer: Any, columns: Mapping[str, Any]) -> list[str]:
+def _reward_names(trainer: object, columns: Mapping[str, object]) -> list[str]:
     names = getattr(trainer, "reward_func_names", None)
     if names:
         return [str(n) for n in names]
     return [key[len("rewards."):] for key in columns if key.startswith("rewards.")]
 
 
-def _reward_weights(trainer: Any, n: int) -> list[float]:
-    weights: Any = getattr(trainer, "reward_weights", None)
+def _reward_weights(trainer: object, n: int) -> list[float]:
+    weights: Any = getattr(trainer, "reward_weights", None)  # a tensor, a list; else TypeError below
     try:
         values = [float(w) for w in (weights.tolist() if hasattr(weights, "tolist") else weights)]
     except TypeError:
@@ -735,7 +804,7 @@ def _reward_weights(trainer: Any, n: int) -> list[float]:
     return values if len(values) == n else [1.0] * n
 
 
-def _model_name(trainer: Any) -> str | None:
+def _model_name(trainer: object) -> str | None:
     config = getattr(getattr(trainer, "model", None), "config", None)
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
     if not name:

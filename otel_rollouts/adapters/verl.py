@@ -131,15 +131,15 @@ _NOT_REWARDS = {"uid", "index", "data_source", "extra_info", "reward_model", "ra
                 "priority", "__do_sample__", ROLLOUT_N_COLUMN, SCORE_TIMES_COLUMN}
 
 
-class _Attributes(dict):
+class _Attributes(dict[str, object]):
     """Per-sample root attributes for ``record_token_batch``, filled through the episode API."""
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: object) -> None:
         self[key] = value
 
 
 @guarded
-def mark_rollouts(batch: Any, *, agent_loop_workers: int | None = None) -> int:
+def mark_rollouts(batch: object, *, agent_loop_workers: int | None = None) -> int:
     """Write verl's ``rollout_n`` of each sample into ``non_tensor_batch[ROLLOUT_N_COLUMN]``.
 
     Call it on the generated batch before ``_balance_batch``: verl's rollout traces number a
@@ -164,7 +164,7 @@ def mark_rollouts(batch: Any, *, agent_loop_workers: int | None = None) -> int:
     return size
 
 
-def rollout_numbers(index: Sequence[Any], agent_loop_workers: int | None = None) -> list[int]:
+def rollout_numbers(index: Sequence[object], agent_loop_workers: int | None = None) -> list[int]:
     """verl's ``rollout_n`` of each sample of a generation batch, in generation order: the
     batch is cut into ``agent_loop_workers`` chunks (``DataProto.chunk``) and each chunk numbered
     by ``get_trajectory_info`` (consecutive samples with the same dataset index)."""
@@ -178,7 +178,7 @@ def rollout_numbers(index: Sequence[Any], agent_loop_workers: int | None = None)
     return numbers
 
 
-def _dataset_index(non_tensor: Any) -> list[Any] | None:
+def _dataset_index(non_tensor: object) -> list[object] | None:
     """The dataset index verl's agent loop numbered the rollouts by. ``index`` when the batch
     has it; else (verl's reward-loop layout: with reward-loop workers the agent loop returns none
     of its input columns, so the trained batch keeps only ``uid``, ``data_source``,
@@ -199,10 +199,10 @@ def _dataset_index(non_tensor: Any) -> list[Any] | None:
 
 @guarded
 def record_batch(
-    batch: Any,
+    batch: object,
     *,
     step: int,
-    tokenizer: Any,
+    tokenizer: object,
     split: str = "train",
     policy_version: int | Sequence[int] | None = None,
     rollout_n: int | None = None,
@@ -274,17 +274,21 @@ def record_batch(
     stage_columns = {stage: columns[name] for name, stage in STAGE_COLUMNS.items()
                      if columns.get(name) is not None and name not in ragged}
 
-    metadata, episode_ids, attributes = [], [], []
-    seen: dict[Any, Any] = {}
+    metadata: list[dict[str, object]] = []
+    episode_ids: list[str] = []
+    attributes: list[_Attributes | None] = []
+    data_sources: set[str | None] = set()  # each sample's metadata["data_source"]
+    seen: dict[str | None, int] = {}
     partial = 0
     for i in range(size):
         group = groups[i]
         order = seen.get(group, 0)
         seen[group] = order + 1
         sample_index = index[i] if index is not None and i < len(index) else None
-        entry: dict[str, Any] = {"sample_index": sample_index, "rollout_n": rollouts[i],
-                                 "validate": split == "eval"}
+        entry: dict[str, object] = {"sample_index": sample_index, "rollout_n": rollouts[i],
+                                    "validate": split == "eval"}
         source = _at(columns.get("data_source"), i)
+        data_sources.add(None if source is None else str(source))
         if source is not None:
             entry["data_source"] = str(source)
         for name, values in extra.items():
@@ -317,7 +321,7 @@ def record_batch(
     count(COUNT_PARTIAL, partial, step=step, split=split)
 
     components = _components(columns, _reward_keys(reward_extra_keys, meta, columns), size)
-    sources = {m.get("data_source") for m in metadata}
+    sources = data_sources
     record_token_batch(
         input_ids,
         tokenizer=tokenizer,
@@ -343,7 +347,7 @@ def record_batch(
     return size
 
 
-def _logprobs(tensors: Any, responses: Any) -> dict[str, Any]:
+def _logprobs(tensors: object, responses: Any) -> dict[str, Any]:
     """``record_token_batch``'s ``logprobs`` (verl's ``rollout_log_probs``: the engine's) and
     ``trainer_logprobs`` (``old_log_probs``: the actor's recomputation), each only when the batch
     has it, as verl holds them: ``[B, response_len]``, the last columns of ``input_ids``. Not
@@ -381,12 +385,12 @@ def _same_storage(a: Any, b: Any) -> bool:
     return False
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: object) -> bool:
     number = seconds(value)
     return number is not None and number > 0
 
 
-def stage_columns(metrics: Sequence[Any]) -> dict[str, list[Any]]:
+def stage_columns(metrics: Sequence[object]) -> dict[str, list[object]]:
     """``STAGE_COLUMNS`` from verl's per-sample ``AgentLoopMetrics`` (models or their dumps), one
     entry per sample: ``generate_sequences``, ``tool_calls``, ``compute_score`` seconds."""
     names = {"processing_times": "generate_sequences", "tool_calls_times": "tool_calls",
@@ -406,7 +410,7 @@ def _get(tensors: Any, key: str) -> Any:
     return field(tensors, key)
 
 
-def _column(non_tensor: Any, key: str) -> Any:
+def _column(non_tensor: Any, key: str) -> object:
     try:
         return non_tensor[key] if key in non_tensor else None
     except TypeError:
@@ -420,7 +424,7 @@ def _names(non_tensor: Any) -> list[str]:
         return []
 
 
-def _cat_zeros(response_mask: Any, prompt_width: int) -> Any:
+def _cat_zeros(response_mask: Any, prompt_width: int) -> object:
     """``[zeros(B, P) | response_mask]`` on the mask's own device (no host copy)."""
     if type(response_mask).__module__.split(".", 1)[0] == "torch":
         import torch
@@ -438,7 +442,7 @@ def _at(values: list[Any] | None, i: int) -> Any:
     return values[i] if values is not None and i < len(values) else None
 
 
-def _groups(size: int, uid: list[Any] | None, rollout_n: int | None) -> list[str | None]:
+def _groups(size: int, uid: Sequence[object] | None, rollout_n: int | None) -> list[str | None]:
     if uid is not None and all(u is not None for u in uid):
         return [str(u) for u in uid]
     if rollout_n and rollout_n > 0 and size % rollout_n == 0:  # batch.repeat(n, interleave=True)
@@ -446,7 +450,7 @@ def _groups(size: int, uid: list[Any] | None, rollout_n: int | None) -> list[str
     return [None] * size
 
 
-def _trajectory_rollout_n(index: Sequence[Any]) -> list[int]:
+def _trajectory_rollout_n(index: Sequence[object]) -> list[int]:
     """verl's ``get_trajectory_info`` numbering: the count of equal dataset indices just before."""
     out, n = [], 0
     for i, value in enumerate(index):
@@ -455,7 +459,7 @@ def _trajectory_rollout_n(index: Sequence[Any]) -> list[int]:
     return out
 
 
-def _rollout_numbers(size: int, groups: list[str | None], index: list[Any] | None,
+def _rollout_numbers(size: int, groups: list[str | None], index: Sequence[object] | None,
                      marked: list[Any] | None) -> list[int | None]:
     """verl's ``rollout_n`` per sample: from ``mark_rollouts``'s column, else from the current
     order when every group is still contiguous (not reordered); else unknown (warned)."""
@@ -507,13 +511,14 @@ def _column_ints(values: list[Any] | None, size: int) -> list[int | None]:
     return out
 
 
-def _versions(size: int, explicit: Any, columns: dict[str, Any], meta: Any) -> list[Any] | None:
+def _versions(size: int, explicit: Any, columns: Mapping[str, list[object] | None], meta: object
+              ) -> list[int | None] | None:
     """One policy version per sample (verl keeps no per-token versions); −1 placeholders and
     missing values are None."""
     value = explicit
     if value is None:
-        value = next((columns[k] for k in _VERSION_COLUMNS if columns.get(k) is not None
-                      and any(v is not None for v in columns[k])), None)
+        value = next((column for k in _VERSION_COLUMNS if (column := columns.get(k)) is not None
+                      and any(v is not None for v in column)), None)
     if value is None:
         value = field(meta, "param_version", "policy_version")
     if value is None:
@@ -524,7 +529,7 @@ def _versions(size: int, explicit: Any, columns: dict[str, Any], meta: Any) -> l
     return [v if v is not None and v >= 0 else None for v in values]
 
 
-def _token_versions(per_sample: list[Any] | None, loss_mask: Any) -> Any:
+def _token_versions(per_sample: list[int | None] | None, loss_mask: Any) -> object:
     """Per-sample versions spread over generated tokens (−1 elsewhere), on the mask's device:
     unambiguous for record_token_batch whatever the batch size."""
     if per_sample is None:
@@ -541,7 +546,7 @@ def _token_versions(per_sample: list[Any] | None, loss_mask: Any) -> Any:
     return np.where(mask != 0, np.asarray(values, dtype=np.int64)[:, None], -1)
 
 
-def _reward_keys(explicit: Sequence[str] | None, meta: Any, columns: dict[str, Any]) -> list[str]:
+def _reward_keys(explicit: Sequence[str] | None, meta: object, columns: Mapping[str, list[object] | None]) -> list[str]:
     """Which columns are reward terms: the caller's list, else verl's ``reward_extra_keys``, else
     the numeric columns that are not verl bookkeeping (warned: a guess)."""
     if explicit is not None:
@@ -558,7 +563,7 @@ def _reward_keys(explicit: Sequence[str] | None, meta: Any, columns: dict[str, A
     return guessed
 
 
-def _components(columns: dict[str, Any], keys: Sequence[str], size: int) -> dict[str, list[Any]]:
+def _components(columns: Mapping[str, list[object] | None], keys: Sequence[str], size: int) -> dict[str, list[object]]:
     """The reward-term columns (``acc``, ``score``, ``format``...) aligned to the batch."""
     out = {}
     for name in keys:
@@ -569,7 +574,7 @@ def _components(columns: dict[str, Any], keys: Sequence[str], size: int) -> dict
     return out
 
 
-def _numeric(value: Any) -> bool:
+def _numeric(value: object) -> bool:
     if isinstance(value, bool):
         return True
     if isinstance(value, (int, float)):

@@ -48,7 +48,7 @@ sessions of a prompt under one ``uid`` and keys them ``{uid}_{session_id}_{i}``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Awaitable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 from otel_rollouts.adapters import verl as _verl
@@ -82,7 +82,7 @@ def _build() -> type:
     class AgentLoopManager(VerlAgentLoopManager):
         """verl's ``AgentLoopManager`` that records each generated batch (results untouched)."""
 
-        def generate_sequences(self, prompts: Any) -> Any:
+        def generate_sequences(self, prompts: object) -> object:
             result = super().generate_sequences(prompts)
             if inspect.isawaitable(result):  # called from a coroutine: verl's auto_await
                 return _record_when_done(self, prompts, result)
@@ -97,7 +97,7 @@ def _build() -> type:
             return super()._performance_metrics(metrics, output, *args, **kwargs)
 
         @classmethod
-        def create(cls, *args: Any, **kwargs: Any) -> Any:
+        def create(cls, *args: object, **kwargs: object) -> object:
             """verl's ``create``; under the TransferQueue trainer, ``AgentLoopManagerTQ.create``."""
             if _uses_transfer_queue(kwargs.get("config", args[0] if args else None)):
                 return __getattr__("AgentLoopManagerTQ").create(*args, **kwargs)
@@ -108,7 +108,7 @@ def _build() -> type:
     return AgentLoopManager
 
 
-def _uses_transfer_queue(config: Any) -> bool:
+def _uses_transfer_queue(config: object) -> bool:
     """``TaskRunnerV1`` (picked by ``trainer.use_v1``) sets ``transfer_queue.enable`` before it
     builds the manager; the legacy trainer runs with ``use_v1`` false."""
     return (_config(config, "trainer", "use_v1") is True
@@ -126,7 +126,7 @@ def _build_tq() -> type:
         """verl's ``AgentLoopWorkerTQ`` that records each session it puts into TransferQueue."""
 
         async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict,
-                              *args: Any, **kwargs: Any) -> None:
+                              *args: object, **kwargs: object) -> None:
             key = _step_key(trajectory)
             _dispatched(self, key)
             try:
@@ -134,7 +134,7 @@ def _build_tq() -> type:
             finally:
                 _settled(self, key)
 
-        async def _agent_loop_postprocess(self, output: Any, validate: Any, **kwargs: Any) -> Any:
+        async def _agent_loop_postprocess(self, output: object, validate: object, **kwargs: object) -> object:
             result = await super()._agent_loop_postprocess(output, validate, **kwargs)
             observe_session(self, output, validate, kwargs)
             return result
@@ -146,7 +146,7 @@ def _build_tq() -> type:
         """verl's ``AgentLoopManagerTQ`` whose agent-loop workers record each session they put
         into TransferQueue (what they put there untouched)."""
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
             self.agent_loop_workers_class = ray.remote(RecordingAgentLoopWorkerTQ)
 
@@ -177,7 +177,7 @@ def _dispatched(worker: Any, key: tuple[int, str] | None) -> None:
 
 
 @guarded
-def _settled(worker: Any, key: tuple[int, str] | None) -> None:
+def _settled(worker: object, key: tuple[int, str] | None) -> None:
     """A prompt of ``key`` settled (every session in TransferQueue, or failed)."""
     inflight = getattr(worker, "_otr_inflight", None)
     if key is None or inflight is None or key not in inflight:
@@ -195,7 +195,7 @@ def _end_step(inflight: dict[tuple[int, str], int], key: tuple[int, str]) -> Non
 
 
 @guarded
-def observe_session(worker: Any, output: Any, validate: Any, sample: Mapping[str, Any]) -> int:
+def observe_session(worker: Any, output: Any, validate: object, sample: Mapping[str, object]) -> int:
     """Record the session ``AgentLoopWorkerTQ._agent_loop_postprocess`` just put into TransferQueue:
     ``output`` (an ``AgentLoopOutput`` or a list; the last one carries the reward), ``sample``: the
     prompt's fields with ``session_id``. Returns how many episodes (0 or 1)."""
@@ -236,7 +236,7 @@ def observe_session(worker: Any, output: Any, validate: Any, sample: Mapping[str
                      "it later, from TransferQueue): episodes carry no rl.reward")
     extra = dict(getattr(final, "extra_fields", None) or {})
     reward_info = extra.get("reward_extra_info") or {}
-    columns: dict[str, Any] = {"uid": [field(sample, "uid")], "index": [field(sample, "index")],
+    columns: dict[str, Sequence[object]] = {"uid": [field(sample, "uid")], "index": [field(sample, "index")],
                                _verl.ROLLOUT_N_COLUMN: [int(session)], "__num_turns__": [final.num_turns]}
     if field(sample, "data_source") is not None:
         columns["data_source"] = [field(sample, "data_source")]
@@ -260,7 +260,7 @@ _KEPT_METRICS = 8  # generations whose per-sample metrics wait for observe (norm
 
 
 @guarded
-def _keep_sample_metrics(manager: Any, metrics: Any, output: Any) -> None:
+def _keep_sample_metrics(manager: object, metrics: Iterable[Iterable[object]], output: object) -> None:
     """Keep the per-sample ``AgentLoopMetrics`` dumps of one generation, flattened in the output's
     order (``DataProto.concat`` of the chunks), keyed by the output object until ``observe``
     takes them; bounded (the oldest dropped) should ``observe`` never run for some."""
@@ -270,19 +270,19 @@ def _keep_sample_metrics(manager: Any, metrics: Any, output: Any) -> None:
         kept.pop(next(iter(kept)))
 
 
-def _sample_metrics(manager: Any, output: Any) -> list[Any] | None:
+def _sample_metrics(manager: object, output: object) -> list[object] | None:
     kept = getattr(manager, "__dict__", {}).get("_otr_sample_metrics")
     return None if not kept else kept.pop(id(output), None)
 
 
-async def _record_when_done(manager: Any, prompts: Any, pending: Any) -> Any:
+async def _record_when_done(manager: object, prompts: object, pending: Awaitable[object]) -> object:
     output = await pending
     observe(manager, prompts, output)
     return output
 
 
 @guarded
-def observe(manager: Any, prompts: Any, output: Any) -> int:
+def observe(manager: object, prompts: object, output: object) -> int:
     """Record the batch ``output`` the agent loop generated for ``prompts``; returns how many
     episodes. ``manager``: verl's agent-loop manager (its ``config`` and workers)."""
     check_release(_FRAMEWORK, "verl", _verl.TESTED)
@@ -311,7 +311,7 @@ def observe(manager: Any, prompts: Any, output: Any) -> int:
         return 0
     import numpy as np
 
-    columns: dict[str, Any] = {}
+    columns: dict[str, Sized] = {}
     for name in list(inputs.keys()) + list(produced.keys()):  # outputs win (the non-reward-loop layout)
         source = produced if name in produced else inputs
         columns[name] = source[name]
@@ -322,7 +322,7 @@ def observe(manager: Any, prompts: Any, output: Any) -> int:
             columns.setdefault(name, np.asarray(values, dtype=object))
     keep = _samples(columns, size, _repeats(config, validate))
     out_meta = dict(field(output, "meta_info", default={}) or {})
-    batch_meta: dict[str, Any] = {"validate": validate}
+    batch_meta: dict[str, object] = {"validate": validate}
     if out_meta.get("reward_extra_keys") is not None:
         batch_meta["reward_extra_keys"] = out_meta["reward_extra_keys"]
     if "rm_scores" not in tensors.keys():
@@ -345,7 +345,7 @@ def observe(manager: Any, prompts: Any, output: Any) -> int:
                               step=step, tokenizer=tokenizer, split=split) or 0
 
 
-def _config(config: Any, *path: str) -> Any:
+def _config(config: object, *path: str) -> Any:
     node = config
     for key in path:
         if node is None:
@@ -357,7 +357,7 @@ def _config(config: Any, *path: str) -> Any:
     return node
 
 
-def _repeats(config: Any, validate: bool) -> int | None:
+def _repeats(config: object, validate: bool) -> int | None:
     """Samples per prompt: ``rollout.n`` (``val_kwargs.n`` for validation)."""
     path = ("actor_rollout_ref", "rollout", "val_kwargs", "n") if validate else ("actor_rollout_ref", "rollout", "n")
     value = _config(config, *path)
@@ -367,12 +367,12 @@ def _repeats(config: Any, validate: bool) -> int | None:
         return None
 
 
-def _samples(columns: Mapping[str, Any], size: int, repeats: int | None) -> list[int]:
+def _samples(columns: Mapping[str, object], size: int, repeats: int | None) -> list[int]:
     """Rows that are samples: not REMAX's greedy baselines (``__do_sample__`` false) and not the
     copies ``pad_dataproto_to_divisor`` appends (a uid past its ``repeats`` samples)."""
     do_sample = to_list(columns.get("__do_sample__"))
     uid = to_list(columns.get("uid"))
-    seen: dict[Any, int] = {}
+    seen: dict[object, int] = {}
     keep = []
     for i in range(size):
         if do_sample is not None and i < len(do_sample) and not bool(do_sample[i]):
@@ -385,7 +385,7 @@ def _samples(columns: Mapping[str, Any], size: int, repeats: int | None) -> list
     return keep
 
 
-def _tokenizer(manager: Any) -> Any:
+def _tokenizer(manager: Any) -> object:
     """The policy's tokenizer, loaded once as verl's workers load it (``tokenizer_path``, else the
     model ``path``; ``custom_chat_template``)."""
     tok = getattr(manager, "_otr_tokenizer", None)
