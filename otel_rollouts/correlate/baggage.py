@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 from opentelemetry import trace
 
@@ -31,13 +30,13 @@ __all__ = ["copy_baggage_to_logs", "copy_baggage_to_spans"]
 logger = logging.getLogger("otel_rollouts")
 
 
-def _predicate(keys: Iterable[str] | None) -> Any:
+def _predicate(keys: Iterable[str] | None) -> object:
     """A key predicate accepting exactly ``keys`` (default: the episode identity keys)."""
     allowed = frozenset(c.BAGGAGE_KEYS if keys is None else (str(k) for k in keys))
     return allowed.__contains__
 
 
-def _processor_module() -> Any | None:
+def _processor_module() -> object | None:
     """``opentelemetry.processor.baggage``, or None (logged) when the package is not installed."""
     try:
         import opentelemetry.processor.baggage as module
@@ -50,7 +49,7 @@ def _processor_module() -> Any | None:
     return module
 
 
-def copy_baggage_to_spans(tracer_provider: Any = None, keys: Iterable[str] | None = None) -> Any | None:
+def copy_baggage_to_spans(tracer_provider: object = None, keys: Iterable[str] | None = None) -> object | None:
     """Add a span processor to ``tracer_provider`` (default: the global one) that copies the
     rl.* entries (or ``keys``) of each span's parent-context baggage onto the span at start.
 
@@ -63,7 +62,7 @@ def copy_baggage_to_spans(tracer_provider: Any = None, keys: Iterable[str] | Non
                 "an SDK TracerProvider")
 
 
-def copy_baggage_to_logs(logger_provider: Any, keys: Iterable[str] | None = None) -> Any | None:
+def copy_baggage_to_logs(logger_provider: object, keys: Iterable[str] | None = None) -> object | None:
     """The log counterpart: add a log-record processor to ``logger_provider`` (an SDK
     ``LoggerProvider``) that copies the rl.* baggage (or ``keys``) of the context current when a
     record is emitted onto the record's attributes: a server's log lines written while serving an
@@ -76,8 +75,8 @@ def copy_baggage_to_logs(logger_provider: Any, keys: Iterable[str] | None = None
                 "copy_baggage_to_logs", "an SDK LoggerProvider")
 
 
-def _add(provider: Any, adder: str, processor_class: str, keys: Iterable[str] | None, what: str,
-         needs: str) -> Any | None:
+def _add(provider: object, adder: str, processor_class: str, keys: Iterable[str] | None, what: str,
+         needs: str) -> object | None:
     """Add the contrib baggage processor ``processor_class`` to ``provider``; None if it cannot."""
     try:
         add = getattr(provider, adder, None)

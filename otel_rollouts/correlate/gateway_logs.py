@@ -7,10 +7,14 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.stats import Stats
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk._logs import ReadWriteLogRecord
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter
 
 __all__ = ["LogOutlet", "default_log_exporter"]
 
@@ -21,13 +25,13 @@ class LogOutlet:
     """Where received log records of kept episodes (and of no episode) go: an SDK log exporter
     behind a batch processor (its ``on_emit`` only queues: the caller never waits)."""
 
-    def __init__(self, exporter: Any, stats: Stats) -> None:
+    def __init__(self, exporter: LogRecordExporter | None, stats: Stats) -> None:
         self.stats = stats
         self._exporter = exporter
-        self._processor: Any = None
+        self._processor: BatchLogRecordProcessor | None = None
         self._lock = threading.Lock()
 
-    def _ready(self) -> Any:
+    def _ready(self) -> BatchLogRecordProcessor | None:
         if self._processor is None and self._exporter is not None:
             with self._lock:
                 if self._processor is None:
@@ -36,7 +40,7 @@ class LogOutlet:
                     self._processor = BatchLogRecordProcessor(self._exporter)
         return self._processor
 
-    def send(self, records: Sequence[Any]) -> None:
+    def send(self, records: Sequence[ReadWriteLogRecord]) -> None:
         processor = self._ready()
         if processor is None:
             self.stats.add("dropped.gateway_logs_no_exporter", len(records))
@@ -58,7 +62,7 @@ class LogOutlet:
                 pass
 
 
-def default_log_exporter() -> Any:
+def default_log_exporter() -> LogRecordExporter | None:
     """The OTLP log exporter the environment asks for (``OTEL_LOGS_EXPORTER=otlp``, or an OTLP
     logs endpoint set), else None: received records of kept episodes are then counted, not sent."""
     wanted = [w.strip() for w in os.environ.get(c.ENV_LOGS_EXPORTER, "").lower().split(",")]

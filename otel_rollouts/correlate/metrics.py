@@ -69,8 +69,10 @@ from otel_rollouts._core.stages import stage_totals
 
 if TYPE_CHECKING:
     import numpy as np
+    from opentelemetry.sdk.metrics.export import MetricReader
 
     from otel_rollouts._core.health import StepHealth
+    from otel_rollouts.sampling.batch import RowBatch
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -92,7 +94,7 @@ _LCG_A, _LCG_C, _MASK = 6364136223846793005, 1442695040888963407, (1 << 64) - 1
 _SEED = 0x2545F4914F6CDD1D
 
 
-def meter_provider(resource, metric_readers: Sequence[Any] | None):
+def meter_provider(resource, metric_readers: Sequence[MetricReader] | None):
     """A MeterProvider for ``metric_readers``, plus OTLP when ``OTEL_METRICS_EXPORTER`` says
     ``otlp``; None when there is no reader at all (then no instrument costs anything)."""
     readers = list(metric_readers or ())
@@ -425,7 +427,7 @@ class RolloutMetrics:
         self._samples += taken
 
     # --- called by the pipeline (under its lock) --------------------------------------------------
-    def dropped_rows(self, batch: Any, indices: Sequence[int], reason: str) -> None:
+    def dropped_rows(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
         """Rows of a batch (``sampling.batch.RowBatch``) dropped before their episodes were
         recorded: counted (by status) and their rewards summarised at once, with numpy, never a
         Python object per row. They have no spans: a duration or stage time only where the batch
@@ -628,7 +630,7 @@ class RolloutMetrics:
             self.provider.shutdown()
 
 
-def _status_counts(batch: Any, rows: np.ndarray) -> dict[str, int]:
+def _status_counts(batch: RowBatch, rows: np.ndarray) -> dict[str, int]:
     """How many of ``rows`` have each ``rl.status`` (None, or anything not a status: ok).
     Counted in C (``Counter`` over the column), less the rows not in ``rows`` when those are
     the few (the dropped rows of a batch are nearly all of it): no Python object per row."""
@@ -657,7 +659,7 @@ def _status_counts(batch: Any, rows: np.ndarray) -> dict[str, int]:
     return out
 
 
-def _measured(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
+def _measured(batch: RowBatch, name: str, rows: np.ndarray) -> np.ndarray | None:
     """The measured seconds of ``rows`` in the batch's column ``name`` (finite, not negative),
     or None when the batch has no such column."""
     if not batch.has(name):
@@ -668,7 +670,7 @@ def _measured(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
     return values[np.isfinite(values) & (values >= 0)]
 
 
-def _finite(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
+def _finite(batch: RowBatch, name: str, rows: np.ndarray) -> np.ndarray | None:
     """The finite values of ``rows`` in the batch's column ``name`` (None: no such column)."""
     if not batch.has(name):
         return None
@@ -678,6 +680,6 @@ def _finite(batch: Any, name: str, rows: np.ndarray) -> np.ndarray | None:
     return values[np.isfinite(values)]
 
 
-def _count(value: Any) -> int | None:
+def _count(value: object) -> int | None:
     """A recorded token count, or None where none was recorded (absent is not 0)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

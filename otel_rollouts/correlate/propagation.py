@@ -22,7 +22,7 @@ the episode id in baggage if the server copies baggage to span attributes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -31,6 +31,9 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_rollouts.record.episode import with_identity
+
+if TYPE_CHECKING:
+    from requests.adapters import HTTPAdapter
 
 __all__ = [
     "extract_context",
@@ -44,6 +47,22 @@ __all__ = [
 # Always W3C, whatever OTEL_PROPAGATORS says: inference servers (vLLM, SGLang) and the OTel
 # server instrumentations read exactly these headers.
 _PROPAGATOR = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+
+
+class _Request(Protocol):
+    """What is read of an outgoing request (an ``httpx.Request``): its mutable headers."""
+
+    @property
+    def headers(self) -> MutableMapping[str, str]: ...
+
+
+class _Session(Protocol):
+    """What is used of a ``requests.Session``: mounting an adapter on a URL prefix."""
+
+    def mount(self, prefix: str, adapter: HTTPAdapter) -> None: ...
+
+
+_SessionT = TypeVar("_SessionT", bound=_Session)
 
 
 def propagator() -> CompositePropagator:
@@ -86,7 +105,7 @@ def openai_extra_headers(headers: Mapping[str, str] | None = None) -> dict[str, 
 
 
 def extract_context(
-    headers: Mapping[str, Any], context: otel_context.Context | None = None
+    headers: Mapping[str, object], context: otel_context.Context | None = None
 ) -> otel_context.Context:
     """The context (remote parent span + baggage) carried by incoming ``headers``.
 
@@ -98,18 +117,18 @@ def extract_context(
 
 
 # --- httpx -----------------------------------------------------------------------------------------
-def _httpx_inject(request: Any) -> None:
+def _httpx_inject(request: _Request) -> None:
     carrier: dict[str, str] = {}
     inject_headers(carrier)
     for key, value in carrier.items():
         request.headers[key] = value
 
 
-async def _httpx_inject_async(request: Any) -> None:
+async def _httpx_inject_async(request: _Request) -> None:
     _httpx_inject(request)
 
 
-def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list[Callable[[Any], Any]]]:
+def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list[Callable[[_Request], object]]]:
     """``event_hooks`` for ``httpx.Client`` (or ``httpx.AsyncClient`` with ``asynchronous=True``).
 
     ``httpx.Client(event_hooks=otr.httpx_event_hooks())``: every request carries the context
@@ -119,13 +138,14 @@ def httpx_event_hooks(asynchronous: bool = False) -> dict[str, list[Callable[[An
 
 
 # --- requests --------------------------------------------------------------------------------------
-def _adapter_class() -> type[Any]:
+def _adapter_class() -> type[HTTPAdapter]:
+    from requests import PreparedRequest
     from requests.adapters import HTTPAdapter
 
     class ContextAdapter(HTTPAdapter):
         """A ``requests`` adapter that adds the current trace context to each request it sends."""
 
-        def add_headers(self, request: Any, **kwargs: Any) -> None:
+        def add_headers(self, request: PreparedRequest, **kwargs: object) -> None:
             super().add_headers(request, **kwargs)
             carrier: dict[str, str] = {}
             inject_headers(carrier)
@@ -134,7 +154,7 @@ def _adapter_class() -> type[Any]:
     return ContextAdapter
 
 
-def instrument_requests_session(session: Any) -> Any:
+def instrument_requests_session(session: _SessionT) -> _SessionT:
     """Mount an adapter on ``session`` (http and https) that injects the trace context; returns it."""
     adapter = _adapter_class()()
     session.mount("http://", adapter)

@@ -31,6 +31,7 @@ from opentelemetry.sdk.resources import (
     PROCESS_RUNTIME_VERSION,
     Resource,
 )
+from opentelemetry.util.types import AttributeValue
 
 from otel_rollouts import conventions as c
 
@@ -64,13 +65,13 @@ def rank_info() -> dict[str, int]:
 
 def run_resource(
     service_name: str | None = None,
-    attributes: Mapping[str, Any] | None = None,
+    attributes: Mapping[str, Any] | None = None,  # the user's values: Resource.create drops invalid ones
     run_id: str | None = None,
 ) -> Resource:
     """The resource for this process of run ``run_id`` (see the module docstring)."""
     host = socket.gethostname()
     pid = os.getpid()
-    attrs: dict[str, Any] = {
+    attrs: dict[str, AttributeValue] = {
         c.SERVICE_INSTANCE_ID: f"{host}-{pid}",
         HOST_NAME: host,
         HOST_ARCH: platform.machine(),

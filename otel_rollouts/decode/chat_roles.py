@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = ["RoleMarkers", "learn_markers"]
 
@@ -75,10 +74,13 @@ class RoleMarkers:
         return out
 
 
-def _render(tokenizer: Any, roles: list[str]) -> str | None:
+def _render(tokenizer: object, roles: list[str]) -> str | None:
     messages = [{"role": "user" if r == "user2" else r, "content": _S[r]} for r in roles]
+    apply_chat_template = getattr(tokenizer, "apply_chat_template", None)
+    if not callable(apply_chat_template):
+        return None
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        text = apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     except Exception:  # noqa: BLE001 - any template error: no markers from this layout
         return None
     if not isinstance(text, str) or any(_S[r] not in text for r in roles):
@@ -95,7 +97,7 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def learn_markers(tokenizer: Any) -> RoleMarkers:
+def learn_markers(tokenizer: object) -> RoleMarkers:
     """Markers of ``tokenizer``'s chat template (empty markers when it has none or it fails)."""
     if not getattr(tokenizer, "chat_template", None):
         return RoleMarkers()

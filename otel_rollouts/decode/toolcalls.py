@@ -34,13 +34,14 @@ class ParsedMessage:
     errors: list[str] = field(default_factory=list)
 
 
-def _call(obj: Any, call_id: str) -> dict[str, Any] | None:
+def _call(obj: object, call_id: str) -> dict[str, object] | None:
     """One OpenAI-style tool call from a parsed JSON object, or None when it is not one."""
     if not isinstance(obj, dict):
         return None
-    if isinstance(obj.get("function"), dict):
+    function = obj.get("function")
+    if isinstance(function, dict):
         call_id = str(obj.get("id") or call_id)
-        obj = obj["function"]
+        obj = function
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return None
@@ -56,7 +57,7 @@ def _call(obj: Any, call_id: str) -> dict[str, Any] | None:
 
 
 def _hermes(text: str, prefix: str) -> ParsedMessage:
-    calls: list[dict[str, Any]] = []
+    calls: list[dict[str, object]] = []
     errors: list[str] = []
     kept: list[str] = []
     last = 0

@@ -74,7 +74,7 @@ def flag(span: SpanRecord, message: str) -> None:
     report(message)
 
 
-def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]] | Deferred:
+def as_messages(messages: object, role: str = "user") -> list[dict[str, object]] | Deferred:
     """OpenAI-style message list from a list of messages, one message, or plain text."""
     if messages is None:
         return []
@@ -95,7 +95,7 @@ def as_messages(messages: Any, role: str = "user") -> list[dict[str, Any]] | Def
     return [{"role": role, "content": text(messages)}]
 
 
-def prompt_hash(prompt: Any) -> str | None:
+def prompt_hash(prompt: object) -> str | None:
     """A short stable key of a prompt (16 hex digits), the same in every process and run: what
     ``TailSampler(watch=[...])`` matches against the prompt an episode recorded with
     ``ep.prompt(prompt)``. Plain text and a one-message list ``[{"role": "user", "content":
@@ -112,13 +112,13 @@ def prompt_hash(prompt: Any) -> str | None:
     return hashlib.blake2b(canonical.encode("utf-8", "replace"), digest_size=8).hexdigest()
 
 
-def _message(copied: Any, role: str) -> dict[str, Any]:
+def _message(copied: object, role: str) -> dict[str, object]:
     """A snapshot of a message mapping (a placeholder text if the mapping could not be read)."""
     return copied if isinstance(copied, dict) else {"role": role, "content": copied}
 
 
 def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord | None = None,
-               attributes: dict[str, Any] | None = None) -> SpanRecord:
+               attributes: dict[str, object] | None = None) -> SpanRecord:
     """A new span of ``record`` under ``parent`` (default: the current span of this episode)."""
     if parent is None:
         current = current_context().get(SPAN_KEY)  # current_span, in place
@@ -163,7 +163,7 @@ _IDENTITY = otel_context.create_key("otel_rollouts.episode_identity")
 _BAGGAGE = next(iter(baggage.set_baggage("k", "v", Context())))
 
 
-def span_context(span: Any, ctx: Context | None = None) -> Context:
+def span_context(span: object, ctx: Context | None = None) -> Context:
     """``ctx`` (default: the current context) with ``span`` as its current span and, for a span
     of an episode, the episode's identity in its baggage (see ``with_identity``): any propagator
     (ours, or a stock instrumentation's) sends it with each request made while it is current."""
@@ -178,7 +178,7 @@ def span_context(span: Any, ctx: Context | None = None) -> Context:
     return with_span(span, ctx)
 
 
-def with_identity(span: Any, ctx: Context) -> Context:
+def with_identity(span: object, ctx: Context) -> Context:
     """``ctx`` whose W3C baggage carries the identity of ``span``'s episode
     (``conventions.BAGGAGE_KEYS``, each when known); ``ctx`` itself for a span of no episode.
 
@@ -224,14 +224,14 @@ def leave_context(token: Token[Context] | None) -> None:
     detach_context(token)
 
 
-def _number(span: SpanRecord, value: Any, field: str) -> float | None:
+def _number(span: SpanRecord, value: object, field: str) -> float | None:
     number, problem = to_float(value, field)
     if problem is not None:
         flag(span, problem)
     return number
 
 
-def _put(span: SpanRecord, key: str, value: Any) -> None:
+def _put(span: SpanRecord, key: str, value: object) -> None:
     """``put_attribute(span, key, value, "components")``, its common case (a short key, room
     left) checked in place."""
     attrs = span.attributes
@@ -242,8 +242,8 @@ def _put(span: SpanRecord, key: str, value: Any) -> None:
         put_attribute(span, key, value, "components")
 
 
-def record_logprobs(span: SpanRecord, logprobs: Any, trainer_logprobs: Any, tokens: Any = None,
-                    mask: Any = None, decode: Any = None) -> None:
+def record_logprobs(span: SpanRecord, logprobs: object, trainer_logprobs: object, tokens: Any = None,
+                    mask: object = None, decode: Any = None) -> None:
     """A generation's train–inference mismatch: its statistics on ``span`` and added to its
     episode's root; its worst tokens as Deferred attributes (computed only if kept). A value that
     is not per-token numbers, or lengths that disagree, is flagged on the span naming the field."""
@@ -286,7 +286,7 @@ def record_logprobs(span: SpanRecord, logprobs: Any, trainer_logprobs: Any, toke
         record.root.attributes.update(record.mismatch.attributes(options))
 
 
-def record_usage(span: SpanRecord, input_tokens: Any, output_tokens: Any) -> None:
+def record_usage(span: SpanRecord, input_tokens: object, output_tokens: object) -> None:
     """``gen_ai.usage.input_tokens`` / ``output_tokens`` on a generation span; None leaves a
     count absent (unknown), a value that is not a count is refused and flagged."""
     for value, key, field in ((input_tokens, c.GEN_AI_USAGE_INPUT_TOKENS, "input_tokens"),
@@ -306,7 +306,7 @@ def record_usage(span: SpanRecord, input_tokens: Any, output_tokens: Any) -> Non
 _INT64 = 1 << 63  # a count below this is stored as it is
 
 
-def _integer(span: SpanRecord, value: Any, field: str) -> int | None:
+def _integer(span: SpanRecord, value: object, field: str) -> int | None:
     number, problem = to_int(value, field)
     if problem is not None:
         flag(span, problem)
@@ -421,7 +421,7 @@ class ToolCall(CallHandle):
 
     __slots__ = ()
 
-    def result(self, value: Any) -> None:
+    def result(self, value: object) -> None:
         """Record the tool's result (ends the call unless used as a ``with`` block)."""
         try:
             span = self._span
@@ -468,17 +468,17 @@ class Generation(CallHandle):
     @guarded
     def output(
         self,
-        content: Any = None,
+        content: object = None,
         *,
-        tool_calls: list[dict[str, Any]] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,  # list is invariant: any dict a user built
         finish_reason: str | None = None,
         input_tokens: int | None = None,
         output_tokens: int | None = None,
         model: str | None = None,
-        logprobs: Any = None,
-        trainer_logprobs: Any = None,
-        tokens: Any = None,
-        mask: Any = None,
+        logprobs: object = None,
+        trainer_logprobs: object = None,
+        tokens: object = None,
+        mask: object = None,
     ) -> None:
         """Record what the policy generated (and end the span unless inside ``with``).
 
@@ -497,7 +497,7 @@ class Generation(CallHandle):
             span.attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
             span.name = c.chat_span_name(text(model))
         if span.episode.capture_content:
-            message: Deferred | dict[str, Any]
+            message: Deferred | dict[str, object]
             if type(content) is str:  # the common case, first
                 message = {"role": "assistant", "content": content}
             elif isinstance(content, Deferred):  # the whole message, rendered only if kept
@@ -541,7 +541,7 @@ class Turn(_SpanHandle):
         self.index = index
 
     @guarded_or(lambda: Generation(None))
-    def generation(self, model: str | None = None, *, messages: Any = None,
+    def generation(self, model: str | None = None, *, messages: object = None,
                    provider: str | None = None) -> Generation:
         """Start a generation span (use as ``with``; call ``.output(...)`` inside).
 
@@ -552,7 +552,7 @@ class Turn(_SpanHandle):
         """
         if self._record is None:
             return Generation(None)
-        attrs: dict[str, Any] = {}
+        attrs: dict[str, object] = {}
         if model:
             attrs[c.GEN_AI_REQUEST_MODEL] = text(model)
         if provider:
@@ -562,8 +562,8 @@ class Turn(_SpanHandle):
         span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
         return Generation(span)
 
-    def record_generation(self, content: Any = None, *, model: str | None = None,
-                          messages: Any = None, provider: str | None = None, **output: Any) -> Generation:
+    def record_generation(self, content: object = None, *, model: str | None = None,
+                          messages: object = None, provider: str | None = None, **output: object) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
         try:
             record = self._record
@@ -571,7 +571,7 @@ class Turn(_SpanHandle):
                 return Generation(None)
             # generation() and output() in one body, guarded once as a whole: a plain text
             # answer (the common case) is recorded here, anything else by output()'s body
-            attrs: dict[str, Any] = {}
+            attrs: dict[str, object] = {}
             if model:
                 attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
             if provider:
@@ -602,13 +602,13 @@ class Turn(_SpanHandle):
             failed("Turn.record_generation", exc)
             return Generation(None)
 
-    def tool_call(self, name: str, arguments: Any = None, call_id: str | None = None) -> ToolCall:
+    def tool_call(self, name: str, arguments: object = None, call_id: str | None = None) -> ToolCall:
         """Start a tool call span; end it with ``with`` or with ``.result()`` / ``.error()``."""
         try:
             if self._record is None:
                 return ToolCall(None)
             tool = name if type(name) is str else text(name)
-            attrs: dict[str, Any] = {c.GEN_AI_TOOL_NAME: tool}
+            attrs: dict[str, object] = {c.GEN_AI_TOOL_NAME: tool}
             if call_id is not None:
                 attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
             if arguments is not None and self._record.capture_content:
@@ -621,11 +621,11 @@ class Turn(_SpanHandle):
             return ToolCall(None)
 
     @guarded
-    def feedback(self, content: Any, role: str = "environment") -> None:
+    def feedback(self, content: object, role: str = "environment") -> None:
         """Record what the environment (or a user) said back after this turn's action."""
         if self._record is None:
             return
-        attrs: dict[str, Any] = {c.RL_FEEDBACK_ROLE: text(role)}
+        attrs: dict[str, object] = {c.RL_FEEDBACK_ROLE: text(role)}
         if self._record.capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": text(role), "content": snapshot(content)}]
         span = child_span(self._record, c.SPAN_FEEDBACK, c.KIND_SPAN, self._span, attrs)
@@ -638,7 +638,7 @@ def new_episode_id(step: int) -> str:
     return f"{step}-{_getrandbits(64):016x}"
 
 
-def status_value(status: Any) -> str | None:
+def status_value(status: object) -> str | None:
     """The ``rl.status`` that ``Episode.finish(status=...)`` records (None: none, ``ok`` at the
     end): a known status as it is, ``"failed"`` as ``error``, anything else refused."""
     if not isinstance(status, str):
@@ -693,19 +693,19 @@ class Episode:
         step: int | None = None,
         split: str = "train",
         *,
-        group_id: Any = None,
+        group_id: object = None,
         sample_index: int | None = None,
         policy_version: int | None = None,
         episode_id: str | None = None,
         dataset_name: str | None = None,
-        dataset_index: Any = None,
+        dataset_index: object = None,
         framework: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, object] | None = None,
         name: str = c.SPAN_EPISODE,
         runtime: _runtime.Runtime | None = None,
     ) -> None:
         # what it was asked to record, kept until it starts (a tuple: one object, no __init__)
-        self._request: tuple[Any, ...] | None = (
+        self._request: tuple[object, ...] | None = (
             step, split, group_id, sample_index, policy_version, episode_id,
             dataset_name, dataset_index, framework, metadata, name)
         self._runtime = runtime  # None: the installed instance, when the episode starts
@@ -713,7 +713,7 @@ class Episode:
         self._token: Token[Context] | None = None  # the context before the ``with`` block
         # an instance given explicitly is bound to the context inside the ``with`` block, so the
         # entry points called there (record_batch, @traced, adapters, reports) use it too
-        self._bound: Token[Any] | None = None
+        self._bound: Token[_runtime.Runtime | None] | None = None
         self.episode_id: str | None = episode_id
         self.step: int | None = None
         self.split: str = split
@@ -784,7 +784,7 @@ class Episode:
         record.capture_content = rt.capture_content
         record.timed = timed
         record.max_attributes = rt.max_attributes_per_span
-        attrs: dict[str, Any] = {
+        attrs: dict[str, object] = {
             c.RL_STEP: step_value,
             c.RL_SPLIT: split,
             c.RL_EPISODE_ID: episode_id,
@@ -822,7 +822,7 @@ class Episode:
         self._request = None
         return record
 
-    def _metadata(self, root: SpanRecord, metadata: Any) -> None:
+    def _metadata(self, root: SpanRecord, metadata: object) -> None:
         if not isinstance(metadata, Mapping):
             flag(root, f"metadata: expected a mapping, got {type(metadata).__name__}")
             return
@@ -928,7 +928,7 @@ class Episode:
         verdicts, a teacher's score) and links to the episodes it was compared with."""
         return None if self._record is None else self._record.reward_span
 
-    def prompt(self, messages: Any, *, system_instructions: Any = None) -> None:
+    def prompt(self, messages: object, *, system_instructions: object = None) -> None:
         """Record the initial messages (a list of OpenAI-style messages or plain text).
 
         ``system_instructions``: instructions given to the model apart from the chat history
@@ -939,7 +939,7 @@ class Episode:
             record = self._record
             if record is None:
                 return
-            attrs = {}
+            attrs: dict[str, object] = {}
             if record.capture_content:
                 attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
                 if system_instructions is not None:
@@ -973,10 +973,10 @@ class Episode:
 
     def reward(
         self,
-        value: Any = None,
+        value: object = None,
         *,
-        components: Mapping[str, Any] | None = None,
-        advantage: Any = None,
+        components: Mapping[str, object] | None = None,
+        advantage: object = None,
     ) -> None:
         """Record the reward (and its components, and the advantage): numbers, never text."""
         try:
@@ -991,7 +991,7 @@ class Episode:
                 span = child_span(record, c.SPAN_REWARD, c.KIND_REWARD, root)
                 if record.reward_span is None:
                     record.reward_span = span
-            values: dict[str, Any] = {}
+            values: dict[str, float] = {}
             if value is not None:
                 number = _number(span, value, "reward")
                 if number is not None:
@@ -1037,7 +1037,7 @@ class Episode:
                     root.fail(message=reason or "episode failed")
 
     @guarded
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: object) -> None:
         """Set an extra attribute on the episode root span."""
         root = self.root
         if root is not None:
@@ -1048,14 +1048,14 @@ def episode(
     step: int | None = None,
     split: str = "train",
     *,
-    group_id: Any = None,
+    group_id: object = None,
     sample_index: int | None = None,
     policy_version: int | None = None,
     episode_id: str | None = None,
     dataset_name: str | None = None,
-    dataset_index: Any = None,
+    dataset_index: object = None,
     framework: str | None = None,
-    metadata: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, object] | None = None,
 ) -> Episode:
     """Record one episode as one trace: ``with otr.episode(step=...) as ep:`` (or ``async with``).
 

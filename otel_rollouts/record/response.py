@@ -14,7 +14,6 @@ may raise anything, and that must not reach the traced function.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from otel_rollouts._core.content import call_user
 
@@ -29,14 +28,14 @@ class Response:
     __slots__ = ("message", "finish_reason", "input_tokens", "output_tokens", "model")
 
     def __init__(self) -> None:
-        self.message: dict[str, Any] | None = None
-        self.finish_reason: Any = None
-        self.input_tokens: Any = None
-        self.output_tokens: Any = None
-        self.model: Any = None
+        self.message: dict[str, object] | None = None
+        self.finish_reason: object = None
+        self.input_tokens: object = None
+        self.output_tokens: object = None
+        self.model: object = None
 
 
-def _get(value: Any, key: str) -> Any:
+def _get(value: object, key: str) -> object:
     """``value[key]`` for a mapping, ``value.key`` otherwise; ``_MISSING`` when absent or when
     reading it raised."""
     if value is None or isinstance(value, (str, bytes, int, float, bool)):
@@ -48,7 +47,7 @@ def _get(value: Any, key: str) -> Any:
     return _MISSING if exc is not None else got
 
 
-def _first(value: Any, *keys: str) -> Any:
+def _first(value: object, *keys: str) -> object:
     for key in keys:
         got = _get(value, key)
         if got is not _MISSING and got is not None:
@@ -56,7 +55,7 @@ def _first(value: Any, *keys: str) -> Any:
     return None
 
 
-def _tool_call(call: Any) -> dict[str, Any]:
+def _tool_call(call: object) -> dict[str, object]:
     function = _get(call, "function")
     if function is _MISSING or function is None:  # a flat {"id", "name", "arguments"}
         function = call
@@ -67,19 +66,19 @@ def _tool_call(call: Any) -> dict[str, Any]:
     }
 
 
-def _message(message: Any) -> dict[str, Any] | None:
+def _message(message: object) -> dict[str, object] | None:
     content = _get(message, "content")
     calls = _get(message, "tool_calls")
     if content is _MISSING and calls is _MISSING:
         return None
-    out: dict[str, Any] = {"role": _first(message, "role") or "assistant",
+    out: dict[str, object] = {"role": _first(message, "role") or "assistant",
                            "content": "" if content is _MISSING or content is None else content}
     if isinstance(calls, (list, tuple)) and calls:
         out["tool_calls"] = [_tool_call(call) for call in calls]
     return out
 
 
-def read_response(value: Any) -> Response | None:
+def read_response(value: object) -> Response | None:
     """The response parts of ``value``, or None when it has none of them (no choices, usage,
     message or output text): a plain return value, recorded as it is."""
     if value is None or isinstance(value, (str, bytes, int, float, bool, list, tuple)):
