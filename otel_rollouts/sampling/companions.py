@@ -17,7 +17,10 @@ from otel_rollouts.sampling.policy import (
     label,
 )
 
-__all__ = ["companions_of", "with_companions"]
+__all__ = ["CompanionsBucket", "companions_of", "with_companions"]
+
+_PARK_FACTOR = 4  # companions parked per (step, split): this many times the cap...
+_MIN_PARK = 64  # ...and at least this many
 
 
 # --- companions: episodes kept together ---------------------------------------------------------
@@ -27,32 +30,34 @@ def companions_of(record: Candidate) -> Any:
     return value if isinstance(value, (str, int)) and not isinstance(value, bool) else None
 
 
-def _has_companions(records: list[Any]) -> bool:
+def _has_companions(records: list[Candidate]) -> bool:
     for r in records:
         if r.attribute(c.RL_COMPANIONS_ID) is not None:
             return True
     return False
 
 
-class _CompanionsBucket(Bucket):
+class CompanionsBucket(Bucket):
     """A policy's bucket that keeps the episodes sharing an ``rl.companions.id`` (a game's
     players, a preference pair) together: when the policy keeps one, the others of its (step,
     split) are kept too.
 
     A companion the policy lets go is *parked* (held, not dropped) so that it can still follow
-    a companion kept later; a companion of an episode kept already is kept on arrival. Both
-    come out of budgets of ``room`` episodes per (step, split) (the cap): at most ``room``
-    parked (when full, the parked ones whose companions the policy no longer holds go first),
-    and at most ``room`` companions kept beyond the policy's choice (a step keeps at most twice
+    a companion kept later; a companion of an episode kept already is kept on arrival. At most
+    ``park_room`` are parked per (step, split) (four times the cap, at least 64: a companion
+    arriving after its partner was let go can only follow it while it is still parked; when
+    full, the parked ones whose companions the policy no longer holds go first), and at most
+    ``room`` (the cap) companions are kept beyond the policy's choice (a step keeps at most twice
     the cap when its kept episodes have companions); past them, a companion is dropped as the
     policy decided. Episodes without the attribute pass straight through."""
 
     def __init__(self, inner: Bucket, room: int) -> None:
         self.inner = inner
         self.room = room
-        self.parked: dict[Any, list[Any]] = {}
+        self.park_room = max(_PARK_FACTOR * room, _MIN_PARK)
+        self.parked: dict[Any, list[Candidate]] = {}
         self.n_parked = 0
-        self.kept: set[Any] = set()  # companion ids one of whose episodes was kept for good
+        self.kept: set[object] = set()  # companion ids one of whose episodes was kept for good
         self.extra = 0  # companions kept beyond the policy's choice
 
     def _take(self) -> bool:
@@ -72,7 +77,7 @@ class _CompanionsBucket(Bucket):
             return self.settle(released, keep_now)
         return released, keep_now
 
-    def settle(self, released: list[Any], keep_now: list[Any]) -> Decision:
+    def settle(self, released: list[Candidate], keep_now: list[Candidate]) -> Decision:
         """Park the companions the policy let go; keep the parked companions of kept ones."""
         keep = list(keep_now)
         for r in keep_now:
@@ -87,7 +92,7 @@ class _CompanionsBucket(Bucket):
                     keep.append(p)
                 else:
                     released = [*released, p]
-        out: list[Any] = []
+        out: list[Candidate] = []
         for r in released:
             cid = companions_of(r)
             if cid is None:
@@ -102,17 +107,17 @@ class _CompanionsBucket(Bucket):
                 out.append(r)
         return out, keep
 
-    def _room_to_park(self, cid: Any, out: list[Any]) -> bool:
+    def _room_to_park(self, cid: object, out: list[Candidate]) -> bool:
         """Whether one more can be parked; when full, the parked companions that no episode the
         policy still holds can bring back are let go first (into ``out``)."""
-        if self.n_parked < self.room:
+        if self.n_parked < self.park_room:
             return True
         alive = {companions_of(r) for r in self.inner.held()}
         for other in [k for k in self.parked if k != cid and k not in alive]:
             gone = self.parked.pop(other)
             self.n_parked -= len(gone)
             out.extend(gone)
-        return self.n_parked < self.room
+        return self.n_parked < self.park_room
 
     def candidates(self, batch: RowBatch) -> Any:
         chosen = self.inner.candidates(batch) if isinstance(self.inner, BatchBucket) else None
@@ -126,10 +131,10 @@ class _CompanionsBucket(Bucket):
             return chosen
         return sorted({int(i) for i in chosen} | set(extra))
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
         return self.inner.decide(limit, exclude)
 
-    def with_companions(self, chosen: list[Any]) -> list[Any]:
+    def with_companions(self, chosen: list[Candidate]) -> list[Candidate]:
         """``chosen`` and, within the extra budget, the held companions of chosen episodes."""
         cids = {cid for cid in map(companions_of, chosen) if cid is not None} | self.kept
         if not cids:
@@ -143,17 +148,17 @@ class _CompanionsBucket(Bucket):
                 taken.add(id(r))
         return out
 
-    def held(self) -> list[Any]:
+    def held(self) -> list[Candidate]:
         held = self.inner.held()
         if self.parked:
             held = held + [r for group in self.parked.values() for r in group]
         return held
 
 
-class _CompanionsWholeBucket(_CompanionsBucket):
+class _CompanionsWholeBucket(CompanionsBucket):
     """The same, around a bucket offered a batch whole (``Groups``)."""
 
-    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
+    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> tuple[list[Candidate], list[Candidate]]:
         col = batch.column(c.RL_COMPANIONS_ID)
         if col is None or all(v is None for v in col):
             inner = self.inner
@@ -176,4 +181,4 @@ def with_companions(bucket: Bucket, cap: int) -> Bucket:
     """``bucket`` wrapped so that companions (``rl.companions.id``) are kept together."""
     if isinstance(bucket, WholeBatchBucket):
         return _CompanionsWholeBucket(bucket, cap)
-    return _CompanionsBucket(bucket, cap)
+    return CompanionsBucket(bucket, cap)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
@@ -32,6 +32,7 @@ from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch
 from otel_rollouts.sampling.batch_offer import BatchOffer
+from otel_rollouts.sampling.companions import CompanionsBucket
 from otel_rollouts.sampling.foreign import Foreign
 from otel_rollouts.sampling.observer import StepObserver
 from otel_rollouts.sampling.policy import reason_of
@@ -399,9 +400,9 @@ class Pipeline(SpanProcessor):
         self._apply(key, step, step.bucket.decide(limit))
 
     def _apply(self, key: tuple[int, str], step: StepState, chosen: list[EpisodeRecord]) -> None:
-        companions = getattr(step.bucket, "with_companions", None)
-        if companions is not None:  # the local companions of what was chosen, here or globally
-            chosen = companions(chosen)
+        if isinstance(step.bucket, CompanionsBucket):  # the local companions of what was chosen
+            # what a bucket hands back are the records it was offered: this pipeline's own
+            chosen = cast("list[EpisodeRecord]", step.bucket.with_companions(list(chosen)))
         chosen_ids = {id(r) for r in chosen}
         for record in step.bucket.held():
             if id(record) not in chosen_ids:

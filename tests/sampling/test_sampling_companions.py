@@ -112,3 +112,23 @@ def test_groups_offered_whole_keep_companions_across_groups():
     released, held = bucket.offer_batch(batch, lambda i: rows(batch, [i], counter)[0])
     decided = bucket.with_companions(bucket.decide())
     assert sorted(r.index for r in decided) == [0, 1, 3]  # group a (spread 1), and 3 with 0
+
+
+@pytest.mark.parametrize("policy", ["top_bottom", "uniform"])
+def test_a_companion_let_go_early_still_follows_one_kept_later(configured, policy):
+    """Under cap 1, several games' players are let go before the last player of the first game
+    arrives and is chosen: its partner, parked since the start, comes back with it (parking
+    was once bounded by the cap: the first game's partner was let go for good)."""
+    mem = configured(1, policy)
+    # rewards rise, so each new one displaces the held best; the games' second players come last
+    for i, reward in enumerate([1.0, 2.0, 3.0, 4.0]):
+        record(0, f"g{i}.p0", reward, f"g{i}")
+    for i, reward in enumerate([1.5, 2.5, 3.5, 9.0]):
+        record(0, f"g{i}.p1", reward, f"g{i}")
+    otr.end_step(0)
+    otr.flush()
+    names = kept(mem)
+    games = {n.split(".")[0] for n in names}
+    assert games and all({f"{g}.p0", f"{g}.p1"} <= set(names) for g in games), names
+    if policy == "top_bottom":
+        assert names == ["g3.p0", "g3.p1"]
