@@ -6,7 +6,6 @@ import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
@@ -68,7 +67,7 @@ def ordered(spans: Sequence[ReadableSpan]) -> list[tuple[int, ReadableSpan]]:
     return out
 
 
-def parse(value: Any) -> Any:
+def parse(value: object) -> object:
     """Attribute text that holds JSON becomes the value again; anything else stays."""
     if isinstance(value, str) and value[:1] in ("[", "{"):
         try:

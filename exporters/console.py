@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -73,7 +73,7 @@ class ConsoleExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         text = render(spans)
         with self._lock:
-            stream: Any = self._stream or sys.stdout
+            stream: IO[str] = self._stream or sys.stdout
             stream.write(text + "\n")
             stream.flush()
         return SpanExportResult.SUCCESS

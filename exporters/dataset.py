@@ -115,8 +115,8 @@ class Episode:
     """What a row is made of, the same whichever source it was read from."""
 
     trace_id: str  # 32 hex digits
-    values: dict[str, Any]  # the episode span's rl.* values (JSON text parsed)
-    messages: list[dict[str, Any]]  # the conversation in OpenAI's shape
+    values: dict[str, object]  # the episode span's rl.* values (JSON text parsed)
+    messages: list[dict[str, object]]  # the conversation in OpenAI's shape
     start_us: int | None = None  # the episode span's start and end (µs since the epoch)
     end_us: int | None = None
     turns: int = 0
@@ -127,7 +127,7 @@ class Episode:
     problems: list[str] = field(default_factory=list)  # values written as null, and why
 
 
-def _add(total: int | None, value: Any) -> int | None:
+def _add(total: int | None, value: object) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return value if total is None else total + value
     return total
@@ -166,7 +166,7 @@ def episode_from_spans(spans: Sequence[ReadableSpan]) -> Episode | str:
     return episode
 
 
-def _iso_us(value: Any) -> int | None:
+def _iso_us(value: object) -> int | None:
     """An ISO 8601 time the Trackio exporter wrote (``iso_utc``) as µs since the epoch."""
     if not isinstance(value, str):
         return None
@@ -180,7 +180,7 @@ def _iso_us(value: Any) -> int | None:
     return whole * 1_000_000 + moment.microsecond
 
 
-def episode_from_trackio(trace: Mapping[str, Any]) -> Episode | str:
+def episode_from_trackio(trace: Mapping[str, object]) -> Episode | str:
     """The facts of one trace as ``SQLiteStorage.get_traces`` returns it (``messages``,
     ``metadata``, ``spans``), or why it gives no row."""
     metadata = trace.get("metadata")
@@ -220,7 +220,7 @@ def episode_from_trackio(trace: Mapping[str, Any]) -> Episode | str:
 
 
 # --- rows -------------------------------------------------------------------------------------
-def _message(message: Mapping[str, Any]) -> dict[str, Any]:
+def _message(message: Mapping[str, object]) -> dict[str, object]:
     """One chat message with exactly the schema's fields (others are not kept)."""
     calls = message.get("tool_calls")
     out_calls = None
@@ -230,7 +230,7 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
             if not isinstance(call, Mapping):
                 continue
             found = call.get("function")
-            function: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+            function: Mapping[str, object] = found if isinstance(found, Mapping) else {}
             arguments = function.get("arguments")
             out_calls.append({
                 "id": _text(call.get("id")),
@@ -248,7 +248,7 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _text(value: Any) -> str | None:
+def _text(value: object) -> str | None:
     if value is None:
         return None
     return value if isinstance(value, str) else as_text(value)
@@ -261,7 +261,7 @@ class _Reader:
         self.values = episode.values
         self.problems = episode.problems
 
-    def _bad(self, key: str, value: Any, wanted: str) -> None:
+    def _bad(self, key: str, value: object, wanted: str) -> None:
         self.problems.append(f"{key}: expected {wanted}, got {type(value).__name__}")
 
     def int(self, key: str) -> int | None:
@@ -292,7 +292,7 @@ class _Reader:
         return None
 
 
-def _split_conversation(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _split_conversation(messages: list[dict[str, object]]) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     """(prompt, completion): the messages before the first assistant message, and the rest."""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
@@ -300,7 +300,7 @@ def _split_conversation(messages: list[dict[str, Any]]) -> tuple[list[dict[str, 
     return messages, []
 
 
-def full_row(episode: Episode, trace_url: str | None = None) -> dict[str, Any]:
+def full_row(episode: Episode, trace_url: str | None = None) -> dict[str, object]:
     """Every column of the ``messages`` format (``flat`` is the same without the lists)."""
     read = _Reader(episode)
     messages = [_message(m) for m in episode.messages]
@@ -312,7 +312,7 @@ def full_row(episode: Episode, trace_url: str | None = None) -> dict[str, Any]:
     duration = read.float(c.RL_DURATION_SECONDS)
     if duration is None and episode.start_us is not None and episode.end_us is not None:
         duration = (episode.end_us - episode.start_us) / 1e6
-    row: dict[str, Any] = {
+    row: dict[str, object] = {
         "run_id": read.text(c.RL_RUN_ID),
         "step": read.int(c.RL_STEP),
         "split": read.text(c.RL_SPLIT),
@@ -486,7 +486,7 @@ class Shaper:
         self._seen[episode.trace_id] = None
         if len(self._seen) > REMEMBERED:
             self._seen.popitem(last=False)
-        row = full_row(episode, self.trace_url)
+        row: dict[str, Any] = full_row(episode, self.trace_url)  # its values: read as the shape set them
         if episode.problems:
             tally.flag(f"{where} (trace {episode.trace_id}): {episode.problems[0]}", len(episode.problems))
         if not self.filters.keep(row):
@@ -590,13 +590,13 @@ class RowWriter:
         self.hf_path = self.out / "hf" if hf else None
         self._partial = self.out / f".{fmt}.parquet.partial"
         self._writer = pq.ParquetWriter(str(self._partial), self.schema)
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[dict[str, object]] = []
         self._bytes = 0
         self.max_group_bytes = max_group_bytes
         self.written = 0
         self.closed = False
 
-    def write(self, rows: Iterable[dict[str, Any]]) -> None:
+    def write(self, rows: Iterable[dict[str, object]]) -> None:
         for row in rows:
             self._rows.append(row)
             self._bytes += _row_bytes(row)
@@ -633,7 +633,7 @@ class RowWriter:
             self._partial.unlink(missing_ok=True)
 
 
-def _row_bytes(row: Mapping[str, Any]) -> int:
+def _row_bytes(row: Mapping[str, object]) -> int:
     """About what a row holds: its texts (messages' contents included)."""
     total = 512
     for value in row.values():
@@ -644,7 +644,7 @@ def _row_bytes(row: Mapping[str, Any]) -> int:
     return total
 
 
-def _arrow_row(row: dict[str, Any]) -> dict[str, Any]:
+def _arrow_row(row: dict[str, object]) -> dict[str, object]:
     start = row.get("start_time")
     if isinstance(start, int):
         row = dict(row)
@@ -653,7 +653,7 @@ def _arrow_row(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _save_hf(parquet: Path, target: Path, arrow_schema: Any, fmt: str) -> None:
+def _save_hf(parquet: Path, target: Path, arrow_schema: object, fmt: str) -> None:
     """``parquet`` as a Hugging Face dataset on disk (``datasets.load_from_disk(target)``)."""
     import datasets
     import datasets.utils as hf_utils

@@ -69,7 +69,7 @@ _ID_BYTES = {"traceId": 16, "spanId": 8, "parentSpanId": 8}
 _METRIC_DATA = ("sum", "gauge", "histogram", "exponentialHistogram", "summary")
 
 
-def _id_holders(request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def _id_holders(request: dict[str, object]) -> Iterator[dict[str, object]]:
     """Every object of an OTLP request (traces, logs or metrics, as a dict) that may hold ids."""
     for resource_spans in _items(request.get("resourceSpans")):
         for scope_spans in _items(resource_spans.get("scopeSpans")):
@@ -89,7 +89,7 @@ def _id_holders(request: dict[str, Any]) -> Iterator[dict[str, Any]]:
                             yield from _items(point.get("exemplars"))
 
 
-def _ids(request: dict[str, Any], convert: Callable[[str, Any], Any]) -> dict[str, Any]:
+def _ids(request: dict[str, object], convert: Callable[[str, Any], Any]) -> dict[str, object]:
     """Apply ``convert(field, value)`` to the id fields of every span, link, log record and
     exemplar, in place.
 
@@ -103,7 +103,7 @@ def _ids(request: dict[str, Any], convert: Callable[[str, Any], Any]) -> dict[st
     return request
 
 
-def _items(value: Any) -> list[dict[str, Any]]:
+def _items(value: object) -> list[dict[str, object]]:
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 

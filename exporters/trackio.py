@@ -50,13 +50,16 @@ import re
 import sqlite3
 import threading
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+if TYPE_CHECKING:
+    from trackio.run import Run
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.messages import as_text, attach_tool_call, to_openai
@@ -89,7 +92,7 @@ _CONTENT_KEYS = {
 _PERSIST_FAILURES = ("write-", "persist-", "local-sender", "remote-sender", "flush-local-buffer", "finish-pending")
 
 
-def _persist_failures(run: Any) -> list[str]:
+def _persist_failures(run: object) -> list[str]:
     """The keys of the writes a finished Trackio run reported as failed (sorted).
 
     The one place this package reads a private field of Trackio: ``Run._warned_failures``, the
@@ -218,10 +221,10 @@ def error_text(span: ReadableSpan) -> str:
     return span.status.description or TRACKIO_ERROR
 
 
-def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
+def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, object]]:
     """The conversation of one episode: prompt, assistant turns with tool calls, tool results."""
-    messages: list[dict[str, Any]] = []
-    last_assistant: dict[str, Any] | None = None
+    messages: list[dict[str, object]] = []
+    last_assistant: dict[str, Any] | None = None  # its tool_calls: a list (attach_tool_call's)
     for _, span in ordered(spans):
         attrs = span.attributes or {}
         kind = kind_of(span)
@@ -257,13 +260,13 @@ def episode_messages(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     return messages
 
 
-def _result_text(result: Any) -> str:
+def _result_text(result: object) -> str:
     """A tool result as text, the same in the conversation and on the tool's span (``as_text``:
     ``604800.0`` stays ``604800.0``; a sequence attribute reads as JSON)."""
     return as_text(list(result) if isinstance(result, tuple) else result)
 
 
-def _as_list(value: Any) -> list[dict[str, Any]]:
+def _as_list(value: object) -> list[dict[str, object]]:
     """Messages as Trackio shows them (OpenAI's shape), from the GenAI parts shape we export."""
     if isinstance(value, list):
         return [to_openai(m) if isinstance(m, dict) else {"role": "user", "content": as_text(m)} for m in value]
@@ -276,11 +279,11 @@ def _as_list(value: Any) -> list[dict[str, Any]]:
 
 def episode_metadata(
     root: ReadableSpan, trace_url: str | None, spans: Sequence[ReadableSpan] = ()
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The trace metadata: the OpenTelemetry trace id, the root's ``rl.*`` values, ``status``
     (= ``rl.status``, what the list shows), the trace link, and the failed spans."""
     attrs = root.attributes or {}
-    metadata: dict[str, Any] = {META_TRACE_ID: hex_id(root.context.trace_id, 32)}
+    metadata: dict[str, object] = {META_TRACE_ID: hex_id(root.context.trace_id, 32)}
     for key, value in attrs.items():
         if key.startswith(c.RL_PREFIX) and key != c.RL_SPAN_KIND:
             metadata[key] = parse(value)
@@ -295,7 +298,7 @@ def episode_metadata(
     return metadata
 
 
-def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
+def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, object]]:
     """The execution tree: one Trackio span dict per span, depth-first in start order."""
     out = []
     status = episode_status(spans)
@@ -303,7 +306,7 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     for _, span in ordered(spans):
         attrs = span.attributes or {}
         kind = kind_of(span)
-        item: dict[str, Any] = {
+        item: dict[str, object] = {
             "id": hex_id(span.context.span_id),
             "name": span.name,
             "kind": _TRACKIO_KIND.get(kind, "span"),
@@ -352,7 +355,7 @@ def episode_spans(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     return out
 
 
-def span_metadata(attrs: Mapping[str, Any], item: Mapping[str, Any]) -> dict[str, Any]:
+def span_metadata(attrs: Mapping[str, object], item: Mapping[str, object]) -> dict[str, object]:
     """A span's attributes for its *Metadata* box, each value once: without its content (the
     panel's Input/Output), what the panel shows already (kind, model, token counts, the reward
     span's scores), and the views written for other viewers (``_VIEW_KEYS``, ``_VIEW_PREFIXES``,
@@ -373,7 +376,7 @@ def span_metadata(attrs: Mapping[str, Any], item: Mapping[str, Any]) -> dict[str
             if key not in shown and not key.startswith(_VIEW_PREFIXES)}
 
 
-def _put_messages(item: dict[str, Any], key: str, messages: Any, fallback: Any) -> None:
+def _put_messages(item: dict[str, object], key: str, messages: object, fallback: object) -> None:
     """A span's messages in OpenAI's shape (what Trackio renders), else its plain value."""
     if messages is not None:
         item[key] = _as_list(parse(messages))
@@ -381,12 +384,12 @@ def _put_messages(item: dict[str, Any], key: str, messages: Any, fallback: Any) 
         _put(item, key, fallback)
 
 
-def _put(item: dict[str, Any], key: str, value: Any) -> None:
+def _put(item: dict[str, object], key: str, value: object) -> None:
     if value is not None:
         item[key] = parse(value)
 
 
-def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str, Any]:
+def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str, object]:
     """One kept episode as a row of its step's table (every column present, in order).
 
     The question and the answer are the episode span's input and output, cut to
@@ -417,7 +420,7 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
         None if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID)),
         attrs.get(c.RL_SAMPLE_INDEX), attrs.get(c.RL_EPISODE_ID),
     )
-    row = dict(zip(TABLE_COLUMNS, values, strict=True))
+    row: dict[str, object] = dict(zip(TABLE_COLUMNS, values, strict=True))
     if any(attrs.get(key) is not None for key in MISMATCH_COLUMNS):  # train–inference mismatch measured
         row.update((column, _stat(attrs.get(key))) for key, column in MISMATCH_COLUMNS.items())
     if trace_url is not None:
@@ -425,7 +428,7 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
     return row
 
 
-def step_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def step_rows(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
     """A step table's rows with the same columns, in order: when some episode of the step has
     train–inference mismatch statistics, every row gets their columns (``MISMATCH_COLUMNS``,
     right after ``kept because``, in sight beside it; ``—`` where an episode has none);
@@ -443,13 +446,13 @@ def step_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _stat(value: Any) -> float | int | str:
+def _stat(value: object) -> float | int | str:
     """A mismatch statistic as a table shows it (4 significant digits), ``—`` when absent."""
     number = _readable(value, 4)
     return TABLE_ABSENT if number is None else number
 
 
-def token_text(value: Any) -> str:
+def token_text(value: object) -> str:
     """A token as a table cell shows it: whitespace visible (a space as ``␣``, a newline as
     ``\\n``, other control or invisible characters escaped as Python writes them), at most
     ``TOKEN_CHARS`` characters; ``''`` for an empty token."""
@@ -464,7 +467,7 @@ class TokenRow(NamedTuple):
     """One of a kept episode's worst tokens, as its step's mismatch table lists it."""
 
     order: tuple[float, str, int, int]  # (−|Δ|, trace id, generation, rank): the table's order
-    row: dict[str, Any]
+    row: dict[str, object]
 
 
 def mismatch_rows(spans: Sequence[ReadableSpan], trace_url: str | None) -> list[TokenRow]:
@@ -518,7 +521,7 @@ def mismatch_rows(spans: Sequence[ReadableSpan], trace_url: str | None) -> list[
     return out
 
 
-def worst_tokens(tokens: Sequence[TokenRow]) -> list[dict[str, Any]]:
+def worst_tokens(tokens: Sequence[TokenRow]) -> list[dict[str, object]]:
     """A step's mismatch table: its kept episodes' worst tokens, largest |Δ| first across the
     step, at most ``MISMATCH_MAX_ROWS``."""
     return [token.row for token in sorted(tokens, key=lambda token: token.order)[:MISMATCH_MAX_ROWS]]
@@ -533,7 +536,7 @@ def _ratio(delta: float) -> float | str:
     return float(f"{ratio:.4g}")
 
 
-def _seconds(value: Any) -> float | str:
+def _seconds(value: object) -> float | str:
     """Seconds as a table shows them (rounded to what a person reads: 3 decimals under 10 s,
     2 above), or ``—`` when nothing measured them (never 0)."""
     number = _number(value)
@@ -542,7 +545,7 @@ def _seconds(value: Any) -> float | str:
     return round(float(number), 3 if number < 10 else 2)
 
 
-def group_health(attrs: Mapping[str, Any]) -> str:
+def group_health(attrs: Mapping[str, object]) -> str:
     """An episode's GRPO group in one cell, from the ``rl.group.*`` attributes on its root:
     ``all equal ×8`` (every member the same reward: zero advantage, no learning signal),
     ``lost 2/8`` (members lost of those expected, or of those seen when the expected size is
@@ -568,7 +571,7 @@ def group_health(attrs: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def most_time_in(row: Mapping[str, Any]) -> str:
+def most_time_in(row: Mapping[str, object]) -> str:
     """The stage a table row's episode spent the most seconds in, with its share of the
     episode's duration (``tool 41.2 s (83%)``); ``—`` when no stage was measured."""
     stages = [(value, stage) for stage, column in STAGE_COLUMNS.items()
@@ -581,11 +584,11 @@ def most_time_in(row: Mapping[str, Any]) -> str:
     return f"{stage} {value:g} s{share}"
 
 
-def slowest_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def slowest_rows(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
     """A step table's rows with a measured duration, slowest first, as ``SLOWEST_COLUMNS`` (the
     ``link`` kept when there is one); empty when no episode of the step was timed."""
     timed = [row for row in rows if isinstance(row.get(COLUMN_SECONDS), (int, float))]
-    timed.sort(key=lambda row: -row[COLUMN_SECONDS])
+    timed.sort(key=lambda row: -cast(float, row[COLUMN_SECONDS]))  # a number: checked above
     out = []
     for row in timed:
         item = {column: most_time_in(row) if column == COLUMN_MOST_TIME else row.get(column)
@@ -596,7 +599,7 @@ def slowest_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def watch_key(value: Any) -> str | None:
+def watch_key(value: object) -> str | None:
     """A watch key (``rl.watch.key``) as part of a Trackio key: ``[A-Za-z0-9_.-]`` only (every
     other run of characters becomes ``_``: a ``/`` would nest it), at most ``WATCH_KEY_CHARS``;
     None for a root without one."""
@@ -606,13 +609,13 @@ def watch_key(value: Any) -> str | None:
     return text or None
 
 
-def watch_row(step: int, attrs: Mapping[str, Any], trace_id: int) -> dict[str, Any]:
+def watch_row(step: int, attrs: Mapping[str, object], trace_id: int) -> dict[str, object]:
     """One row of a watched prompt's history: step, reward, status, the answer's head, trace id."""
     return dict(zip(WATCH_COLUMNS, (step, _readable(attrs.get(c.RL_REWARD)), attrs.get(c.RL_STATUS),
                                     preview(attrs.get(c.OUTPUT_VALUE)), hex_id(trace_id, 32)), strict=True))
 
 
-def _fmt_seconds(value: Any) -> str:
+def _fmt_seconds(value: object) -> str:
     """Seconds in a running episode's status and table (``45.2s``, ``312s``), ``?`` unknown."""
     number = _number(value)
     if number is None or not math.isfinite(number):
@@ -620,14 +623,14 @@ def _fmt_seconds(value: Any) -> str:
     return f"{number:.1f}s" if number < 100 else f"{number:.0f}s"
 
 
-def running_label(attrs: Mapping[str, Any]) -> str:
+def running_label(attrs: Mapping[str, object]) -> str:
     """A snapshot's status in the trace list: ``running <span it is stuck in> <its seconds>s``."""
     span = attrs.get(c.RL_PENDING_SPAN)
     where = f" {as_text(span)}" if span else ""
     return f"{RUNNING_MARK}{where} {_fmt_seconds(attrs.get(c.RL_PENDING_SPAN_SECONDS))}"
 
 
-def running_row(attrs: Mapping[str, Any], trace_id: int) -> dict[str, Any]:
+def running_row(attrs: Mapping[str, object], trace_id: int) -> dict[str, object]:
     """One row of the running table: episode id, how long it has been open, the span it is stuck
     in and for how long, the trace id."""
     span = attrs.get(c.RL_PENDING_SPAN)
@@ -638,7 +641,7 @@ def running_row(attrs: Mapping[str, Any], trace_id: int) -> dict[str, Any]:
                                       hex_id(trace_id, 32)), strict=True))
 
 
-def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, Any]]) -> None:
+def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, object]]) -> None:
     """Mark a snapshot's open spans in its Trackio tree (``tree``, from ``episode_spans``) as
     ``running``: the root, the span it is stuck in (the latest started one of that name among
     those still open: their end is the snapshot's "now") and the spans between them."""
@@ -662,7 +665,7 @@ def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, Any]]) -> 
             item["status"] = RUNNING_MARK
 
 
-def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
+def preview(value: object, limit: int = PREVIEW_CHARS) -> str:
     """A value as one line of at most ``limit`` characters, cut with ``…``; ``—`` when empty."""
     # only the start is read: a long prompt costs no more than a short one
     text = " ".join(as_text(value)[: limit * 4].split()) if value is not None else ""
@@ -671,18 +674,18 @@ def preview(value: Any, limit: int = PREVIEW_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
 
 
-def _add_count(total: int | None, value: Any) -> int | None:
+def _add_count(total: int | None, value: object) -> int | None:
     """``total`` plus a recorded token count; None stays None until some count is recorded."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value if total is None else total + value
     return total
 
 
-def _number(value: Any) -> float | int | None:
+def _number(value: object) -> float | int | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _readable(value: Any, digits: int = 6) -> float | int | None:
+def _readable(value: object, digits: int = 6) -> float | int | None:
     """A score as a table shows it: 6 significant digits (``1.136``, not the float sum's
     ``1.1360000000000001``; ``digits`` others); the exact value stays on the span."""
     number = _number(value)
@@ -691,7 +694,7 @@ def _readable(value: Any, digits: int = 6) -> float | int | None:
     return number
 
 
-def _unstorable(messages: Any, metadata: Any, spans: Any) -> str | None:
+def _unstorable(messages: object, metadata: object, spans: object) -> str | None:
     """Why Trackio could not store a trace with these parts, or None.
 
     Checked with Trackio's own serializer (``trackio.utils.serialize_values`` then ``orjson``):
@@ -702,7 +705,7 @@ def _unstorable(messages: Any, metadata: Any, spans: Any) -> str | None:
         import orjson
         from trackio import utils as trackio_utils
 
-        serialize: Any = trackio_utils.serialize_values  # untyped in Trackio
+        serialize: Callable[[object], object] = trackio_utils.serialize_values  # untyped in Trackio
         orjson.dumps(serialize([messages, metadata, spans]))
     except ImportError:  # a Trackio without them: the standard library's check
         pass
@@ -744,10 +747,10 @@ class _Episode(NamedTuple):
     trace_id: int
     step: int
     key: str
-    trace: Any  # trackio.Trace
-    row: dict[str, Any]
+    trace: object  # trackio.Trace
+    row: dict[str, object]
     started: str | None  # the episode's start, as Trackio stamps rows (its request time)
-    watch: tuple[str, dict[str, Any]] | None = None  # (its watch table's key, its history row)
+    watch: tuple[str, dict[str, object]] | None = None  # (its watch table's key, its history row)
     mismatch: tuple[TokenRow, ...] = ()  # its worst tokens (train–inference mismatch)
 
 
@@ -756,7 +759,7 @@ class _Running(NamedTuple):
 
     step: int
     key: str  # the running traces' key (``rollouts/running``)
-    row: dict[str, Any]
+    row: dict[str, object]
     row_ids: tuple[str, ...]  # the Trackio rows of its snapshot (local storage only)
 
 
@@ -925,7 +928,7 @@ def stamp_request_times(db_path: Path, run_id: str | None, run_name: str, since:
         conn.close()
 
 
-def _read_rows(db_path: Path, run_id: Any, run_name: str, since: str) -> list[tuple[str, str, Any]]:
+def _read_rows(db_path: Path, run_id: object, run_name: str, since: str) -> list[tuple[str, str, Any]]:
     """(row id, key, decoded metadata) of the run's trace rows written at or after ``since``
     (by Trackio's run id where there is one: an indexed read of that write's rows only)."""
     if not db_path.exists():
@@ -963,7 +966,7 @@ def delete_trace_rows(db_path: Path, row_ids: Sequence[str]) -> int:
         conn.close()
 
 
-def _is_snapshot(metadata: Any) -> bool:
+def _is_snapshot(metadata: object) -> bool:
     """Whether a stored trace's metadata is a running episode's snapshot (``show_pending``)."""
     return isinstance(metadata, dict) and metadata.get(c.RL_PENDING) is True
 
@@ -1005,7 +1008,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         trace_key: str = "rollouts",
         *,
         trace_ui_url: str | None = None,
-        config: dict[str, Any] | None = None,
+        config: dict[str, object] | None = None,
         table: bool = True,
         redact: Redactor | bool = True,
     ) -> None:
@@ -1025,7 +1028,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         self._lock = threading.Lock()
         # (step, table key) -> trace id -> row: an episode exported again before its step's table is
         # logged (a retried export) is one row
-        self._rows: dict[tuple[int, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+        self._rows: dict[tuple[int, str], dict[str, dict[str, object]]] = defaultdict(dict)
         # (step, table key) -> trace id -> its worst tokens: the step's mismatch table, logged with it
         self._tokens: dict[tuple[int, str], dict[str, tuple[TokenRow, ...]]] = defaultdict(dict)
         self.exported = 0
@@ -1073,7 +1076,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         if self._run is None:
             import trackio
 
-            kwargs: dict[str, Any] = {
+            kwargs: dict[str, Any] = {  # trackio.init's keywords, of several types
                 "project": self.project,
                 "name": self.run_name,
                 "space_id": self.space_id,
@@ -1175,7 +1178,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
             run = self._trackio_run()
             confirm = self._confirmable(run)
             since = datetime.now(timezone.utc).isoformat()
-            by_step: dict[tuple[int, str], list[Any]] = defaultdict(list)
+            by_step: dict[tuple[int, str], list[object]] = defaultdict(list)
             for episode in episodes:
                 by_step[(episode.step, episode.key)].append(episode.trace)
             # one log per (step, key): Trackio's trace ids are "<run id>:<log id>:<key>:<index>"
@@ -1214,7 +1217,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
             local = self.space_id is None and not any(os.environ.get(name) for name in _TRACKIO_REMOTE_ENV)
         return diagnose(self._db_path(), self._lock_path()) if local else None
 
-    def _confirmable(self, run: Any) -> bool:
+    def _confirmable(self, run: Run) -> bool:
         """Whether this run's writes can be read back here: Trackio's local SQLite storage."""
         return bool(getattr(run, "_is_local", self.space_id is None)) and getattr(
             run, "_storage_mode", "sqlite") == "sqlite"
@@ -1235,7 +1238,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         except ImportError:
             return None
 
-    def _confirm(self, run: Any, episodes: list[_Episode], since: str) -> SpanExportResult | list[_Episode]:
+    def _confirm(self, run: Run, episodes: list[_Episode], since: str) -> SpanExportResult | list[_Episode]:
         """Wait for Trackio's write of ``episodes`` and read back which were stored.
 
         Returns the stored episodes (the others are added to ``take_not_stored`` under the reason
@@ -1259,7 +1262,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         self._not_written(problem._replace(transient=False), missing)
         return stored
 
-    def _stamp_request_times(self, run: Any, stored: list[_Episode], since: str) -> None:
+    def _stamp_request_times(self, run: Run, stored: list[_Episode], since: str) -> None:
         """Give each stored episode's row its episode's start as its request time.
 
         Trackio stamps every row of a write with the time of the write (``bulk_log``; neither
@@ -1283,7 +1286,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                 logger.warning("otel_rollouts: TrackioExporter could not set the episodes' request times "
                                "(%s: %s); they keep the time of their write", type(exc).__name__, exc)
 
-    def _write_now(self, run: Any) -> None:
+    def _write_now(self, run: Any) -> None:  # Any: Run.finish is untyped in Trackio
         """Make Trackio write what ``run.log`` queued, now, on this thread: what its writer thread
         does every half second (under the same lock, so never concurrently with it). A Trackio
         without these internals is finished instead (``join``s its writer) and resumed by name on
@@ -1351,11 +1354,11 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                 continue
             self._watch_due.discard((step, key))
             history = self._watch.get(key)
-            rows = sorted((row for row in history or () if row["step"] <= step), key=lambda row: row["step"])
-            if rows:
-                self._log_table(key, step, rows)
+            watched = sorted((row for row in history or () if row["step"] <= step), key=lambda row: row["step"])
+            if watched:
+                self._log_table(key, step, watched)
 
-    def _log_table(self, key: str, step: int, rows: Sequence[Mapping[str, Any]]) -> bool:
+    def _log_table(self, key: str, step: int, rows: Sequence[Mapping[str, object]]) -> bool:
         """Log one ``trackio.Table`` of ``rows`` (dicts, the first one's keys as the columns) at
         ``step``; a failure is counted (``table_failures``) and said once, never raised."""
         import trackio
@@ -1373,7 +1376,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         self.tables_logged += 1
         return True
 
-    def _watch_add(self, step: int, key: str, row: dict[str, Any]) -> None:
+    def _watch_add(self, step: int, key: str, row: dict[str, object]) -> None:
         """Add a stored episode of a watched prompt to its history (``key``: its table's key), to
         be logged with its step's tables. Bounded: ``WATCH_MAX_ROWS`` rows per key (the oldest
         dropped first) and ``WATCH_MAX_KEYS`` keys (the one updated longest ago forgotten)."""
@@ -1423,7 +1426,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         if problem is not None:
             self.pending_failures += 1
             return
-        shown: dict[int, tuple[int, str, Any, dict[str, Any]]] = {}
+        shown: dict[int, tuple[int, str, Any, dict[str, object]]] = {}
         for trace_id, group in by_trace(snapshots).items():
             root = root_of(group)
             if root is None:
@@ -1445,7 +1448,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         run = self._trackio_run()
         local = self._confirmable(run)
         since = datetime.now(timezone.utc).isoformat()
-        by_key: dict[tuple[int, str], list[Any]] = defaultdict(list)
+        by_key: dict[tuple[int, str], list[object]] = defaultdict(list)
         for step, key, trace, _ in shown.values():
             by_key[(step, key)].append(trace)
         for (step, key), traces in sorted(by_key.items()):
@@ -1482,7 +1485,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                 touched[old.key] = max(touched.get(old.key, old.step), old.step)
         return stale
 
-    def _replace_running(self, run: Any, trace_ids: Sequence[int]) -> None:
+    def _replace_running(self, run: Run, trace_ids: Sequence[int]) -> None:
         """Episodes just stored that were shown running: their finished episode replaces the
         snapshot (deleted; a fresh running table is logged). Never fails the export."""
         if not self._running or not any(t in self._running for t in trace_ids):
@@ -1515,7 +1518,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                 step = max(r.step for r in running)
             self._log_table(f"{key}/{TABLE_SUFFIX}", step, rows)
 
-    def _pending_rows(self, run: Any, since: str, keys: set[str]) -> dict[str, list[str]]:
+    def _pending_rows(self, run: Run, since: str, keys: set[str]) -> dict[str, list[str]]:
         """OpenTelemetry trace id -> the Trackio row ids of the snapshots written since ``since``
         under ``keys`` (read back from the local database)."""
         found: dict[str, list[str]] = defaultdict(list)
@@ -1526,7 +1529,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                     found[trace_id].append(row_id)
         return found
 
-    def _delete_rows(self, run: Any, row_ids: Sequence[str]) -> None:
+    def _delete_rows(self, run: Run, row_ids: Sequence[str]) -> None:
         """Delete Trackio rows of snapshots no longer running (and their session files, best
         effort), under the run's client lock: never while its writer thread writes."""
         client_lock = getattr(run, "_client_lock", None)

@@ -25,7 +25,7 @@ import json
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 _MAX_DEPTH = 64
 DEFAULT_MAX_NODES = 16_384  # containers and items copied or rendered per value (the attribute budget)
@@ -46,7 +46,7 @@ class Deferred:
     def __init__(self, fn):
         self.fn = fn
 
-    def resolve(self) -> Any:
+    def resolve(self) -> object:
         return self.fn()
 
 
@@ -56,11 +56,11 @@ class Entry(Deferred):
 
     __slots__ = ("key",)
 
-    def __init__(self, source: Callable[[], Mapping[str, Any]], key: str) -> None:
+    def __init__(self, source: Callable[[], Mapping[str, object]], key: str) -> None:
         super().__init__(source)
         self.key = key
 
-    def resolve(self) -> Any:
+    def resolve(self) -> object:
         return self.fn()[self.key]
 
 
@@ -71,7 +71,7 @@ def reraise_interrupt(exc: BaseException) -> None:
         raise exc
 
 
-def type_name(value: Any) -> str:
+def type_name(value: object) -> str:
     """The qualified name of ``value``'s type, whatever its metaclass does."""
     try:
         name = type(value).__qualname__
@@ -81,7 +81,7 @@ def type_name(value: Any) -> str:
         return "object"
 
 
-def call_user(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+def call_user(fn: Callable[..., object], *args: object) -> tuple[Any, BaseException | None]:
     """``fn(*args)`` with any exception returned instead of raised (Ctrl-C on main excepted)."""
     try:
         return fn(*args), None
@@ -90,7 +90,7 @@ def call_user(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | 
         return None, exc
 
 
-def text(value: Any, how: Callable[[Any], str] = str) -> str:
+def text(value: object, how: Callable[[object], str] = str) -> str:
     """``str(value)`` (or ``how(value)``, e.g. ``repr``) that never raises.
 
     A failing conversion gives ``<TypeName: str raised ExceptionType>``.
@@ -104,7 +104,7 @@ def text(value: Any, how: Callable[[Any], str] = str) -> str:
     return f"<{type_name(value)}: {getattr(how, '__name__', 'conversion')} raised {failure}>"
 
 
-def short_repr(value: Any, limit: int = 80) -> str:
+def short_repr(value: object, limit: int = 80) -> str:
     """A guarded ``repr`` cut to ``limit`` characters."""
     out = text(value, repr)
     return out if len(out) <= limit else out[: limit - 3] + "..."
@@ -129,7 +129,7 @@ def _cut_marker(removed: int) -> str:
 
 
 # --- record time: snapshots ------------------------------------------------------------------
-def snapshot(value: Any, max_nodes: int = DEFAULT_MAX_NODES) -> Any:
+def snapshot(value: object, max_nodes: int = DEFAULT_MAX_NODES) -> Any:
     """Copy containers (not their immutable leaves) so later mutation cannot leak in.
 
     Dicts, other mappings, lists, tuples and sets are copied; every container once, however
@@ -155,18 +155,22 @@ def _flat_dict(value: dict) -> dict | None:
     return value.copy()
 
 
-def _shallow(value: Any, max_nodes: int) -> Any:
+def _shallow(value: object, max_nodes: int) -> Any:
     """A fast copy of a plain dict of atoms, or a plain list of atoms and such dicts; None for
     anything else (which the full walk handles: nested, shared, cyclic, subclasses, huge)."""
     kind = type(value)
     if kind is dict:
-        return _flat_dict(value) if len(value) <= max_nodes else None
-    if kind is not list or len(value) > max_nodes:
+        plain = cast("dict[object, object]", value)  # exactly a dict (no subclass)
+        return _flat_dict(plain) if len(plain) <= max_nodes else None
+    if kind is not list:
         return None
-    out = []
-    nodes = len(value)
+    items = cast("list[object]", value)  # exactly a list (no subclass)
+    if len(items) > max_nodes:
+        return None
+    out: list[object] = []
+    nodes = len(items)
     atoms = _ATOMS
-    for item in value:
+    for item in items:
         if item is None or type(item) in atoms:
             out.append(item)
             continue
@@ -184,11 +188,11 @@ class _Snapshot:
     __slots__ = ("memo", "active", "left")
 
     def __init__(self, max_nodes: int) -> None:
-        self.memo: dict[int, Any] = {}
+        self.memo: dict[int, object] = {}
         self.active: set[int] = set()
         self.left = max_nodes
 
-    def copy(self, value: Any, depth: int) -> Any:
+    def copy(self, value: object, depth: int) -> Any:
         if value is None or type(value) in _ATOMS:
             return value
         if isinstance(value, (dict, list, tuple, Mapping, set, frozenset)):
@@ -209,7 +213,7 @@ class _Snapshot:
             return out
         return value
 
-    def _container(self, value: Any, depth: int) -> Any:
+    def _container(self, value: object, depth: int) -> Any:
         if isinstance(value, dict):
             items = list(dict.items(value))  # the stored items: a subclass's items() is not called
         elif isinstance(value, Mapping):
@@ -242,7 +246,7 @@ class _Snapshot:
         keys = [k for k, _ in items]
         return dict(zip(keys, self._items([v for _, v in items], depth + 1), strict=True))
 
-    def _sequence(self, seq: list[Any], depth: int) -> list[Any]:
+    def _sequence(self, seq: list[object], depth: int) -> list[object]:
         n = len(seq)
         if n > self.left:
             head, tail = _ends(n, self.left)
@@ -250,12 +254,12 @@ class _Snapshot:
         self.left -= len(seq)
         return self._items(seq, depth + 1)
 
-    def _items(self, values: list[Any], depth: int) -> list[Any]:
+    def _items(self, values: list[object], depth: int) -> list[object]:
         copy, atoms = self.copy, _ATOMS
         return [v if v is None or type(v) in atoms else copy(v, depth) for v in values]
 
 
-def scalar(value: Any) -> Any:
+def scalar(value: object) -> object:
     """Unwrap numpy / torch scalars (and 0-d or 1-element arrays) into Python numbers."""
     if value is None or type(value) in _ATOMS:
         return value
@@ -272,7 +276,7 @@ def scalar(value: Any) -> Any:
 
 
 # --- materialisation: JSON ------------------------------------------------------------------------
-def jsonable(value: Any, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> Any:
+def jsonable(value: object, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> Any:
     """A JSON-safe copy of ``value``: cycles, shared children, depth, bytes, numpy, dataclasses.
 
     At most ``max_nodes`` items are rendered (a structure that shares children renders each
@@ -291,14 +295,14 @@ class _Render:
         self.active: set[int] = set()
         self.left = max_nodes
 
-    def render(self, value: Any, depth: int) -> Any:
+    def render(self, value: object, depth: int) -> Any:
         try:
             return self._render(value, depth)
         except BaseException as exc:  # noqa: BLE001 - a hostile value renders as a placeholder
             reraise_interrupt(exc)
             return f"<{type_name(value)}: not renderable ({type_name(exc)})>"
 
-    def _render(self, value: Any, depth: int) -> Any:
+    def _render(self, value: object, depth: int) -> Any:
         if value is None or type(value) in (str, bool, int):
             return value
         if type(value) is float:
@@ -334,7 +338,7 @@ class _Render:
         finally:
             self.active.discard(marker)
 
-    def _composite(self, value: Any, depth: int) -> Any:
+    def _composite(self, value: object, depth: int) -> Any:
         nxt = depth + 1
         if isinstance(value, Mapping):
             items = list(dict.items(value)) if isinstance(value, dict) else list(value.items())
@@ -365,7 +369,7 @@ class _Render:
         return short_repr(value, 1000)
 
 
-def to_json(value: Any, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> str:
+def to_json(value: object, max_nodes: int = 4 * DEFAULT_MAX_NODES) -> str:
     """JSON text of ``value`` (strings, and deferred values that resolve to one, stay as they are)."""
     if isinstance(value, Deferred):
         value = jsonable(value, max_nodes)

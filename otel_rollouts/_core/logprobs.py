@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.content import Entry, call_user, type_name
@@ -65,7 +65,7 @@ class MismatchOptions:
             raise ValueError(f"MismatchOptions(top_tokens): expected an int in 0..{MAX_TOP_TOKENS}, got {top!r}")
 
     @classmethod
-    def of(cls, value: Any) -> MismatchOptions:
+    def of(cls, value: object) -> MismatchOptions:
         """The options from ``configure(mismatch=...)``: None is the defaults."""
         if value is None:
             return cls()
@@ -78,7 +78,7 @@ class MismatchOptions:
         return math.log(self.band[0]), math.log(self.band[1])
 
 
-def float_array(value: Any) -> np.ndarray | None:
+def float_array(value: object) -> np.ndarray | None:
     """``value`` as a host float array (1-D or 2-D), without a copy where it already is one (a
     CPU float32/float64 tensor or numpy array); half-precision or device tensors are converted
     once. None for None; a ValueError naming the problem for what is not numbers."""
@@ -106,7 +106,7 @@ def float_array(value: Any) -> np.ndarray | None:
     return np.asarray(value, dtype=np.float32)
 
 
-def read_array(value: Any, field: str) -> tuple[np.ndarray | None, str | None]:
+def read_array(value: object, field: str) -> tuple[np.ndarray | None, str | None]:
     """``float_array(value)`` contained: (array, None), or (None, a reason naming ``field``)
     whatever the value raises (a hostile ``__float__`` included)."""
     array, exc = call_user(float_array, value)
@@ -135,7 +135,7 @@ class Totals:
         self.d_max = max(self.d_max, other.d_max)
         self.outside += other.outside
 
-    def attributes(self, options: MismatchOptions) -> dict[str, Any]:
+    def attributes(self, options: MismatchOptions) -> dict[str, object]:
         """The ``rl.mismatch.*`` attributes (none when no token was compared)."""
         if self.n <= 0:
             return {}
@@ -349,22 +349,22 @@ class TokenView:
     __slots__ = ("rollout", "trainer", "mask", "tokens", "decode", "top", "_worst")
 
     def __init__(self, rollout: np.ndarray, trainer: np.ndarray, mask: np.ndarray | None,
-                 top: int, tokens: Sequence[Any] | np.ndarray | None = None,
+                 top: int, tokens: Sequence[int | str] | np.ndarray | None = None,
                  decode: Callable[[list[int]], list[str]] | None = None) -> None:
         self.rollout, self.trainer, self.mask, self.top = rollout, trainer, mask, top
         self.tokens, self.decode = tokens, decode
-        self._worst: dict[str, list[Any]] | None = None
+        self._worst: dict[str, list[object]] | None = None
 
-    def attributes(self) -> dict[str, Any]:
+    def attributes(self) -> dict[str, object]:
         """The four attributes, each a Deferred read from one computation."""
         return {key: Entry(self.worst, key) for key in _WORST_KEYS} if self.top > 0 else {}
 
-    def worst(self) -> dict[str, list[Any]]:
+    def worst(self) -> dict[str, list[object]]:
         if self._worst is None:
             self._worst = self._compute()
         return self._worst
 
-    def _compute(self) -> dict[str, list[Any]]:
+    def _compute(self) -> dict[str, list[object]]:
         import numpy as np
 
         d = np.subtract(self.trainer, self.rollout, dtype=np.float64)

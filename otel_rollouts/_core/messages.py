@@ -16,11 +16,11 @@ from typing import Any
 from otel_rollouts import conventions as c
 from otel_rollouts._core.content import jsonable, text, to_json
 
-Message = dict[str, Any]
+Message = dict[str, object]
 
 
 # --- OpenAI-style messages <-> the GenAI parts shape ------------------------------------------
-def arguments_of(value: Any) -> Any:
+def arguments_of(value: object) -> Any:
     """Tool-call arguments as an object when they are JSON text (the parts shape holds objects)."""
     if isinstance(value, str):
         try:
@@ -30,7 +30,7 @@ def arguments_of(value: Any) -> Any:
     return value
 
 
-def arguments_text(value: Any) -> str:
+def arguments_text(value: object) -> str:
     """Tool-call arguments as OpenAI's JSON text (``json.dumps``' default spacing, as the
     Python frameworks write them)."""
     if isinstance(value, str):
@@ -38,7 +38,7 @@ def arguments_text(value: Any) -> str:
     return json.dumps(jsonable(value if value is not None else {}), ensure_ascii=False)
 
 
-def content_text(content: Any) -> str | None:
+def content_text(content: object) -> str | None:
     """The text of a message's content (a string, or the text items of a list of parts)."""
     if content is None:
         return None
@@ -62,7 +62,7 @@ def content_text(content: Any) -> str | None:
 as_text = to_json
 
 
-def attach_tool_call(calls: list[Any], call_id: str, name: Any, arguments: Any) -> None:
+def attach_tool_call(calls: list[object], call_id: object, name: object, arguments: object) -> None:
     """Make the tool span ``call_id`` one of an assistant message's OpenAI-style ``calls``.
 
     A call already there with that id is left alone; a call without an id and with the same
@@ -81,21 +81,21 @@ def attach_tool_call(calls: list[Any], call_id: str, name: Any, arguments: Any) 
     calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
 
 
-def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+def tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, object]]:
     """A message's tool calls as ``{"id", "name", "arguments"}`` (OpenAI's nesting undone)."""
     out = []
     for call in message.get("tool_calls") or ():
         if not isinstance(call, Mapping):
             continue
         nested = call.get("function")
-        function: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}
+        function: Mapping[str, object] = nested if isinstance(nested, Mapping) else {}
         name = function.get("name", call.get("name"))
         arguments = function.get("arguments", call.get("arguments"))
         out.append({"id": call.get("id"), "name": None if name is None else text(name), "arguments": arguments})
     return out
 
 
-def to_parts(message: Any) -> Message:
+def to_parts(message: object) -> Message:
     """One OpenAI-style message in the GenAI parts shape (a message already in it stays)."""
     if not isinstance(message, Mapping):
         return {"role": "user", "parts": [{"type": c.PART_TEXT, "content": as_text(message)}]}
@@ -103,7 +103,7 @@ def to_parts(message: Any) -> Message:
         return dict(message)
     role = text(message.get("role") or "user")
     content = message.get("content")
-    parts: list[dict[str, Any]] = []
+    parts: list[dict[str, object]] = []
     if role == "tool":
         parts.append({"type": c.PART_TOOL_CALL_RESPONSE, "id": message.get("tool_call_id"),
                       "response": content})
@@ -127,13 +127,13 @@ def to_parts(message: Any) -> Message:
     return out
 
 
-def to_openai(message: Any) -> Message:
+def to_openai(message: object) -> Message:
     """One message in the parts shape back in OpenAI's shape (what Trackio shows)."""
     if not isinstance(message, Mapping) or not isinstance(message.get("parts"), list):
         return dict(message) if isinstance(message, Mapping) else {"role": "user", "content": as_text(message)}
     role = message.get("role") or "user"
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[dict[str, object]] = []
     out: Message = {"role": role}
     for part in message["parts"]:
         if not isinstance(part, Mapping):
@@ -157,7 +157,7 @@ def to_openai(message: Any) -> Message:
     return out
 
 
-def finish_reason(value: Any) -> str | None:
+def finish_reason(value: object) -> str | None:
     """The GenAI spec's finish reason for what a framework wrote (unknown values stay)."""
     if value is None:
         return None
@@ -165,7 +165,7 @@ def finish_reason(value: Any) -> str | None:
     return c.FINISH_REASON_OF.get(reason.lower(), reason)
 
 
-def messages_of(value: Any) -> list[Message]:
+def messages_of(value: object) -> list[Message]:
     """A recorded message list (a list, one message, or text) as a list of dicts."""
     if value is None:
         return []
@@ -183,7 +183,7 @@ def messages_of(value: Any) -> list[Message]:
     return [{"role": "user", "content": as_text(value)}]
 
 
-def text_of(message: Mapping[str, Any] | None) -> str | None:
+def text_of(message: Mapping[str, object] | None) -> str | None:
     """What a person reads of a message: its text, else its tool calls."""
     if message is None:
         return None
@@ -222,15 +222,16 @@ _PHOENIX_NOTE = "note"  # Phoenix's span notes; POST /v1/span_annotations refuse
 _RESERVED_NAMES = frozenset({c.EVALUATION_REWARD, c.EVALUATION_ADVANTAGE, c.EVALUATION_STATUS, _PHOENIX_NOTE})
 
 
-def is_score(key: str, value: Any) -> bool:
+def is_score(key: str, value: object) -> bool:
     return ((key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_PREFIX))
             and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
 
 
-def scores_of(attrs: Mapping[str, Any]) -> dict[str, int | float]:
+def scores_of(attrs: Mapping[str, object]) -> dict[str, int | float]:
     """An episode's scores by evaluation name: the reward, each component (in recording order),
     the advantage. Finite numbers only (JSON and Phoenix take no NaN)."""
-    found = {key: value for key, value in attrs.items() if is_score(key, value)}
+    found = {key: value for key, value in attrs.items()
+             if is_score(key, value) and isinstance(value, (int, float))}  # is_score checked it already
     ordered = ([c.RL_REWARD] if c.RL_REWARD in found else []) + [
         key for key in found if key.startswith(c.RL_REWARD_PREFIX)
     ] + ([c.RL_ADVANTAGE] if c.RL_ADVANTAGE in found else [])
@@ -242,11 +243,11 @@ def score_text(name: str, value: float) -> str:
     return f"{name} = {as_text(value)}"
 
 
-def episode_evaluations(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
+def episode_evaluations(attrs: Mapping[str, object]) -> list[dict[str, object]]:
     """The evaluations of an episode from its root's attributes: one per score (``name``,
     ``score``) and the status as a label (``name`` ``status``, ``label`` ok / truncated /
     error / filtered), each judged by code."""
-    out: list[dict[str, Any]] = [
+    out: list[dict[str, object]] = [
         {c.OI_EVALUATION_NAME: name, c.OI_EVALUATION_SCORE: value,
          c.OI_EVALUATION_ANNOTATOR_KIND: c.OI_ANNOTATOR_CODE}
         for name, value in scores_of(attrs).items()
@@ -258,10 +259,10 @@ def episode_evaluations(attrs: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def flat_evaluations(evaluations: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def flat_evaluations(evaluations: Sequence[Mapping[str, object]]) -> dict[str, object]:
     """Evaluations as OpenInference's flattened span attributes (``evaluations.<i>.evaluation.
     <field>``, indices from 0, missing fields omitted)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for i, evaluation in enumerate(evaluations):
         for field, value in evaluation.items():
             if value is not None:
@@ -274,10 +275,10 @@ _EVALUATION_FIELDS = (c.OI_EVALUATION_NAME, c.OI_EVALUATION_SCORE, c.OI_EVALUATI
                       c.OI_EVALUATION_IDENTIFIER, c.OI_EVALUATION_METADATA)
 
 
-def read_evaluations(attributes: Mapping[str, Any]) -> list[dict[str, Any]]:
+def read_evaluations(attributes: Mapping[str, object]) -> list[dict[str, object]]:
     """The flattened evaluations of a span's attributes back as objects, by index; one without a
     name or a result (score, label or explanation) is left out, as the spec asks."""
-    found: dict[int, dict[str, Any]] = {}
+    found: dict[int, dict[str, object]] = {}
     prefix = c.OI_EVALUATIONS + "."
     middle = "." + c.OI_EVALUATION + "."
     for key, value in attributes.items():
@@ -292,7 +293,7 @@ def read_evaluations(attributes: Mapping[str, Any]) -> list[dict[str, Any]]:
                                                c.OI_EVALUATION_EXPLANATION))]
 
 
-def session_id(attrs: Mapping[str, Any]) -> str | None:
+def session_id(attrs: Mapping[str, object]) -> str | None:
     """The episode's ``session.id``: ``<run id>/<split>/<step>/<group id>``, one GRPO group of one
     step of one run (Phoenix's session ids are global: a bare group id that repeats every step,
     or in another run, would put all of them in one session). None without a group."""

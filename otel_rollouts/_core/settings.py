@@ -22,10 +22,13 @@ import re
 import urllib.parse
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.logprobs import MismatchOptions
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -318,13 +321,13 @@ class Settings:
     readers) are the caller's; the groups are plain values."""
 
     service_name: str | None = None
-    exporters: tuple[Any, ...] | None = None
-    resource_attributes: Mapping[str, Any] | None = None
+    exporters: tuple[SpanExporter, ...] | None = None
+    resource_attributes: Mapping[str, object] | None = None
     run_id: str | None = None
     trackio_project: str | None = None
     strict: bool = False
     set_global_provider: bool = False
-    metric_readers: tuple[Any, ...] | None = None
+    metric_readers: tuple[object, ...] | None = None
     disabled: bool = False
     gateway: object = None  # GatewayOptions (correlate.gateway), True, or None: no span gateway
     content: ContentSettings = field(default_factory=ContentSettings)
@@ -423,7 +426,7 @@ ENV_VARIABLES: tuple[EnvOption, ...] = (
 ENV_TABLE: tuple[EnvOption, ...] = tuple(entry for entry in ENV_VARIABLES if entry.option)
 
 
-def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, object]:
     """Validate every variable of ``ENV_VARIABLES`` in ``environ`` (``os.environ`` by default)
     before the library or the OpenTelemetry SDK reads it; the valid ones' values, by name.
 
@@ -438,7 +441,7 @@ def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[s
     values are removed; a valid one is never touched. Never raises.
     """
     environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for entry in ENV_VARIABLES:
         try:
             text = environ.get(entry.variable)
@@ -459,7 +462,7 @@ def check_environment(environ: MutableMapping[str, str] | None = None) -> dict[s
     return values
 
 
-def from_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def from_environment(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """The ``configure()`` options the environment sets, by option path (``ENV_TABLE``:
     ``"content.capture_content"`` -> False...); invalid values are warned about and left out."""
     environ = os.environ if environ is None else environ

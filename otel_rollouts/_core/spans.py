@@ -54,7 +54,7 @@ else:  # pragma: no cover - another runtime context: the API
     reset_context = otel_context.detach
 
 
-def detach_context(token: Any) -> None:
+def detach_context(token: object) -> None:
     """The context before a ``with`` block, back (a token from another context is let be)."""
     if token is not None:
         try:
@@ -68,7 +68,7 @@ def current_span() -> Any:
     return current_context().get(SPAN_KEY)
 
 
-def with_span(span: Any, ctx: Context, key: Any = None, value: Any = None) -> Context:
+def with_span(span: object, ctx: Context, key: str | None = None, value: object = None) -> Context:
     """``ctx`` with ``span`` as its current span (and ``key`` set to ``value`` when given): what
     ``trace.set_span_in_context`` makes, one dict copy for both keys."""
     values = dict(ctx)
@@ -157,13 +157,13 @@ class SpanRecord(trace.Span):
     def is_recording(self) -> bool:
         return self.end_ns is None
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: object) -> None:
         if type(key) is str and key in _OWN_KEYS:  # the library's own: bounded by design
             self.attributes[key] = value
         else:
             put_attribute(self, key, value, "attributes")
 
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+    def set_attributes(self, attributes: Mapping[str, object]) -> None:
         for key, value in attributes.items():
             self.set_attribute(key, value)
 
@@ -236,7 +236,7 @@ class SpanRecord(trace.Span):
         self.status_message = message
 
 
-def put_attribute(span: SpanRecord, key: Any, value: Any, field: str) -> bool:
+def put_attribute(span: SpanRecord, key: object, value: object, field: str) -> bool:
     """Set a user-named attribute on ``span`` within the key and count budgets.
 
     A key longer than ``MAX_KEY_CHARS`` is cut (its head and a hash of the whole: two cut keys
@@ -251,7 +251,7 @@ def put_attribute(span: SpanRecord, key: Any, value: Any, field: str) -> bool:
     return True
 
 
-def bounded_key(span: SpanRecord, key: Any, field: str, *, prefix: str = "") -> str:
+def bounded_key(span: SpanRecord, key: object, field: str, *, prefix: str = "") -> str:
     """``key`` as text, cut (flagged, counted) when ``prefix + key`` is over ``MAX_KEY_CHARS``:
     its head and a hash of the whole, so that two cut keys stay apart."""
     if type(key) is not str:
@@ -362,7 +362,7 @@ class EpisodeRecord:
         self.spans: list[SpanRecord] = []
         self.foreign: list[ReadableSpan | PendingSpan] = []  # other instrumentation's, other processes'
         # log records of this episode held until it is decided: (where they go if kept, records, bytes)
-        self.logs: list[tuple[Any, Sequence[Any], int]] | None = None
+        self.logs: list[tuple[Any, Sequence[object], int]] | None = None
         self.held_bytes = 0  # of the above and of other processes' spans (the pipeline's bound)
         self.root: SpanRecord | None = None
         self.reward_span: SpanRecord | None = None
@@ -381,7 +381,7 @@ class EpisodeRecord:
         self.reason: str | None = None  # why the sampler kept it (rl.sampling.reason)
         # root attributes the sampler adds when it keeps it: its group's health (rl.group.*), the
         # watch key it matched
-        self.notes: dict[str, Any] | None = None
+        self.notes: dict[str, object] | None = None
         self.stages: dict[str, float] | None = None  # seconds per stage, once computed
         # ns per stage kind as its spans ended (SpanRecord.end): [generation, tool, reward sums,
         # their latest ends, the latest end of all, 1 if any overlapped or came out of order];

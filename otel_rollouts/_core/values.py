@@ -4,7 +4,6 @@ the field and describes the value as far as the run's content rule allows."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import call_user, scalar, short_repr, type_name
@@ -22,7 +21,7 @@ def fits_int64(value: int) -> bool:
     return INT64_MIN <= value <= INT64_MAX
 
 
-def refused(value: Any) -> str:
+def refused(value: object) -> str:
     """How a refused value is described in ``rl.invalid`` and the library's warning: its type and
     a short ``repr``, or its type alone when content capture is off (the value may be content)."""
     rt = _runtime.active()
@@ -31,7 +30,7 @@ def refused(value: Any) -> str:
     return f"{type_name(value)} {short_repr(value)}"
 
 
-def to_float(value: Any, field: str) -> tuple[float | None, str | None]:
+def to_float(value: object, field: str) -> tuple[float | None, str | None]:
     """Coerce a reward-like value to float; return (number, None) or (None, reason).
 
     Accepts ints, floats, bools, numpy/torch scalars and numeric strings (legacy loggers
@@ -76,7 +75,7 @@ def storable_number(value: int | float, field: str) -> tuple[int | float | str, 
     return number, f"{field}: beyond 64-bit integer range, stored as float: {refused(value)}"
 
 
-def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
+def to_int(value: object, field: str) -> tuple[int | None, str | None]:
     """Coerce an index/step-like value to a signed 64-bit int; refuse floats with a fraction,
     non-numbers and integers beyond 64 bits (no backend stores them as integers: a step or index
     is a key, so it is refused with a reason rather than rounded)."""
@@ -88,7 +87,7 @@ def to_int(value: Any, field: str) -> tuple[int | None, str | None]:
     return number, problem
 
 
-def _to_int(value: Any, field: str) -> tuple[int | None, str | None]:
+def _to_int(value: object, field: str) -> tuple[int | None, str | None]:
     """``to_int`` without the 64-bit bound."""
     if type(value) is int:  # the common case, first
         return value, None

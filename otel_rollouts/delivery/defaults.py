@@ -59,7 +59,7 @@ def _load(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _otlp(signal: str, protocol: str | None = None, **kwargs: Any) -> Any:
+def _otlp(signal: str, protocol: str | None = None, **kwargs: object) -> Any:
     """The OTLP exporter of ``signal`` for ``protocol`` (default: what the environment asks).
     http/json on an SDK whose HTTP exporter cannot post JSON: a warning naming the variable,
     and http/protobuf instead (never protobuf sent as if it were JSON, never silently)."""

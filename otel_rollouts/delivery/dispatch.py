@@ -257,7 +257,7 @@ class Delivery:
     def spans(self, spans: Sequence[ReadableSpan | PendingSpan]) -> None:
         self._put(("spans", spans, 0), "spans", 0)
 
-    def _put(self, item: Any, what: str, size: int) -> bool:
+    def _put(self, item: object, what: str, size: int) -> bool:
         """Queue ``item`` (``size`` bytes of memory); False (counted) when it cannot be."""
         if self.closed:  # a span of an episode begun before shutdown or reconfiguration
             self.stats.add(f"dropped.after_shutdown.{what}")
@@ -312,7 +312,7 @@ class Delivery:
         return ok
 
     def _flush_exporter(self, sender: SpoolingSender, deadline: float) -> bool:
-        result: list[Any] = []
+        result: list[object] = []
         remaining_ms = int(max(deadline - time.monotonic(), 0.0) * 1000)
         worker = threading.Thread(
             target=lambda: result.append(
@@ -382,12 +382,12 @@ class Delivery:
         for sender in self.senders:
             self._call(sender, "shutdown", partial(_shut_down, sender.user_exporter))
 
-    def report(self) -> dict[str, dict[str, Any]]:
+    def report(self) -> dict[str, dict[str, object]]:
         """Per exporter: episodes delivered, spooled to disk, pending (the ledger's: in all and
         per ``"step/split"``), dropped; read together under the ledger's lock."""
         by_name = {counts.name: counts for counts in self.delivery_counts()}
 
-        def counters(name: str) -> dict[str, Any]:
+        def counters(name: str) -> dict[str, object]:
             counts = by_name[name]
             return {
                 "delivered": counts.total("delivered"),
@@ -486,7 +486,7 @@ class Delivery:
         if rendered:
             self.stats.add("exported.pending_snapshots", rendered)
 
-    def _call(self, sender: SpoolingSender, method: str, call: Callable[[], Any]) -> Any:
+    def _call(self, sender: SpoolingSender, method: str, call: Callable[[], object]) -> object:
         """``call()`` (the exporter's ``method``), contained: what it raises is counted and
         logged once, and the answer is False."""
         try:
@@ -496,7 +496,7 @@ class Delivery:
             self._log_once(f"{sender.name}.{method}", exc)
             return False
 
-    def _log_once(self, where: str, error: Any) -> None:
+    def _log_once(self, where: str, error: object) -> None:
         kind = type_name(error) if isinstance(error, BaseException) else str(error)
         if not first_time(f"delivery.{where}.{kind}"):
             return

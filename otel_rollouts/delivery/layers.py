@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -52,11 +52,11 @@ logger = logging.getLogger("otel_rollouts")
 WARN_INTERVAL_S = 10.0
 
 
-def exporter_name(exporter: Any) -> str:
+def exporter_name(exporter: object) -> str:
     return type(exporter).__name__
 
 
-def request_limit(exporter: Any, configured: int | None) -> int | None:
+def request_limit(exporter: object, configured: int | None) -> int | None:
     """The request-size limit to split under for ``exporter``: ``configured`` for a stock OTLP
     exporter (lowered to the exporter's own limit when it has a smaller one), None (no
     splitting) for any other exporter.
@@ -101,7 +101,7 @@ class Warner:
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def warn(self, kind: str, message: str, *args: Any) -> None:
+    def warn(self, kind: str, message: str, *args: object) -> None:
         now = time.monotonic()
         with self._lock:
             last = self._last.get(kind)
@@ -111,7 +111,7 @@ class Warner:
         warn(message, *args)
 
 
-def warn(message: str, *args: Any) -> None:
+def warn(message: str, *args: object) -> None:
     try:
         logger.warning(message, *args)
     except Exception:  # noqa: BLE001 - a broken log handler never breaks delivery
@@ -220,7 +220,7 @@ class DeliveryCounts:
 OK, FAILED, REFUSED = "ok", "failed", "refused"  # what one request came to (CountingExporter.send)
 
 
-def take_not_stored(exporter: Any, spans: Sequence[ReadableSpan]) -> dict[str, set[int]]:
+def take_not_stored(exporter: object, spans: Sequence[ReadableSpan]) -> dict[str, set[int]]:
     """What ``exporter`` took in its last export of ``spans`` but did not store: reason -> trace
     ids, from its ``take_not_stored() -> {reason: [trace ids]}`` (Trackio checks its write; an
     exporter without the method stored everything it took). A count instead of ids (an older

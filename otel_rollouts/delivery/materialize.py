@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -176,7 +176,7 @@ class Materializer:
             out[self._name_out(key)] = value
         return out
 
-    def _status_text(self, message: str, events: Any) -> str:
+    def _status_text(self, message: str, events: Iterable[tuple[str, Mapping[str, object], int]] | None) -> str:
         """A failure's description: with content capture off, the exception's type stands for
         it, else ``_OTHER``: a description is free text (``ToolCall.error("...")``, the
         OpenTelemetry API's ``set_status``, other instrumentation's) and may quote content.
@@ -246,7 +246,7 @@ class Materializer:
                         out[key] = clean
         return out
 
-    def _walk(self, value: Any, depth: int = 0) -> Any:
+    def _walk(self, value: object, depth: int = 0) -> Any:
         """A JSON-safe value with each text redacted (and cut, see ``_clean_text``), and the value
         of a key naming a secret replaced; keys are redacted whole, never cut."""
         if isinstance(value, str):
@@ -435,7 +435,7 @@ class Materializer:
             out[c.RL_REPLACED_FIELDS] = replaced
         return out, truncated
 
-    def _items(self, raw: dict[str, Any], optional: bool) -> Iterator[tuple[str, Any]]:
+    def _items(self, raw: dict[str, object], optional: bool) -> Iterator[tuple[str, Any]]:
         """``raw``'s items, each ``Expand`` read in place item by item, and only while the
         episode's budget lasts when ``optional`` (its items are texts: none would be written)."""
         for key, value in raw.items():
@@ -549,7 +549,7 @@ class Materializer:
         return out
 
 
-def _json(value: Any) -> str:
+def _json(value: object) -> str:
     """JSON text of a value that is JSON-safe already (``_resolved`` made it so; the views are
     built from such values), with the guarded conversion as the fallback for anything else."""
     try:
@@ -625,7 +625,7 @@ def _homogeneous(values) -> bool:
     return all(type(v) is first for v in values)
 
 
-def sampling_notes(record: EpisodeRecord, attributes: dict[str, Any]) -> dict[str, Any]:
+def sampling_notes(record: EpisodeRecord, attributes: Mapping[str, object]) -> dict[str, Any]:
     """What a kept root says beyond what was recorded on it: why the sampler kept it, how long it
     ran and where its time went (unless the framework said so already), its group's health, the
     watch key it matched. Computed here, on the render thread, for kept episodes only."""

@@ -120,11 +120,11 @@ def base_url(traces_endpoint: str) -> str | None:
 
 
 # --- what is posted ----------------------------------------------------------------------------
-def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
+def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, object]]:
     """Phoenix's span annotations (``POST /v1/span_annotations`` items) for the evaluations of
     every episode root span in ``spans``: the same name, score, label, explanation, annotator
     kind, identifier and metadata as its ``evaluations.<i>.evaluation.*`` attributes."""
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     for span in spans:
         attributes = span.attributes or {}
         if span.context is None or attributes.get(c.RL_SPAN_KIND) != c.KIND_EPISODE:
@@ -135,7 +135,7 @@ def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
                       (c.OI_EVALUATION_SCORE, c.OI_EVALUATION_LABEL, c.OI_EVALUATION_EXPLANATION)
                       if evaluation.get(field) is not None}
             kind = evaluation.get(c.OI_EVALUATION_ANNOTATOR_KIND)
-            annotation: dict[str, Any] = {
+            annotation: dict[str, object] = {
                 "span_id": span_id,
                 "name": evaluation[c.OI_EVALUATION_NAME],
                 "annotator_kind": kind if kind in _KINDS else c.OI_ANNOTATOR_CODE,
@@ -151,7 +151,7 @@ def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, Any]]:
     return out
 
 
-def _metadata(value: Any) -> dict[str, Any] | None:
+def _metadata(value: object) -> dict[str, object] | None:
     if not isinstance(value, str):
         return None
     try:
@@ -169,7 +169,7 @@ class _Export:
     ``export`` is then looked up at each call, so that a class patched later (an
     instrumentation, a test's spy) is still the one that exports."""
 
-    def __init__(self, exporter: Any, inner: Callable[[Sequence[ReadableSpan]], SpanExportResult] | None,
+    def __init__(self, exporter: SpanExporter, inner: Callable[[Sequence[ReadableSpan]], SpanExportResult] | None,
                  layer: PhoenixAnnotations) -> None:
         self.exporter = exporter
         self.inner = inner
@@ -192,7 +192,7 @@ class PhoenixAnnotations:
     """
 
     def __init__(self, base: str, *, detect: bool = True, headers: Mapping[str, str] | None = None,
-                 exporter: Any = None, detect_timeout: float = DETECT_TIMEOUT_S,
+                 exporter: SpanExporter | None = None, detect_timeout: float = DETECT_TIMEOUT_S,
                  post_timeout: float = POST_TIMEOUT_S) -> None:
         self.base = base.rstrip("/")
         self.headers = dict(headers or {})
@@ -305,7 +305,7 @@ class PhoenixAnnotations:
             self.version = body.decode("ascii", "replace").strip()
         return self.phoenix
 
-    def _post(self, annotations: list[dict[str, Any]]) -> tuple[str, str] | None:
+    def _post(self, annotations: list[dict[str, object]]) -> tuple[str, str] | None:
         """One request; None when Phoenix took it, else (kind, what happened)."""
         data = json.dumps({"data": annotations}, ensure_ascii=False, allow_nan=False).encode()
         headers = {**self.headers, "Content-Type": "application/json"}
@@ -351,7 +351,7 @@ class PhoenixAnnotations:
             _warn("exporter %s: %s (logged once; counted in otr.stats())", name, message)
 
 
-def _exporter_target(exporter: Any) -> tuple[str | None, dict[str, str], bool]:
+def _exporter_target(exporter: object) -> tuple[str | None, dict[str, str], bool]:
     """(traces endpoint, headers to forward, whether it is the OTLP/HTTP exporter) of a stock OTLP
     exporter: the one place that reads its private ``_endpoint`` and headers (the SDK has no
     public accessor for them)."""
@@ -397,7 +397,7 @@ def _ssl_context() -> ssl.SSLContext | None:
     return None
 
 
-def _run_counts(exporter: Any) -> Any:
+def _run_counts(exporter: object) -> Any:
     """The delivery counters (``DeliveryCounts``) of the run whose delivery holds ``exporter``:
     the installed run, or the one just stopped (``otr.stats()`` reads the same two)."""
     slot = _runtime.slot()
@@ -409,5 +409,5 @@ def _run_counts(exporter: Any) -> Any:
     return None
 
 
-def _warn(message: str, *args: Any) -> None:
+def _warn(message: str, *args: object) -> None:
     warn("otel_rollouts: " + message, *args)

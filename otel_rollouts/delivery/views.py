@@ -53,15 +53,15 @@ from otel_rollouts._core.messages import (
 __all__ = ["EpisodeViews", "Expand", "SoFar", "SpanView", "error_type", "settle"]
 
 
-def _flatten(prefix: str, messages: Iterable[Message]) -> dict[str, Any]:
+def _flatten(prefix: str, messages: Iterable[Message]) -> dict[str, object]:
     """OpenInference's flattened ``<prefix>.N.message.*`` attributes of OpenAI-style messages."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for i, message in enumerate(messages):
         _flatten_one(out, prefix, i, message)
     return out
 
 
-def _flatten_one(out: dict[str, Any], prefix: str, i: int, message: Message) -> None:
+def _flatten_one(out: dict[str, object], prefix: str, i: int, message: Message) -> None:
     """The flattened attributes of message ``i`` (see ``_flatten``), added to ``out``."""
     if isinstance(message.get("parts"), list):
         message = to_openai(message)
@@ -198,13 +198,13 @@ class SoFar:
         assert piece is not None  # a window with a message that is no plain JSON is broken
         return piece
 
-    def whole(self, encode: Callable[[Any], str]) -> str:
+    def whole(self, encode: Callable[[object], str]) -> str:
         """The view's whole JSON text (``encode``: the renderer's JSON for a list)."""
         if self.broken:
             return encode(self.parts())
         return "[" + ",".join(self._piece(i)[0] for i in range(self.n)) + "]"
 
-    def text(self, limit: int, encode: Callable[[Any], str]) -> tuple[str, bool]:
+    def text(self, limit: int, encode: Callable[[object], str]) -> tuple[str, bool]:
         """``content.cut(self.whole(encode), limit)``, reading only the messages it keeps."""
         n = self.n
         length = 2 + self.total + n - 1
@@ -246,16 +246,16 @@ class SoFar:
         removed = (end - start) + (self.extra - skip) + extra
         return f"{head_text[:start]}{text_cut_marker(removed)}{tail_text[len(tail_text) - (length - end):]}", True
 
-    def flattened(self) -> Iterator[tuple[str, Any]]:
+    def flattened(self) -> Iterator[tuple[str, object]]:
         """OpenInference's ``llm.input_messages.N.*`` of the view, message by message (the
         renderer stops reading once the episode's budget is spent)."""
         for i in range(self.n):
-            out: dict[str, Any] = {}
+            out: dict[str, object] = {}
             _flatten_one(out, c.OI_LLM_INPUT_MESSAGES, i, self.message(i))
             yield from out.items()
 
 
-def _io(out: dict[str, Any], key: str, mime_key: str, value: Any) -> None:
+def _io(out: dict[str, object], key: str, mime_key: str, value: object) -> None:
     if value is None or value == "":
         return
     if isinstance(value, str):
@@ -279,9 +279,9 @@ class SpanView:
     __slots__ = ("main", "derived", "events")
 
     def __init__(self) -> None:
-        self.main: dict[str, Any] = {}
-        self.derived: dict[str, Any] = {}
-        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.main: dict[str, object] = {}
+        self.derived: dict[str, object] = {}
+        self.events: list[tuple[str, dict[str, str | float]]] = []
 
 
 class _Walk:
@@ -300,7 +300,7 @@ class _Walk:
         self.root_id: int | None = None
         self.reward_ids: list[int] = []
 
-    def prompt(self, view: SpanView, attrs: Mapping[str, Any]) -> None:
+    def prompt(self, view: SpanView, attrs: Mapping[str, object]) -> None:
         main, derived = view.main, view.derived
         messages = messages_of(attrs.get(c.GEN_AI_INPUT_MESSAGES))
         if messages:
@@ -313,7 +313,7 @@ class _Walk:
         if instructions is not None:
             main[c.GEN_AI_SYSTEM_INSTRUCTIONS] = _instructions(instructions)
 
-    def generation(self, view: SpanView, parent_id: int | None, attrs: Mapping[str, Any]) -> None:
+    def generation(self, view: SpanView, parent_id: int | None, attrs: Mapping[str, object]) -> None:
         main, derived = view.main, view.derived
         conversation = self.conversation
         recorded = attrs.get(c.GEN_AI_INPUT_MESSAGES)
@@ -342,7 +342,7 @@ class _Walk:
             self.turn_io[parent_id] = (inputs[-1] if inputs else None,
                                        self.last_assistant if outputs else None)
 
-    def _outputs(self, main: dict[str, Any], derived: dict[str, Any], outputs: list[Message],
+    def _outputs(self, main: dict[str, object], derived: dict[str, object], outputs: list[Message],
                  reason: str | None) -> None:
         for message in outputs:
             message.setdefault("role", "assistant")
@@ -358,7 +358,7 @@ class _Walk:
         derived[c.OUTPUT_VALUE] = _Later(partial(_text_or_none, last))
         derived[c.OUTPUT_MIME_TYPE] = c.MIME_TEXT
 
-    def tool(self, span_id: int, view: SpanView, attrs: Mapping[str, Any], error: str | None) -> None:
+    def tool(self, span_id: int, view: SpanView, attrs: Mapping[str, object], error: str | None) -> None:
         name = attrs.get(c.GEN_AI_TOOL_NAME)
         call_id = attrs.get(c.GEN_AI_TOOL_CALL_ID) or f"{span_id:016x}"
         arguments = attrs.get(c.GEN_AI_TOOL_CALL_ARGUMENTS)
@@ -381,7 +381,7 @@ class _Walk:
             self.conversation.append({"role": "tool", "tool_call_id": call_id, "name": name,
                                       "content": content})
 
-    def reward(self, span_id: int, view: SpanView, attrs: Mapping[str, Any]) -> None:
+    def reward(self, span_id: int, view: SpanView, attrs: Mapping[str, object]) -> None:
         found = scores_of(attrs)
         for name, value in found.items():
             # the spec's event; its explanation names the score and its value, so that a viewer
@@ -395,7 +395,7 @@ class _Walk:
             _io(view.main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, found)
         self.reward_ids.append(span_id)
 
-    def feedback(self, view: SpanView, attrs: Mapping[str, Any]) -> None:
+    def feedback(self, view: SpanView, attrs: Mapping[str, object]) -> None:
         messages = messages_of(attrs.get(c.GEN_AI_INPUT_MESSAGES))
         if messages:
             self.conversation.extend(dict(m) for m in messages)
@@ -427,7 +427,7 @@ def _text_or_none(message: Message | None) -> str | None:
     return text_of(message) or None
 
 
-def _usage(main: dict[str, Any], attrs: Mapping[str, Any]) -> None:
+def _usage(main: dict[str, object], attrs: Mapping[str, object]) -> None:
     """A generation's model, provider and token counts in OpenInference's names."""
     model = attrs.get(c.GEN_AI_REQUEST_MODEL)
     if model:
@@ -444,7 +444,7 @@ def _usage(main: dict[str, Any], attrs: Mapping[str, Any]) -> None:
         main[c.OI_LLM_TOKEN_COUNT_TOTAL] = (prompt_tokens or 0) + (completion_tokens or 0)
 
 
-def _instructions(value: Any) -> list[Mapping[str, Any]]:
+def _instructions(value: object) -> list[Mapping[str, object]]:
     """``gen_ai.system_instructions`` as parts, from text, parts or anything else."""
     if isinstance(value, str):
         return [{"type": c.PART_TEXT, "content": value}]
@@ -462,7 +462,7 @@ class EpisodeViews:
         self.capture_content = capture_content  # off: no view is built from a failure's message
 
     def views(
-        self, spans: Sequence[tuple[int, int | None, str, Mapping[str, Any], str | None]]
+        self, spans: Sequence[tuple[int, int | None, str, Mapping[str, object], str | None]]
     ) -> dict[int, SpanView]:
         """``spans``: (span id, parent id, kind, recorded attributes, error message or None for
         a span that did not fail) in recording order."""
@@ -487,12 +487,12 @@ class EpisodeViews:
                         view.main[key] = [to_parts(m) for m in messages_of(attrs[key])]
         return walk.finish()
 
-    def root(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
+    def root(self, attrs: Mapping[str, object]) -> dict[str, object]:
         """The episode root's labels: agent name, session (one group of one step of one run),
         metadata (with each reward component), tags, and the episode's evaluations: reward,
         each component, advantage (scores) and status (a label), in OpenInference's flattened
         ``evaluations.<i>.evaluation.*`` form (what Phoenix's annotations are posted from)."""
-        extra: dict[str, Any] = {}
+        extra: dict[str, object] = {}
         if self.agent_name and not attrs.get(c.GEN_AI_AGENT_NAME):
             extra[c.GEN_AI_AGENT_NAME] = self.agent_name
         session = session_id(attrs)
@@ -514,7 +514,7 @@ class _Later:
 
     __slots__ = ("fn",)
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:  # a value, or (_LATER_FLAT) attribute pairs
         self.fn = fn
 
 
@@ -528,13 +528,13 @@ class Expand:
 
     __slots__ = ("items",)
 
-    def __init__(self, items: Callable[[], Iterator[tuple[str, Any]]]) -> None:
+    def __init__(self, items: Callable[[], Iterator[tuple[str, object]]]) -> None:
         self.items = items
 
 
-def settle(extra: dict[str, Any]) -> dict[str, Any]:
+def settle(extra: dict[str, object]) -> dict[str, object]:
     """Compute the deferred views of one span's extra attributes (after the walk)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in extra.items():
         if isinstance(value, _Later):
             value = value.fn()
@@ -549,7 +549,7 @@ def settle(extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def error_type(events: Iterable[tuple[str, Mapping[str, Any], int]]) -> str:
+def error_type(events: Iterable[tuple[str, Mapping[str, object], int]] | None) -> str:
     """``error.type`` of a failed span: its exception's type, else the spec's ``_OTHER``."""
     for name, attributes, _ in events or ():
         if name == c.EVENT_EXCEPTION and attributes.get(c.EXCEPTION_TYPE):
@@ -557,7 +557,7 @@ def error_type(events: Iterable[tuple[str, Mapping[str, Any], int]]) -> str:
     return c.ERROR_TYPE_OTHER
 
 
-def _metadata_keys(attrs: Mapping[str, Any]) -> list[str]:
+def _metadata_keys(attrs: Mapping[str, object]) -> list[str]:
     """The root attributes its ``metadata`` JSON holds: the fixed ones, then each reward
     component (so that ``metadata['reward.correct'] < 0.5`` filters in Phoenix)."""
     keys = [key for key in _METADATA_KEYS if attrs.get(key) is not None]
@@ -569,7 +569,7 @@ def _metadata_name(key: str) -> str:
     return key.removeprefix(c.RL_PREFIX)
 
 
-def _implied_finish(message: Mapping[str, Any]) -> str:
+def _implied_finish(message: Mapping[str, object]) -> str:
     """An output message's finish reason when none was recorded: ``tool_call`` for a message
     that ends in tool calls (the spec's value for a model that stopped to call a tool), else
     ``stop``."""
@@ -589,5 +589,5 @@ _METADATA_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_EPISODE_ID, c.RL_GROUP_ID, c.RL_SA
 _TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS, c.RL_SAMPLING_REASON)
 
 
-def _count(value: Any) -> int | None:
+def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None

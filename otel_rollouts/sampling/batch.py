@@ -46,12 +46,12 @@ class RowBatch:
         step: int,
         split: str,
         n: int,
-        columns: dict[str, Sequence[Any] | Callable[[], Sequence[Any]]],
+        columns: dict[str, Sequence[object] | Callable[[], Sequence[object]]],
         trace_id_of: Callable[[int], int],
     ) -> None:
         self.step, self.split, self.n = step, split, n
         self._columns = columns
-        self._made: dict[str, Sequence[Any]] = {}
+        self._made: dict[str, Sequence[object]] = {}
         self._trace_ids: dict[int, int] = {}
         self._trace_id_of = trace_id_of
         self._arrays: dict[str, np.ndarray] = {}
@@ -90,7 +90,7 @@ class RowBatch:
         """Whether the batch can answer ``attribute(name)`` (a column it was given)."""
         return name in self._columns or name in _ALWAYS or name in _ABSENT_IS_NONE
 
-    def column(self, name: str) -> Sequence[Any] | None:
+    def column(self, name: str) -> Sequence[object] | None:
         made = self._made.get(name)
         if made is not None:
             return made
@@ -151,13 +151,13 @@ _ABSENT_IS_NONE = (c.RL_STATUS, c.RL_DURATION_SECONDS, c.RL_GROUP_EXPECTED_SIZE,
                    *c.MISMATCH_STATS.values())
 
 
-def _float_array(value: Any) -> bool:
+def _float_array(value: object) -> bool:
     """Whether a column is a float numpy array (NaN standing for none)."""
     dtype = getattr(value, "dtype", None)
     return dtype is not None and getattr(dtype, "kind", None) == "f"
 
 
-def _number(value: Any) -> float:
+def _number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return math.nan
     return float(value)
@@ -182,7 +182,7 @@ class BatchRow:
         self.decision = UNDECIDED  # decided before its record arrived
         self.built = False  # the caller tried to record it (record None: that failed)
         self.reason: str | None = None  # why the sampler keeps it (rl.sampling.reason)
-        self.notes: dict[str, Any] | None = None  # root attributes the sampler adds (EpisodeRecord.notes)
+        self.notes: dict[str, object] | None = None  # root attributes the sampler adds (EpisodeRecord.notes)
 
     def attribute(self, name: str) -> Any:
         record = self.record

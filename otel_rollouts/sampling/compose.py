@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from otel_rollouts.sampling.batch import RowBatch
 from otel_rollouts.sampling.groups import DegenerateGroups, Groups
@@ -107,14 +111,14 @@ class _ComposeBucket(Bucket):
         self.refs: dict[int, int] = {}  # id(record) -> how many parts hold it
 
     def offer(self, record: Candidate) -> Decision:
-        released: list[Any] = []
+        released: list[Candidate] = []
         self.refs[id(record)] = len(self.subs)  # held by every part until each lets it go
         for sub in self.subs:
             for r in sub.offer(record)[0]:
                 _let_go(self.refs, r, released)
         return released, []
 
-    def candidates(self, batch: RowBatch) -> Any:
+    def candidates(self, batch: RowBatch) -> Sequence[int] | np.ndarray | None:
         """Every part's candidates: each part ends as it would have after every row, since the
         rows it could hold are all offered to it (None when a part cannot tell)."""
         import numpy as np
@@ -127,10 +131,10 @@ class _ComposeBucket(Bucket):
             out = np.asarray(found, dtype=np.int64) if out is None else np.union1d(out, found)
         return out
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
         cap = self.cap if limit is None else min(limit, self.cap)
         taken = set(exclude or ())
-        out: list[Any] = []
+        out: list[Candidate] = []
         parts = self.policy.parts
         for part, sub, later in zip(parts, self.subs, self.policy.reserved(cap), strict=True):
             room, budget = cap - len(out) - later, budget_of(part)
@@ -145,8 +149,8 @@ class _ComposeBucket(Bucket):
                 out.append(r)
         return out[:cap]
 
-    def held(self) -> list[Any]:
-        seen: dict[int, Any] = {}
+    def held(self) -> list[Candidate]:
+        seen: dict[int, Candidate] = {}
         for sub in self.subs:
             for r in sub.held():
                 seen[id(r)] = r
@@ -154,7 +158,7 @@ class _ComposeBucket(Bucket):
 
 
 # --- names ---------------------------------------------------------------------------------------
-POLICIES: dict[str, Any] = {
+POLICIES: dict[str, Callable[[], Policy]] = {
     First.name: First,
     Uniform.name: Uniform,
     TopBottom.name: TopBottom,

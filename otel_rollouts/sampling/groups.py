@@ -99,9 +99,9 @@ class DegenerateGroups(Groups):
 class _Group:
     __slots__ = ("gid", "members", "lo", "hi", "first", "lost", "expected")
 
-    def __init__(self, gid: Any, first: int) -> None:
+    def __init__(self, gid: object, first: int) -> None:
         self.gid, self.first = gid, first
-        self.members: list[Any] = []
+        self.members: list[Any] = []  # records, or a batch's row indices until made
         self.lo = math.inf
         self.hi = -math.inf
         self.lost = 0  # members filtered, failed or truncated
@@ -117,7 +117,7 @@ class _GroupsBucket(Bucket):
     def __init__(self, policy: Groups, cap: int, max_held: int) -> None:
         self.policy, self.cap, self.max_held = policy, cap, max_held
         self.groups: dict[Any, _Group] = {}
-        self.dropped: set[Any] = set()
+        self.dropped: set[object] = set()
         self.count = 0
         self.seq = 0
 
@@ -154,7 +154,7 @@ class _GroupsBucket(Bucket):
             expected = record.attribute(c.RL_GROUP_EXPECTED_SIZE)
             if isinstance(expected, int) and not isinstance(expected, bool):
                 g.expected = max(g.expected, expected)
-        released: list[Any] = []
+        released: list[Candidate] = []
         if len(g.members) > self.cap:
             self._evict(g, released)
         while self.count > self.max_held:
@@ -163,7 +163,7 @@ class _GroupsBucket(Bucket):
             self._evict(min(others, key=self.priority), released)
         return released, []
 
-    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
+    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> tuple[list[Candidate], list[Candidate]]:
         """Offer every row of ``batch`` in order, a run of rows of one group at a time: the
         same state as offering them one by one (what a run does to the count, the cap and the
         other groups follows from its length), with an object made only for a row still held at
@@ -184,7 +184,7 @@ class _GroupsBucket(Bucket):
         expected = (batch.column(c.RL_GROUP_EXPECTED_SIZE) or [None] * n) if degenerate else ()
         lows = np.fmin.reduceat(scores, starts).tolist() if n else []
         highs = np.fmax.reduceat(scores, starts).tolist() if n else []
-        released: list[Any] = []
+        released: list[Any] = []  # records, and row indices never made
         touched: dict[Any, _Group] = {}
         for run, start in enumerate(starts):
             stop = starts[run + 1] if run + 1 < len(starts) else n
@@ -216,23 +216,23 @@ class _GroupsBucket(Bucket):
                 self.seq += 1
                 self.count += 1
                 self._evict(g, released)
-        held: list[Any] = []
+        held: list[Candidate] = []
         for gid, g in touched.items():
             if self.groups.get(gid) is g:
                 g.members = [make_row(m) if type(m) is int else m for m in g.members]
                 held.extend(m for m in g.members if getattr(m, "batch", None) is batch)
         return [r for r in released if type(r) is not int], held
 
-    def _evict(self, g: _Group, released: list[Any]) -> None:
+    def _evict(self, g: _Group, released: list[Candidate]) -> None:
         del self.groups[g.gid]
         self.dropped.add(g.gid)
         self.count -= len(g.members)
         released.extend(g.members)
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
         limit = self.cap if limit is None else limit
         taken = set(exclude or ())
-        out: list[Any] = []
+        out: list[Candidate] = []
         policy = self.policy
         only_degenerate = policy.rule == "degenerate"
         groups = 0
@@ -246,5 +246,5 @@ class _GroupsBucket(Bucket):
         label(out, policy.label)
         return out
 
-    def held(self) -> list[Any]:
+    def held(self) -> list[Candidate]:
         return [r for g in self.groups.values() for r in g.members]

@@ -10,11 +10,17 @@ when it closes, and puts each kept member's group health on its root.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.health import StepHealth
 from otel_rollouts.sampling.batch import RowBatch
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from otel_rollouts.sampling.policy import Candidate
 
 _MAX_GROUPS = 65_536  # groups assessed per (step, split): ~100 bytes each; the rest counted untracked
 _LOST = frozenset((c.STATUS_FILTERED, c.STATUS_ERROR, c.STATUS_TRUNCATED))
@@ -44,11 +50,11 @@ class _Group:
         return None
 
 
-def _size(value: Any) -> int:
+def _size(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def _reward(value: Any) -> float | None:
+def _reward(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     value = float(value)
@@ -62,15 +68,15 @@ class StepGroups:
     __slots__ = ("groups", "untracked", "group_size", "runs", "_index")
 
     def __init__(self, group_size: int | None = None) -> None:
-        self.groups: dict[Any, _Group] = {}
+        self.groups: dict[object, _Group] = {}
         self.untracked = 0
         self.group_size = group_size or 0
         # batches' runs of one group each, as arrays: (group ids, members, lowest and highest
         # reward, members lost, expected size), merged into ``groups`` only when needed
-        self.runs: list[tuple[list[Any], Any, Any, Any, Any, Any]] = []
-        self._index: dict[Any, int] | None = None
+        self.runs: list[tuple[list[object], Any, Any, Any, Any, Any]] = []
+        self._index: dict[object, int] | None = None
 
-    def _group(self, gid: Any) -> _Group | None:
+    def _group(self, gid: object) -> _Group | None:
         g = self.groups.get(gid)
         if g is None:
             if len(self.groups) >= _MAX_GROUPS:  # (runs are merged before: they count there)
@@ -80,7 +86,7 @@ class StepGroups:
             g.expected = self.group_size
         return g
 
-    def add(self, record: Any) -> None:
+    def add(self, record: Candidate) -> None:
         """One offered episode (a record or a batch row): a few lookups, nothing held."""
         if self.runs:  # after a batch of the same step: its runs first
             self._merge()
@@ -118,7 +124,7 @@ class StepGroups:
                 raise TypeError("tuple ids")
             ids = np.empty(n, dtype=object)
             ids[:] = gids
-            changes: Any = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+            changes: Sequence[int] | np.ndarray = np.flatnonzero(ids[1:] != ids[:-1]) + 1
         except Exception:  # noqa: BLE001
             changes = [i for i in range(1, n) if gids[i] != gids[i - 1]]
         starts = np.asarray([0, *(int(i) for i in changes)], dtype=np.int64)
@@ -188,7 +194,7 @@ class StepGroups:
             self._index = {gid: i for i, gid in enumerate(run_ids)}
         return len(self._index) == len(self.runs[0][0])
 
-    def attributes(self, gid: Any) -> dict[str, Any] | None:
+    def attributes(self, gid: object) -> dict[str, object] | None:
         """The root attributes of a kept member of group ``gid`` (None: not a tracked group)."""
         if gid is None or isinstance(gid, (list, dict)):
             return None
@@ -239,9 +245,9 @@ class StepGroups:
         return health
 
 
-def _attributes(g: _Group) -> dict[str, Any]:
+def _attributes(g: _Group) -> dict[str, object]:
     """The root attributes of a kept member of group ``g``."""
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         c.RL_GROUP_SIZE: g.n,
         c.RL_GROUP_ALL_EQUAL: g.all_equal(),
         c.RL_GROUP_LOST: g.lost + g.missing(),

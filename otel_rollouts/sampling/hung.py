@@ -41,7 +41,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.spans import OPEN, EpisodeRecord, SpanRecord
@@ -433,7 +433,7 @@ class _CopyFailed(Exception):
     """A container kept changing while it was copied."""
 
 
-def _copied(value: Any) -> Any:
+def _copied(value: object) -> Any:
     """A copy of an attribute dict (or event attributes) whose plain containers (dict, list,
     tuple) are copied too, so the render thread never iterates one the training thread is
     changing. Other objects are kept as they are (never called: a hostile ``__repr__`` is the
@@ -453,7 +453,7 @@ class _Copy:
     def __init__(self) -> None:
         self.nodes = 0
 
-    def walk(self, value: Any, depth: int) -> Any:
+    def walk(self, value: object, depth: int) -> object:
         kind = type(value)
         if kind is not dict and kind is not list and kind is not tuple:
             return value
@@ -461,6 +461,6 @@ class _Copy:
         if depth > 64 or self.nodes > _MAX_COPY_NODES:
             return value  # past the budget: shared, as recorded (rendered later, guarded)
         if kind is dict:
-            return {k: self.walk(v, depth + 1) for k, v in list(value.items())}
-        items = [self.walk(v, depth + 1) for v in list(value)]
+            return {k: self.walk(v, depth + 1) for k, v in list(cast("dict[object, object]", value).items())}
+        items = [self.walk(v, depth + 1) for v in list(cast("list[object] | tuple[object, ...]", value))]
         return items if kind is list else tuple(items)

@@ -35,18 +35,22 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from otel_rollouts import conventions as c
 from otel_rollouts.sampling.batch import RowBatch, best_rows, masked
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["BasePolicy", "BatchBucket", "Bucket", "Candidate", "Decision", "Policy", "WholeBatchBucket",
            "budget_of", "label", "reason_of", "score_of"]
 
 Decision = tuple[list[Any], list[Any]]
 """What ``Bucket.offer`` returns: ``(released, keep_now)``, lists of the candidates it was
-offered (the caller's own records, as given: ``EpisodeRecord``, ``BatchRow`` or a summary)."""
+offered (the caller's own records, as given: ``EpisodeRecord``, ``BatchRow`` or a summary; ``Any``
+because the caller gets back exactly the type it offered)."""
 
 
 
@@ -131,7 +135,7 @@ class BatchBucket(Protocol):
     Python objects only for the rows it could still hold (the built-ins, with numpy). A bucket
     without it is offered every row of a batch, as light ``BatchRow`` candidates."""
 
-    def candidates(self, batch: RowBatch) -> Any:
+    def candidates(self, batch: RowBatch) -> Sequence[int] | np.ndarray | None:
         """The indices of the rows of ``batch`` this bucket could hold once it was offered all
         of them (None: it cannot tell, offer every row)."""
         ...
@@ -141,7 +145,7 @@ class BatchBucket(Protocol):
 class WholeBatchBucket(Protocol):
     """A ``Bucket`` offered a batch whole (optional; ``Groups``: a run of one group at a time)."""
 
-    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
+    def offer_batch(self, batch: RowBatch, make_row: Callable[[int], Any]) -> Decision:
         """Offer every row of ``batch`` in order, as ``offer`` one by one would; ``make_row(i)``
         makes the candidate of row ``i`` still held. Returns the earlier candidates let go and
         this batch's held rows."""
@@ -184,7 +188,7 @@ def _check_budget(n: int | None, what: str) -> int | None:
     return n
 
 
-def _pick(candidates: Iterable[Any], limit: int, exclude: set[int], out: list[Any]) -> None:
+def _pick(candidates: Iterable[Candidate], limit: int, exclude: set[int], out: list[Candidate]) -> None:
     """Append to ``out`` up to ``limit`` candidates not excluded and not already in ``out``."""
     if limit <= 0:
         return
@@ -209,7 +213,7 @@ def score_of(record: Candidate, attribute: str) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _stable_hash(seed: int, value: Any) -> int:
+def _stable_hash(seed: int, value: object) -> int:
     """A 64-bit hash that is the same in every process (str hashing is salted per process)."""
     if isinstance(value, int):
         value = value.to_bytes(16, "big", signed=False) if value >= 0 else str(value).encode()
@@ -223,7 +227,7 @@ def _or_nan(value: int | None) -> float:
     return math.nan if value is None else float(value)
 
 
-def _let_go(refs: dict[int, int], record: Any, out: list[Any]) -> None:
+def _let_go(refs: dict[int, int], record: Candidate, out: list[Candidate]) -> None:
     """One holder lets ``record`` go; once no holder is left it goes to ``out`` (released)."""
     i = id(record)
     n = refs.get(i, 0) - 1
@@ -234,19 +238,19 @@ def _let_go(refs: dict[int, int], record: Any, out: list[Any]) -> None:
         out.append(record)
 
 
-def label(records: Iterable[Any], reason: str) -> None:
+def label(records: Iterable[object], reason: str) -> None:
     """Say why ``records`` are kept (``rl.sampling.reason``), unless a more specific part of the
     policy said it already: a record carries its reason until the pipeline keeps it. Records
     of other kinds (without a ``reason`` slot) are left as they are."""
     for r in records:
         try:
             if getattr(r, "reason", None) is None:
-                r.reason = reason
+                setattr(r, "reason", reason)  # noqa: B010 - any record kind with a reason slot
         except AttributeError:
             pass
 
 
-def reason_of(policy: Any) -> str:
+def reason_of(policy: object) -> str:
     """The reason a policy gives for what it keeps: its ``label``, else its ``name``, else
     ``policy`` (a custom policy without either)."""
     for attr in ("label", "name"):
@@ -264,26 +268,26 @@ class _RankedBucket(Bucket):
 
     def __init__(self, capacity: int, *, later_wins: bool = False) -> None:
         self.capacity = capacity
-        self.heap: list[tuple[Any, int, Any]] = []  # max-heap via negated keys: worst on top
+        self.heap: list[tuple[float, int, Candidate]] = []  # max-heap via negated keys: worst on top
         self.seq = 0
         self.later_wins = later_wins  # ties: the later arrival is better (default: the earlier)
 
-    def rank(self, record: Candidate) -> Any:  # pragma: no cover - interface
+    def rank(self, record: Candidate) -> float | None:  # pragma: no cover - interface
         """The record's key (smaller is better), or None when it is not eligible at all."""
         raise NotImplementedError
 
     def offer(self, record: Candidate) -> Decision:
         return self.offer_ranked(record, self.rank(record))
 
-    def takes(self, key: Any) -> bool:
+    def takes(self, key: float | None) -> bool:
         """Whether a record of this key would be held now (ties: the earlier arrival wins)."""
         heap = self.heap
         if key is None or self.capacity <= 0:
             return False
         return len(heap) < self.capacity or -key > heap[0][0] or (self.later_wins and -key == heap[0][0])
 
-    def offer_ranked(self, record: Candidate, key: Any) -> Decision:
-        if not self.takes(key):
+    def offer_ranked(self, record: Candidate, key: float | None) -> Decision:
+        if key is None or not self.takes(key):
             return [record], []
         self.seq += 1
         # the worst on top; ties: the earlier arrival is better, or the later one (later_wins)
@@ -293,12 +297,12 @@ class _RankedBucket(Bucket):
             return [], []
         return [heapq.heapreplace(self.heap, entry)[2]], []
 
-    def batch_keys(self, batch: RowBatch) -> Any:
+    def batch_keys(self, batch: RowBatch) -> np.ndarray | None:
         """``rank`` for every row of ``batch`` as a numpy array (float NaN: not eligible), or
         None when it cannot be computed in one pass."""
         return None
 
-    def candidates(self, batch: RowBatch) -> Any:
+    def candidates(self, batch: RowBatch) -> np.ndarray | None:
         """The rows of ``batch`` this bucket could hold once it was offered all of them (None:
         every row)."""
         keys = self.batch_keys(batch)
@@ -306,15 +310,15 @@ class _RankedBucket(Bucket):
             return None
         return best_rows(masked(keys, batch), self.capacity, later_wins=self.later_wins)
 
-    def ordered(self) -> list[Any]:
+    def ordered(self) -> list[Candidate]:
         return [e[2] for e in sorted(self.heap, key=lambda e: e[:2], reverse=True)]
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
-        out: list[Any] = []
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
+        out: list[Candidate] = []
         _pick(self.ordered(), self.capacity if limit is None else limit, set(exclude or ()), out)
         if self.reason:
             label(out, self.reason)
         return out
 
-    def held(self) -> list[Any]:
+    def held(self) -> list[Candidate]:
         return [e[2] for e in self.heap]

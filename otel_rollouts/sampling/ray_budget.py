@@ -111,7 +111,7 @@ class RayBudget:
 class RayMember(distributed.Member):
     """A member of a ``RayBudget``: its summaries go to the coordinator actor in one call."""
 
-    def __init__(self, budget: RayBudget, ray: Any) -> None:
+    def __init__(self, budget: RayBudget, ray: Any) -> None:  # the ray module
         self.budget = budget
         self.ray = ray
         self.member_id = uuid.uuid4().hex
@@ -178,7 +178,7 @@ class RayMember(distributed.Member):
                 )
         return keep
 
-    def _warn(self, kind: str, message: str, *args: Any) -> None:
+    def _warn(self, kind: str, message: str, *args: object) -> None:
         """Log a warning of ``kind`` at most once per ``_WARN_INTERVAL_S``; the ones held back
         meanwhile are told in the next (``message`` ends with a ``%s`` for that). So a member
         whose steps lose episodes says so in its log, not only in a counter, without flooding it."""
@@ -291,7 +291,7 @@ class BudgetCoordinator:
         wanted: int | None,
         timeout_s: float,
         run: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         runs, new_run = self._run_of(member, run, step, wanted)
         runs.members.add(member)
         runs.absent.discard(member)
@@ -327,7 +327,7 @@ class BudgetCoordinator:
         runs.newest = step if runs.newest is None else max(runs.newest, step)
         state.event.set()
 
-    def _late(self, runs: _Run, state: _Step, payload: distributed.Payload) -> dict[str, Any]:
+    def _late(self, runs: _Run, state: _Step, payload: distributed.Payload) -> dict[str, object]:
         """A member's summaries for a step already decided: the best of them within what the
         step has left of the cap."""
         keep: dict[tuple[int, str], distributed.Kept] = {}
@@ -341,7 +341,7 @@ class BudgetCoordinator:
             state.kept[key] = state.kept.get(key, 0) + len(indices)
         return {"keep": keep, "members": runs.expected(None), "late": True}
 
-    def state(self, run: str | None = None) -> dict[str, Any]:
+    def state(self, run: str | None = None) -> dict[str, object]:
         """What the coordinator knows of ``run`` (a ``run_id``; None: the run that sent a step
         last), for tests and debugging."""
         if run is not None:

@@ -4,7 +4,11 @@ train–inference mismatch)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from otel_rollouts import conventions as c
 from otel_rollouts.sampling.batch import RowBatch
@@ -78,9 +82,9 @@ class _TopBottomBucket(Bucket):
         self.best = _ScoreBucket(top, policy.score, -1.0)
         self.worst = _ScoreBucket(bottom, policy.score, 1.0, later_wins=True)
         self.refs: dict[int, int] = {}  # id(record) -> how many sides hold it
-        self.unscored: list[Any] = []
+        self.unscored: list[Candidate] = []
 
-    def _let_go(self, record: Any, out: list[Any]) -> None:
+    def _let_go(self, record: Candidate, out: list[Candidate]) -> None:
         _let_go(self.refs, record, out)
 
     def offer(self, record: Candidate) -> Decision:
@@ -92,7 +96,7 @@ class _TopBottomBucket(Bucket):
             return [record], []
         if not self.best.takes(-score) and not self.worst.takes(score):
             return [record], []  # the common case once the step is under way
-        released: list[Any] = []
+        released: list[Candidate] = []
         self.refs[id(record)] = 2  # held by both sides until one lets it go
         for r in self.best.offer_ranked(record, -score)[0]:
             self._let_go(r, released)
@@ -104,20 +108,23 @@ class _TopBottomBucket(Bucket):
             self.unscored = []
         return released, []
 
-    def candidates(self, batch: RowBatch) -> Any:
+    def candidates(self, batch: RowBatch) -> Sequence[int] | np.ndarray | None:
         """The best and the worst of the batch. Not when a row (held or offered) has no score:
         whether an unscored one is held depends on how many scored ones are held at each step."""
         import numpy as np
 
         if self.unscored or bool(np.isnan(batch.scores(self.score)).any()):
             return None
-        return np.union1d(self.best.candidates(batch), self.worst.candidates(batch))
+        best, worst = self.best.candidates(batch), self.worst.candidates(batch)
+        if best is None or worst is None:  # never: a score bucket ranks a whole batch in one pass
+            return None
+        return np.union1d(best, worst)
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
         limit = self.cap if limit is None else limit
         k_top, k_bottom = self.policy.split(limit)
         taken = set(exclude or ())
-        out: list[Any] = []
+        out: list[Candidate] = []
         best, worst = self.best.ordered(), self.worst.ordered()
         _pick(best, k_top, taken, out)
         label(out, c.REASON_TOP)
@@ -136,8 +143,8 @@ class _TopBottomBucket(Bucket):
         label(out[n:], c.REASON_FIRST)  # no score: first come
         return out
 
-    def held(self) -> list[Any]:
-        seen: dict[int, Any] = {}
+    def held(self) -> list[Candidate]:
+        seen: dict[int, Candidate] = {}
         for r in self.best.held() + self.worst.held() + self.unscored:
             seen[id(r)] = r
         return list(seen.values())
@@ -151,11 +158,11 @@ class _ScoreBucket(_RankedBucket):
         super().__init__(capacity, later_wins=later_wins)
         self.score, self.sign = score, sign
 
-    def rank(self, record: Candidate) -> Any:
+    def rank(self, record: Candidate) -> float | None:
         value = score_of(record, self.score)
         return None if value is None else self.sign * value
 
-    def batch_keys(self, batch: RowBatch) -> Any:
+    def batch_keys(self, batch: RowBatch) -> np.ndarray:
         return self.sign * batch.scores(self.score)
 
 

@@ -3,7 +3,11 @@ finish), ``Uniform`` (a seeded uniform sample) and ``Errors`` (failed, then trun
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from otel_rollouts import conventions as c
 from otel_rollouts.sampling.batch import RowBatch
@@ -60,20 +64,20 @@ class _FirstStreamBucket(Bucket):
             return [], [record]
         return [record], []
 
-    def candidates(self, batch: RowBatch) -> Any:
+    def candidates(self, batch: RowBatch) -> Sequence[int] | np.ndarray | None:
         return batch.unskipped(self.cap - self.kept)
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
         return []
 
-    def held(self) -> list[Any]:
+    def held(self) -> list[Candidate]:
         return []
 
 
 class _FirstBucket(Bucket):
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.records: list[Any] = []
+        self.records: list[Candidate] = []
 
     def offer(self, record: Candidate) -> Decision:
         if len(self.records) < self.capacity:
@@ -81,16 +85,16 @@ class _FirstBucket(Bucket):
             return [], []
         return [record], []
 
-    def candidates(self, batch: RowBatch) -> Any:
+    def candidates(self, batch: RowBatch) -> Sequence[int] | np.ndarray | None:
         return batch.unskipped(self.capacity - len(self.records))
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
-        out: list[Any] = []
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
+        out: list[Candidate] = []
         _pick(self.records, self.capacity if limit is None else limit, set(exclude or ()), out)
         label(out, c.REASON_FIRST)
         return out
 
-    def held(self) -> list[Any]:
+    def held(self) -> list[Candidate]:
         return list(self.records)
 
 
@@ -127,10 +131,10 @@ class _UniformBucket(_RankedBucket):
         super().__init__(capacity)
         self.seed = seed
 
-    def rank(self, record: Candidate) -> Any:
+    def rank(self, record: Candidate) -> float | None:
         return _stable_hash(self.seed, record.trace_id)
 
-    def batch_keys(self, batch: RowBatch) -> Any:
+    def batch_keys(self, batch: RowBatch) -> np.ndarray | None:
         import numpy as np
 
         seed = self.seed
@@ -168,10 +172,10 @@ class _ErrorsBucket(_RankedBucket):
     __slots__ = ()
     reason = ""  # labelled by status in decide
 
-    def rank(self, record: Candidate) -> Any:
+    def rank(self, record: Candidate) -> float | None:
         return Errors._CLASS.get(record.attribute(c.RL_STATUS))
 
-    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Any]:
+    def decide(self, limit: int | None = None, exclude: set[int] | None = None) -> list[Candidate]:
         out = super().decide(limit, exclude)  # errors first, then truncated: each says which
         for r in out:
             if r.attribute(c.RL_STATUS) == c.STATUS_TRUNCATED:
@@ -179,7 +183,7 @@ class _ErrorsBucket(_RankedBucket):
         label(out, c.REASON_ERROR)
         return out
 
-    def batch_keys(self, batch: RowBatch) -> Any:
+    def batch_keys(self, batch: RowBatch) -> np.ndarray | None:
         import numpy as np
 
         statuses = batch.column(c.RL_STATUS)

@@ -61,8 +61,8 @@ class TailSampler:
         step_lag: int | None = 2,
         step_timeout_s: float | None = None,
         seed: int = 0,
-        distributed: Any = "auto",
-        watch: Any = None,
+        distributed: object = "auto",
+        watch: object = None,
         watch_per_step: int = 16,
         group_size: int | None = None,
     ) -> None:
@@ -120,13 +120,13 @@ class TailSampler:
 MAX_WATCH = 4096  # watched prompts at most (a set of their keys: a few hundred KB)
 
 
-def _watch_keys(watch: Any) -> frozenset[Any]:
+def _watch_keys(watch: Any) -> frozenset[int | str]:  # the user's value, checked item by item
     """The watch list as a set of ints and strings; a clear error for anything else."""
     if watch is None:
         return frozenset()
     if isinstance(watch, (str, int)):
         watch = [watch]
-    keys: set[Any] = set()
+    keys: set[int | str] = set()
     for i, key in enumerate(watch):
         if isinstance(key, bool) or not isinstance(key, (int, str)):
             raise ValueError(f"watch[{i}]: expected a dataset index (int or str) or a prompt hash (str), "
