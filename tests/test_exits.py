@@ -311,6 +311,69 @@ def test_sigterm_ends_a_process_whose_main_thread_is_blocked_in_c(tmp_path):
     assert "before-the-hang" in ids
 
 
+FORKED_BLOCKED = DISPOSITIONS + textwrap.dedent(
+    """
+    import os, sys
+    import otel_rollouts as otr
+    from otel_rollouts.exporters import OtlpJsonFileExporter
+    records, out = sys.argv[1] == "records", sys.argv[2]
+    otr.configure(exporters=[OtlpJsonFileExporter(out)], sampler=otr.TailSampler(10, "first"), exit_timeout=5)
+    pid = os.fork()
+    if pid == 0:  # a worker (a multiprocessing.Pool worker is forked like this)
+        if records:  # with a run of its own, which SIGTERM must flush
+            otr.configure(exporters=[OtlpJsonFileExporter(out + ".child")], sampler=otr.TailSampler(10, "first"),
+                          exit_timeout=5)
+            with otr.episode(step=0, episode_id="the-child's") as ep:
+                ep.reward(1.0)
+        print("CHILD", os.getpid(), flush=True)
+        os.system("echo BLOCKED; exec sleep 120")  # waiting in C: on a queue's lock, a collective
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    print("CHILD_ENDED", os.waitstatus_to_exitcode(status), flush=True)
+    with otr.episode(step=0, episode_id="the-parent's") as ep:  # the parent goes on as before
+        ep.reward(1.0)
+    """
+)
+
+
+@pytest.mark.parametrize("child", ["bare", "records"])
+def test_sigterm_ends_a_forked_worker_whose_main_thread_is_blocked_in_c(tmp_path, child):
+    # Pool.terminate() sends SIGTERM to workers that may be waiting in C (a worker waits on the
+    # task queue's lock). A forked worker has no signal watcher of the parent's: with the Python
+    # handler it inherited, SIGTERM stayed unrun for as long as the wait lasted, and the pool's
+    # exit waited forever (a docs example hung about 1 run in 40). A forked child dies of SIGTERM
+    # at once, as it would without the library; one that configured a run of its own has its own
+    # handler and watcher, and flushes that run first (within exit_timeout).
+    script = tmp_path / "parent.py"
+    script.write_text(FORKED_BLOCKED)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "records" if child == "records" else "bare", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True,
+    )
+    try:
+        words = proc.stdout.readline().split()
+        assert words[:1] == ["CHILD"], (words, proc.stderr.read() if proc.poll() is not None else "")
+        assert proc.stdout.readline().strip() == "BLOCKED"  # the child's main thread waits in os.system
+        started = time.monotonic()
+        os.kill(int(words[1]), signal.SIGTERM)
+        ended = proc.stdout.readline().split()
+        took = time.monotonic() - started
+        proc.wait(timeout=60)  # not communicate(): the orphaned `sleep` holds the pipes open
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the orphaned `sleep` of the shell
+    assert ended == ["CHILD_ENDED", str(-signal.SIGTERM)], ended
+    assert took < (30 if child == "records" else 10), took  # not the 120 s of the call
+    assert proc.returncode == 0
+    ids = {(span.attributes or {}).get(c.RL_EPISODE_ID) for batch in spans_from_file(out) for span in batch}
+    assert "the-parent's" in ids and "the-child's" not in ids
+    if child == "records":
+        ids = {(span.attributes or {}).get(c.RL_EPISODE_ID)
+               for batch in spans_from_file(f"{out}.child") for span in batch}
+        assert "the-child's" in ids
+
+
 def test_signals_of_forked_children_never_end_the_parent(tmp_path):
     # Pool.terminate() sends SIGTERM to forked workers; a child must not report its signals to
     # the parent's signal watcher (they shared the wakeup pipe), which would end the parent

@@ -170,10 +170,44 @@ def _start_watcher() -> None:
     threading.Thread(target=_watch, args=(read_fd,), name="otel-rollouts-signal-watch", daemon=True).start()
 
 
+def _after_fork_in_child() -> None:
+    """In a forked child: the parent's signal handling is the parent's.
+
+    * The child stops writing signals into the parent's wakeup pipe: its C handler would
+      otherwise report the child's signals (``Pool.terminate`` sends workers SIGTERM) to the
+      parent's watcher, which would end the parent.
+    * The child gets the default action back for the signals we handle (SIGTERM). Without a
+      watcher of its own, the inherited Python-level handler could leave a SIGTERM unrun for as
+      long as the child's main thread waits in C (a ``multiprocessing`` worker waiting on its
+      queue's lock when ``Pool.terminate`` signals it: the pool's exit then waits forever). The
+      child has nothing of its own to flush until it configures (or revives) an instance, and
+      that installs the handler again, with a watcher of its own.
+    """
+    _forget_watcher()
+    for signum in _hooks.signals_installed:
+        if _handler_is_ours(signum):
+            _restore_default(signum)
+    _hooks.signals_installed.clear()
+    _hooks.pending = None
+    _hooks.claim = threading.Lock()  # (the parent's may have been held by a thread gone here)
+
+
+def _handler_is_ours(signum: int) -> bool:
+    try:
+        return signal.getsignal(signum) is _on_signal
+    except (ValueError, OSError):
+        return False
+
+
+def _restore_default(signum: int) -> None:
+    try:
+        signal.signal(signum, signal.SIG_DFL)
+    except (ValueError, OSError):  # not the main thread here: at the C level then
+        _default_action_in_c(signum)
+
+
 def _forget_watcher() -> None:
-    """In a forked child: stop writing signals into the parent's pipe. The child's C handler
-    would otherwise report the child's signals (``Pool.terminate`` sends workers SIGTERM) to the
-    parent's watcher, which would end the parent."""
+    """Stop writing signals into the parent's wakeup pipe (a forked child)."""
     if _hooks.watcher_pid is None:
         return
     _hooks.watcher_pid = None
@@ -313,7 +347,7 @@ def _flush_then_kill(signum: int, deadline: float) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# once, at import: a forked child stops writing into its parent's wakeup pipe (registered here
-# rather than when the watcher starts, so no fork can race with the registration)
+# once, at import: a forked child lets go of its parent's signal handling (registered here rather
+# than when the handler is installed, so no fork can race with the registration)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_watcher)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
