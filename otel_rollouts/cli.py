@@ -143,10 +143,50 @@ def _demo(args: argparse.Namespace) -> int:
         endpoint = os.environ.get(c.ENV_OTLP_TRACES_ENDPOINT) or os.environ.get(c.ENV_OTLP_ENDPOINT)
         print(f"traces: also sent over OTLP to {endpoint}")
     print("open the dashboard (Traces tab):")
-    print(f"  trackio show --project {args.project}")
+    print(f"  {_command('trackio')} show --project {args.project}")
     print("turn the kept episodes into a dataset (SFT chat rows; --format pairs or flat):")
-    print(f"  otel-rollouts dataset --trackio {args.project} --out {args.project}-dataset")
+    missing = _dataset_extra_missing()
+    if missing:
+        print(f"  first: {missing}")
+    print(f"  {_command('otel-rollouts')} dataset --trackio {args.project} --out {args.project}-dataset")
     return 0
+
+
+def _command(name: str) -> str:
+    """How the user runs ``name`` from this shell: the bare name when it resolves to this
+    interpreter's own script, else that script's path (e.g. ``.venv/bin/trackio`` from an
+    environment that was not activated)."""
+    import shutil
+    import sysconfig
+
+    script = os.path.join(sysconfig.get_path("scripts"), name)
+    found = shutil.which(name)
+    if not os.path.exists(script) or (found and os.path.realpath(found) == os.path.realpath(script)):
+        return name
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith(os.pardir) else script
+
+
+def _dataset_extra_missing() -> str | None:
+    """The install command for the ``[dataset]`` extra when it is missing (the dataset
+    command needs pyarrow and datasets), else None."""
+    import importlib.util
+
+    if all(importlib.util.find_spec(m) is not None for m in ("pyarrow", "datasets")):
+        return None
+    target = "'otel-rollouts[dataset]'"
+    try:
+        import json
+        from importlib.metadata import distribution
+
+        direct = distribution("otel-rollouts").read_text("direct_url.json") or ""
+        info = json.loads(direct) if direct else {}
+        if info.get("dir_info", {}).get("editable") and info.get("url", "").startswith("file://"):
+            source = os.path.relpath(info["url"][len("file://"):])
+            target = f"-e '{source}[dataset]'"
+    except Exception:  # noqa: BLE001 - a hint only: the plain form is right for a regular install
+        pass
+    return f"{_command(os.path.basename(sys.executable))} -m pip install {target}   (the [dataset] extra: pyarrow, datasets)"
 
 
 def build_parser() -> argparse.ArgumentParser:
