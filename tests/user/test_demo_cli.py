@@ -51,3 +51,32 @@ def test_demo_command_fills_trackio(tmp_path, monkeypatch, render):
     assert {"episode", "prompt", "turn", "chat toy-policy-0.5b", "execute_tool calculator", "reward"} <= names
     assert tool_errors > 0
     assert "truncated" in statuses and "ok" in statuses
+
+
+def test_printed_commands_run_from_a_shell_that_did_not_activate_the_environment(monkeypatch):
+    """The demo's closing lines name ``trackio`` and ``otel-rollouts`` as the user can type them:
+    by name when the environment's scripts are on PATH, else by their path (``.venv/bin/trackio``
+    after the README's set-up command, which activates nothing)."""
+    import sysconfig
+
+    from otel_rollouts import cli
+
+    scripts = sysconfig.get_path("scripts")
+    monkeypatch.setenv("PATH", os.pathsep.join([scripts, "/usr/bin", "/bin"]))
+    assert cli._command("trackio") == "trackio"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    printed = cli._command("trackio")
+    assert printed != "trackio" and os.path.samefile(printed, os.path.join(scripts, "trackio"))
+    assert os.access(printed, os.X_OK)
+
+
+def test_the_dataset_line_names_the_extra_when_it_is_missing(monkeypatch):
+    import importlib.util
+
+    from otel_rollouts import cli
+
+    assert cli._dataset_extra_missing() is None  # the test environment has [dataset]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    line = cli._dataset_extra_missing()
+    assert line is not None and "[dataset]" in line and " -m pip install " in line, line
