@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from receivers import in_ci
+from receivers import free_ports, in_ci
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 TIMEOUT = 60  # seconds for a page to show what we wait for (the machine is shared and slow)
+WINDOW = (1600, 1100)
 
 
 def unavailable(reason: str) -> None:
@@ -39,7 +46,7 @@ def chromium(profile: Path) -> Iterator:
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--no-first-run", "--window-size=1600,1100",
+                "--disable-background-networking", "--no-first-run", f"--window-size={WINDOW[0]},{WINDOW[1]}",
                 f"--user-data-dir={profile}"):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
@@ -48,6 +55,68 @@ def chromium(profile: Path) -> Iterator:
         yield driver
     finally:
         driver.quit()
+
+
+@contextmanager
+def trackio_dashboard(trackio_dir: Path, log_path: Path) -> Iterator[str]:
+    """Trackio's dashboard for ``trackio_dir`` on a free loopback port, in its own process
+    (stopped by its pid); yields its base URL. Tests share one per data folder for the session
+    (conftest's ``trackio_dashboard`` fixture); a test that must stop or break one starts its own."""
+    (port,) = free_ports(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
+    env.update(TRACKIO_DIR=str(trackio_dir), BROWSER="true")
+    code = ("import trackio; trackio.show(open_browser=False, block_thread=True, "
+            f"host='127.0.0.1', server_port={port})")
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # a server starting up, not a page: polled by HTTP
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(base + "/", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, "Trackio dashboard did not answer"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+        log.close()
+
+
+def reset_browser(driver, origins: Iterable[str] = ()) -> None:
+    """Give a shared browser a clean slate for the next test: one tab on about:blank, no cookies,
+    the default window size, and the storage cleared of the page it shows and of ``origins``
+    (the session's servers: Trackio and Phoenix keep view settings in local storage). A test may
+    leave the browser anywhere."""
+    handles = driver.window_handles
+    for handle in handles[1:]:
+        driver.switch_to.window(handle)
+        driver.close()
+    driver.switch_to.window(handles[0])
+    for origin in {*origins, _origin(driver.current_url)}:
+        if origin:
+            driver.execute_cdp_cmd("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": "all"})
+    driver.get("about:blank")
+    driver.delete_all_cookies()
+    driver.set_window_size(*WINDOW)
+
+
+def _origin(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme in ("http", "https") else None
 
 
 def wait_for(driver, condition, what: str, screenshot: Path | None = None):

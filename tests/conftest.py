@@ -22,14 +22,61 @@ sys.path.extend(str(p) for p in GROUPS if str(p) not in sys.path)
 
 # Trackio reads TRACKIO_DIR when it is first imported: point it at a throwaway directory for the
 # whole session before anything imports trackio. Tests use their own project names.
-os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="otr-trackio-"))
+# Under pytest-xdist (.ci/run runs two workers) each worker is a session of its own: it gets its own
+# (the controller's, inherited, would be shared by both workers).
+if os.environ.get("PYTEST_XDIST_WORKER") or "TRACKIO_DIR" not in os.environ:
+    os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="otr-trackio-")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # Ray reads this when it is first imported (a framework's import may be first): with it, a local
 # Ray cluster binds and advertises 127.0.0.1 only (tests/correlate/test_ray.py checks its listeners).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import profiles  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from receivers import PhoenixReceiver, require_phoenix_python  # noqa: E402
+
+# hypothesis: the `ci` profile unless `--hypothesis-profile=deep` is given (tests/profiles.py)
+settings.load_profile(profiles.CI)
+
+# ---------------------------------------------------------------------------------------------
+# Markers, set here from what a test uses (never written by hand, so they cannot drift):
+#   browser    the session's Chromium (`browser`)         receiver  the session's Phoenix (`phoenix`)
+#   ray        the session's Ray cluster (`ray_cluster`)  frameworks  an RL framework's own code
+#   property   a hypothesis property                       slow      marked by hand: > ~5 s alone
+#   quick      none of the above: the development tier, `python -m pytest tests -m quick`
+# and `matrix`, by hand: a real-framework test whose behaviour depends on the framework's release
+# (the version-matrix environments run only those; tests/version_matrix.py).
+# ---------------------------------------------------------------------------------------------
+_BY_FIXTURE = {"browser": "browser", "chromium_session": "browser", "trackio_dashboard": "browser",
+               "phoenix": "receiver", "ray_cluster": "ray"}
+_NOT_QUICK = ("browser", "receiver", "ray", "frameworks", "property", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import frameworks
+
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for fixture, mark in _BY_FIXTURE.items():
+            if fixture in used:
+                item.add_marker(mark)
+        module = getattr(item, "module", None)
+        if module is not None and vars(module).get("require") is frameworks.require:
+            item.add_marker("frameworks")
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker("property")
+        if not any(item.get_closest_marker(m) for m in _NOT_QUICK):
+            item.add_marker("quick")
+        # under pytest-xdist's --dist loadgroup a group runs on one worker: the tests of the
+        # session's Phoenix and Ray cluster all on one (each starts once), every other file on
+        # one (its module fixtures, a demo run or a filled dashboard, are built once)
+        if item.get_closest_marker("receiver") or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("servers"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
 
 # ---------------------------------------------------------------------------------------------
 # Real OTLP receivers (helpers in tests/receivers.py)
@@ -46,6 +93,7 @@ from receivers import PhoenixReceiver, require_phoenix_python  # noqa: E402
 def phoenix() -> Iterator[PhoenixReceiver]:
     python = require_phoenix_python()
     with PhoenixReceiver(python) as receiver:
+        SHARED_ORIGINS.add(receiver.base_url)
         yield receiver
 
 
@@ -94,6 +142,57 @@ def ray_cluster(tmp_path_factory):
             os.environ.pop("RAY_AUTH_TOKEN", None)
         else:
             os.environ["RAY_AUTH_TOKEN"] = saved
+
+
+# ---------------------------------------------------------------------------------------------
+# Debian's Chromium (helpers in tests/browser_support.py): one browser for the session, launched
+# at the first test that asks for it. `browser` hands it to a test with a clean slate: one tab on
+# about:blank, no cookies, no local or session storage of the pages it visited, the default
+# window size, and `driver.otr_failure_dir` = the test's tmp_path (failures save screenshots there).
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def chromium_session(tmp_path_factory):
+    from browser_support import chromium
+
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as driver:
+        yield driver
+
+
+SHARED_ORIGINS: set[str] = set()  # the session's servers a page may have stored settings for
+
+
+# `trackio_dashboard(trackio_dir)`: the base URL of Trackio's dashboard over that data folder,
+# started at its first use and shared by the session (one per folder). Tests that fill a project
+# of their own name in the session's TRACKIO_DIR share one dashboard.
+@pytest.fixture(scope="session")
+def trackio_dashboard(tmp_path_factory):
+    from contextlib import ExitStack
+    from pathlib import Path
+
+    from browser_support import trackio_dashboard as serve
+
+    logs = tmp_path_factory.mktemp("dashboards")
+    bases: dict[Path, str] = {}
+
+    def dashboard(trackio_dir: str | os.PathLike[str]) -> str:
+        folder = Path(trackio_dir).resolve()
+        if folder not in bases:
+            bases[folder] = stack.enter_context(serve(folder, logs / f"dashboard-{len(bases)}.log"))
+            SHARED_ORIGINS.add(bases[folder])
+        return bases[folder]
+
+    with ExitStack() as stack:
+        yield dashboard
+
+
+@pytest.fixture
+def browser(chromium_session, tmp_path):
+    from browser_support import reset_browser
+
+    reset_browser(chromium_session, SHARED_ORIGINS)
+    chromium_session.otr_failure_dir = tmp_path
+    yield chromium_session
+    reset_browser(chromium_session, SHARED_ORIGINS)
 
 
 @pytest.fixture

@@ -113,3 +113,22 @@ def wait_ready(stream) -> str:
             return line
         seen.append(line)
     raise AssertionError(f"the child ended without READY; it printed {seen!r}")
+
+
+def shrink_windows(monkeypatch, steps: int, splits: int) -> None:
+    """Every per-step window the library keeps (closed steps, per-step counters, metrics waiting
+    for their step, hang snapshots shown per step: 4,096 steps each) made ``steps`` long, and the
+    splits remembered for the lag rule (1,024) ``splits``: the same code with smaller numbers, so a
+    memory test reaches the steady state (every window full) in a few hundred steps, not 5,000."""
+    from otel_rollouts._core import stats
+    from otel_rollouts.correlate import metrics
+    from otel_rollouts.sampling import hung
+    from otel_rollouts.sampling import steps as step_book
+
+    for module, name in ((step_book, "_MAX_CLOSED"), (stats, "_MAX_STEPS_KEPT"),
+                         (metrics, "_MAX_PENDING_STEPS"), (hung, "_MAX_SHOWN_STEPS")):
+        assert getattr(module, name) >= steps, (module.__name__, name)  # a window, made smaller
+        monkeypatch.setattr(module, name, steps)
+    assert step_book._MAX_SPLITS >= splits
+    monkeypatch.setattr(step_book, "_MAX_SPLITS", splits)
+

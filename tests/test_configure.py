@@ -124,6 +124,7 @@ def test_an_exporter_that_raises_never_reaches_user_code(otr_shutdown, caplog):
         assert delivery[name]["pending"] + delivery[name]["spooled"] >= 3
     # logged once per exporter and error kind, not once per attempt
     assert sum("exporter Raising: export raised" in r.getMessage() for r in caplog.records) == 1
+    otr.shutdown(timeout=0.5)  # two of them never store: not the fixture's 10 s of retries
 
 
 def test_export_runs_off_the_training_thread(otr_shutdown):

@@ -20,12 +20,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 
 FUZZ = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=examples(180), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 
 
@@ -299,7 +300,7 @@ def _payload(module: str):
 
 
 # no shrinking: a known failure is reported as found (shrinking giant inputs takes minutes)
-ADAPTER_FUZZ = settings(FUZZ, max_examples=30, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+ADAPTER_FUZZ = settings(FUZZ, max_examples=examples(90), phases=[Phase.explicit, Phase.reuse, Phase.generate],
                         report_multiple_bugs=False)
 # found by this test and reported to the adapters' authors; not strict: a random search may miss
 # the bug in a given run

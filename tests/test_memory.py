@@ -1,13 +1,18 @@
 """Bounded memory: what the sampler holds depends on the cap, never on how many episodes a step saw.
 
-200 steps × 4,096 small episodes with cap 32. Two measurements:
+48 steps × 4,096 small episodes with cap 32. Two measurements:
 
 * tracemalloc (slow, so only over a few early and a few late steps): the peak of memory
   allocated while a step runs stays the same late in the run as early, and under a bound fit
   for the cap (an unbounded buffer of 4,096 episodes per step would be several MiB);
-* ``sys.getallocatedblocks()`` after a collection, every 20 steps over the whole run: the memory
-  blocks still alive do not grow with the steps (a leak of one object per episode would add
-  ~700,000 blocks).
+* ``sys.getallocatedblocks()`` after a collection, every 4 steps over the whole run: the memory
+  blocks still alive do not grow with the steps once the per-step windows are full (shrunk to 8
+  steps here, ``otr_helpers.shrink_windows``: at their 4,096 steps they would be filling all run
+  long); a leak of one object per episode would add 4,096 blocks a step, an unbounded per-step
+  counter about 6.
+
+Until 2026-11 the test ran 200 steps with the windows at full size and allowed 40 blocks a step
+of growth (the windows filling): 4 times the work for a weaker bound.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ import sys
 import tracemalloc
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otr_helpers import root, traces
+from otr_helpers import root, shrink_windows, traces
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 
-STEPS = 200
+STEPS = 48
 PER_STEP = 4096
 CAP = 32
 
@@ -39,7 +44,13 @@ def _step(exporter: InMemorySpanExporter, step: int) -> None:
     exporter.clear()
 
 
-def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(configured):
+def test_peak_memory_is_flat_over_48_steps_of_4096_episodes(configured, monkeypatch):
+    from otel_rollouts._core import redaction
+
+    shrink_windows(monkeypatch, 8, 8)
+    # the redactor's cache of clean labels (4,096, cleared when full) takes each kept episode's
+    # id: 32 a step, filling until step 128; at 64 it turns over within a step
+    monkeypatch.setattr(redaction, "_NAME_CACHE", 64)
     exporter = configured(CAP, "top_bottom", sampler_options={"step_lag": None}, run_id="memory")
     peaks: dict[int, int] = {}
     blocks: dict[int, int] = {}
@@ -53,7 +64,7 @@ def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(configured):
             tracemalloc.stop()
         else:
             _step(exporter, step)
-        if step % 20 == 0 or step == STEPS - 1:
+        if step % 4 == 0 or step == STEPS - 1:
             gc.collect()
             blocks[step] = sys.getallocatedblocks()
     stats = otr.stats()["steps"]
@@ -64,10 +75,10 @@ def test_peak_memory_is_flat_over_200_steps_of_4096_episodes(configured):
     late = max(peaks[STEPS - 2], peaks[STEPS - 1])
     assert early < 3 * 2**20, f"peak while a step runs: {early} bytes"
     assert late <= early * 1.25 + 64 * 1024, (early, late)
-    # blocks alive between steps: flat after the first steps (a few per step are the bounded
-    # per-step counters and closed-step marks, capped at 4,096 steps)
-    growth = blocks[STEPS - 1] - blocks[20]
-    assert growth < 40 * (STEPS - 20), (blocks, growth)
+    # blocks alive between steps: flat once the per-step windows (8 steps) are full (measured:
+    # -133 over the 35 steps; one per-step window left unbounded adds +222, about 6 blocks a step)
+    growth = blocks[STEPS - 1] - blocks[12]
+    assert growth < 100, (list(blocks.items()), growth)
 
 
 def test_what_a_dropped_episode_held_is_released_at_once(configured):

@@ -35,6 +35,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -310,7 +311,7 @@ def test_a_secret_of_every_default_pattern_is_found_at_every_position(index, con
     app.propagate = False
     rt_tracer = _runtime.installed().tracer
     try:
-        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
         @given(hst.from_regex(pattern, fullmatch=True, alphabet=_PRINTABLE))
         def check(text: str) -> None:
             secret = _secret_of(pattern, text)
@@ -360,7 +361,7 @@ def test_redacting_twice_reads_as_redacting_once(index):
     pattern = redaction.DEFAULT_PATTERNS[index]
     redactor = redaction.Redactor()
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(200), deadline=None, suppress_health_check=list(HealthCheck))
     @given(hst.from_regex(pattern, fullmatch=True, alphabet=_PRINTABLE), hst.sampled_from(["", " x", '"}']))
     def check(text: str, after: str) -> None:
         once = redactor(text + after)

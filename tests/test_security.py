@@ -301,12 +301,13 @@ def test_every_default_pattern_needs_one_of_the_trigger_literals(index):
     """The fast path skips text without a trigger literal: that must never skip a secret."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as hst
+    from profiles import examples
 
     from otel_rollouts._core import redaction
 
     pattern = redaction.DEFAULT_PATTERNS[index]
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(200), deadline=None, suppress_health_check=list(HealthCheck))
     @given(hst.from_regex(pattern))
     def check(text):
         assert redaction.might_hold_secret(text), (pattern, text)

@@ -18,6 +18,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
@@ -195,6 +197,7 @@ def _mount_tmpfs(path: Path) -> bool:
     return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(path)], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_soak_with_faults_on_a_schedule(tmp_path):
     trackio_dir = tmp_path / "trackio"
     mounted = _mount_tmpfs(trackio_dir)

@@ -100,6 +100,7 @@ def generate(script: dict[str, list[str]], *, env_class: str = "gsm8k_multi_turn
 GSM8K = {"q0_0": ["I think 2 + 2 = 5. #### 5", "#### 4"], "q0_1": ["The answer is #### 4"]}
 
 
+@pytest.mark.matrix
 def test_gsm8k_env_metrics_are_not_rewards_and_steps_is_the_turn_count(memory):
     gi, go = generate(GSM8K)
     assert go["env_metrics"] == [{"steps": 2}, {"steps": 1}]  # what skyrl-gym really reports
@@ -123,6 +124,7 @@ def _texts(ep: dict[str, Any]) -> str:
     return repr([dict(s.attributes) for s in ep["spans"]])
 
 
+@pytest.mark.matrix
 def test_gsm8k_text_has_no_template_markup_and_observations_keep_their_role(memory):
     gi, go = generate(GSM8K)
     response = TOKENIZER.decode(go["response_ids"][0])
@@ -147,6 +149,7 @@ def test_gsm8k_text_has_no_template_markup_and_observations_keep_their_role(memo
     assert feedback.attributes[c.RL_FEEDBACK_ROLE] == "user"  # regression: was "environment"
 
 
+@pytest.mark.matrix
 def test_on_policy_is_staleness_zero_off_policy_and_eval(memory):
     # synchronous trainer: prepare_generator_input(..., "train", global_step) then training at
     # the same global_step; global_step 1 is the first step (the initial weights, 0 updates)
@@ -169,6 +172,7 @@ def test_on_policy_is_staleness_zero_off_policy_and_eval(memory):
     assert ev[0][c.RL_POLICY_VERSION] == 5 and c.RL_STALENESS not in ev[0]
 
 
+@pytest.mark.matrix
 def test_step_wise_trajectories_are_one_episode_with_clean_turns(memory):
     gi, go = generate(GSM8K, step_wise=True)
     assert go["is_last_step"] == [False, True, True]
@@ -182,6 +186,7 @@ def test_step_wise_trajectories_are_one_episode_with_clean_turns(memory):
     assert "<|im_" not in _texts(eps["q0_0"])
 
 
+@pytest.mark.matrix
 def test_hermes_tool_calls_become_execute_tool_spans_with_their_results(memory):
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
     gi, go = generate({"q0_0": [f"Let me compute. {call}", "The answer is 4"]}, env_class="otr_calculator", n=1)
@@ -197,6 +202,7 @@ def test_hermes_tool_calls_become_execute_tool_spans_with_their_results(memory):
     assert "<|im_" not in _texts(ep) and "<tool_call>" not in _texts(ep)
 
 
+@pytest.mark.matrix
 def test_truncated_trajectory_and_overlong_filtering(memory):
     # max_turns=3: the third answer is cut at max_tokens (the last turn's stop reason counts)
     script = {"q0_0": ["I think 2 + 2 = 5. #### 5", "#### 5", "Let me think again about"], "q0_1": ["#### 4"]}
@@ -212,6 +218,7 @@ def test_truncated_trajectory_and_overlong_filtering(memory):
     assert "rl.metadata.loss_masked" not in eps["q0_1"]["root"]
 
 
+@pytest.mark.matrix
 def test_assistant_text_of_dropped_episodes_is_never_decoded(otr_shutdown):
     from adapter_fixtures import configure_memory
     from tokenizer_fixture import DecodeLog, counting_tokenizer
@@ -231,6 +238,7 @@ def test_assistant_text_of_dropped_episodes_is_never_decoded(otr_shutdown):
 
 
 # --- the plug-in: SkyRL's generator hook ------------------------------------------------------
+@pytest.mark.matrix
 def test_recording_generator_records_what_skyrls_generator_returns(memory):
     # only the documented line is added: get_generator returns the wrapper around SkyRL's own
     gi, go = generate(GSM8K, global_step=3, wrap=lambda g: skyrl.RecordingGenerator(g, tokenizer=TOKENIZER))
@@ -244,6 +252,7 @@ def test_recording_generator_records_what_skyrls_generator_returns(memory):
     assert messages_of(memory)["q0_0"][2] == {"role": "assistant", "content": "I think 2 + 2 = 5. #### 5"}
 
 
+@pytest.mark.matrix
 def test_recording_generator_in_the_fully_async_trainer_has_no_staleness(memory):
     import inspect
 
@@ -262,6 +271,7 @@ SKYRL_VERSION = tuple(int(p) for p in __import__("importlib.metadata").metadata.
 needs_040 = pytest.mark.skipif(SKYRL_VERSION < (0, 4), reason="trajectory_time_splits is SkyRL >= 0.4.0's")
 
 
+@pytest.mark.matrix
 @needs_040
 def test_trajectory_time_splits_are_the_episodes_stage_times(memory):
     gi, go = generate(GSM8K)
@@ -278,6 +288,7 @@ def test_trajectory_time_splits_are_the_episodes_stage_times(memory):
             c.stage_seconds(c.STAGE_GENERATION), c.stage_seconds(c.STAGE_ENVIRONMENT)}
 
 
+@pytest.mark.matrix
 @needs_040
 def test_step_wise_time_splits_before_and_after_the_trainers_concatenation(memory):
     gi, go = generate(GSM8K, step_wise=True)
@@ -301,6 +312,7 @@ def test_step_wise_time_splits_before_and_after_the_trainers_concatenation(memor
     assert eps["q0_0"]["root"][c.RL_TURN_COUNT] == 2
 
 
+@pytest.mark.matrix
 @pytest.mark.skipif(SKYRL_VERSION >= (0, 4), reason="SkyRL 0.3.0 measures no time splits")
 def test_no_stage_time_where_skyrl_does_not_measure_it(memory):
     gi, go = generate(GSM8K)
@@ -331,6 +343,7 @@ def test_a_newer_release_and_an_unknown_output_field_are_warned_once(memory, cap
 
 
 # --- durations and dataset indices (issue 32) -----------------------------------------------------
+@pytest.mark.matrix
 def test_the_agent_loops_e2e_time_is_the_episodes_duration(memory):
     gi, go = generate(GSM8K)
     times = go["trajectory_generation_times"]  # SkyRL's own e2e_time around each agent loop
@@ -341,6 +354,7 @@ def test_the_agent_loops_e2e_time_is_the_episodes_duration(memory):
     assert [eps[tid]["root"][c.RL_DURATION_SECONDS] for tid in ("q0_0", "q0_1")] == times
 
 
+@pytest.mark.matrix
 def test_step_wise_rows_take_their_trajectorys_duration(memory):
     gi, go = generate(GSM8K, step_wise=True)
     times = go["trajectory_generation_times"]
@@ -352,6 +366,7 @@ def test_step_wise_rows_take_their_trajectorys_duration(memory):
     assert eps["q0_1"]["root"][c.RL_DURATION_SECONDS] == times[2]
 
 
+@pytest.mark.matrix
 def test_no_duration_where_the_agent_loop_did_not_time_it(memory):
     gi, go = generate(GSM8K)
     go["trajectory_generation_times"] = None  # what SkyRL returns when an agent loop leaves e2e_time None
@@ -361,6 +376,7 @@ def test_no_duration_where_the_agent_loop_did_not_time_it(memory):
     assert len(roots) == 2 and all(c.RL_DURATION_SECONDS not in r for r in roots)  # absent, never 0
 
 
+@pytest.mark.matrix
 def test_the_dataset_index_is_skyrls_uid_or_the_extra_info_index(memory):
     # PromptDataset.__getitem__ makes the uid str(row): the row's dataset index
     gi, go = generate({"17_0": ["#### 4"], "17_1": ["#### 4"]}, uid="17")

@@ -145,6 +145,7 @@ def all_text(messages):
 
 
 # --- rewards -----------------------------------------------------------------------------------
+@pytest.mark.matrix
 def test_problem_env_reward_terms_are_its_metrics_not_its_coefficients(tok, renderer, memory):
     """Regression: ``format_coef`` and other numbers were recorded as reward components while
     ProblemEnv's real terms (``metrics`` ``format`` and ``correct``) were dropped."""
@@ -167,6 +168,7 @@ def test_problem_env_reward_terms_are_its_metrics_not_its_coefficients(tok, rend
     assert list(right[c.RL_METADATA_PREFIX + "tags"]) == ["arithmetic"] and right[c.RL_TURN_COUNT] == 1
 
 
+@pytest.mark.matrix
 def test_tool_env_diagnostic_metrics_are_not_rewards(tok, renderer, memory):
     builder, group = tool_group(tok, renderer, [TOOL_CALL, "The answer is 391.<|im_end|>"])
     last = group.trajectories_G[0].transitions[-1]
@@ -182,6 +184,7 @@ def test_tool_env_diagnostic_metrics_are_not_rewards(tok, renderer, memory):
 
 
 # --- text --------------------------------------------------------------------------------------
+@pytest.mark.matrix
 @pytest.mark.parametrize("how", ["tokenizer", "renderer"])
 def test_rendered_prompt_is_split_and_turns_carry_no_markup(tok, renderer, memory, how):
     """Regression: the prompt was one user message holding the whole rendered template, and the
@@ -202,6 +205,7 @@ def test_rendered_prompt_is_split_and_turns_carry_no_markup(tok, renderer, memor
     assert chat[c.GEN_AI_USAGE_OUTPUT_TOKENS] == len(group.trajectories_G[0].transitions[0].ac.tokens)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("how", ["tokenizer", "renderer"])
 def test_tool_call_in_the_action_becomes_execute_tool_with_its_result(tok, renderer, otr_shutdown, how):
     """Regression: a ``<tool_call>`` in the action was not recognised: no ``execute_tool`` span,
@@ -226,6 +230,7 @@ def test_tool_call_in_the_action_becomes_execute_tool_with_its_result(tok, rende
     assert not any(m in all_text(msgs) for m in MARKUP) and "tool_response" not in all_text(msgs)
 
 
+@pytest.mark.matrix
 def test_user_feedback_after_a_turn_keeps_its_role(tok, renderer, memory):
     """A wrong answer, then a retry: the env's user message between the turns stays ``user``."""
     message_env = require("tinker_cookbook.rl.message_env")
@@ -259,6 +264,7 @@ def test_user_feedback_after_a_turn_keeps_its_role(tok, renderer, memory):
         ("user", "Please retry: try again."), ("assistant", "The answer is 4")]
 
 
+@pytest.mark.matrix
 def test_length_stop_is_a_truncated_episode(tok, renderer, memory):
     """``EnvFromMessageEnv`` ends the episode on a sampler ``length`` stop (max_tokens_reached)."""
     builder, group = tool_group(tok, renderer, ["The answer is"], stop_reason="length")
@@ -270,6 +276,7 @@ def test_length_stop_is_a_truncated_episode(tok, renderer, memory):
     assert ep["root"][c.RL_REWARD] == -0.1  # the env's context_overflow_reward
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("how", ["tokenizer", "renderer"])
 def test_unparsable_tool_call_is_a_parse_error_and_its_text_stays(tok, renderer, memory, how):
     builder, group = tool_group(tok, renderer, ['<tool_call>\n{"name": broken</tool_call><|im_end|>'])
@@ -285,6 +292,7 @@ def test_unparsable_tool_call_is_a_parse_error_and_its_text_stays(tok, renderer,
     assert msgs[-1]["role"] == "assistant" and '"name": broken' in msgs[-1]["content"]
 
 
+@pytest.mark.matrix
 def test_rollout_summary_records_with_a_tokenizer_do_not_ask_for_one(tok, renderer, memory):
     """Regression: summary records (lengths, no token ids) said "pass tokenizer= to decode"
     although a tokenizer was passed."""
@@ -305,6 +313,7 @@ def test_rollout_summary_records_with_a_tokenizer_do_not_ask_for_one(tok, render
 
 
 # --- policy version and staleness --------------------------------------------------------------
+@pytest.mark.matrix
 def test_policy_version_and_staleness(tok, renderer, memory):
     """``sampling_client_step`` = the iteration whose weights sampled; trained at ``step``:
     staleness = step − sampling_client_step (the cookbook's ``async/staleness``), 0 on-policy;
@@ -359,6 +368,7 @@ def special_tags_tok():
     return tok
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("how", ["tokenizer", "renderer"])
 def test_tool_markers_that_are_special_tokens_still_give_tool_calls_and_results(special_tags_tok, otr_shutdown,
                                                                                 how):
@@ -558,6 +568,7 @@ def assert_inkling_episode(mem, system_messages):
     assert ep["root"][c.RL_REWARD] == 1.0
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("how", ["tokenizer", "renderer"])
 def test_inkling_real_tokenizer_and_renderer(otr_shutdown, how):
     """Regression (real Inkling tokenizer and TmlV0Renderer, offline): the prompt was raw
@@ -572,6 +583,7 @@ def test_inkling_real_tokenizer_and_renderer(otr_shutdown, how):
     assert_inkling_episode(mem, ["Use the calculator tool.", "Thinking effort level: 0.9"])
 
 
+@pytest.mark.matrix
 def test_inkling_wrapper_with_the_renderer_splits_prompt_and_keeps_tool_results(otr_shutdown):
     """The cookbook's ``TmlRenderersTokenizerAdapter`` around a tokenizer built here, with the
     environment's renderer: the layout is learned from ``renderer.build_generation_prompt``."""
@@ -585,6 +597,7 @@ def test_inkling_wrapper_with_the_renderer_splits_prompt_and_keeps_tool_results(
     assert_inkling_episode(mem, ["Use the calculator tool."])
 
 
+@pytest.mark.matrix
 def test_inkling_wrapper_without_a_renderer_warns_once_and_drops_nothing(otr_shutdown, caplog):
     """Only the wrapper, and no renderer the cookbook can build for it: what is lost is warned
     once, by name; the observation after the action is still recorded (as the tool's result)."""

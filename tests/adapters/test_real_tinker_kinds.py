@@ -66,6 +66,7 @@ def preference_group(tok, renderer, answers, pattern="all_pairs_both_ways"):  # 
     return builder, rollout(builder, fixed_tokens(tok, answers)), verdicts
 
 
+@pytest.mark.matrix
 def test_preference_pair_is_linked_both_ways_with_verdicts(tok, renderer, memory):  # noqa: F811
     builder, group, verdicts = preference_group(
         tok, renderer, ["The colour I name is red<|im_end|>", "Blue<|im_end|>"])
@@ -100,6 +101,7 @@ def test_preference_pair_is_linked_both_ways_with_verdicts(tok, renderer, memory
                                    {"role": "assistant", "content": "Blue"}]
 
 
+@pytest.mark.matrix
 def test_preference_without_verdicts_records_pairs_only(tok, renderer, memory):  # noqa: F811
     builder, group, _ = preference_group(tok, renderer, ["Red<|im_end|>", "Green<|im_end|>", "Blue<|im_end|>"],
                                          pattern="all_pairs_one_way")
@@ -121,6 +123,7 @@ def tictactoe(renderer, self_play=True):  # noqa: F811
                                           self_play=self_play)
 
 
+@pytest.mark.matrix
 def test_self_play_game_players_are_linked_episodes_with_roles(tok, renderer, memory):  # noqa: F811
     builder = tictactoe(renderer)
     # player 0 takes 4, 2, 6 (a diagonal); player 1 takes 0, 1
@@ -145,6 +148,7 @@ def test_self_play_game_players_are_linked_episodes_with_roles(tok, renderer, me
     assert [m.strip() for m in moves] == ["[4]", "[2]", "[6]"]
 
 
+@pytest.mark.matrix
 def test_the_sampler_keeps_a_game_whole(tok, renderer, otr_shutdown):  # noqa: F811
     """Cap 1, top reward: the winner is chosen, the loser comes with it; a second game whose
     players are both below the cap's choice is dropped whole."""
@@ -163,6 +167,7 @@ def test_the_sampler_keeps_a_game_whole(tok, renderer, otr_shutdown):  # noqa: F
     assert {ep["root"][c.RL_GAME_ROLE] for ep in kept.values()} == {"player_0", "player_1"}
 
 
+@pytest.mark.matrix
 def test_game_against_a_fixed_opponent_names_it(tok, renderer, memory):  # noqa: F811
     completers = require("tinker_cookbook.completers")
 
@@ -209,6 +214,7 @@ class ScriptedTeacher:
         return self.compute_logprobs(model_input).value
 
 
+@pytest.mark.matrix
 def test_distillation_answer_carries_the_teachers_score(tok, renderer, memory):  # noqa: F811
     datasets = require("tinker_cookbook.distillation.datasets")
     problem_env = require("tinker_cookbook.rl.problem_env")
@@ -247,6 +253,7 @@ def test_distillation_answer_carries_the_teachers_score(tok, renderer, memory): 
     assert sorted(answers) == ["Because of the air molecules.", "Rayleigh scattering."]
 
 
+@pytest.mark.matrix
 def test_distillation_without_the_teachers_logprobs_records_the_answer(tok, renderer, memory):  # noqa: F811
     datasets = require("tinker_cookbook.distillation.datasets")
     problem_env = require("tinker_cookbook.rl.problem_env")

@@ -111,6 +111,7 @@ def no_markup(text, tokenizer):
     return not any(m in text for m in markers)
 
 
+@pytest.mark.matrix
 def test_real_grpo_finish_reason_usage_and_on_policy_staleness(tmp_path, otr_shutdown):
     """Every completion gets TRL's finish reason (length = clipped at ``max_completion_length``
     without EOS) and token usage; on-policy samples have staleness 0; only reward functions are
@@ -178,6 +179,7 @@ def test_real_grpo_finish_reason_usage_and_on_policy_staleness(tmp_path, otr_shu
         assert ratio == pytest.approx(clipped[step])
 
 
+@pytest.mark.matrix
 def test_real_grpo_generation_spanning_two_updates_is_off_policy(tmp_path, otr_shutdown):
     """``steps_per_generation`` = 2 with no gradient accumulation: one generation batch (made by
     the initial weights) is trained over two optimizer steps; the slice trained second is one
@@ -214,6 +216,7 @@ def test_real_grpo_generation_spanning_two_updates_is_off_policy(tmp_path, otr_s
     assert got == expected
 
 
+@pytest.mark.matrix
 def test_real_grpo_text_prompts_and_hermes_tool_calls(tmp_path, otr_shutdown):
     """A dataset of prompts already rendered with the chat template, generated through TRL's
     ``rollout_func``: the prompt is recorded as its messages (no markup), a Hermes
@@ -283,6 +286,7 @@ def calculator(expression: str) -> str:
     return str(int(a) * int(b) if op == "*" else int(a) + int(b))
 
 
+@pytest.mark.matrix
 def test_real_grpo_tool_loop_turns_usage_and_results(tmp_path, otr_shutdown):
     """TRL's own tool loop (``tools=[calculator]``, response parsing from TRL's Qwen template on
     the test tokenizer): the first assistant message comes from ``rollout_func``, TRL runs the

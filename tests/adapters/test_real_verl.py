@@ -191,6 +191,7 @@ def record(memory, tok, batch, step=3, **kwargs):
     return episodes(memory)
 
 
+@pytest.mark.matrix
 def test_only_reward_terms_are_rewards(tmp_path, memory):
     tok, batch, _ = verl_step(tmp_path)
     assert {"global_steps", "min_global_steps", "max_global_steps", "num_cached_tokens",
@@ -208,6 +209,7 @@ def test_only_reward_terms_are_rewards(tmp_path, memory):
     assert {r[c.RL_REWARD] for r in tool_runs} == {1.0}
 
 
+@pytest.mark.matrix
 def test_reward_terms_without_verl_list_skip_bookkeeping_and_warn(tmp_path, memory, caplog, monkeypatch):
     tok, batch, _ = verl_step(tmp_path, reward_keys=False)  # an older reward-manager path
     with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
@@ -221,6 +223,7 @@ def test_reward_terms_without_verl_list_skip_bookkeeping_and_warn(tmp_path, memo
             if k.startswith(c.RL_REWARD_PREFIX)} == {"rl.reward.acc"}
 
 
+@pytest.mark.matrix
 def test_tool_result_rendered_with_the_tool_role_is_clean(tmp_path, memory):
     tok, batch, _ = verl_step(tmp_path)
     text = tok.decode(batch.batch["responses"][[i for i in range(len(batch))
@@ -248,6 +251,7 @@ def test_tool_result_rendered_with_the_tool_role_is_clean(tmp_path, memory):
     assert last["parts"] == [{"type": "text", "content": "The answer is 391."}]
 
 
+@pytest.mark.matrix
 def test_policy_version_from_verl_columns_on_policy(tmp_path, memory):
     tok, batch, _ = verl_step(tmp_path, step=3)  # sync trainer: step 3 generates with weights 2
     eps = record(memory, tok, batch)
@@ -257,6 +261,7 @@ def test_policy_version_from_verl_columns_on_policy(tmp_path, memory):
         assert c.RL_POLICY_VERSION_MIN not in e["root"]
 
 
+@pytest.mark.matrix
 def test_policy_version_off_policy_and_partial_rollouts(tmp_path, memory):
     # one-step-off / async: generation started on weights 1, a resumed turn ran on weights 2
     tok, batch, _ = verl_step(tmp_path, step=4, version=lambda turn: 1 if turn == 1 else 2)
@@ -272,6 +277,7 @@ def test_policy_version_off_policy_and_partial_rollouts(tmp_path, memory):
     assert {e["root"][c.RL_STALENESS] for k, e in eps.items() if k.startswith("train-5")} == {5, 6}
 
 
+@pytest.mark.matrix
 def test_validation_batch_has_a_version_but_no_staleness(tmp_path, memory):
     tok, batch, truth = verl_step(tmp_path, step=3, version=lambda turn: 3, validate=True, balance=False,
                                   mark=False)
@@ -283,6 +289,7 @@ def test_validation_batch_has_a_version_but_no_staleness(tmp_path, memory):
     assert got == sorted((t["sample_index"], t["rollout_n"]) for t in truth)  # unbalanced: order kept
 
 
+@pytest.mark.matrix
 def test_rollout_n_matches_verl_trajectory_info_after_balancing(tmp_path, memory):
     tok, batch, truth = verl_step(tmp_path)
     uids = batch.non_tensor_batch["uid"].tolist()
@@ -300,6 +307,7 @@ def test_rollout_n_matches_verl_trajectory_info_after_balancing(tmp_path, memory
         assert n_out == int(batch.batch["response_mask"][j].sum())
 
 
+@pytest.mark.matrix
 def test_balanced_batch_without_mark_records_no_wrong_rollout_n(tmp_path, memory, caplog, monkeypatch):
     tok, batch, _ = verl_step(tmp_path, mark=False)
     with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
@@ -310,6 +318,7 @@ def test_balanced_batch_without_mark_records_no_wrong_rollout_n(tmp_path, memory
     assert otr.stats()["totals"]["adapters.unknown_structure"] >= 1
 
 
+@pytest.mark.matrix
 def test_mark_rollouts_numbers_each_agent_loop_worker_chunk_like_verl():
     require("verl")
     from verl.experimental.agent_loop.agent_loop import get_trajectory_info

@@ -231,6 +231,7 @@ def check_rollouts(eps, batch, truth, step=3):
         assert n_out == int(batch.batch["response_mask"][j].sum())  # the same sample
 
 
+@pytest.mark.matrix
 def test_reward_loop_layout_has_no_index_column(tmp_path, actor_loop):
     require("verl")
     tok = tokenizer()
@@ -245,6 +246,7 @@ def test_reward_loop_layout_has_no_index_column(tmp_path, actor_loop):
         "balancing kept the order: the test would prove nothing"
 
 
+@pytest.mark.matrix
 def test_rollout_n_in_the_reward_loop_layout(tmp_path, actor_loop, memory, caplog):
     require("verl")
     tok = tokenizer()
@@ -262,6 +264,7 @@ def test_rollout_n_in_the_reward_loop_layout(tmp_path, actor_loop, memory, caplo
         assert root[c.RL_REWARD] == 1.0  # both answers right (the tool one via the calculator)
 
 
+@pytest.mark.matrix
 def test_plugin_records_each_generated_batch_with_one_config_entry(tmp_path, actor_loop, memory):
     require("verl")
     tok = tokenizer()
@@ -287,6 +290,7 @@ def test_plugin_records_each_generated_batch_with_one_config_entry(tmp_path, act
     assert tool_span.attributes[c.GEN_AI_TOOL_CALL_RESULT] == "391"
 
 
+@pytest.mark.matrix
 def test_plugin_validation_skips_padding_and_closes_steps(tmp_path, actor_loop, memory):
     require("verl")
     tok = tokenizer()
@@ -311,6 +315,7 @@ def _quiet_verl():
     yield
 
 
+@pytest.mark.matrix
 def test_plugin_keeps_each_samples_agent_loop_times_as_stage_seconds(tmp_path, actor_loop, memory):
     """verl's manager reduces the samples' AgentLoopMetrics to per-step min/mean/max; the plug-in
     records each sample's own seconds (LLM calls, tool calls, reward) on its episode."""

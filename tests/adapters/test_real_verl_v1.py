@@ -185,6 +185,7 @@ def episodes(spans):
     return out
 
 
+@pytest.mark.matrix
 def test_default_trainer_records_each_session_with_the_config_entry(tmp_path, cluster):
     import ray
     import transfer_queue as tq
@@ -235,6 +236,7 @@ def test_default_trainer_records_each_session_with_the_config_entry(tmp_path, cl
     assert tool_span["attributes"][c.GEN_AI_TOOL_CALL_RESULT] == "391"
 
 
+@pytest.mark.matrix
 def test_the_legacy_trainer_keeps_the_batch_manager(tmp_path, cluster):
     """``RayPPOTrainer.init_workers`` (``trainer.use_v1=False``) builds the same class with
     ``create``: verl's batch ``AgentLoopManager`` and its workers, as before."""

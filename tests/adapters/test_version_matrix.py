@@ -1,5 +1,5 @@
-"""Each framework's second tested release: its real-framework tests run inside its own
-environment (``tests/version_matrix.py``; ``.ci/run`` builds them).
+"""Each framework's second tested release: its release-dependent tests (``@pytest.mark.matrix``)
+run inside its own environment (``tests/version_matrix.py``; ``.ci/run`` builds them).
 
 A missing environment skips here and fails in CI (where ``.ci/run`` must have built it); the run
 passes only if the environment holds exactly the release named, none failed, and most ran (a test
@@ -29,6 +29,7 @@ def _child_env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("entry", MATRIX, ids=lambda e: e.name)
+@pytest.mark.slow
 def test_release_passes_the_adapter_tests(entry: Entry, tmp_path) -> None:
     if not entry.python.exists():
         message = f"{entry.name}: no environment at .venv-matrix/{entry.name} (.ci/run builds it)"
@@ -47,7 +48,7 @@ def test_release_passes_the_adapter_tests(entry: Entry, tmp_path) -> None:
     env["CI"] = "1"  # inside the environment a missing framework module fails, never skips
     run = subprocess.run(
         [str(entry.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-         *entry.tests],
+         "-m", "matrix", *entry.tests],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=840,
     )
     tail = (run.stdout + run.stderr)[-6000:]

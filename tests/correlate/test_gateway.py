@@ -288,7 +288,7 @@ def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink,
     assert totals["dropped.held_bytes_full.spans"] == 2 * (8 - held[0])
 
 
-def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix, tmp_path: Path) -> None:
+def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix, browser, tmp_path: Path) -> None:
     """The server's spans keep their own resource (no Phoenix project): Phoenix files them with
     the trace they belong to, in the run's project, not in ``default`` (the episode's spans go
     out first in each request); a dropped episode leaves nothing in any project."""
@@ -333,17 +333,16 @@ def test_in_phoenix_the_server_spans_sit_in_the_episodes_project(phoenix, tmp_pa
     assert generation[0]["attributes"][c.RL_SERVER_QUEUE_SECONDS] == pytest.approx(
         timings(50)[c.GEN_AI_LATENCY_TIME_IN_QUEUE])
     # as a person sees it: the engine's span in the episode's trace tree, under the chat span
-    from browser_support import chromium, save_screenshot, wait_for
+    from browser_support import save_screenshot, wait_for
     from selenium.webdriver.common.by import By
     from test_phoenix_browser import _tree_node
 
     shots = Path(os.environ.get("OTR_SCREENSHOTS", tmp_path))
-    with chromium(tmp_path / "profile") as browser:
-        browser.get(f"{phoenix.base_url}/redirects/traces/{kept}")
-        wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node(ENGINE_SPAN))
-                 and d.find_elements(By.XPATH, _tree_node("chat policy")),
-                 "the engine span and the chat span in Phoenix's trace tree", shots / "phoenix-gateway.png")
-        save_screenshot(browser, shots / "phoenix-gateway.png")
+    browser.get(f"{phoenix.base_url}/redirects/traces/{kept}")
+    wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node(ENGINE_SPAN))
+             and d.find_elements(By.XPATH, _tree_node("chat policy")),
+             "the engine span and the chat span in Phoenix's trace tree", shots / "phoenix-gateway.png")
+    save_screenshot(browser, shots / "phoenix-gateway.png")
 
 
 def test_async_episodes_with_the_stock_httpx_instrumentation_leave_no_orphans(sink: OtlpSink) -> None:

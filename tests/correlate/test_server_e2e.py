@@ -28,7 +28,7 @@ from receivers import PhoenixReceiver, free_ports
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 
-pytestmark = [pytest.mark.receiver, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 SERVER = Path(__file__).resolve().parents[1] / "openai_server.py"
 

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otr_helpers import configure_memory
+from profiles import examples
 from tokenizer_fixture import build_tokenizer
 
 import otel_rollouts as otr
@@ -245,7 +246,7 @@ def _check_reference(data: list[dict[str, Any]], kept: dict, policy: str) -> Non
         assert chosen == {i for _, i in scored[: len(chosen)]}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(90), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=samples(), cap=st.integers(1, 8), policy=st.sampled_from(sorted(POLICIES)),
        path=st.sampled_from(sorted(PATHS)))
 def test_batched_choice_equals_per_episode_choice(tok, data, cap, policy, path):

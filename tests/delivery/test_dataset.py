@@ -283,6 +283,7 @@ def _big_file(path: Path, episodes: int, per_step: int = 20) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_whatever_the_input_size(tmp_path: Path) -> None:
     """Peak memory of a build over 4x the episodes stays where it was: spans are read a line at a
     time and held only within the step window; rows a row group at a time."""

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from browser_support import chromium, save_screenshot, wait_for
+from browser_support import save_screenshot, wait_for
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from receivers import PhoenixReceiver
 
@@ -16,7 +16,6 @@ import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts.exporters import OtlpJsonFileExporter, TrackioExporter
 
-pytestmark = [pytest.mark.browser, pytest.mark.receiver]
 duckdb = pytest.importorskip("duckdb")
 
 STEPS, SIZE = 3, 6
@@ -27,7 +26,7 @@ def _answer(step: int, k: int) -> str:
 
 
 def test_the_worst_row_of_a_step_opens_its_trace_in_phoenix_and_trackio(phoenix: PhoenixReceiver,
-                                                                         tmp_path: Path) -> None:
+                                                                         tmp_path: Path, browser) -> None:
     from selenium.webdriver.common.by import By
 
     project = f"ds-rt-{uuid.uuid4().hex[:8]}"
@@ -70,10 +69,9 @@ def test_the_worst_row_of_a_step_opens_its_trace_in_phoenix_and_trackio(phoenix:
     assert found[0]["messages"][-1]["content"] == answer
 
     phoenix.wait_for_spans(project, 4, trace_ids=[trace_id])
-    with chromium(tmp_path / "profile") as browser:
-        browser.get(link)
-        wait_for(browser, lambda d: answer in d.find_element(By.TAG_NAME, "body").text,
-                 f"the worst episode's answer {answer!r} on the page its row's link opens",
-                 tmp_path / "phoenix-row-link.png")
-        assert trace_id in browser.current_url or "/traces/" in browser.current_url
-        save_screenshot(browser, tmp_path / "phoenix-row-link.png")
+    browser.get(link)
+    wait_for(browser, lambda d: answer in d.find_element(By.TAG_NAME, "body").text,
+             f"the worst episode's answer {answer!r} on the page its row's link opens",
+             tmp_path / "phoenix-row-link.png")
+    assert trace_id in browser.current_url or "/traces/" in browser.current_url
+    save_screenshot(browser, tmp_path / "phoenix-row-link.png")

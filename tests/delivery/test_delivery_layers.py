@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -293,7 +292,6 @@ def test_sender_without_a_spool_counts_what_a_failing_exporter_loses():
         sender.shutdown()
 
 
-@pytest.mark.receiver
 def test_the_whole_stack_in_front_of_the_stock_otlp_exporter_reaches_a_real_receiver(tmp_path):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from otlp_sink import OtlpSink

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from profiles import examples
 from suite_paths import with_test_paths
 
 import otel_rollouts as otr
@@ -410,7 +411,7 @@ def shared_sink(tmp_path_factory) -> Iterator[OtlpSink]:
         yield s
 
 
-@settings(max_examples=int(os.environ.get("OTR_LEDGER_EXAMPLES", "12")), deadline=None,
+@settings(max_examples=examples(36), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     http=st.lists(st.sampled_from(HTTP_FAULTS), max_size=8),
@@ -454,6 +455,7 @@ def test_the_ledger_balances_under_any_fault_schedule(shared_sink, http, python,
     shared_sink.control(script=[])
 
 
+@pytest.mark.slow
 def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_disk(tmp_path):
     """The same property against Trackio's real SQLite storage, with another process holding the
     database's lock and the filesystem full (a 16 MB tmpfs, filled), for a step or past shutdown.
@@ -471,7 +473,7 @@ def test_the_ledger_balances_with_trackio_under_a_locked_database_and_a_full_dis
     try:
         env = with_test_paths({**os.environ, "TRACKIO_DIR": str(small)})
         done = subprocess.run(
-            [sys.executable, str(here / "ledger_trackio_property.py"), os.environ.get("OTR_LEDGER_TRACKIO_EXAMPLES", "6")],
+            [sys.executable, str(here / "ledger_trackio_property.py"), str(examples(18))],
             capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     finally:
         umount(small)

@@ -13,12 +13,12 @@ import logging
 import stat
 import threading
 import time
+import uuid
 
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
-from receivers import PhoenixReceiver, require_phoenix_python
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -247,10 +247,11 @@ def test_full_queue_drops_are_counted_and_warned_once_per_interval(tmp_path, con
     assert len(roots) == 21 - dropped  # everything not counted as dropped arrived
 
 
-def test_collector_killed_mid_run_and_restarted_phoenix(tmp_path, otr_shutdown):
-    python = require_phoenix_python()
-    project = "otr-outage"
-    with PhoenixReceiver(python, working_dir=tmp_path / "phoenix") as phoenix:
+def test_collector_killed_mid_run_and_restarted_phoenix(phoenix, tmp_path, otr_shutdown):
+    """The session's Phoenix is stopped mid-run and started again (same ports, same database):
+    the one test that kills it, so it brings it back whatever happens."""
+    project = f"otr-outage-{uuid.uuid4().hex[:8]}"
+    try:
         memory = InMemorySpanExporter()
         otr.configure(
             exporters=[OTLPSpanExporter(endpoint=phoenix.http_endpoint, timeout=1), memory],
@@ -274,6 +275,9 @@ def test_collector_killed_mid_run_and_restarted_phoenix(tmp_path, otr_shutdown):
         found = phoenix.wait_for_spans(project, 9 * spans_per_episode, timeout=90)
         assert {s["context"]["trace_id"] for s in found} == kept
         assert otr.stats()["delivery"]["OTLPSpanExporter"]["dropped"] == 0
+    finally:
+        if not phoenix.is_running():
+            phoenix.start()
 
 
 def test_spool_directory_that_cannot_be_created_drops_counted_not_raised(sink, tmp_path, otr_shutdown):

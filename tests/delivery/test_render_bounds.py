@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as hst
+from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -79,7 +80,7 @@ def test_a_secret_of_every_default_pattern_is_redacted_wherever_it_lies_relative
     pattern = DEFAULT_PATTERNS[index]
     redactor = Redactor()
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
     @given(
         hst.from_regex(pattern, fullmatch=True, alphabet=_PRINTABLE),
         hst.sampled_from(_ANCHORS),
@@ -103,7 +104,7 @@ def test_a_secret_of_every_default_pattern_is_redacted_wherever_it_lies_relative
     check()
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     hst.integers(8, 4 * MARGIN),  # the block's body, longer than the margin too
     hst.integers(0, LENGTH),
@@ -173,7 +174,7 @@ def test_every_default_pattern_needs_one_of_its_own_trigger_literals(index: int)
     """A pattern runs only on text holding one of its literals: that must never skip a secret."""
     pattern = DEFAULT_PATTERNS[index]
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(200), deadline=None, suppress_health_check=list(HealthCheck))
     @given(hst.from_regex(pattern, alphabet=_PRINTABLE))
     def check(text: str) -> None:
         assert redaction._trigger_mask(text) >> index & 1, (pattern, text)
@@ -188,7 +189,7 @@ def test_case_insensitive_look_alikes_of_the_literals_are_still_scanned(text: st
     assert "hunter22" not in Redactor()(text)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 @given(hst.lists(hst.one_of(hst.sampled_from(redaction._TRIGGERS), hst.text(max_size=12)), max_size=8))
 def test_the_automaton_and_the_substring_scan_agree(parts: list[str]) -> None:
     folded = redaction._folded("".join(parts))
@@ -203,7 +204,7 @@ def test_without_the_automaton_the_substring_scan_stands_in(monkeypatch: pytest.
 
 
 # --- cutting early ---------------------------------------------------------------------------
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 @given(hst.text(alphabet=string.ascii_letters + " .", min_size=0, max_size=3000), hst.integers(1, 400),
        hst.integers(1, 800))
 def test_cutting_early_changes_nothing_a_later_cut_keeps(text: str, keep: int, limit: int) -> None:

@@ -45,8 +45,6 @@ from otel_rollouts.delivery.defaults import otlp_exporter_from_env
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.exporters import OtlpJsonFileExporter
 
-pytestmark = pytest.mark.receiver
-
 STEPS = {0: [0.3, 0.8, 0.55, 0.1], 1: [0.6, 0.2, 0.9, 0.45]}  # 8 episodes, 4 kept, 36 spans
 
 

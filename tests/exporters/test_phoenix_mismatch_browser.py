@@ -12,16 +12,13 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-import pytest
-from browser_support import chromium, click_when_ready, save_screenshot, wait_for
+from browser_support import click_when_ready, save_screenshot, wait_for
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from receivers import PhoenixReceiver
 from test_phoenix_browser import _tree_node
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-
-pytestmark = [pytest.mark.browser, pytest.mark.receiver]
 
 WORST = "Lima"  # the token the trainer finds far less likely than the engine did
 
@@ -56,19 +53,19 @@ def _record(phoenix: PhoenixReceiver, project: str) -> str:
     return diverging
 
 
-def test_the_diverging_generation_shows_its_worst_token_in_phoenix(phoenix: PhoenixReceiver, tmp_path: Path) -> None:
+def test_the_diverging_generation_shows_its_worst_token_in_phoenix(phoenix: PhoenixReceiver, browser,
+                                                                   tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
     project = f"mismatch-{uuid.uuid4().hex[:8]}"
     trace_id = _record(phoenix, project)
     phoenix.wait_for_spans(project, 5, trace_ids=[trace_id])  # episode, prompt, turn, chat, reward
-    with chromium(tmp_path / "profile") as browser:
-        browser.get(f"{phoenix.base_url}/redirects/traces/{trace_id}")
-        click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, _tree_node("chat policy"))), None),
-                         "the chat span in the trace tree", tmp_path / "phoenix-mismatch-trace.png")
-        click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, "//*[@role='tab' and normalize-space(.)='Attributes']")), None),
-                         "the span's Attributes tab", tmp_path / "phoenix-mismatch-tab.png")
-        expected = ["mismatch", "worst", "token", WORST, "rollout_logprob", "trainer_logprob", "kl"]
-        wait_for(browser, lambda d: all(t in d.find_element(By.TAG_NAME, "body").text for t in expected),
-                 f"{expected} in the generation's attributes", tmp_path / "phoenix-mismatch-attributes.png")
-        save_screenshot(browser, tmp_path / "phoenix-mismatch-attributes.png")
+    browser.get(f"{phoenix.base_url}/redirects/traces/{trace_id}")
+    click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, _tree_node("chat policy"))), None),
+                     "the chat span in the trace tree", tmp_path / "phoenix-mismatch-trace.png")
+    click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, "//*[@role='tab' and normalize-space(.)='Attributes']")), None),
+                     "the span's Attributes tab", tmp_path / "phoenix-mismatch-tab.png")
+    expected = ["mismatch", "worst", "token", WORST, "rollout_logprob", "trainer_logprob", "kl"]
+    wait_for(browser, lambda d: all(t in d.find_element(By.TAG_NAME, "body").text for t in expected),
+             f"{expected} in the generation's attributes", tmp_path / "phoenix-mismatch-attributes.png")
+    save_screenshot(browser, tmp_path / "phoenix-mismatch-attributes.png")

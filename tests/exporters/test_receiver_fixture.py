@@ -20,8 +20,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from receivers import PhoenixReceiver, free_ports
 
-pytestmark = pytest.mark.receiver
-
 
 def _exporter(phoenix: PhoenixReceiver, protocol: str):
     if protocol == "http":

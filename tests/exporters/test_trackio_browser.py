@@ -17,27 +17,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_support import TIMEOUT, chromium, media_tables, save_screenshot, wait_for
+from browser_support import TIMEOUT, media_tables, save_screenshot, wait_for
 from otr_scenario import MODEL, TOOL_ERROR, TOOL_FAILS, TOOL_OK, run_python, trackio_traces
-from receivers import PhoenixReceiver, free_ports
+from receivers import PhoenixReceiver
 from test_trackio_exporter import BAD_EXPRESSION, FINAL_ANSWER, QUESTION, SINGLE_ANSWER, TRACE_UI
 from test_trackio_exporter import MODEL as MODEL_OUTCOMES
 from test_trackio_exporter import TOOL_ERROR as CALCULATOR_ERROR
-
-pytestmark = pytest.mark.browser
 
 EXPECTED_TREE = [  # (depth, name) of one episode's spans in start order, as recorded (Phoenix shows these)
     (0, "episode"),
@@ -55,13 +46,6 @@ EXPECTED_TREE = [  # (depth, name) of one episode's spans in start order, as rec
 FAILED = "\u26a0"
 TRACKIO_TREE = [(depth, f"{name} {FAILED}" if name == f"execute_tool {TOOL_FAILS}" else name)
                 for depth, name in EXPECTED_TREE]
-
-
-@pytest.fixture
-def browser(tmp_path: Path):
-    with chromium(tmp_path / "chromium-profile") as driver:
-        driver.otr_failure_dir = tmp_path  # _fail() and _wait() save a screenshot there
-        yield driver
 
 
 def _failure_png(driver) -> Path:
@@ -107,49 +91,12 @@ def _fill(trackio_dir: Path, project: str, ui: str | None, extra: str = "") -> l
     return json.loads(out.strip().splitlines()[-1])
 
 
-@contextmanager
-def _serve(trackio_dir: Path, log_path: Path) -> Iterator[str]:
-    """Trackio's dashboard for ``trackio_dir`` on a free loopback port, in its own process
-    (stopped by its pid); yields its base URL."""
-    (port,) = free_ports(1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
-    env.update(TRACKIO_DIR=str(trackio_dir), BROWSER="true")
-    code = ("import trackio; trackio.show(open_browser=False, block_thread=True, "
-            f"host='127.0.0.1', server_port={port})")
-    log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # a server starting up, not a page: polled by HTTP
-            assert proc.poll() is None, log_path.read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(base + "/", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            assert time.monotonic() < deadline, "Trackio dashboard did not answer"
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
-        log.close()
-
-
 @pytest.fixture
-def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """Trackio's dashboard on a free loopback port over an empty TRACKIO_DIR."""
-    trackio_dir = tmp_path / "trackio"
-    trackio_dir.mkdir()
-    with _serve(trackio_dir, tmp_path / "dashboard.log") as base:
-        yield base, trackio_dir
+def dashboard(trackio_dashboard) -> tuple[str, Path]:
+    """The session's Trackio dashboard and its data folder (the session's TRACKIO_DIR): a test
+    fills a project of its own name there."""
+    trackio_dir = Path(os.environ["TRACKIO_DIR"])
+    return trackio_dashboard(trackio_dir), trackio_dir
 
 
 def _depth(row) -> int:
@@ -224,20 +171,18 @@ print(json.dumps(recorded))
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> Iterator[tuple[str, dict[str, dict]]]:
-    """One dashboard over a project with ``record_outcomes()``: (base URL, recorded episodes,
-    each with ``trackio_id``: the id Trackio shows for it, ``<log id>:<index>``, read from its
-    storage by the metadata's ``trace_id``)."""
-    tmp = tmp_path_factory.mktemp("outcomes")
-    trackio_dir = tmp / "trackio"
+def outcomes(trackio_dashboard) -> tuple[str, dict[str, dict]]:
+    """The session's dashboard over a project with ``record_outcomes()``: (base URL, recorded
+    episodes, each with ``trackio_id``: the id Trackio shows for it, ``<log id>:<index>``, read
+    from its storage by the metadata's ``trace_id``)."""
+    trackio_dir = Path(os.environ["TRACKIO_DIR"])
     out = run_python(_FILL_OUTCOMES.format(project=PROJECT), trackio_dir)
     recorded = json.loads(out.strip().splitlines()[-1])
     stored = {t["metadata"]["trace_id"]: t["id"] for t in trackio_traces(trackio_dir, PROJECT)}
     for episode in recorded.values():
         _, log_id, *_, index = stored[episode["trace_id"]].split(":")  # <run id>:<log id>:<key>:<index>
         episode["trackio_id"] = f"{log_id}:{index}"
-    with _serve(trackio_dir, tmp / "dashboard.log") as base:
-        yield base, recorded
+    return trackio_dashboard(trackio_dir), recorded
 
 
 def _cell(row, index: int) -> str:
@@ -434,7 +379,6 @@ exporters.append(OTLPSpanExporter(endpoint={endpoint!r}, timeout=10))
 """
 
 
-@pytest.mark.receiver
 def test_trackio_trace_url_opens_the_trace_in_phoenix(
     browser, phoenix: PhoenixReceiver, tmp_path: Path
 ) -> None:
@@ -461,7 +405,8 @@ def test_trackio_trace_url_opens_the_trace_in_phoenix(
     save_screenshot(browser, tmp_path / "phoenix-trace.png")
 
 
-def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, ray_cluster, tmp_path: Path) -> None:
+def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, trackio_dashboard, ray_cluster,
+                                                              tmp_path: Path) -> None:
     """Env steps in a Ray actor and a tool in a Ray task, decorated with ``@otr.traced`` and
     declared with ``@otr.ray_remote``: a researcher opening step 40's worst episode in Trackio
     sees them inside its turn, with their own children."""
@@ -491,25 +436,25 @@ def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, ray_clust
         ray.kill(env.ray_handle)
     expected = [(0, "episode"), (1, "prompt"), (1, "turn"), (2, f"chat {MODEL}"), (2, "execute_tool step"),
                 (3, "measure"), (3, "measure"), (2, "execute_tool score"), (3, "measure"), (1, "reward")]
-    with _serve(Path(os.environ["TRACKIO_DIR"]), tmp_path / "dashboard.log") as base:
-        browser.get(f"{base}/traces?project={project}")
-        rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
-                     and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
-        worst = next(r for r in rows if "cell 0" in r.text)
-        expanded = _expand(browser, worst)
-        _wait(browser, lambda d: len(expanded.find_elements(
-            By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(expected), "the execution tree")
-        span_rows = expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
-        tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
-        save_screenshot(browser, tmp_path / "ray-episode.png")
-        _expect(browser, tree == expected, f"tree {tree}")
-        panel = _select_span(browser, expanded, "execute_tool step")
-        _wait(browser, lambda d: "move 0" in _io(panel)["input"], "the env step's action in its panel")
-        _wait(browser, lambda d: "move 0:6:12" in _io(panel)["output"], "the env step's observation")
-        save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "ray-step-panel.png")
+    base = trackio_dashboard(os.environ["TRACKIO_DIR"])
+    browser.get(f"{base}/traces?project={project}")
+    rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
+                 and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
+    worst = next(r for r in rows if "cell 0" in r.text)
+    expanded = _expand(browser, worst)
+    _wait(browser, lambda d: len(expanded.find_elements(
+        By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(expected), "the execution tree")
+    span_rows = expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
+    tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
+    save_screenshot(browser, tmp_path / "ray-episode.png")
+    _expect(browser, tree == expected, f"tree {tree}")
+    panel = _select_span(browser, expanded, "execute_tool step")
+    _wait(browser, lambda d: "move 0" in _io(panel)["input"], "the env step's action in its panel")
+    _wait(browser, lambda d: "move 0:6:12" in _io(panel)["output"], "the env step's observation")
+    save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "ray-step-panel.png")
 
 
-def test_a_server_behind_the_gateway_shows_in_the_episode(browser, tmp_path: Path) -> None:
+def test_a_server_behind_the_gateway_shows_in_the_episode(browser, trackio_dashboard, tmp_path: Path) -> None:
     """An OpenTelemetry-instrumented inference server exports to the span gateway: the kept
     episode's tree in Trackio holds the server's request span under the chat span, and the chat
     span's panel shows the engine's queue / prefill / decode timings."""
@@ -547,22 +492,22 @@ def test_a_server_behind_the_gateway_shows_in_the_episode(browser, tmp_path: Pat
     finally:
         assert otr.shutdown(60)
     queue = timings(400)[c.GEN_AI_LATENCY_TIME_IN_QUEUE]
-    with _serve(Path(os.environ["TRACKIO_DIR"]), tmp_path / "dashboard.log") as base:
-        browser.get(f"{base}/traces?project={project}")
-        rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
-                     and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
-        worst = next(r for r in rows if "cell 0" in r.text)
-        expanded = _expand(browser, worst)
-        span_rows = _wait(browser, lambda d: expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row"),
-                          "the execution tree")
-        tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
-        chat = next(depth for depth, name in tree if name == f"chat {MODEL}")
-        engine = [depth for depth, name in tree if name == ENGINE_SPAN]
-        _expect(browser, len(engine) == 1 and engine[0] > chat, f"the engine span under the chat span: {tree}")
-        panel = _select_span(browser, expanded, f"chat {MODEL}")
-        for summary in panel.find_elements(By.CSS_SELECTOR, "summary"):
-            if "Metadata" in summary.text:
-                summary.click()  # the span's attributes: folded by default
-        _wait(browser, lambda d: c.RL_SERVER_QUEUE_SECONDS in panel.text and str(queue) in panel.text,
-              "the server's queue time in the chat span's panel")
-        save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "gateway-episode.png")
+    base = trackio_dashboard(os.environ["TRACKIO_DIR"])
+    browser.get(f"{base}/traces?project={project}")
+    rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
+                 and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
+    worst = next(r for r in rows if "cell 0" in r.text)
+    expanded = _expand(browser, worst)
+    span_rows = _wait(browser, lambda d: expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row"),
+                      "the execution tree")
+    tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
+    chat = next(depth for depth, name in tree if name == f"chat {MODEL}")
+    engine = [depth for depth, name in tree if name == ENGINE_SPAN]
+    _expect(browser, len(engine) == 1 and engine[0] > chat, f"the engine span under the chat span: {tree}")
+    panel = _select_span(browser, expanded, f"chat {MODEL}")
+    for summary in panel.find_elements(By.CSS_SELECTOR, "summary"):
+        if "Metadata" in summary.text:
+            summary.click()  # the span's attributes: folded by default
+    _wait(browser, lambda d: c.RL_SERVER_QUEUE_SECONDS in panel.text and str(queue) in panel.text,
+          "the server's queue time in the chat span's panel")
+    save_screenshot(browser, Path(os.environ.get("OTR_SCREENSHOTS", tmp_path)) / "gateway-episode.png")

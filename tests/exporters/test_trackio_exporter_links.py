@@ -108,7 +108,6 @@ exporters.append(OTLPSpanExporter(endpoint={endpoint!r}, timeout=10))
 """
 
 
-@pytest.mark.receiver
 def test_phoenix_link_names_a_trace_phoenix_holds(phoenix: PhoenixReceiver, tmp_path: Path) -> None:
     """Trackio + OTLP to Phoenix in one run: each Trackio trace links to its Phoenix trace."""
     project = f"links-phoenix-{uuid.uuid4().hex[:8]}"

@@ -124,6 +124,7 @@ def test_full_trackio_directory(tmp_path):
     _assert_contained(result, stderr)
 
 
+@pytest.mark.slow
 def test_locked_trackio_database(tmp_path):
     trackio_dir = tmp_path / "locked"
     trackio_dir.mkdir()

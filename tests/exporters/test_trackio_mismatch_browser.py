@@ -15,15 +15,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browser_support import chromium, media_tables, save_screenshot, scroll_to_table
+from browser_support import media_tables, save_screenshot, scroll_to_table
 from suite_paths import TEST_PATHS
-from test_trackio_browser import _serve
-
-pytestmark = pytest.mark.browser
 
 PROJECT = "otr-mismatch-browser"
 
@@ -43,25 +39,18 @@ print("READY " + json.dumps([{{"sample": s, "position": p, "token": trackio_expo
 
 
 @pytest.fixture(scope="module")
-def dashboard_with_run(tmp_path_factory) -> Iterator[tuple[str, list[dict[str, str]], Path]]:
-    """(dashboard URL, the diverging tokens as the child expects them shown, tmp dir)."""
+def dashboard_with_run(tmp_path_factory, trackio_dashboard) -> tuple[str, list[dict[str, str]], Path]:
+    """(dashboard URL, the diverging tokens as the child expects them shown, tmp dir): the
+    child fills its project in the session's TRACKIO_DIR, served by the session's dashboard."""
     tmp = tmp_path_factory.mktemp("mismatch")
-    trackio_dir = tmp / "trackio"
-    trackio_dir.mkdir()
+    trackio_dir = Path(os.environ["TRACKIO_DIR"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
     env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=TEST_PATHS)
     done = subprocess.run([sys.executable, "-c", _CHILD.format(project=PROJECT)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = json.loads(done.stdout.split("READY", 1)[1])
-    with _serve(trackio_dir, tmp / "dashboard.log") as base:
-        yield base, expected, tmp
-
-
-@pytest.fixture
-def browser(tmp_path: Path):
-    with chromium(tmp_path / "chromium-profile") as driver:
-        yield driver
+    return trackio_dashboard(trackio_dir), expected, tmp
 
 
 def test_the_worst_tokens_of_the_step_are_on_top(browser, dashboard_with_run) -> None:

@@ -18,12 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browser_support import chromium, media_tables, save_screenshot, scroll_to_table, wait_for
+from browser_support import media_tables, save_screenshot, scroll_to_table, wait_for
 from otr_helpers import wait_ready
 from suite_paths import TEST_PATHS
-from test_trackio_browser import _serve
-
-pytestmark = pytest.mark.browser
 
 PROJECT = "otr-questions-browser"
 WATCHED = "capital-of-australia"
@@ -68,11 +65,11 @@ print("DONE", flush=True)
 
 
 @pytest.fixture(scope="module")
-def run_going(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], subprocess.Popen, Path]]:
-    """(dashboard URL, trace ids by name, the child waiting to end the hung episode, tmp dir)."""
+def run_going(tmp_path_factory, trackio_dashboard) -> Iterator[tuple[str, dict[str, str], subprocess.Popen, Path]]:
+    """(dashboard URL, trace ids by name, the child waiting to end the hung episode, tmp dir):
+    the child fills its project in the session's TRACKIO_DIR, served by the session's dashboard."""
     tmp = tmp_path_factory.mktemp("questions")
-    trackio_dir = tmp / "trackio"
-    trackio_dir.mkdir()
+    trackio_dir = Path(os.environ["TRACKIO_DIR"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
     env.update(TRACKIO_DIR=str(trackio_dir), PYTHONPATH=TEST_PATHS)
     code = _CHILD.format(project=PROJECT, answers=ANSWERS, watched=WATCHED)
@@ -80,18 +77,11 @@ def run_going(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], subproces
                              stderr=subprocess.STDOUT, text=True)
     try:
         ids = json.loads(wait_ready(child.stdout).split("READY", 1)[1])
-        with _serve(trackio_dir, tmp / "dashboard.log") as base:
-            yield base, ids, child, tmp
+        yield trackio_dashboard(trackio_dir), ids, child, tmp
     finally:
         if child.poll() is None:
             child.kill()
         child.wait(timeout=30)
-
-
-@pytest.fixture
-def browser(tmp_path: Path):
-    with chromium(tmp_path / "chromium-profile") as driver:
-        yield driver
 
 
 def _tables(driver, base: str, tmp: Path, key: str, count: int) -> list[tuple[int, list[dict[str, str]]]]:

@@ -21,18 +21,16 @@ The step is recorded in a child process (``TRACKIO_DIR`` is read when Trackio is
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from browser_support import chromium, media_tables, save_screenshot
+from browser_support import media_tables, save_screenshot
 from otr_scenario import run_python, trackio_traces
-from test_trackio_browser import _expand, _expect, _io, _select_span, _serve, _wait
-
-pytestmark = pytest.mark.browser
+from test_trackio_browser import _expand, _expect, _io, _select_span, _wait
 
 PROJECT = "study"
 STEP = 40
@@ -155,20 +153,13 @@ print(json.dumps(recorded))
 """
 
 
-@pytest.fixture
-def browser(tmp_path: Path):
-    with chromium(tmp_path / "chromium-profile") as driver:
-        driver.otr_failure_dir = tmp_path  # a failed check saves a screenshot there
-        yield driver
-
-
 @pytest.fixture(scope="module")
-def study(tmp_path_factory) -> Iterator[tuple[str, dict[str, dict], Path]]:
-    """One dashboard over ``record_study()``'s project: (base URL, the recorded episodes, each
-    with ``trackio_id`` (``<log id>:<index>``, what the TRACE ID chip's title holds) and
-    ``stored`` (its row, read back from Trackio's SQLite file), the TRACKIO_DIR)."""
-    tmp = tmp_path_factory.mktemp("study")
-    trackio_dir = tmp / "trackio"
+def study(trackio_dashboard) -> tuple[str, dict[str, dict], Path]:
+    """The session's dashboard over ``record_study()``'s project, filled in the session's
+    TRACKIO_DIR: (base URL, the recorded episodes, each with ``trackio_id`` (``<log id>:<index>``,
+    what the TRACE ID chip's title holds) and ``stored`` (its row, read back from Trackio's
+    SQLite file), the TRACKIO_DIR)."""
+    trackio_dir = Path(os.environ["TRACKIO_DIR"])
     out = run_python(_FILL.format(project=PROJECT), trackio_dir)
     recorded = json.loads(out.strip().splitlines()[-1])
     stored = {t["metadata"]["trace_id"]: t for t in trackio_traces(trackio_dir, PROJECT)}
@@ -177,8 +168,7 @@ def study(tmp_path_factory) -> Iterator[tuple[str, dict[str, dict], Path]]:
         _, log_id, *_, index = row["id"].split(":")
         episode["trackio_id"] = f"{log_id}:{index}"
         episode["stored"] = row
-    with _serve(trackio_dir, tmp / "dashboard.log") as base:
-        yield base, recorded, trackio_dir
+    return trackio_dashboard(trackio_dir), recorded, trackio_dir
 
 
 # --- reading the Traces page -------------------------------------------------------------------

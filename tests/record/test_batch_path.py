@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otr_helpers import configure_memory
+from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -137,7 +138,7 @@ def _run(policy_name: str, cap: int, steps: list, *, batched: bool) -> tuple[lis
 
 
 @pytest.mark.parametrize("policy_name", sorted(POLICIES))
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(75), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=STEPS, cap=st.integers(0, 9))
 def test_the_batch_path_keeps_what_the_per_episode_path_keeps(policy_name, steps, cap):
     one_by_one = _run(policy_name, cap, steps, batched=False)

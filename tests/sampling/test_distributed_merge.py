@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -51,7 +52,7 @@ LAYOUT = st.lists(  # per rank: the sizes of its groups
     st.lists(st.integers(1, 5), min_size=1, max_size=10), min_size=2, max_size=4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(layout=LAYOUT, cap=st.integers(1, 12), seed=st.integers(0, 2**32 - 1), whole=st.booleans())
 def test_groups_merge_exactly_when_each_group_is_recorded_on_one_rank(layout, cap, seed, whole):
     import random

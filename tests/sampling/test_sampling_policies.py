@@ -13,6 +13,7 @@ from random import Random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -264,7 +265,7 @@ def _reference(parts, records, cap):
     return picks, shares
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(180), deadline=None)
 @given(
     statuses=st.lists(st.sampled_from(["ok", "ok", "error", "truncated"]), max_size=40),
     cap=st.integers(0, 13),
@@ -289,7 +290,7 @@ def test_named_compositions_follow_their_shares_never_over_the_cap(statuses, cap
     assert at == len(kept) == min(cap, len(records))  # what one part leaves, the next fills
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(360), deadline=None)
 @given(
     values=st.lists(
         st.one_of(st.none(), st.just(math.nan), st.integers(-3, 3).map(float)), max_size=60

@@ -42,6 +42,7 @@ def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_bench_loop_quick_checks_every_variant() -> None:
     proc = run_benchmark("bench_loop.py", "--quick", "--variants", LOOP_VARIANTS)
     checked = [line for line in proc.stdout.splitlines() if line.startswith("checked: ")]
@@ -59,18 +60,21 @@ def test_bench_loop_skips_a_missing_peer_with_a_line(monkeypatch: pytest.MonkeyP
     assert bench_loop.available("otr_cap32") is None
 
 
+@pytest.mark.slow
 def test_bench_render_quick_renders_whole_episodes() -> None:
     proc = run_benchmark("bench_render.py", "--quick")
     assert "checked: every render of every case and variant produced all 11 spans" in proc.stdout
     assert "CHECK FAILED" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_slow_receiver_quick_counts_each_kept_episode_once() -> None:
     proc = run_benchmark("bench_slow_receiver.py", "--quick")
     assert "checked: in every run, delivered + in the spool + dropped == kept" in proc.stdout
     assert "CHECK FAILED" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_dataset_quick_checks_rows_sources_and_memory() -> None:
     proc = run_benchmark("bench_dataset.py", "--quick")
     assert "checked: every episode a row, the same rows from both sources, memory bounded" in proc.stdout

@@ -91,7 +91,8 @@ def test_every_page_is_in_the_navigation(site: Path) -> None:
 def test_the_readme_is_a_readme() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 250
-    assert "```bash\npython3 -m pip install -e . && otel-rollouts demo\n```" in readme
+    assert ("```bash\npython3 -m venv --system-site-packages --without-pip .venv && "
+            ".venv/bin/python -m pip install -e . && .venv/bin/otel-rollouts demo\n```") in readme
     assert "```bash\nbash .ci/run\n```" in readme
     links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)(?:#[^)]*)?\)", readme)
     assert len(links) >= 20

@@ -33,6 +33,8 @@ from receivers import PhoenixReceiver, in_ci
 
 from otel_rollouts import conventions as c
 
+pytestmark = pytest.mark.slow  # each case runs an example script in a fresh interpreter
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TESTS = Path(__file__).resolve().parents[1]
 MARKUP = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")

@@ -21,10 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browser_support import chromium, media_tables, save_screenshot, scroll_to_table, wait_for
-from test_trackio_browser import _serve
-
-pytestmark = pytest.mark.browser
+from browser_support import media_tables, save_screenshot, scroll_to_table, wait_for
 
 PROJECT = "otr-questions-run"
 STEPS = 50
@@ -47,12 +44,13 @@ def _running_rows(db: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Iterator[dict]:
-    """The demo run, the dashboard over its project, and one browser: what the test saw while
-    the tool hung, and the page afterwards."""
+def run(tmp_path_factory, trackio_dashboard, chromium_session) -> Iterator[dict]:
+    """The demo run (its project in the session's TRACKIO_DIR), the session's dashboard over it,
+    and what the session's browser saw while the tool hung."""
+    from browser_support import reset_browser
+
     tmp = tmp_path_factory.mktemp("questions-run")
-    trackio_dir = tmp / "trackio"
-    trackio_dir.mkdir()
+    trackio_dir = Path(os.environ["TRACKIO_DIR"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_"))}
     env["TRACKIO_DIR"] = str(trackio_dir)
     exe = shutil.which("otel-rollouts")
@@ -60,23 +58,23 @@ def run(tmp_path_factory) -> Iterator[dict]:
     cmd += ["demo", "--project", PROJECT, "--steps", str(STEPS), "--hang-s", str(HANG_S),
             "--hang-step", str(HANG_STEP), "--watch", ",".join(map(str, WATCH)), "--no-progress"]
     db = trackio_dir / f"{PROJECT}.db"
-    with _serve(trackio_dir, tmp / "dashboard.log") as base, chromium(tmp / "profile") as browser:
-        demo = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + DEADLINE_S
-            while not _running_rows(db):  # the hung episode, stored while it hangs
-                assert demo.poll() is None, f"the demo ended and never showed a running episode:\n{demo.stdout.read()}"
-                assert time.monotonic() < deadline, "no running episode"
-                time.sleep(0.2)
-            seen_running = _look_at_running(browser, base, tmp)
-            assert demo.poll() is None, "the tool stopped hanging before the page was read: raise HANG_S"
-            output, _ = demo.communicate(timeout=DEADLINE_S)
-        finally:
-            if demo.poll() is None:
-                demo.kill()
-        assert demo.returncode == 0, output
-        yield {"base": base, "browser": browser, "tmp": tmp, "running": seen_running, "output": output,
-               "db": db}
+    base, browser = trackio_dashboard(trackio_dir), chromium_session
+    reset_browser(browser)
+    demo = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not _running_rows(db):  # the hung episode, stored while it hangs
+            assert demo.poll() is None, f"the demo ended and never showed a running episode:\n{demo.stdout.read()}"
+            assert time.monotonic() < deadline, "no running episode"
+            time.sleep(0.2)
+        seen_running = _look_at_running(browser, base, tmp)
+        assert demo.poll() is None, "the tool stopped hanging before the page was read: raise HANG_S"
+        output, _ = demo.communicate(timeout=DEADLINE_S)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 0, output
+    yield {"base": base, "tmp": tmp, "running": seen_running, "output": output, "db": db}
 
 
 def _look_at_running(browser, base: str, tmp: Path) -> dict:
@@ -102,20 +100,20 @@ def _tables(browser, base: str, tmp: Path, key: str) -> list[tuple[int, list[dic
 _scroll_to = scroll_to_table
 
 
-def test_the_hung_episode_is_visible_while_it_hangs(run) -> None:
+def test_the_hung_episode_is_visible_while_it_hangs(run, browser) -> None:
     running = run["running"]
     assert running["status"].lower().startswith("running execute_tool fetch_page"), running
     assert str(HANG_STEP) in running["cells"], running  # at its step
     # and once it ended (timed out), nothing reads as running any more
     assert _running_rows(run["db"]) == []
-    tables = _tables(run["browser"], run["base"], run["tmp"], "rollouts/running/table")
+    tables = _tables(browser, run["base"], run["tmp"], "rollouts/running/table")
     step, rows = tables[0]
     assert step == HANG_STEP and rows[0]["stuck in"] == "nothing running", tables[0]
     assert any(r["stuck in"].startswith("execute_tool fetch_page") for _, rs in tables for r in rs), tables
 
 
-def test_the_slowest_episode_of_a_step_and_where_its_time_went(run) -> None:
-    tables = _tables(run["browser"], run["base"], run["tmp"], "rollouts/slowest")
+def test_the_slowest_episode_of_a_step_and_where_its_time_went(run, browser) -> None:
+    tables = _tables(browser, run["base"], run["tmp"], "rollouts/slowest")
     by_step = dict(tables)
     # the hang's step: its slowest episode is the one whose tool hung, its time in the tool
     top = by_step[HANG_STEP][0]
@@ -128,12 +126,12 @@ def test_the_slowest_episode_of_a_step_and_where_its_time_went(run) -> None:
         seconds = [float(r["seconds"]) for r in rows]
         assert seconds == sorted(seconds, reverse=True)
     assert any(rows[0]["most time in"].startswith("tool") for s, rows in tables if s != HANG_STEP)
-    _scroll_to(run["browser"], "rollouts/slowest")
-    save_screenshot(run["browser"], run["tmp"] / "questions-run-slowest.png")
+    _scroll_to(browser, "rollouts/slowest")
+    save_screenshot(browser, run["tmp"] / "questions-run-slowest.png")
 
 
-def test_degenerate_groups_and_why_each_episode_was_kept(run) -> None:
-    tables = _tables(run["browser"], run["base"], run["tmp"], "rollouts/table")
+def test_degenerate_groups_and_why_each_episode_was_kept(run, browser) -> None:
+    tables = _tables(browser, run["base"], run["tmp"], "rollouts/table")
     rows = [r for _, rs in tables for r in rs]
     reasons = {r["kept because"] for r in rows}
     assert {"top", "bottom", "slowest", "watch"} <= reasons, reasons
@@ -143,18 +141,18 @@ def test_degenerate_groups_and_why_each_episode_was_kept(run) -> None:
     assert any(r["kept because"] == "degenerate_group" for r in rows)
     # the impossible prompt (every sample truncated): a group that lost its members
     assert any(r["group health"].startswith("lost 4/4") or "lost 4/4" in r["group health"] for r in rows)
-    _scroll_to(run["browser"], "rollouts/table")
-    save_screenshot(run["browser"], run["tmp"] / "questions-run-table.png")
+    _scroll_to(browser, "rollouts/table")
+    save_screenshot(browser, run["tmp"] / "questions-run-table.png")
 
 
-def test_a_watched_prompts_answers_across_the_run(run) -> None:
+def test_a_watched_prompts_answers_across_the_run(run, browser) -> None:
     for index in WATCH:
-        tables = _tables(run["browser"], run["base"], run["tmp"], f"rollouts/watch/{index}")
+        tables = _tables(browser, run["base"], run["tmp"], f"rollouts/watch/{index}")
         newest_step, history = tables[0]
         assert newest_step == STEPS - 1
         steps = [int(r["step"]) for r in history]
         assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == STEPS - 1
         assert len(set(steps)) == STEPS  # every step the prompt appeared in: all of them
         assert all(r["answer"] and r["trace id"] for r in history)
-    _scroll_to(run["browser"], f"rollouts/watch/{WATCH[0]}")
-    save_screenshot(run["browser"], run["tmp"] / "questions-run-watch.png")
+    _scroll_to(browser, f"rollouts/watch/{WATCH[0]}")
+    save_screenshot(browser, run["tmp"] / "questions-run-watch.png")

@@ -34,6 +34,7 @@ def _cli() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "otel_rollouts.cli"]
 
 
+@pytest.mark.slow
 def test_the_readme_dataset_commands_and_code_run_as_written(tmp_path: Path) -> None:
     env = dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio"))
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):

@@ -105,14 +105,14 @@ def test_quickstart_sessions_hold_one_group_of_one_step(phoenix: PhoenixReceiver
     assert all(len(groups) == 1 for groups in sessions.values())
 
 
-def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixReceiver, quickstart,
-                                                                tmp_path: Path) -> None:
+def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixReceiver, quickstart, browser,
+                                                                trackio_dashboard, tmp_path: Path) -> None:
     """Phoenix's chat span says "1 tool call" and shows one; Trackio's conversation holds one tool
     result, its tree one execute_tool span."""
-    from browser_support import chromium, click_when_ready, save_screenshot, wait_for
+    from browser_support import click_when_ready, save_screenshot, wait_for
     from selenium.webdriver.common.by import By
     from test_phoenix_browser import _tree_node
-    from test_trackio_browser import _expand, _serve
+    from test_trackio_browser import _expand
 
     spans = phoenix.wait_for_spans(quickstart["project"], 24 * 6)
     trace_id = spans[0]["context"]["trace_id"]
@@ -120,31 +120,30 @@ def test_quickstart_in_phoenix_and_trackio_as_a_person_sees_it(phoenix: PhoenixR
     def body(driver) -> str:
         return driver.find_element(By.TAG_NAME, "body").text
 
-    with chromium(tmp_path / "profile") as browser:
-        browser.get(f"{phoenix.base_url}/redirects/traces/{trace_id}")
-        chats = wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("chat qwen-0.5b")),
-                         "the chat span in the trace tree", tmp_path / "phoenix-trace.png")
-        wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("reward")), "the whole trace tree")
-        tools = browser.find_elements(By.XPATH, _tree_node("execute_tool calculator"))
-        assert len(chats) == 1 and len(tools) == 1
-        click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, _tree_node("chat qwen-0.5b"))), None),
-                         "the chat span", tmp_path / "phoenix-chat.png")
-        wait_for(browser, lambda d: "Tool Call: c1" in body(d), "the tool call in the chat span's output",
-                 tmp_path / "phoenix-chat.png")
-        text = body(browser)
-        assert "1 tool call" in text and "2 tool calls" not in text and text.count("Tool Call:") == 1
-        save_screenshot(browser, tmp_path / "quickstart-phoenix-chat.png")
+    browser.get(f"{phoenix.base_url}/redirects/traces/{trace_id}")
+    chats = wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("chat qwen-0.5b")),
+                     "the chat span in the trace tree", tmp_path / "phoenix-trace.png")
+    wait_for(browser, lambda d: d.find_elements(By.XPATH, _tree_node("reward")), "the whole trace tree")
+    tools = browser.find_elements(By.XPATH, _tree_node("execute_tool calculator"))
+    assert len(chats) == 1 and len(tools) == 1
+    click_when_ready(browser, lambda d: next(iter(d.find_elements(By.XPATH, _tree_node("chat qwen-0.5b"))), None),
+                     "the chat span", tmp_path / "phoenix-chat.png")
+    wait_for(browser, lambda d: "Tool Call: c1" in body(d), "the tool call in the chat span's output",
+             tmp_path / "phoenix-chat.png")
+    text = body(browser)
+    assert "1 tool call" in text and "2 tool calls" not in text and text.count("Tool Call:") == 1
+    save_screenshot(browser, tmp_path / "quickstart-phoenix-chat.png")
 
-        with _serve(Path(quickstart["trackio_dir"]), tmp_path / "dashboard.log") as base:
-            browser.get(f"{base}/traces?project=otel-rollouts")
-            rows = wait_for(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row")) and r,
-                            "the Quickstart's traces in Trackio", tmp_path / "trackio-list.png")
-            expanded = _expand(browser, rows[0])
-            names = [e.text for e in expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-name")]
-            assert names.count("execute_tool calculator") == 1, names
-            expanded.find_element(By.CSS_SELECTOR, ".conversation-section summary").click()
-            tool_messages = wait_for(browser, lambda d: [
-                m for m in expanded.find_elements(By.CSS_SELECTOR, '.conversation .message[data-role="tool"]')
-                if m.is_displayed()], "the tool result in the conversation", tmp_path / "trackio-conv.png")
-            assert len(tool_messages) == 1
-            save_screenshot(browser, tmp_path / "quickstart-trackio.png")
+    base = trackio_dashboard(quickstart["trackio_dir"])  # its own folder: the default project name
+    browser.get(f"{base}/traces?project=otel-rollouts")
+    rows = wait_for(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row")) and r,
+                    "the Quickstart's traces in Trackio", tmp_path / "trackio-list.png")
+    expanded = _expand(browser, rows[0])
+    names = [e.text for e in expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-name")]
+    assert names.count("execute_tool calculator") == 1, names
+    expanded.find_element(By.CSS_SELECTOR, ".conversation-section summary").click()
+    tool_messages = wait_for(browser, lambda d: [
+        m for m in expanded.find_elements(By.CSS_SELECTOR, '.conversation .message[data-role="tool"]')
+        if m.is_displayed()], "the tool result in the conversation", tmp_path / "trackio-conv.png")
+    assert len(tool_messages) == 1
+    save_screenshot(browser, tmp_path / "quickstart-trackio.png")
