@@ -18,11 +18,12 @@ of growth (the windows filling): 4 times the work for a weaker bound.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import tracemalloc
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otr_helpers import root, shrink_windows, traces
+from otr_helpers import configure_memory, root, shrink_windows, traces
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -44,32 +45,60 @@ def _step(exporter: InMemorySpanExporter, step: int) -> None:
     exporter.clear()
 
 
-def test_peak_memory_is_flat_over_48_steps_of_4096_episodes(configured, monkeypatch):
+def measure() -> dict:
+    """The run, in a fresh interpreter (``python -c "import test_memory; test_memory.measure()"``):
+    ``sys.getallocatedblocks()`` counts the whole process, and in a test session's process what
+    earlier tests left behind (their threads, their instances) would count too. Prints and
+    returns the peaks of the traced steps and the blocks alive every 4 steps."""
+    import json
+
+    import pytest
+
     from otel_rollouts._core import redaction
 
-    shrink_windows(monkeypatch, 8, 8)
-    # the redactor's cache of clean labels (4,096, cleared when full) takes each kept episode's
-    # id: 32 a step, filling until step 128; at 64 it turns over within a step
-    monkeypatch.setattr(redaction, "_NAME_CACHE", 64)
-    exporter = configured(CAP, "top_bottom", sampler_options={"step_lag": None}, run_id="memory")
-    peaks: dict[int, int] = {}
-    blocks: dict[int, int] = {}
-    traced = {4, 5, STEPS - 2, STEPS - 1}
-    for step in range(STEPS):
-        if step in traced:
-            tracemalloc.start()
-            base = tracemalloc.get_traced_memory()[0]
-            _step(exporter, step)
-            peaks[step] = tracemalloc.get_traced_memory()[1] - base
-            tracemalloc.stop()
-        else:
-            _step(exporter, step)
-        if step % 4 == 0 or step == STEPS - 1:
-            gc.collect()
-            blocks[step] = sys.getallocatedblocks()
-    stats = otr.stats()["steps"]
-    assert stats[f"{STEPS - 1}/train"]["seen"] == PER_STEP
-    assert stats[f"{STEPS - 1}/train"]["dropped.sampled_out"] == PER_STEP - CAP
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        shrink_windows(monkeypatch, 8, 8)
+        # the redactor's cache of clean labels (4,096, cleared when full) takes each kept
+        # episode's id: 32 a step, filling until step 128; at 64 it turns over within a step
+        monkeypatch.setattr(redaction, "_NAME_CACHE", 64)
+        exporter = configure_memory(CAP, "top_bottom", sampler_options={"step_lag": None}, run_id="memory",
+                                    handle_signals=False)
+        peaks: dict[int, int] = {}
+        blocks: dict[int, int] = {}
+        traced = {4, 5, STEPS - 2, STEPS - 1}
+        for step in range(STEPS):
+            if step in traced:
+                tracemalloc.start()
+                base = tracemalloc.get_traced_memory()[0]
+                _step(exporter, step)
+                peaks[step] = tracemalloc.get_traced_memory()[1] - base
+                tracemalloc.stop()
+            else:
+                _step(exporter, step)
+            if step % 4 == 0 or step == STEPS - 1:
+                gc.collect()
+                blocks[step] = sys.getallocatedblocks()
+        last = otr.stats()["steps"][f"{STEPS - 1}/train"]
+        otr.shutdown(timeout=10)
+    result = {"peaks": peaks, "blocks": blocks, "seen": last["seen"], "sampled_out": last["dropped.sampled_out"]}
+    print(json.dumps(result))
+    return result
+
+
+def test_peak_memory_is_flat_over_48_steps_of_4096_episodes() -> None:
+    import json
+    import subprocess
+
+    from suite_paths import TESTS, with_test_paths
+
+    done = subprocess.run([sys.executable, "-c", "import test_memory; test_memory.measure()"],
+                          capture_output=True, text=True, timeout=300, cwd=TESTS,
+                          env=with_test_paths({k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    peaks = {int(k): v for k, v in result["peaks"].items()}
+    blocks = {int(k): v for k, v in result["blocks"].items()}
+    assert result["seen"] == PER_STEP and result["sampled_out"] == PER_STEP - CAP
 
     early = max(peaks[4], peaks[5])
     late = max(peaks[STEPS - 2], peaks[STEPS - 1])
@@ -78,7 +107,7 @@ def test_peak_memory_is_flat_over_48_steps_of_4096_episodes(configured, monkeypa
     # blocks alive between steps: flat once the per-step windows (8 steps) are full (measured:
     # -133 over the 35 steps; one per-step window left unbounded adds +222, about 6 blocks a step)
     growth = blocks[STEPS - 1] - blocks[12]
-    assert growth < 100, (list(blocks.items()), growth)
+    assert growth < 100, f"{growth} blocks gained: {sorted(blocks.items())}"
 
 
 def test_what_a_dropped_episode_held_is_released_at_once(configured):

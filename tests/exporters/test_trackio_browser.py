@@ -405,6 +405,17 @@ def test_trackio_trace_url_opens_the_trace_in_phoenix(
     save_screenshot(browser, tmp_path / "phoenix-trace.png")
 
 
+def _worst_of_step_40(browser, base: str, project: str):
+    """The worst of step 40's two kept episodes (its prompt names cell 0), expanded on the
+    Traces page of ``project``."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{base}/traces?project={project}")
+    rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
+                 and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
+    return _expand(browser, next(r for r in rows if "cell 0" in r.text))
+
+
 def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, trackio_dashboard, ray_cluster,
                                                               tmp_path: Path) -> None:
     """Env steps in a Ray actor and a tool in a Ray task, decorated with ``@otr.traced`` and
@@ -436,12 +447,7 @@ def test_a_ray_job_shows_the_actors_steps_in_the_episode_tree(browser, trackio_d
         ray.kill(env.ray_handle)
     expected = [(0, "episode"), (1, "prompt"), (1, "turn"), (2, f"chat {MODEL}"), (2, "execute_tool step"),
                 (3, "measure"), (3, "measure"), (2, "execute_tool score"), (3, "measure"), (1, "reward")]
-    base = trackio_dashboard(os.environ["TRACKIO_DIR"])
-    browser.get(f"{base}/traces?project={project}")
-    rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
-                 and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
-    worst = next(r for r in rows if "cell 0" in r.text)
-    expanded = _expand(browser, worst)
+    expanded = _worst_of_step_40(browser, trackio_dashboard(os.environ["TRACKIO_DIR"]), project)
     _wait(browser, lambda d: len(expanded.find_elements(
         By.CSS_SELECTOR, ".execution-tree .span-row .span-name")) == len(expected), "the execution tree")
     span_rows = expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row")
@@ -492,12 +498,7 @@ def test_a_server_behind_the_gateway_shows_in_the_episode(browser, trackio_dashb
     finally:
         assert otr.shutdown(60)
     queue = timings(400)[c.GEN_AI_LATENCY_TIME_IN_QUEUE]
-    base = trackio_dashboard(os.environ["TRACKIO_DIR"])
-    browser.get(f"{base}/traces?project={project}")
-    rows = _wait(browser, lambda d: (r := d.find_elements(By.CSS_SELECTOR, "tr.trace-row"))
-                 and len(r) == 2 and r, "two trace rows (the best and the worst of step 40)")
-    worst = next(r for r in rows if "cell 0" in r.text)
-    expanded = _expand(browser, worst)
+    expanded = _worst_of_step_40(browser, trackio_dashboard(os.environ["TRACKIO_DIR"]), project)
     span_rows = _wait(browser, lambda d: expanded.find_elements(By.CSS_SELECTOR, ".execution-tree .span-row"),
                       "the execution tree")
     tree = [(_depth(r), r.find_element(By.CSS_SELECTOR, ".span-name").text) for r in span_rows]
