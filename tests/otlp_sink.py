@@ -42,6 +42,21 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+
+def _append(path: Path | str, text: str) -> None:
+    """Append ``text`` to ``path`` in one write(2) on an O_APPEND descriptor (a buffered
+    ``fh.write`` of a large batch is several calls). A SIGKILL (the outage tests kill the sink
+    mid-run) can still cut one short between pages: ``_drop_torn_tails`` at start-up removes what
+    a killed sink left half written, a request it never answered."""
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        while written < len(data):  # a short write (a full disk): the rest, still appended
+            written += os.write(fd, data[written:])
+    finally:
+        os.close(fd)
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -59,7 +74,23 @@ def _value(v: Any) -> Any:
     return getattr(v, which)
 
 
+def _drop_torn_tails(out: Path) -> None:
+    """Cut each output file back to its last complete line: a sink killed while writing left a
+    torn record (of a request it never answered, so the sender sends it again), and the next
+    record appended to it would make one unreadable line of two."""
+    for path in (out, out.with_name("json_requests.jsonl"), out.with_name("annotations.jsonl"),
+                 out.with_name("logs.jsonl")):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as fh:
+                fh.truncate(data.rfind(b"\n") + 1)
+
+
 def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> None:
+    _drop_torn_tails(out)
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -184,8 +215,7 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 lines = lines[:keep]
             with lock:
                 state["accepted"] += 1
-                with open(out, "a", encoding="utf-8") as fh:
-                    fh.write("".join(line + "\n" for line in lines))
+                _append(out, "".join(line + "\n" for line in lines))
             response = ExportTraceServiceResponse()
             if rejected:
                 response.partial_success.rejected_spans = rejected
@@ -218,10 +248,10 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 auth = self.headers.get("Authorization")
                 if auth is not None:
                     state["authorization"].append(auth)
-                with open(out.with_name("json_requests.jsonl"), "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps({"path": path, "content_type": self.headers.get("Content-Type"),
-                                         "content_encoding": encoding or None,
-                                         "body": body.decode("utf-8")}) + "\n")
+                _append(out.with_name("json_requests.jsonl"),
+                        json.dumps({"path": path, "content_type": self.headers.get("Content-Type"),
+                                    "content_encoding": encoding or None,
+                                    "body": body.decode("utf-8")}) + "\n")
             self._reply(200, b"{}")
             return True
 
@@ -238,8 +268,7 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                 return
             items = json.loads(data or b"{}").get("data", [])
             with lock:
-                with open(out.with_name("annotations.jsonl"), "a", encoding="utf-8") as fh:
-                    fh.write("".join(json.dumps(item) + "\n" for item in items))
+                _append(out.with_name("annotations.jsonl"), "".join(json.dumps(item) + "\n" for item in items))
             self._reply(200, b'{"data": []}')
 
         def _logs(self, data: bytes) -> None:
@@ -266,8 +295,7 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                         }))
             with lock:
                 state["accepted"] += 1
-                with open(out.with_name("logs.jsonl"), "a", encoding="utf-8") as fh:
-                    fh.write("".join(line + "\n" for line in lines))
+                _append(out.with_name("logs.jsonl"), "".join(line + "\n" for line in lines))
             self._reply(200, ExportLogsServiceResponse().SerializeToString(), "application/x-protobuf")
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
