@@ -43,13 +43,12 @@ from otel_rollouts._core.settings import (
 )
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.correlate.gateway import GatewayOptions, SpanGateway
-from otel_rollouts.correlate.gateway_logs import LogOutlet, default_log_exporter
 from otel_rollouts.correlate.metrics import RolloutMetrics
 from otel_rollouts.delivery.defaults import default_exporters
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
-from otel_rollouts.delivery.process import make_delivery
+from otel_rollouts.delivery.process import exporter_recipe, is_otlp, make_delivery
 from otel_rollouts.exporters.extras import MetricsSink
 from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.hung import HangOptions, HungWatcher
@@ -131,7 +130,6 @@ class Rollouts(_runtime.Runtime):
         self._stop_lock = threading.Lock()
         self._stopped = False
         self.gateway: SpanGateway | None = None
-        self._log_outlet: LogOutlet | None = None
         if self.enabled:
             self._build()
 
@@ -261,16 +259,27 @@ class Rollouts(_runtime.Runtime):
 
     def _start_gateway(self) -> None:
         options = self.settings.gateway
-        if options is None or self.sampling_pipeline is None or self.delivery is None or self.counters is None:
+        pipeline, delivery = self.sampling_pipeline, self.delivery
+        if options is None or pipeline is None or delivery is None or self.counters is None:
             return
         if options is True:
             options = GatewayOptions()
         if not isinstance(options, GatewayOptions):
             raise TypeError(f"gateway: expected True or an otr.GatewayOptions, got {type(options).__name__}")
-        exporter = options.log_exporter if options.log_exporter is not None else default_log_exporter()
-        self._log_outlet = LogOutlet(exporter, self.counters)
-        self.gateway = SpanGateway(options, self.sampling_pipeline, self.counters, self._log_outlet,
-                                   self.delivery.spans).start()
+        # the gateway process exports what belongs to no episode with the run's OTLP exporters
+        recipes = [r for r in (exporter_recipe(e) for e in delivery.exporters) if r is not None and is_otlp(r)]
+        log_recipe = None
+        if options.log_exporter is not None:
+            log_recipe = exporter_recipe(options.log_exporter)
+            if log_recipe is None:
+                self.counters.add("errors.gateway_log_exporter")
+                logger.warning("otel_rollouts: GatewayOptions.log_exporter %s cannot be rebuilt in the gateway "
+                     "process; the OTLP log exporter the environment names is used instead",
+                     type(options.log_exporter).__name__)
+        self.gateway = SpanGateway(options, self.counters, run_id=self.run_id, span_recipes=recipes,
+                                   log_recipe=log_recipe).start()
+        pipeline.gateway = self.gateway
+        delivery.use_gateway(self.gateway.address, options.pull_timeout_s)
 
     def _start_ticker(self) -> None:
         if self._ticker is not None and self._ticker.is_alive():
@@ -387,8 +396,6 @@ class Rollouts(_runtime.Runtime):
                 return True
             self._stopped = True
             deadline = time.monotonic() + timeout
-            if self.gateway is not None:  # no more server spans: what is held settles
-                self.gateway.stop(timeout=min(timeout / 8, 2.0))
             self.settle()  # spans of finished remote calls join before the last decisions
             pipeline.stop_watching()  # episodes still hanging now are counted hung
             pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
@@ -398,10 +405,10 @@ class Rollouts(_runtime.Runtime):
             if metrics is not None:
                 # step summaries go before the exporters stop
                 metrics.flush(max(deadline - time.monotonic(), 0.0) / 2)
-            ok = self.delivery.shutdown(max(deadline - time.monotonic(), 0.0))
-            if self._log_outlet is not None:  # kept episodes' server logs were queued there
-                self._log_outlet.flush(int(max(deadline - time.monotonic(), 0.0) * 1000 / 2))
-                self._log_outlet.shutdown()
+            # the renderer pulls the last kept episodes' server spans from the gateway
+            ok = self.delivery.shutdown(max(deadline - time.monotonic(), 0.0) * 0.9)
+            if self.gateway is not None:  # the last decisions sent, the gateway's counts received
+                self.gateway.stop(timeout=min(max(deadline - time.monotonic(), 0.0), 2.0))
             if metrics is not None:
                 metrics.shutdown(max(deadline - time.monotonic(), 0.0))
             return ok and closed

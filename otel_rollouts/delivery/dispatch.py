@@ -52,6 +52,7 @@ from otel_rollouts._core.guard import first_time
 from otel_rollouts._core.settings import DEFAULT_MAX_REQUEST_BYTES
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
+from otel_rollouts.delivery.gateway_channel import Channel
 from otel_rollouts.delivery.layers import (
     CountingExporter,
     DeliveryCounts,
@@ -181,8 +182,19 @@ class Delivery:
             )
             sender.user_exporter = exporter
             self.senders.append(sender)
+        # the node's span gateway, once the run has one: the render thread pulls each kept
+        # episode's server spans from it (``use_gateway``)
+        self._gateway: Channel | None = None
+        self._pull: Callable[[int], list[PendingSpan]] | None = None
         self._thread = threading.Thread(target=self._run, name="otel-rollouts-export", daemon=True)
         self._thread.start()
+
+    def use_gateway(self, address: str, timeout: float) -> None:
+        """Pull each kept episode's server spans from the gateway at ``address`` (waiting up to
+        ``timeout`` for each) before rendering it."""
+        channel = Channel(address, self.stats, role="renderer").start()
+        self._gateway = channel
+        self._pull = channel.puller(timeout)
 
     def _spool_dir_for(self, index: int, name: str) -> Path | None:
         if self.spool_root is None:
@@ -336,6 +348,8 @@ class Delivery:
         except queue.Full:
             pass
         self._thread.join(max(deadline - time.monotonic(), 0.0))
+        if self._gateway is not None:
+            self._gateway.close(min(max(deadline - time.monotonic(), 0.0), 1.0))
         for sender in self.senders:
             sender.stop()
         # exporters' shutdown may hang on a dead network: run it where we can stop waiting
@@ -431,6 +445,9 @@ class Delivery:
             return
         try:
             if kind == "episode":
+                pull = self._pull
+                if pull is not None:
+                    payload.foreign.extend(pull(payload.trace_id))
                 spans = self.materializer.episode(payload)
                 payload.release(keep_root=True)
                 self.ledger.rendered(payload.trace_id, spans)

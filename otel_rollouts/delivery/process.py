@@ -124,6 +124,12 @@ def _build_otlp_json_file(**kwargs: Any) -> SpanExporter:
     return OtlpJsonFileExporter(**kwargs)
 
 
+def is_otlp(recipe: Recipe) -> bool:
+    """Whether ``recipe`` rebuilds one of the SDK's OTLP exporters (what the span gateway's
+    process exports with)."""
+    return recipe.builder is _build_otlp
+
+
 def _build_otlp(module: str, name: str, **kwargs: Any) -> SpanExporter:
     """An OTLP exporter class built in the child; aimed at a Phoenix, it posts annotations as
     the training process's would (``OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS`` is inherited)."""
@@ -136,13 +142,16 @@ def _build_otlp(module: str, name: str, **kwargs: Any) -> SpanExporter:
     return exporter
 
 
-_OTLP_HTTP = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "otel_rollouts.exporters.otlp_http_json")
-_OTLP_GRPC = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+_OTLP_HTTP = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "otel_rollouts.exporters.otlp_http_json",
+              "opentelemetry.exporter.otlp.proto.http._log_exporter")
+_OTLP_GRPC = ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "opentelemetry.exporter.otlp.proto.grpc._log_exporter")
+_OTLP_CLASSES = ("OTLPSpanExporter", "OTLPJsonSpanExporter", "OTLPLogExporter")
 _OWN_HEADERS = frozenset({"content-type", "user-agent"})
 
 
 def exporter_recipe(exporter: Any) -> Recipe | None:
-    """How to make ``exporter`` in the renderer process, None when it cannot be made there.
+    """How to make ``exporter`` in the renderer process (or, for the OTLP span and log
+    exporters, in the span gateway's), None when it cannot be made there.
 
     The exporter's own pickle when it has one; else, for the built-in exporters (which hold
     locks, files, sessions or channels), their constructor arguments read back from the
@@ -165,7 +174,7 @@ def exporter_recipe(exporter: Any) -> Recipe | None:
         if module == "otel_rollouts.exporters.otlp_json" and cls.__name__ == "OtlpJsonFileExporter":
             return Recipe(builder=_build_otlp_json_file, kwargs={
                 "path": str(exporter.path), "max_bytes": exporter.max_bytes, "backups": exporter.backups})
-        if module in _OTLP_HTTP and cls.__name__ in ("OTLPSpanExporter", "OTLPJsonSpanExporter"):
+        if module in _OTLP_HTTP and cls.__name__ in _OTLP_CLASSES:
             client = exporter._client
             client = getattr(client, "client", client)  # OTLPJsonSpanExporter wraps the SDK's client
             headers = {k: v for k, v in dict(getattr(client, "_headers", {}) or {}).items()
@@ -175,7 +184,7 @@ def exporter_recipe(exporter: Any) -> Recipe | None:
                       "max_request_size": getattr(exporter, "_max_request_size", None)}
             pickle.dumps(kwargs, _PROTOCOL)
             return Recipe(builder=_build_otlp, kwargs={"module": module, "name": cls.__name__, **kwargs})
-        if module == _OTLP_GRPC and cls.__name__ == "OTLPSpanExporter":
+        if module in _OTLP_GRPC and cls.__name__ in _OTLP_CLASSES:
             if exporter._credentials is not None:
                 return None  # channel credentials do not pickle
             kwargs = {"endpoint": exporter._endpoint, "insecure": exporter._insecure,
@@ -468,6 +477,8 @@ def _child(rfd: int, wfd: int) -> None:
                         ledger=lambda _stats, names: _ChildLedger(outbox, names), **config["options"])
     # a spool directory the training process made private dies with the run, as in thread mode
     delivery._own_spool_root = bool(config["own_spool"])
+    if config.get("gateway"):
+        delivery.use_gateway(*config["gateway"])
     stop = threading.Event()
 
     def report() -> None:
@@ -510,6 +521,9 @@ def _child(rfd: int, wfd: int) -> None:
                 ok = delivery.flush(timeout, through_outage=through)
                 outbox.put(("flushed", marker, ok))
                 outbox.send()
+            elif kind == "gateway":
+                address, timeout = payload
+                delivery.use_gateway(address, timeout)
             elif kind == "stop":
                 delivery.shutdown(float(payload))
                 break
@@ -692,6 +706,12 @@ class ProcessDelivery(Delivery):
             self.stats.add("errors.render_pending")
             return False
         return self._enqueue("pending", data, len(data), None)
+
+    def use_gateway(self, address: str, timeout: float) -> None:
+        """The renderer process pulls each kept episode's server spans from the node's gateway
+        itself: they never pass through the training process."""
+        self._config["gateway"] = (address, timeout)
+        self._enqueue("gateway", pickle.dumps(("gateway", (address, timeout)), _PROTOCOL), 0, None, count=False)
 
     def spans(self, spans: Sequence[ReadableSpan | PendingSpan]) -> None:
         try:

@@ -1,35 +1,44 @@
 """The pipeline's front to telemetry it did not record itself, joined to the episodes it holds.
 
 Spans of other OpenTelemetry instrumentation inside an episode (the ``SpanProcessor`` calls),
-finished spans of worker tasks (``adopt``), spans of other processes through the span gateway
-(``join_spans``) and their log records (``join_logs``) are held with their episode while it is
-undecided, sent on if it is kept and dropped (counted) if it is dropped; what arrives outside any
-episode passes straight through. This part owns what only it needs: the open foreign spans, the
-episodes decided lately (for what arrives after the decision) and the bytes held, all episodes
-together. The pipeline owns the episodes and the lock; this part holds a reference to it and
+finished spans of worker tasks (``adopt``) and worker tasks' log records (``join_logs``) are held
+with their episode while it is undecided, sent on if it is kept and dropped (counted) if it is
+dropped; what arrives outside any episode passes straight through. A client span that starts
+outside any episode (an eval request, a health check, a weight sync) is announced to the node's
+span gateway, if the run has one, so that the server spans of that request pass through there
+(``GatewaySink.outside``). This part owns what only it needs: the open foreign spans and the
+bytes held, all episodes together. The pipeline owns the episodes and the lock; this part holds a reference to it and
 changes state only under the pipeline's lock, exactly as the pipeline itself does.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind
 
-from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.spans import KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
 
 _MAX_FOREIGN_OPEN = 65_536  # open foreign spans tracked inside episodes (a leak guard)
-_MAX_DECIDED = 32_768  # decided trace ids remembered (→ kept?) for spans and logs arriving later
-# what other processes sent for undecided episodes (server spans through the gateway, log
-# records), held with them until they are decided: all episodes together
+# what other processes sent for undecided episodes (worker tasks' log records), held with them
+# until they are decided: all episodes together
 _MAX_HELD_BYTES = 64 * 1024 * 1024
+_OUTBOUND = (SpanKind.CLIENT, SpanKind.PRODUCER)
+
+
+class GatewaySink(Protocol):
+    """The node's span gateway, as the pipeline tells it about traces (``correlate.gateway``):
+    each call only queues a trace id (the training thread never waits)."""
+
+    def opened(self, trace_id: int) -> None: ...
+    def decided(self, trace_id: int, kept: bool) -> None: ...
+    def outside(self, trace_id: int) -> None: ...
 
 
 class ForeignHost(Protocol):
@@ -40,7 +49,7 @@ class ForeignHost(Protocol):
     @property
     def delivery(self) -> Delivery: ...
     @property
-    def remember_decisions(self) -> bool: ...
+    def gateway(self) -> GatewaySink | None: ...
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
     @property
@@ -53,11 +62,6 @@ class Foreign:
     def __init__(self, host: ForeignHost) -> None:
         self._host = host
         self._open: dict[int, EpisodeRecord] = {}  # open foreign span id → its episode
-        # episodes decided lately, trace id → kept: spans and logs of another process (the span
-        # gateway) arriving after the decision follow it. Only remembered while something needs
-        # it (a running gateway: ~140 bytes an episode, up to _MAX_DECIDED), so a run without one
-        # keeps memory flat from the first step
-        self._decided: OrderedDict[int, bool] = OrderedDict()
         self._held_bytes = 0
 
     # --- SpanProcessor: spans of other OpenTelemetry instrumentation ---------------------------
@@ -70,10 +74,11 @@ class Foreign:
             record = parent.episode
         else:
             ctx = parent.get_span_context()
-            if not ctx.is_valid:
-                return
-            record = self._open.get(ctx.span_id)
+            record = self._open.get(ctx.span_id) if ctx.is_valid else None
             if record is None:
+                gateway = self._host.gateway
+                if gateway is not None and getattr(span, "kind", None) in _OUTBOUND:
+                    gateway.outside(span.context.trace_id)  # its server's spans pass through
                 return
         if len(self._open) < _MAX_FOREIGN_OPEN:
             self._open[span.context.span_id] = record
@@ -126,17 +131,7 @@ class Foreign:
         if late:
             host.delivery.spans(late)
 
-    # --- telemetry of other processes: the span gateway, worker tasks' logs -------------------
-    def remember(self, trace_id: int, kept: bool) -> None:
-        """Remember an episode's decision (while something needs it: ``remember_decisions``).
-        Called under the pipeline's lock."""
-        if not self._host.remember_decisions:
-            return
-        decided = self._decided
-        decided[trace_id] = kept
-        if len(decided) > _MAX_DECIDED:
-            decided.popitem(last=False)
-
+    # --- telemetry of other processes: worker tasks' logs ------------------------------------
     def release(self, record: EpisodeRecord) -> None:
         """``record`` was decided: the bytes held for it are given back. Under the pipeline's lock."""
         self._held_bytes -= record.held_bytes
@@ -151,7 +146,7 @@ class Foreign:
             return owner, None
         if record is not None and record.trace_id == trace_id and record.state >= KEPT:
             return None, record.state == KEPT
-        return None, self._decided.get(trace_id)
+        return None, None
 
     def _hold(self, record: EpisodeRecord, size: int) -> bool:
         """Count ``size`` more bytes held for ``record``; False (nothing counted) past the cap."""
@@ -160,36 +155,6 @@ class Foreign:
         self._held_bytes += size
         record.held_bytes += size
         return True
-
-    def join_spans(self, spans: Sequence[PendingSpan]) -> list[PendingSpan]:
-        """Spans made in another process (an inference server, through the span gateway) for
-        episodes of this one: held with their episode while it is undecided, exported if it was
-        kept, dropped (counted ``dropped.gateway_spans``) if it was dropped. Returns the spans
-        whose trace is no episode known here: the caller holds them a while and asks again.
-        What is held is bounded in bytes, all episodes together. Nothing is decoded here: a
-        span is decoded when its episode is rendered (``delivery``), if it is kept."""
-        host = self._host
-        unknown: list[PendingSpan] = []
-        late: list[ReadableSpan | PendingSpan] = []
-        with host._lock:
-            for span in spans:
-                owner, kept = self._owner(span.trace_id, None)
-                if owner is not None:
-                    if len(owner.spans) + len(owner.foreign) >= owner.max_spans:
-                        owner.dropped_spans += 1
-                    elif self._hold(owner, span.size):
-                        owner.foreign.append(span)
-                    else:
-                        host.stats.add("dropped.held_bytes_full.spans")
-                elif kept is None:
-                    unknown.append(span)
-                elif kept:
-                    late.append(span)
-                else:
-                    host.stats.add("dropped.gateway_spans")
-        if late:
-            host.delivery.spans(late)
-        return unknown
 
     def join_logs(self, trace_id: int, logs: Sequence[Any], outlet: Callable[[Sequence[Any]], None],
                   size: int, record: EpisodeRecord | None = None) -> bool:
@@ -225,7 +190,3 @@ class Foreign:
             outlet(logs)
         except Exception:  # noqa: BLE001 - a log outlet never breaks the pipeline
             self._host.stats.add("errors.episode_logs", len(logs))
-
-    def dropped(self, trace_id: int) -> bool:
-        """Whether ``trace_id``'s episode was dropped lately (final: no lock needed)."""
-        return self._decided.get(trace_id) is False

@@ -26,14 +26,13 @@ from typing import Any, cast
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.codec import PendingSpan
 from otel_rollouts._core.spans import DROPPED, KEPT, OFFERED, OPEN, EpisodeRecord, SpanRecord
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.sampling.batch import DROP, KEEP, BatchRow, RowBatch
 from otel_rollouts.sampling.batch_offer import BatchOffer
 from otel_rollouts.sampling.companions import CompanionsBucket
-from otel_rollouts.sampling.foreign import Foreign
+from otel_rollouts.sampling.foreign import Foreign, GatewaySink
 from otel_rollouts.sampling.observer import StepObserver
 from otel_rollouts.sampling.policy import reason_of
 from otel_rollouts.sampling.steps import StepBook, StepState
@@ -64,9 +63,9 @@ class Pipeline(SpanProcessor):
         # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
         self._claimed: OrderedDict[int, None] = OrderedDict()
         self._claim_lock = threading.Lock()
-        # whether decided episodes are remembered for what arrives after the decision (set by a
-        # running span gateway; ``foreign.Foreign.remember``)
-        self.remember_decisions = False
+        # the node's span gateway, told which traces are episodes and what was decided (set by
+        # the run when it has one; ``foreign.GatewaySink``)
+        self.gateway: GatewaySink | None = None
         # a watch list with prompt hashes: episodes hash their prompt when they record it
         self.watch_hashes = any(isinstance(k, str) for k in sampler.watch)
         self.hung: Any = None  # sampling.hung.HungWatcher: episodes shown while they hang
@@ -119,6 +118,9 @@ class Pipeline(SpanProcessor):
         its offer to the sampler."""
         record.seq = next(self._seq)
         self._live[record.trace_id] = record  # one dict store: atomic
+        gateway = self.gateway
+        if gateway is not None:
+            gateway.opened(record.trace_id)
         self.stats.step((record.step, record.split), "started")
         if self.steps.needs_lock(record.step, record.split):
             with self._lock:
@@ -261,7 +263,8 @@ class Pipeline(SpanProcessor):
             record.reason = self._policy_reason
         self._live.pop(record.trace_id, None)
         self.foreign.release(record)
-        self.foreign.remember(record.trace_id, True)
+        if self.gateway is not None:
+            self.gateway.decided(record.trace_id, True)
         self.stats.step((record.step, record.split), "kept")
         if record.dropped_spans:
             self.stats.add("dropped.span_limit", record.dropped_spans)
@@ -285,8 +288,8 @@ class Pipeline(SpanProcessor):
         record.state = DROPPED
         self._live.pop(record.trace_id, None)
         self.foreign.release(record)
-        if self.remember_decisions:
-            self.foreign.remember(record.trace_id, False)
+        if self.gateway is not None:
+            self.gateway.decided(record.trace_id, False)
         if record.logs:
             for _, items, _ in record.logs:
                 self.stats.add("dropped.episode_logs", len(items))
@@ -496,20 +499,11 @@ class Pipeline(SpanProcessor):
         """Finished spans of a worker task for an episode held here (see ``Foreign.adopt``)."""
         self.foreign.adopt(spans, record)
 
-    def join_spans(self, spans: Sequence[PendingSpan]) -> list[PendingSpan]:
-        """Spans of another process joined to their episodes; returns the unknown ones (see
-        ``Foreign.join_spans``)."""
-        return self.foreign.join_spans(spans)
-
     def join_logs(self, trace_id: int, logs: Sequence[Any], outlet: Callable[[Sequence[Any]], None],
                   size: int, record: EpisodeRecord | None = None) -> bool:
         """Log records joined to episode ``trace_id``; False: no episode known here (see
         ``Foreign.join_logs``)."""
         return self.foreign.join_logs(trace_id, logs, outlet, size, record)
-
-    def dropped(self, trace_id: int) -> bool:
-        """Whether ``trace_id``'s episode was dropped lately (final: no lock needed)."""
-        return self.foreign.dropped(trace_id)
 
     def shutdown(self) -> None:
         """OpenTelemetry's ``provider.shutdown()``: end open episodes (truncated), close every
