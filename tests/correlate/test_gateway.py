@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from instrumented_server import ENGINE_SPAN, LOGGER_NAME, serve, timings
+from instrumented_server import ENGINE_SPAN, LOGGER_NAME, SERVER_SPAN, serve, timings
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -426,3 +426,127 @@ def test_reconfiguring_with_a_gateway_leaks_no_thread_and_frees_the_ports(sink: 
     while gateway_threads() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert gateway_threads() == set()
+
+
+def _raw(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``data`` on a new connection to the gateway and read until it closes or answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(data)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_hostile_requests_get_an_answer_and_reach_nothing(sink: OtlpSink, capfd: pytest.CaptureFixture[str]) -> None:
+    """What a misbehaving neighbour sends is answered with the right status by the gateway's
+    own process, counted, and never printed into the training process: deeply nested JSON (a
+    RecursionError in a JSON parser), a negative Content-Length, a parentless span carrying a
+    dropped episode's trace id."""
+    gateway = _configure(sink)
+    url = f"{gateway.http_endpoint}/v1/traces"
+    port = gateway.http_port
+    assert port is not None
+    try:
+        ids = {}
+        for i in range(4):
+            with otr.episode(step=0, sample_index=i) as ep:
+                ids[i] = int(ep.trace_id, 16)
+                ep.reward(float(i))
+        otr.end_step(0)  # keeps 0 and 3, drops 1 and 2
+        nested = b'{"resourceSpans": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        status, _ = _post(url, nested, {"Content-Type": "application/json"})
+        assert status == 400
+        assert _raw(port, b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n").startswith(
+            b"HTTP/1.1 400")
+        # a span with no parent is no episode's, unless its trace is an episode's: then it
+        # shares its fate (dropped here), never exported as a fragment
+        to_gateway = OTLPSpanExporter(endpoint=url)
+        parentless = ReadableSpan(name="parentless-of-dropped", context=SpanContext(
+            ids[1], 0x77, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED)), start_time=1, end_time=2)
+        assert to_gateway.export([parentless]).name == "SUCCESS"
+        _wait(lambda: _totals().get("dropped.gateway_spans", 0) == 1, "the parentless span dropped")
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    assert "parentless-of-dropped" not in {s["name"] for s in sink.spans()}
+    assert otr.stats()["totals"]["errors.gateway_decode"] == 1  # the nested JSON (h11 refused the -5 itself)
+    captured = capfd.readouterr()
+    assert "RecursionError" not in captured.err + captured.out and "Traceback" not in captured.err
+
+
+def test_a_connection_that_sends_its_head_slowly_is_closed(sink: OtlpSink) -> None:
+    """A slow-loris client (one byte at a time, or nothing at all) holds a connection for at most
+    ``header_timeout_s``: the gateway closes it, counted; a whole request on another connection
+    meanwhile is served."""
+    gateway = _configure(sink, header_timeout_s=1.0)
+    port = gateway.http_port
+    assert port is not None
+    try:
+        silent = socket.create_connection(("127.0.0.1", port), timeout=10)
+        dribbling = socket.create_connection(("127.0.0.1", port), timeout=10)
+        started = time.monotonic()
+        closed_at = None
+        for byte in b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n":
+            try:
+                dribbling.sendall(bytes([byte]))
+            except OSError:
+                closed_at = time.monotonic()
+                break
+            dribbling.settimeout(0.2)
+            try:
+                if dribbling.recv(1) == b"":
+                    closed_at = time.monotonic()
+                    break
+            except TimeoutError:
+                pass
+        assert closed_at is not None and closed_at - started < 3.0, "the dribbling connection was not closed"
+        silent.settimeout(5)
+        assert silent.recv(1) == b""  # closed by the gateway, not by us
+        to_gateway = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces")
+        assert to_gateway.export([_span(0xABC, 0x1, 0x2)]).name == "SUCCESS"
+        silent.close()
+        dribbling.close()
+        assert otr.flush(30)
+    finally:
+        otr.shutdown()
+    assert otr.stats()["totals"]["errors.gateway_slow_head"] >= 2
+
+
+def test_a_request_made_outside_any_episode_passes_through_whole(sink: OtlpSink) -> None:
+    """An eval request, a health check, a weight sync: made outside any episode with the stock
+    httpx instrumentation, the request has a client span, so the server's spans have a parent.
+    They are no episode's and pass through at once (not held ``hold_s`` and dropped as
+    "unknown"): the collector gets the client span, the server's spans and its log record, one
+    trace, whole."""
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+
+    gateway = _configure(sink)  # hold_s: the default 30 s
+    instrumentor = HTTPXClientInstrumentor()
+    instrumentor.instrument(tracer_provider=otr.tracer_provider())
+    try:
+        with serve(_server_env(gateway, "http/protobuf")) as server, httpx.Client(base_url=server.url) as client:
+            body = {"model": "policy", "max_tokens": 10, "messages": [{"role": "user", "content": "eval"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            deadline = time.monotonic() + 15  # well inside hold_s: nothing was held
+            while not [s for s in sink.spans() if s["name"] == ENGINE_SPAN]:
+                assert time.monotonic() < deadline, f"the server's spans were held; stats: {_totals()}"
+                otr.flush(1)
+                time.sleep(0.05)
+        assert otr.flush(30)
+    finally:
+        instrumentor.uninstrument()
+        otr.shutdown()
+    spans = sink.spans()
+    engine = [s for s in spans if s["name"] == ENGINE_SPAN]
+    assert len(engine) == 1
+    trace = {s["name"]: s for s in spans if s["trace_id"] == engine[0]["trace_id"]}
+    assert {"POST", SERVER_SPAN, ENGINE_SPAN} <= set(trace)  # the client's span and the server's
+    assert trace["POST"]["service"] == "trainer" and trace[SERVER_SPAN]["service"] == "toy-vllm"
+    assert [r for r in sink.logs() if r["trace_id"] == engine[0]["trace_id"]]  # its log record too
+    totals = otr.stats()["totals"]
+    assert totals.get("dropped.gateway_unknown.spans", 0) == 0
+    assert totals["gateway.passed_through"] >= 2
