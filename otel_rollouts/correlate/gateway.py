@@ -77,7 +77,7 @@ class GatewayOptions:
     max_request_bytes: int = 16 * 1024 * 1024
     unknown: Literal["drop", "export"] = "drop"
     log_exporter: Any = None  # an SDK log exporter for received records (default: OTLP per env)
-    max_connections: int = 64
+    max_connections: int = 1024
     header_timeout_s: float = 5.0
     body_timeout_s: float = 10.0
     linger_s: float = 5.0  # how long the gateway outlives its last client

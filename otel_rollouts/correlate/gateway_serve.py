@@ -64,7 +64,7 @@ class Limits:
     """What one neighbour may cost the gateway (see the module)."""
 
     max_request_bytes: int = 16 * 1024 * 1024
-    max_connections: int = 64
+    max_connections: int = 1024
     header_timeout_s: float = 5.0
     body_timeout_s: float = 10.0
     grpc_workers: int = 2

@@ -234,6 +234,7 @@ class Store:
                             key = self._origin(SPAN, header)
                         if not self._hold(entry, SPAN, key, pb.SerializeToString()):
                             out.count(FULL_SPANS, 1, owner)
+                            self._forget_if_unknown(entry)
         if passing_groups:
             out.spans.append(passing.SerializeToString())
         self._drop_unused_origins()
@@ -271,6 +272,7 @@ class Store:
                             key = self._origin(LOG, header)
                         if not self._hold(entry, LOG, key, pb.SerializeToString()):
                             out.count(FULL_LOGS, 1, owner)
+                            self._forget_if_unknown(entry)
         if passing_groups:
             out.logs.append(passing.SerializeToString())
         self._drop_unused_origins()
@@ -288,6 +290,7 @@ class Store:
             if entry.state is None:
                 name = "gateway.unknown_exported" if self.unknown == "export" else "dropped.gateway_unknown"
                 self._release(entry, out, export=self.unknown == "export", spans=f"{name}.spans", logs=f"{name}.logs")
+                self._forget_if_unknown(entry)
             elif entry.state in (KEPT, PULLED):
                 self._release(entry, out, export=True, spans="gateway.late_spans", logs="gateway.logs_kept")
             elif entry.state == OPEN and final:
@@ -306,6 +309,12 @@ class Store:
         else:
             self._traces.move_to_end(trace_id)
         return entry
+
+    def _forget_if_unknown(self, entry: _Trace) -> None:
+        """A trace nobody announced and that holds nothing is not remembered: a flood of
+        strangers' traces costs no memory once let go."""
+        if entry.state is None and not entry.items:
+            self._traces.pop(entry.trace_id, None)
 
     def _state(self, entry: _Trace | None) -> str | None:
         if entry is None:

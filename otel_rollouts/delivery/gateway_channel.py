@@ -291,7 +291,7 @@ class Channel:
         while True:
             try:
                 frame = conn.recv_bytes()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError, ValueError):  # (closed by another thread: TypeError)
                 self._lost(conn)
                 return
             kind, payload = frame[:1], frame[1:]
