@@ -220,3 +220,66 @@ class AsyncRollouts(Rollouts):
 
     async def kept(self) -> list[str]:  # type: ignore[override]
         return Rollouts.kept(self)
+
+
+class GatewayRollouts:
+    """A rollout actor of the asynchronous-RL layout: it runs whole episodes whose generations
+    are requests to an inference server shared by every actor, and exports what it keeps over
+    OTLP. Every actor asks for the same gateway ports, so the node's actors share one gateway.
+    Made with ``ray.remote(GatewayRollouts)``."""
+
+    def __init__(self, sink_endpoint: str, logs_endpoint: str, http_port: int, grpc_port: int, cap: int) -> None:
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+
+        otr.configure(
+            service_name="rollout-actor",
+            exporters=[OTLPSpanExporter(endpoint=sink_endpoint)],
+            sampler=otr.TailSampler(cap, "top_bottom", distributed=False),
+            gateway=otr.GatewayOptions(http_port=http_port, grpc_port=grpc_port,
+                                       log_exporter=OTLPLogExporter(endpoint=logs_endpoint)),
+            handle_signals=False,
+        )
+        # the stock instrumentation, as the docs recommend: requests outside episodes get a
+        # client span too
+        self.instrumentor = HTTPXClientInstrumentor()
+        self.instrumentor.instrument(tracer_provider=otr.tracer_provider())
+
+    def gateway_pid(self) -> int | None:
+        gateway = otr.gateway()
+        return gateway.pid if gateway is not None else None
+
+    def run_step(self, step: int, server_url: str, rewards: list[float]) -> list[str]:
+        """One step's episodes, each one generation served by the shared server; their trace ids."""
+        import httpx
+
+        ids = []
+        with httpx.Client(base_url=server_url) as client:
+            for i, reward in enumerate(rewards):
+                with otr.episode(step=step, group_id=f"g{step}", sample_index=i) as ep:
+                    ids.append(ep.trace_id)
+                    with ep.turn() as turn, turn.generation("policy") as gen:
+                        body = {"model": "policy", "max_tokens": 10 * (i + 1),
+                                "messages": [{"role": "user", "content": f"question {i}"}]}
+                        gen.output(client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"])
+                    ep.reward(reward)
+        return ids
+
+    def outside(self, server_url: str) -> str:
+        """A request made outside any episode (an eval): the trace id of its client span."""
+        import httpx
+        from opentelemetry import trace
+
+        tracer = otr.tracer_provider().get_tracer("eval")
+        with tracer.start_as_current_span("eval") as span, httpx.Client(base_url=server_url) as client:
+            body = {"model": "policy", "max_tokens": 5, "messages": [{"role": "user", "content": "eval"}]}
+            client.post("/v1/chat/completions", json=body).raise_for_status()
+            return f"{span.get_span_context().trace_id:032x}" if span is not trace.INVALID_SPAN else ""
+
+    def finish(self, step: int) -> dict:
+        otr.end_step(step)
+        assert otr.flush(30)
+        self.instrumentor.uninstrument()
+        otr.shutdown()
+        return otr.stats()["totals"]

@@ -56,8 +56,9 @@ def sink(tmp_path: Path) -> Iterator[OtlpSink]:
         yield running
 
 
-def _configure(sink: OtlpSink, **options: Any) -> otr.SpanGateway:
+def _configure(sink: OtlpSink, render: str | None = None, **options: Any) -> otr.SpanGateway:
     otr.configure(
+        render=render,
         service_name="trainer",
         run_id="gateway-run",
         exporters=[OTLPSpanExporter(endpoint=sink.endpoint)],
@@ -84,9 +85,12 @@ def _server_env(gateway: otr.SpanGateway, protocol: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_server_spans_and_logs_follow_their_episode(sink: OtlpSink, protocol: str) -> None:
-    gateway = _configure(sink)
+@pytest.mark.parametrize(("protocol", "render"), [("grpc", "thread"), ("http/protobuf", "thread"),
+                                                  ("http/protobuf", "process")])
+def test_server_spans_and_logs_follow_their_episode(sink: OtlpSink, protocol: str, render: str) -> None:
+    """``render="process"``: the renderer process pulls the kept episodes' server spans from the
+    gateway itself; they never pass through the training process."""
+    gateway = _configure(sink, render)
     try:
         with serve(_server_env(gateway, protocol)) as server:
             client = httpx.Client(base_url=server.url, event_hooks=otr.httpx_event_hooks())
