@@ -10,6 +10,7 @@ Python can do (raise ``SystemExit``, hang in ``export``).
 from __future__ import annotations
 
 import gc
+import http.server
 import os
 import threading
 import time
@@ -411,6 +412,83 @@ def shared_sink(tmp_path_factory) -> Iterator[OtlpSink]:
         yield s
 
 
+class _Annotations(http.server.BaseHTTPRequestHandler):
+    """A Phoenix annotation endpoint that misbehaves as the example says (``mode`` on the
+    server): ``ok``, ``error`` (500), ``redirect`` (307 to another origin, which records what
+    it is sent), ``drip`` (its answer one byte every 0.3 s), ``silent`` (never answers)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        self._answer(b"20.26.1")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._answer(b'{"data": []}')
+
+    def _answer(self, body: bytes) -> None:
+        server = self.server
+        mode = getattr(server, "mode", "ok")
+        server.requests.append((self.command, self.path, dict(self.headers)))  # type: ignore[attr-defined]
+        if mode == "silent":
+            server.release.wait(10)  # type: ignore[attr-defined]
+            return
+        if mode == "redirect":
+            self.send_response(307)
+            self.send_header("Location", f"{server.elsewhere}{self.path}")  # type: ignore[attr-defined]
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        status = 500 if mode == "error" else 200
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if mode == "drip":
+            for byte in body:
+                if server.release.wait(0.3):  # type: ignore[attr-defined]
+                    return
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+        else:
+            self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def annotations() -> Iterator[http.server.ThreadingHTTPServer]:
+    """A hostile annotation endpoint and, for its redirects, another origin that records what
+    reaches it."""
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Annotations) for _ in range(2)]
+    for server in servers:
+        server.daemon_threads = True
+        server.requests = []  # type: ignore[attr-defined]
+        server.release = threading.Event()  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers[0].elsewhere = f"http://localhost:{servers[1].server_address[1]}"  # type: ignore[attr-defined]
+    try:
+        yield servers[0]
+    finally:
+        for server in servers:
+            server.release.set()  # type: ignore[attr-defined]
+            server.shutdown()
+            server.server_close()
+
+
+def _server_spans(gateway: otr.SpanGateway, roots: list[tuple[int, int]]) -> None:
+    """What an inference server would send the gateway: one span under each episode's root."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    spans = [ReadableSpan(name="server", context=SpanContext(tid, 0x5000 + i, False, TraceFlags(1)),
+                          parent=SpanContext(tid, root, True, TraceFlags(1)), start_time=1, end_time=2)
+             for i, (tid, root) in enumerate(roots)]
+    exporter = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces", timeout=2)
+    exporter.export(spans)  # a gateway killed meanwhile refuses: that is the fault
+    exporter.shutdown()
+
+
 @settings(max_examples=examples(36), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
@@ -418,26 +496,50 @@ def shared_sink(tmp_path_factory) -> Iterator[OtlpSink]:
     python=st.lists(st.sampled_from(PY_FAULTS), max_size=8),
     steps=st.lists(st.integers(1, 6), min_size=1, max_size=3),
     cap=st.integers(1, 4),
+    gateway=st.sampled_from(["off", "on", "killed"]),
+    poster=st.sampled_from(["ok", "error", "redirect", "drip", "silent"]),
 )
-def test_the_ledger_balances_under_any_fault_schedule(shared_sink, http, python, steps, cap):
+def test_the_ledger_balances_under_any_fault_schedule(shared_sink, annotations, http, python, steps, cap,
+                                                       gateway, poster):
     """Whatever the collector answers (413, 400, 503, partial success, a hang past the client's
-    timeout) and whatever the in-process exporter does (FAILURE, raise, SystemExit,
-    KeyboardInterrupt, hang past shutdown): per exporter and per step, kept = delivered + dropped;
-    every episode counted delivered is stored; none is received twice except through a counted
-    retry."""
+    timeout), whatever the in-process exporter does (FAILURE, raise, SystemExit,
+    KeyboardInterrupt, hang past shutdown), whatever the span gateway does (server spans joining
+    the episodes; its process killed mid-run) and the Phoenix annotation endpoint answers (500,
+    a redirect to another origin, one byte at a time, nothing): per exporter and per step,
+    kept = delivered + dropped; every episode counted delivered is stored; none is received
+    twice except through a counted retry; no server span of a dropped episode downstream."""
     shared_sink.control(script=list(http), hang_s=1.5)
+    annotations.mode = poster  # type: ignore[attr-defined]
     hostile = Hostile(python)
+    witness = InMemorySpanExporter()  # what the sampler kept, whatever the faults
+    traces: set[str] = set()
     before = _sink_roots(shared_sink)
+    os.environ[c.ENV_PHOENIX_ANNOTATIONS] = f"http://127.0.0.1:{annotations.server_address[1]}"
     try:
         otr.configure(
-            exporters=[OTLPSpanExporter(endpoint=shared_sink.endpoint, timeout=1), hostile],
+            exporters=[OTLPSpanExporter(endpoint=shared_sink.endpoint, timeout=1), hostile, witness],
             sampler=otr.TailSampler(cap, "top_bottom"), handle_signals=False, exit_timeout=2.0,
+            gateway=None if gateway == "off" else otr.GatewayOptions(http_port=0, grpc_port=None, hold_s=1.0),
         )
+        running = otr.gateway()
         for step, n in enumerate(steps):
-            _episodes(step, n)
+            roots: list[tuple[int, int]] = []
+            for i in range(n):
+                with otr.episode(step=step, group_id=f"g{i % 2}", sample_index=i) as ep:
+                    roots.append((int(ep.trace_id, 16), ep.root.span_id))
+                    traces.add(ep.trace_id)
+                    ep.prompt([{"role": "user", "content": f"question {step}/{i}"}])
+                    with ep.turn() as turn:
+                        turn.record_generation("hello", model="m")
+                    ep.reward(float(i))
+            if running is not None:
+                _server_spans(running, roots)
+                if gateway == "killed" and step == 0 and running.pid:
+                    os.kill(running.pid, 9)
             otr.end_step(step)
         otr.shutdown(timeout=2.0)
     finally:
+        os.environ.pop(c.ENV_PHOENIX_ANNOTATIONS, None)
         hostile.release.set()
         otr.shutdown(timeout=1.0)
     stats = otr.stats()
@@ -452,6 +554,12 @@ def test_the_ledger_balances_under_any_fault_schedule(shared_sink, http, python,
     # ...and a second copy only through a retry that was counted as a failed request
     assert duplicates <= totals.get("export.failed_episodes.OTLPSpanExporter", 0)
     assert len(hostile.roots()) >= totals.get("delivered.Hostile", 0)
+    # a server span of a dropped episode never reaches the collector
+    kept = {f"{s.context.trace_id:032x}" for s in witness.get_finished_spans() if s.name == "episode"}
+    assert len(kept) == sum(min(cap, n) for n in steps)
+    assert not [s for s in shared_sink.spans() if s["name"] == "server" and s["trace_id"] in traces - kept]
+    # no annotation request ever followed a redirect with the exporter's credentials
+    assert not [r for r in annotations.requests if r[1].startswith("http")]  # type: ignore[attr-defined]
     shared_sink.control(script=[])
 
 
