@@ -19,11 +19,13 @@ inserted yet (every 10 s, 60 times), so posting right after the spans is safe.
 
 The rules:
 
-* Off the export path. ``export`` only turns the batch's evaluations into request bodies and
-  queues them; a poster thread of the layer's own (started at the first, a daemon) sends them.
+* Off the export path. ``export`` only turns the batch's evaluations into JSON and queues
+  them; a poster thread of the layer's own (started at the first, a daemon) sends them.
   A slow, hanging or hostile annotation endpoint never delays span delivery, nor loses it.
-* Bounded: the queue holds at most ``MAX_QUEUED_REQUESTS`` requests and ``MAX_QUEUED_BYTES`` of
-  bodies; what does not fit is lost (``queue_full``). Each request, the detection included, has
+* Bounded: the queue holds at most ``MAX_QUEUED_ANNOTATIONS`` annotations and ``MAX_QUEUED_BYTES``
+  of their JSON; what does not fit is lost (``queue_full``). The poster sends what is queued
+  together, up to ``MAX_ANNOTATIONS_PER_REQUEST`` a request, so it keeps up with a step's kept
+  episodes however many batches they came in. Each request, the detection included, has
   one total deadline (connecting, sending, the status line, the headers and the body together:
   a server answering one byte at a time is cut off at it, as is one that never answers). After a
   failure, posting pauses (5 s, doubling up to 5 min) and the annotations of batches exported
@@ -107,15 +109,15 @@ MAX_ANNOTATIONS_PER_REQUEST = 500
 FIRST_PAUSE_S = 5.0
 MAX_PAUSE_S = 300.0
 MAX_DETECT_TRIES = 3  # unanswered version requests before giving up on an exporter
-MAX_QUEUED_REQUESTS = 64  # requests waiting for the poster (each at most 500 annotations)
-MAX_QUEUED_BYTES = 4 * 1024 * 1024  # their bodies, in all
+MAX_QUEUED_ANNOTATIONS = 16_384  # annotations waiting for the poster
+MAX_QUEUED_BYTES = 4 * 1024 * 1024  # their JSON, in all
 FLUSH_SHARE = 0.5  # of what is left of a flush's timeout, the most the poster is waited for
 CLOSE_GRACE_S = 0.25  # shutdown: the most the poster is waited for before its request is cut
 CLOSE_JOIN_S = 0.5  # then, the most its thread is waited for
 _VERSION = re.compile(rb"\s*\d+\.\d+")
 _KINDS = frozenset({"HUMAN", "LLM", c.OI_ANNOTATOR_CODE})
 _NOT_FORWARDED = frozenset({"content-type", "content-encoding", "content-length", "user-agent"})
-_CERTIFICATE_ENV = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
+_CERTIFICATE_ENV = (c.ENV_OTLP_TRACES_CERTIFICATE, c.ENV_OTLP_CERTIFICATE)
 
 
 # --- the option ------------------------------------------------------------------------------
@@ -409,14 +411,19 @@ class _Shutdown(_Wrapped):
         self.own()
 
 
-class _Request:
-    """One POST of the poster's queue: how many annotations, and the JSON body."""
+class _Batch:
+    """Annotations waiting for the poster, encoded: how many, and the items of their JSON array
+    without its brackets (so that batches queued together are sent as one request)."""
 
-    __slots__ = ("body", "count")
+    __slots__ = ("count", "items")
 
-    def __init__(self, count: int, body: bytes) -> None:
+    def __init__(self, count: int, items: bytes) -> None:
         self.count = count
-        self.body = body
+        self.items = items
+
+    def body(self) -> bytes:
+        """The request's body: Phoenix's ``{"data": [...]}``."""
+        return b'{"data": [' + self.items + b"]}"
 
 
 class PhoenixAnnotations:
@@ -436,15 +443,16 @@ class PhoenixAnnotations:
         self.exporter = exporter
         self.detect_timeout = detect_timeout
         self.post_timeout = post_timeout
-        self.max_queued_requests = MAX_QUEUED_REQUESTS
+        self.max_queued_annotations = MAX_QUEUED_ANNOTATIONS
         self.max_queued_bytes = MAX_QUEUED_BYTES
         self.phoenix: bool | None = None if detect else True  # None: not asked yet
         self.version: str | None = None
         self.stats = Stats()  # used when the exporter is not one of a run's (replay, own use)
         self._cond = threading.Condition()  # guards the queue, the request under way, closed
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[_Batch] = deque()
         self._queued_bytes = 0
-        self._current: _Request | None = None  # taken by the poster, its outcome not counted yet
+        self._queued_annotations = 0
+        self._current: _Batch | None = None  # taken by the poster, its outcome not counted yet
         self._deadline: _Deadline | None = None  # the request under way (aborted at shutdown)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -504,34 +512,35 @@ class PhoenixAnnotations:
             for start in range(0, len(annotations), MAX_ANNOTATIONS_PER_REQUEST):
                 part = annotations[start:start + MAX_ANNOTATIONS_PER_REQUEST]
                 try:
-                    body = json.dumps({"data": part}, ensure_ascii=False, allow_nan=False).encode()
+                    items = json.dumps(part, ensure_ascii=False, allow_nan=False).encode()[1:-1]
                 except (TypeError, ValueError) as exc:
                     self._lose("invalid", len(part))
                     self._report("invalid", f"annotations not encodable as JSON ({exception_text(exc)})")
                     continue
-                self._submit(_Request(len(part), body))
+                self._submit(_Batch(len(part), items))
         except BaseException as exc:  # noqa: BLE001 - a view never breaks delivery
             reraise_interrupt(exc)
             self._count("errors", 1)
             self._report("error", f"annotations: {exception_text(exc)}")
 
-    def _submit(self, request: _Request) -> None:
+    def _submit(self, batch: _Batch) -> None:
         with self._cond:
             if self._closed:
                 reason: str | None = "shutdown"
             elif time.monotonic() < self._resume_at:
                 reason = "paused"
-            elif (len(self._queue) >= self.max_queued_requests
-                  or self._queued_bytes + len(request.body) > self.max_queued_bytes):
+            elif (self._queued_annotations + batch.count > self.max_queued_annotations
+                  or self._queued_bytes + len(batch.items) > self.max_queued_bytes):
                 reason = "queue_full"
             else:
                 reason = None
-                self._queue.append(request)
-                self._queued_bytes += len(request.body)
+                self._queue.append(batch)
+                self._queued_bytes += len(batch.items)
+                self._queued_annotations += batch.count
                 self._start()
                 self._cond.notify_all()
         if reason is not None:
-            self._lose(reason, request.count)
+            self._lose(reason, batch.count)
 
     def _start(self) -> None:
         """Start the poster thread if it is not running (the first request; after a fork)."""
@@ -548,8 +557,7 @@ class PhoenixAnnotations:
                     self._cond.wait()
                 if self._closed:
                     return  # close() counted what was queued
-                request = self._queue.popleft()
-                self._queued_bytes -= len(request.body)
+                request = self._take()
                 self._current = request
             try:
                 outcome = self._handle(request)
@@ -563,7 +571,19 @@ class PhoenixAnnotations:
                     self._settle(request, outcome)
                 self._cond.notify_all()
 
-    def _handle(self, request: _Request) -> str | None:
+    def _take(self) -> _Batch:
+        """The queued batches that fit one request, as one (the caller holds ``_cond``)."""
+        taken = [self._queue.popleft()]
+        count = taken[0].count
+        while self._queue and count + self._queue[0].count <= MAX_ANNOTATIONS_PER_REQUEST:
+            taken.append(self._queue.popleft())
+            count += taken[-1].count
+        items = taken[0].items if len(taken) == 1 else b", ".join(batch.items for batch in taken)
+        self._queued_bytes -= sum(len(batch.items) for batch in taken)
+        self._queued_annotations -= count
+        return _Batch(count, items)
+
+    def _handle(self, request: _Batch) -> str | None:
         """Post one request; its outcome: ``posted``, a loss's reason, or None (not a Phoenix:
         never made)."""
         if self.phoenix is False:
@@ -577,7 +597,7 @@ class PhoenixAnnotations:
             if self.phoenix is None:  # no answer yet: lost, the next request asks again
                 return "shutdown" if self._closed else "detect"
         try:
-            self._post(request.body)
+            self._post(request.body())
         except _Failed as failed:
             if self._closed:
                 return "shutdown"  # cut by close(): not Phoenix's failure
@@ -591,7 +611,7 @@ class PhoenixAnnotations:
         self._pause = FIRST_PAUSE_S
         return "posted"
 
-    def _settle(self, request: _Request, outcome: str | None) -> None:
+    def _settle(self, request: _Batch, outcome: str | None) -> None:
         if outcome == "posted":
             self._count("posted", request.count)
         elif outcome is not None:
@@ -663,7 +683,7 @@ class PhoenixAnnotations:
                 self._closed = True
                 rest = list(self._queue)
                 self._queue.clear()
-                self._queued_bytes = 0
+                self._queued_bytes = self._queued_annotations = 0
                 deadline = self._deadline
                 self._cond.notify_all()
             for request in rest:

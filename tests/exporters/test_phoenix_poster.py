@@ -12,7 +12,9 @@ outcome (posted + lost == annotations made).
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otlp_sink import OtlpSink
 
 import otel_rollouts as otr
+from otel_rollouts import conventions as c
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations, annotations_of
 
 NAME = "OTLPSpanExporter"
@@ -249,7 +252,7 @@ def test_an_endpoint_that_never_answers_holds_no_delivery_and_shutdown_cuts_it(s
         layer = PhoenixAnnotations.attach(exporter, hostile.url)
         assert layer is not None
         layer.post_timeout = 60.0  # longer than the test: only shutdown ends the request
-        layer.max_queued_requests = 2
+        layer.max_queued_annotations = 2 * PER_EPISODE
         _configure(exporter)
         for step in range(5):
             _step(step, 2)
@@ -262,9 +265,28 @@ def test_an_endpoint_that_never_answers_holds_no_delivery_and_shutdown_cuts_it(s
         print(f"shutdown(4) took {took:.2f} s")
         assert took < 4.5  # the poster's share of it, then the request cut
     lost = _balance(10)
-    # one request (1 episode) was under way, 2 queued; the others did not fit the queue
-    assert set(lost) <= {"queue_full", "shutdown"} and PER_EPISODE <= lost["shutdown"] <= 3 * PER_EPISODE
+    # one request was under way (what was queued when the poster took it: 2 episodes at most), and
+    # 2 episodes' annotations queued behind it; the others did not fit the queue
+    assert set(lost) <= {"queue_full", "shutdown"} and PER_EPISODE <= lost["shutdown"] <= 4 * PER_EPISODE
     assert _total("annotations.failures") == 0 and _total("annotations.posted") == 0
+
+
+def test_a_steps_many_batches_are_posted_together_and_none_lost(sink: OtlpSink, otr_shutdown) -> None:
+    """One batch per kept episode: the poster sends what queued meanwhile in one request, so a
+    step's annotations neither wait a request each nor overflow the queue (Phoenix taking 0.2 s
+    a request here: one request per episode would take 20 s)."""
+    sink.control(phoenix_version="20.26.1", annotations_delay=0.2)
+    exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
+    assert PhoenixAnnotations.attach(exporter, "auto") is not None
+    _configure(exporter)
+    _step(0, 100)
+    assert otr.flush(30)
+    assert _delivered(sink, 100) and _total("annotations.posted") == 100 * PER_EPISODE
+    assert _balance(100) == {}
+    state = sink.state()
+    print(f"{state['requests']} span requests, {state['annotation_requests']} annotation requests")
+    assert state["annotation_requests"] < state["requests"] / 4
+    assert len({(a["span_id"], a["name"]) for a in sink.annotations()}) == 100 * PER_EPISODE
 
 
 def _episode_spans() -> list[Any]:
@@ -307,3 +329,41 @@ def test_a_redirected_version_request_is_not_followed(otr_shutdown) -> None:
             assert layer.phoenix is False  # the answer was a redirect, not Phoenix's version
             layer.close()
     assert layer.stats.snapshot()["totals"] == {}  # not a Phoenix: no annotation was made
+
+
+def _certificate(tmp_path: Path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+def test_over_tls_annotations_trust_the_exporters_ca_and_a_silent_handshake_is_cut(tmp_path: Path, monkeypatch,
+                                                                                  otr_shutdown) -> None:
+    cert, key = _certificate(tmp_path)
+    monkeypatch.setenv(c.ENV_OTLP_TRACES_CERTIFICATE, cert)
+    for name in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):  # requests lets them override the exporter's CA
+        monkeypatch.delenv(name, raising=False)
+    with OtlpSink(tmp_path / "sink", certfile=cert, keyfile=key) as tls_sink:
+        tls_sink.control(phoenix_version="20.26.1")
+        exporter = OTLPSpanExporter(endpoint=tls_sink.endpoint, timeout=5, certificate_file=cert)
+        layer = PhoenixAnnotations.attach(exporter, "auto")
+        assert layer is not None and layer.base.startswith("https://")
+        _configure(exporter)
+        _step(0, 3)
+        assert otr.flush(10)
+        assert len(tls_sink.annotations()) == 3 * PER_EPISODE and _total("annotations.posted") == 3 * PER_EPISODE
+        assert otr.shutdown(10)
+    spans = _episode_spans()
+    with Hostile("silent") as hostile:  # takes the connection, never answers the TLS handshake
+        layer = PhoenixAnnotations(f"https://127.0.0.1:{hostile.port}", detect=False, post_timeout=1.0)
+        layer.exported(spans)
+        _wait(lambda: layer.stats.total("annotations.lost.timeout.phoenix"), 5.0, "the handshake cut")
+        assert layer.stats.total("annotations.failures.timeout.phoenix") == 1
+        assert layer.last_post_s is not None and 1.0 <= layer.last_post_s < 1.8
+        layer.close()
