@@ -686,18 +686,17 @@ class PhoenixAnnotations:
                 self._queued_bytes = self._queued_annotations = 0
                 deadline = self._deadline
                 self._cond.notify_all()
-            for request in rest:
-                self._settle(request, "shutdown" if self.phoenix is not False or self._unanswered else None)
+            for batch in rest:
+                self._settle(batch, "shutdown" if self.phoenix is not False or self._unanswered else None)
             if deadline is not None:
                 deadline.abort()
             thread = self._thread
             if thread is not None and thread is not threading.current_thread():
                 thread.join(CLOSE_JOIN_S)
             with self._cond:  # a request still under way (a resolver that hangs): lost now
-                request = self._current
-                self._current = None
-                if request is not None:
-                    self._settle(request, "shutdown")
+                under_way, self._current = self._current, None
+                if under_way is not None:
+                    self._settle(under_way, "shutdown")
                 self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - shutdown of a view never raises
             reraise_interrupt(exc)
