@@ -49,10 +49,12 @@ The rules:
   ``annotations.lost.<exporter>`` (not posted), which is the sum of
   ``annotations.lost.<reason>.<exporter>`` over the reasons ``queue_full``, ``paused``,
   ``timeout``, ``redirect``, ``refused`` (an HTTP error status), ``unreachable`` (connection
-  refused or reset), ``detect`` (the version request had no answer), ``invalid`` (not encodable
-  as JSON), ``error`` (a bug of the layer, also counted in ``annotations.errors.<exporter>``) and
-  ``shutdown``. Requests that failed: ``annotations.failures.<exporter>``, the sum of
-  ``annotations.failures.<kind>.<exporter>`` (the same kinds); a failure's kind is logged once.
+  refused or reset, TLS), ``bad_answer`` (not HTTP), ``detect`` (the version request had no
+  answer), ``invalid`` (not encodable as JSON), ``error`` (a bug of the layer, also counted in
+  ``annotations.errors.<exporter>``) and ``shutdown``. Requests that failed:
+  ``annotations.failures.<exporter>``, the sum of ``annotations.failures.<kind>.<exporter>``
+  (``timeout``, ``redirect``, ``refused``, ``unreachable``, ``bad_answer``); a failure's kind is
+  logged once.
 """
 
 from __future__ import annotations
@@ -200,7 +202,6 @@ class _Deadline:
     bounded here: it runs on the poster thread, off the export path."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
         self.at = time.monotonic() + seconds
         self.cut = False  # the timer or abort() shut the request down
         self._lock = threading.Lock()
@@ -344,9 +345,9 @@ def _fetch(url: str, *, method: str, headers: Mapping[str, str], data: bytes | N
         if deadline.cut or _is_timeout(exc):
             raise _Failed("timeout", "timeout",
                           f"timed out: no complete answer within {timeout:g} s") from None
-        if isinstance(exc, (OSError, urllib.error.URLError, http.client.HTTPException)):
+        if isinstance(exc, OSError):  # URLError included: refused, reset, TLS, name unknown
             raise _Failed("unreachable", type(exc).__name__, exception_text(exc)) from None
-        raise _Failed("error", type(exc).__name__, exception_text(exc)) from None
+        raise _Failed("bad_answer", type(exc).__name__, exception_text(exc)) from None  # not HTTP
     finally:
         deadline.close()
 
