@@ -11,41 +11,67 @@ takes annotations through its REST API only: ``POST <base>/v1/span_annotations``
 ``PhoenixAnnotations.attach(exporter)`` is that one job, as a delivery layer: after an export of
 the stock OTLP/HTTP exporter returned ``SUCCESS``, the evaluations of every episode root span of
 the batch are posted to ``<base>/v1/span_annotations`` (``<base>``: the traces endpoint without
-``/v1/traces``). It wraps the exporter's ``export`` on the instance, the way ``OtlpProbe``
-wraps its transport, so that the exporter stays itself for every other layer (its name in
-``otr.stats()``, the request-size limit, the collector's answer). Without ``?sync=true`` Phoenix
-queues the annotations and postpones one whose span is not inserted yet (every 10 s, 60 times),
-so posting right after the spans is safe.
+``/v1/traces``). It wraps the exporter's ``export``, ``force_flush`` and ``shutdown`` on the
+instance, the way ``OtlpProbe`` wraps its transport, so that the exporter stays itself for every
+other layer (its name in ``otr.stats()``, the request-size limit, the collector's answer).
+Without ``?sync=true`` Phoenix queues the annotations and postpones one whose span is not
+inserted yet (every 10 s, 60 times), so posting right after the spans is safe.
 
 The rules:
 
-* Phoenix or not: asked once per exporter, on the sender thread, at its first successful export:
+* Off the export path. ``export`` only turns the batch's evaluations into JSON and queues
+  them; a poster thread of the layer's own (started at the first, a daemon) sends them.
+  A slow, hanging or hostile annotation endpoint never delays span delivery, nor loses it.
+* Bounded: the queue holds at most ``MAX_QUEUED_ANNOTATIONS`` annotations and ``MAX_QUEUED_BYTES``
+  of their JSON; what does not fit is lost (``queue_full``). The poster sends what is queued
+  together, up to ``MAX_ANNOTATIONS_PER_REQUEST`` a request, so it keeps up with a step's kept
+  episodes however many batches they came in. Each request, the detection included, has
+  one total deadline (connecting, sending, the status line, the headers and the body together:
+  a server answering one byte at a time is cut off at it, as is one that never answers). After a
+  failure, posting pauses (5 s, doubling up to 5 min) and the annotations of batches exported
+  meanwhile are lost (``paused``).
+* No redirect is followed. A 3xx is a failed request (``redirect``): following it would carry
+  the request, and the exporter's credentials, to wherever the answer points, and turn the POST
+  into a body-less GET. Credentials go only to Phoenix's base URL (the exporter's own host).
+* Phoenix or not: asked once per exporter, on the poster thread, before its first post:
   ``GET <base>/arize_phoenix_version`` answering 200 with a version number. Not a Phoenix: nothing
-  more is ever sent. ``OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS`` (``auto``, the default; ``on``: post
-  without asking; ``off``; or Phoenix's base URL, e.g. ``http://127.0.0.1:6006``) decides. A gRPC
-  exporter's endpoint is not Phoenix's HTTP port: there, annotations are posted only to a URL
-  given in that variable.
+  more is ever sent, and nothing counted. ``OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS`` (``auto``, the
+  default; ``on``: post without asking; ``off``; or Phoenix's base URL, e.g.
+  ``http://127.0.0.1:6006``) decides. A gRPC exporter's endpoint is not Phoenix's HTTP port:
+  there, annotations are posted only to a URL given in that variable.
 * Annotations are a view: what happens to them never changes the export's result, so never the
   delivery ledger (an episode is delivered when its spans are stored), and never raises.
-* Bounded: one batch at a time, on the sender thread, nothing queued. Each request has a short
-  timeout; after a failure, posting pauses (5 s, doubling up to 5 min) and the annotations of
-  batches exported meanwhile are counted lost, so that a slow Phoenix does not slow delivery.
-* Counted in ``otr.stats()`` totals, per exporter: ``annotations.posted.<exporter>``
-  (annotations Phoenix took), ``annotations.failures.<exporter>`` (requests that failed),
-  ``annotations.lost.<exporter>`` (annotations not posted); a failure's kind is logged once.
+* Flush and shutdown: the exporter's ``force_flush(timeout)`` waits for the poster for at most
+  half of what is left of its timeout; ``shutdown()`` waits at most ``CLOSE_GRACE_S``, then cuts
+  the request under way and counts what was not posted lost (``shutdown``).
+* Every annotation handed to the poster ends in exactly one outcome, counted in ``otr.stats()``
+  totals, per exporter: ``annotations.posted.<exporter>`` (Phoenix took them) or
+  ``annotations.lost.<exporter>`` (not posted), which is the sum of
+  ``annotations.lost.<reason>.<exporter>`` over the reasons ``queue_full``, ``paused``,
+  ``timeout``, ``redirect``, ``refused`` (an HTTP error status), ``unreachable`` (connection
+  refused or reset, TLS), ``bad_answer`` (not HTTP), ``detect`` (the version request had no
+  answer), ``invalid`` (not encodable as JSON), ``error`` (a bug of the layer, also counted in
+  ``annotations.errors.<exporter>``) and ``shutdown``. Requests that failed:
+  ``annotations.failures.<exporter>``, the sum of ``annotations.failures.<kind>.<exporter>``
+  (``timeout``, ``redirect``, ``refused``, ``unreachable``, ``bad_answer``); a failure's kind is
+  logged once.
 """
 
 from __future__ import annotations
 
+import functools
+import http.client
 import json
 import os
 import re
+import socket
 import ssl
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -85,10 +111,15 @@ MAX_ANNOTATIONS_PER_REQUEST = 500
 FIRST_PAUSE_S = 5.0
 MAX_PAUSE_S = 300.0
 MAX_DETECT_TRIES = 3  # unanswered version requests before giving up on an exporter
+MAX_QUEUED_ANNOTATIONS = 16_384  # annotations waiting for the poster
+MAX_QUEUED_BYTES = 4 * 1024 * 1024  # their JSON, in all
+FLUSH_SHARE = 0.5  # of what is left of a flush's timeout, the most the poster is waited for
+CLOSE_GRACE_S = 0.25  # shutdown: the most the poster is waited for before its request is cut
+CLOSE_JOIN_S = 0.5  # then, the most its thread is waited for
 _VERSION = re.compile(rb"\s*\d+\.\d+")
 _KINDS = frozenset({"HUMAN", "LLM", c.OI_ANNOTATOR_CODE})
 _NOT_FORWARDED = frozenset({"content-type", "content-encoding", "content-length", "user-agent"})
-_CERTIFICATE_ENV = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
+_CERTIFICATE_ENV = (c.ENV_OTLP_TRACES_CERTIFICATE, c.ENV_OTLP_CERTIFICATE)
 
 
 # --- the option ------------------------------------------------------------------------------
@@ -161,26 +192,239 @@ def _metadata(value: object) -> dict[str, object] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
+# --- one request, bounded in total -------------------------------------------------------------
+class _Deadline:
+    """One request's total time: connecting, sending, the status line, the headers and the body
+    together. Each connection attempt gets only what is left, and a timer shuts the request's
+    socket down at the deadline (a read timeout alone is reset by every byte a server trickles,
+    and does nothing while ``getresponse`` reads headers one line at a time). ``abort()`` does
+    the same at once (the layer's shutdown). Name resolution is the system resolver's and is not
+    bounded here: it runs on the poster thread, off the export path."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+        self.cut = False  # the timer or abort() shut the request down
+        self._lock = threading.Lock()
+        self._watched: list[socket.socket] = []  # a dup of each socket the request opened
+        self._done = False
+        self._timer = threading.Timer(max(seconds, 0.0), self.abort)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def connect(self, address: tuple[str, int], timeout: object = None,
+                source_address: tuple[str, int] | None = None) -> socket.socket:
+        """``socket.create_connection`` within the deadline (``http.client``'s hook for it):
+        every address tried gets what is left, not a timeout of its own."""
+        host, port = address
+        error: OSError | None = None
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+            left = self.left()
+            if left <= 0 or self.cut:
+                break
+            sock = socket.socket(family, kind, proto)
+            try:
+                self._watch(sock)
+                sock.settimeout(left)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                error = exc
+                sock.close()
+        raise error if error is not None and not self.cut else TimeoutError("the request's deadline passed")
+
+    def _watch(self, sock: socket.socket) -> None:
+        """Keep a duplicate of ``sock``'s descriptor: ``shutdown(2)`` on it cuts the connection
+        whatever object wraps the socket by then (TLS wraps it in a new one, mid-handshake too)."""
+        with self._lock:
+            if self.cut or self._done:
+                raise TimeoutError("the request's deadline passed")
+            self._watched.append(sock.dup())
+
+    def abort(self) -> None:
+        """Cut the request now: whatever it is waiting for returns at once, with an error."""
+        with self._lock:
+            if self._done:
+                return
+            self.cut = True
+            for sock in self._watched:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # not connected yet, or closed already
+                    pass
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._done = True
+            watched, self._watched = self._watched, []
+        for sock in watched:
+            sock.close()
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    """``http.client``'s connection, connecting within a ``_Deadline``."""
+
+    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self._create_connection = deadline.connect  # http.client's hook for making the socket
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """The TLS one (the handshake is cut at the deadline too: the socket is watched before it)."""
+
+    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self._create_connection = deadline.connect
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPConnection, deadline=self.deadline), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline, context: ssl.SSLContext | None) -> None:
+        super().__init__(context=context)
+        self.deadline = deadline
+        self.tls = context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPSConnection, deadline=self.deadline), req, context=self.tls)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is the answer, never followed (``urllib`` then raises it as an ``HTTPError``):
+    following it would send the request, and the exporter's credentials, wherever the answer
+    points, and make a POST a body-less GET."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:
+        return None
+
+
+class _Failed(Exception):
+    """A request that did not get a 2xx: ``kind`` (the counters' word), ``detail`` (logged)."""
+
+    def __init__(self, kind: str, log_kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.log_kind = log_kind
+        self.detail = detail
+
+
+def _fetch(url: str, *, method: str, headers: Mapping[str, str], data: bytes | None, timeout: float,
+           context: ssl.SSLContext | None, limit: int,
+           started: Callable[[_Deadline], None] = lambda deadline: None) -> tuple[int, bytes]:
+    """One request within ``timeout`` seconds in all, no redirect followed (``urllib`` for the
+    rest: the environment's proxies, TLS); (status, at most ``limit`` bytes of the body) of a 2xx
+    answer, else ``_Failed``. ``started`` is told the request's deadline (to abort it)."""
+    deadline = _Deadline(timeout)
+    started(deadline)
+    opener = urllib.request.build_opener(_NoRedirect(), _HTTPHandler(deadline), _HTTPSHandler(deadline, context))
+    request = urllib.request.Request(url, data=data, headers=dict(headers), method=method)
+    try:
+        with opener.open(request, timeout=max(deadline.left(), 0.001)) as response:
+            body = response.read(limit)
+            return response.status, body
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if 300 <= exc.code < 400:
+            raise _Failed("redirect", f"http.{exc.code}",
+                          f"HTTP {exc.code}, a redirect (not followed: give the final URL)") from None
+        raise _Failed("refused", f"http.{exc.code}", f"HTTP {exc.code} {exc.reason}") from None
+    except Exception as exc:  # noqa: BLE001 - down, slow, reset, cut at the deadline
+        if deadline.cut or _is_timeout(exc):
+            raise _Failed("timeout", "timeout",
+                          f"timed out: no complete answer within {timeout:g} s") from None
+        if isinstance(exc, OSError):  # URLError included: refused, reset, TLS, name unknown
+            raise _Failed("unreachable", type(exc).__name__, exception_text(exc)) from None
+        raise _Failed("bad_answer", type(exc).__name__, exception_text(exc)) from None  # not HTTP
+    finally:
+        deadline.close()
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    reason = getattr(exc, "reason", None)  # URLError wraps the socket's error
+    return isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
+
+
 # --- the layer ---------------------------------------------------------------------------------
-class _Export:
-    """The exporter's own ``export``, then the layer's job on ``SUCCESS``.
+class _Wrapped:
+    """One of the exporter's own methods (``inner``, an attribute set on the instance before
+    this one, else None: the class's method is then looked up at each call, so that a class
+    patched later, an instrumentation or a test's spy, is still the one called), with the
+    layer's part around it."""
 
-    ``inner``: an ``export`` set on the instance before this one, else None: the class's
-    ``export`` is then looked up at each call, so that a class patched later (an
-    instrumentation, a test's spy) is still the one that exports."""
+    method = ""
 
-    def __init__(self, exporter: SpanExporter, inner: Callable[[Sequence[ReadableSpan]], SpanExportResult] | None,
-                 layer: PhoenixAnnotations) -> None:
+    def __init__(self, exporter: SpanExporter, inner: Callable[..., Any] | None, layer: PhoenixAnnotations) -> None:
         self.exporter = exporter
         self.inner = inner
         self.layer = layer
 
-    def __call__(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def own(self, *args: Any) -> Any:
         inner = self.inner
-        result = inner(spans) if inner is not None else type(self.exporter).export(self.exporter, spans)
+        return inner(*args) if inner is not None else getattr(type(self.exporter), self.method)(self.exporter, *args)
+
+
+class _Export(_Wrapped):
+    """The exporter's ``export``, then, on ``SUCCESS``, the batch's annotations queued."""
+
+    method = "export"
+
+    def __call__(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = self.own(spans)
         if result is SpanExportResult.SUCCESS:
             self.layer.exported(spans)
         return result
+
+
+class _Flush(_Wrapped):
+    """The exporter's ``force_flush``, then the poster waited for (half of the time left at
+    most); the answer is the exporter's (annotations are a view)."""
+
+    method = "force_flush"
+
+    def __call__(self, timeout_millis: int = 30000) -> Any:
+        started = time.monotonic()
+        result = self.own(timeout_millis)
+        left = max(timeout_millis, 0) / 1000 - (time.monotonic() - started)
+        self.layer.wait_idle(left * FLUSH_SHARE)
+        return result
+
+
+class _Shutdown(_Wrapped):
+    """The poster stopped (what it did not post counted lost), then the exporter's ``shutdown``."""
+
+    method = "shutdown"
+
+    def __call__(self) -> None:
+        self.layer.close()
+        self.own()
+
+
+class _Batch:
+    """Annotations waiting for the poster, encoded: how many, and the items of their JSON array
+    without its brackets (so that batches queued together are sent as one request)."""
+
+    __slots__ = ("count", "items")
+
+    def __init__(self, count: int, items: bytes) -> None:
+        self.count = count
+        self.items = items
+
+    def body(self) -> bytes:
+        """The request's body: Phoenix's ``{"data": [...]}``."""
+        return b'{"data": [' + self.items + b"]}"
 
 
 class PhoenixAnnotations:
@@ -189,6 +433,7 @@ class PhoenixAnnotations:
     ``base``: Phoenix's base URL; ``detect``: ask ``/arize_phoenix_version`` first (``auto``);
     ``headers``: sent with each request (the exporter's own, for an authenticated Phoenix).
     ``exporter``: the exporter it is attached to, whose name and run its counts go under.
+    ``post_timeout`` / ``detect_timeout``: each request's total deadline, in seconds.
     """
 
     def __init__(self, base: str, *, detect: bool = True, headers: Mapping[str, str] | None = None,
@@ -199,10 +444,20 @@ class PhoenixAnnotations:
         self.exporter = exporter
         self.detect_timeout = detect_timeout
         self.post_timeout = post_timeout
+        self.max_queued_annotations = MAX_QUEUED_ANNOTATIONS
+        self.max_queued_bytes = MAX_QUEUED_BYTES
         self.phoenix: bool | None = None if detect else True  # None: not asked yet
         self.version: str | None = None
         self.stats = Stats()  # used when the exporter is not one of a run's (replay, own use)
-        self._lock = threading.Lock()  # one batch at a time
+        self._cond = threading.Condition()  # guards the queue, the request under way, closed
+        self._queue: deque[_Batch] = deque()
+        self._queued_bytes = 0
+        self._queued_annotations = 0
+        self._current: _Batch | None = None  # taken by the poster, its outcome not counted yet
+        self._deadline: _Deadline | None = None  # the request under way (aborted at shutdown)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._unanswered = False  # given up on detection for want of an answer
         self._tries = 0
         self._pause = FIRST_PAUSE_S
         self._resume_at = 0.0
@@ -239,96 +494,214 @@ class PhoenixAnnotations:
                 layer = cls(mode, detect=False, headers=headers if same_host else None, exporter=exporter)
             if current is None or not callable(current):
                 return None
-            own = vars(exporter).get("export") if hasattr(exporter, "__dict__") else None
-            exporter.export = _Export(exporter, own, layer)  # type: ignore[method-assign]
+            own = vars(exporter) if hasattr(exporter, "__dict__") else {}
+            wrapped = [(wrapper, own.get(wrapper.method)) for wrapper in (_Flush, _Shutdown, _Export)]
+            for wrapper, inner in wrapped:
+                setattr(exporter, wrapper.method, wrapper(exporter, inner, layer))
             return layer
         except Exception:  # noqa: BLE001 - an exporter we do not know: no annotations
             return None
 
-    # --- on the sender thread ----------------------------------------------------------------
+    # --- on the sender thread: queue, never send ---------------------------------------------
     def exported(self, spans: Sequence[ReadableSpan]) -> None:
-        """``spans`` were stored: post their episodes' evaluations. Never raises."""
+        """``spans`` were stored: queue their episodes' evaluations for the poster. Never raises,
+        never waits on the network."""
         try:
-            with self._lock:
-                self._exported(spans)
+            if self.phoenix is False:
+                return
+            annotations = annotations_of(spans)
+            for start in range(0, len(annotations), MAX_ANNOTATIONS_PER_REQUEST):
+                part = annotations[start:start + MAX_ANNOTATIONS_PER_REQUEST]
+                try:
+                    items = json.dumps(part, ensure_ascii=False, allow_nan=False).encode()[1:-1]
+                except (TypeError, ValueError) as exc:
+                    self._lose("invalid", len(part))
+                    self._report("invalid", f"annotations not encodable as JSON ({exception_text(exc)})")
+                    continue
+                self._submit(_Batch(len(part), items))
         except BaseException as exc:  # noqa: BLE001 - a view never breaks delivery
             reraise_interrupt(exc)
             self._count("errors", 1)
             self._report("error", f"annotations: {exception_text(exc)}")
 
-    def _exported(self, spans: Sequence[ReadableSpan]) -> None:
-        if self.phoenix is False:
-            return
-        annotations = annotations_of(spans)
-        if not annotations:
-            return
-        if time.monotonic() < self._resume_at:
-            self._count("lost", len(annotations))
-            return
-        if self.phoenix is None and not self._detect():
-            if self.phoenix is None:  # no answer yet: these are lost, the next batch asks again
-                self._count("lost", len(annotations))
-            return
-        for start in range(0, len(annotations), MAX_ANNOTATIONS_PER_REQUEST):
-            part = annotations[start:start + MAX_ANNOTATIONS_PER_REQUEST]
-            problem = self._post(part)
-            if problem is not None:
-                self._count("failures", 1)
-                self._count("lost", len(annotations) - start)
-                self._resume_at = time.monotonic() + self._pause
-                self._pause = min(self._pause * 2, MAX_PAUSE_S)
-                self._report(problem[0], f"posting annotations to {self.base}{ANNOTATIONS_PATH} failed "
-                                         f"({problem[1]}); paused, then retried with later batches")
-                return
-            self._count("posted", len(part))
-        self._pause = FIRST_PAUSE_S
+    def _submit(self, batch: _Batch) -> None:
+        with self._cond:
+            if self._closed:
+                reason: str | None = "shutdown"
+            elif time.monotonic() < self._resume_at:
+                reason = "paused"
+            elif (self._queued_annotations + batch.count > self.max_queued_annotations
+                  or self._queued_bytes + len(batch.items) > self.max_queued_bytes):
+                reason = "queue_full"
+            else:
+                reason = None
+                self._queue.append(batch)
+                self._queued_bytes += len(batch.items)
+                self._queued_annotations += batch.count
+                self._start()
+                self._cond.notify_all()
+        if reason is not None:
+            self._lose(reason, batch.count)
 
-    def _detect(self) -> bool:
-        """Ask once whether ``base`` is a Phoenix; True if it is."""
+    def _start(self) -> None:
+        """Start the poster thread if it is not running (the first request; after a fork)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="otel-rollouts-phoenix-annotations", daemon=True)
+            self._thread.start()
+
+    # --- the poster thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return  # close() counted what was queued
+                request = self._take()
+                self._current = request
+            try:
+                outcome = self._handle(request)
+            except BaseException as exc:  # noqa: BLE001 - the poster never dies
+                outcome = "error"
+                self._count("errors", 1)
+                self._report("error", f"annotations: {exception_text(exc)}")
+            with self._cond:
+                if self._current is request:  # else close() counted it already
+                    self._current = None
+                    self._settle(request, outcome)
+                self._cond.notify_all()
+
+    def _take(self) -> _Batch:
+        """The queued batches that fit one request, as one (the caller holds ``_cond``)."""
+        taken = [self._queue.popleft()]
+        count = taken[0].count
+        while self._queue and count + self._queue[0].count <= MAX_ANNOTATIONS_PER_REQUEST:
+            taken.append(self._queue.popleft())
+            count += taken[-1].count
+        items = taken[0].items if len(taken) == 1 else b", ".join(batch.items for batch in taken)
+        self._queued_bytes -= sum(len(batch.items) for batch in taken)
+        self._queued_annotations -= count
+        return _Batch(count, items)
+
+    def _handle(self, request: _Batch) -> str | None:
+        """Post one request; its outcome: ``posted``, a loss's reason, or None (not a Phoenix:
+        never made)."""
+        if self.phoenix is False:
+            return "detect" if self._unanswered else None
+        if time.monotonic() < self._resume_at:
+            return "paused"
+        if self.phoenix is None:
+            self._detect()
+            if self.phoenix is False:
+                return "detect" if self._unanswered else None
+            if self.phoenix is None:  # no answer yet: lost, the next request asks again
+                return "shutdown" if self._closed else "detect"
+        try:
+            self._post(request.body())
+        except _Failed as failed:
+            if self._closed:
+                return "shutdown"  # cut by close(): not Phoenix's failure
+            self._count(f"failures.{failed.kind}", 1)
+            self._count("failures", 1)
+            self._resume_at = time.monotonic() + self._pause
+            self._pause = min(self._pause * 2, MAX_PAUSE_S)
+            self._report(failed.log_kind, f"posting annotations to {self.base}{ANNOTATIONS_PATH} failed "
+                                          f"({failed.detail}); paused, then retried with later batches")
+            return failed.kind
+        self._pause = FIRST_PAUSE_S
+        return "posted"
+
+    def _settle(self, request: _Batch, outcome: str | None) -> None:
+        if outcome == "posted":
+            self._count("posted", request.count)
+        elif outcome is not None:
+            self._lose(outcome, request.count)
+
+    def _detect(self) -> None:
+        """Ask whether ``base`` is a Phoenix: ``phoenix`` becomes True or False, or stays None
+        (no answer; given up on, False, after ``MAX_DETECT_TRIES``)."""
         self._tries += 1
         try:
-            request = urllib.request.Request(self.base + VERSION_PATH, headers=self.headers, method="GET")
-            with self._open(request, self.detect_timeout) as response:
-                body = response.read(64)
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            status, body = exc.code, b""
-            exc.close()
-        except Exception as exc:  # noqa: BLE001 - no answer (down, slow): asked again later
-            if self._tries >= MAX_DETECT_TRIES:
+            status, body = _fetch(self.base + VERSION_PATH, method="GET", headers=self.headers, data=None,
+                                  timeout=self.detect_timeout, context=self._context, limit=64,
+                                  started=self._under_way)
+        except _Failed as failed:
+            if failed.kind == "redirect":
+                self.phoenix = False  # an answer: not Phoenix's (it answers its version itself)
+                self._report("detect", f"{self.base}{VERSION_PATH} answered {failed.detail}: "
+                                       f"no annotations are posted")
+            elif failed.kind == "refused":
                 self.phoenix = False
-                self._report("detect", f"no answer from {self.base}{VERSION_PATH} ({exception_text(exc)}) "
+            elif self._tries >= MAX_DETECT_TRIES and not self._closed:
+                self.phoenix = False
+                self._unanswered = True
+                self._report("detect", f"no answer from {self.base}{VERSION_PATH} ({failed.detail}) "
                                        f"after {self._tries} tries: no annotations are posted")
-            return False
+            return
         self.phoenix = status == 200 and _VERSION.match(body) is not None
         if self.phoenix:
             self.version = body.decode("ascii", "replace").strip()
-        return self.phoenix
 
-    def _post(self, annotations: list[dict[str, object]]) -> tuple[str, str] | None:
-        """One request; None when Phoenix took it, else (kind, what happened)."""
-        data = json.dumps({"data": annotations}, ensure_ascii=False, allow_nan=False).encode()
+    def _post(self, body: bytes) -> None:
+        """One request; returns when Phoenix took it, else raises ``_Failed``."""
         headers = {**self.headers, "Content-Type": "application/json"}
-        request = urllib.request.Request(self.base + ANNOTATIONS_PATH, data=data, headers=headers, method="POST")
         started = time.monotonic()
         try:
-            with self._open(request, self.post_timeout) as response:
-                response.read(4096)
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            reason = f"HTTP {exc.code} {exc.reason}"
-            exc.close()
-            return f"http.{exc.code}", reason
-        except Exception as exc:  # noqa: BLE001 - down, slow, reset: counted
-            return type(exc).__name__, exception_text(exc)
+            _fetch(self.base + ANNOTATIONS_PATH, method="POST", headers=headers, data=body,
+                   timeout=self.post_timeout, context=self._context, limit=4096, started=self._under_way)
         finally:
             self.last_post_s = time.monotonic() - started
-        return None if 200 <= status < 300 else (f"http.{status}", f"HTTP {status}")
 
-    def _open(self, request: urllib.request.Request, timeout: float) -> Any:
-        if self._context is not None and request.full_url.startswith("https://"):
-            return urllib.request.urlopen(request, timeout=timeout, context=self._context)
-        return urllib.request.urlopen(request, timeout=timeout)  # http(s) only (parse_mode)
+    def _under_way(self, deadline: _Deadline) -> None:
+        """The poster's request under way: cut at once if the layer is closing."""
+        with self._cond:
+            self._deadline = deadline
+            closed = self._closed
+        if closed:
+            deadline.abort()
+
+    # --- flush and shutdown -------------------------------------------------------------------
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every queued request has an outcome; True if
+        so. Never raises."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            while self._queue or self._current is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return True
+
+    def close(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Stop the poster: wait ``grace`` seconds at most for it to finish, then cut the request
+        under way; what was not posted is lost (``shutdown``). Later batches are lost too. Never
+        raises; bounded by ``grace`` + ``CLOSE_JOIN_S``."""
+        try:
+            self.wait_idle(grace)
+            with self._cond:
+                self._closed = True
+                rest = list(self._queue)
+                self._queue.clear()
+                self._queued_bytes = self._queued_annotations = 0
+                deadline = self._deadline
+                self._cond.notify_all()
+            for batch in rest:
+                self._settle(batch, "shutdown" if self.phoenix is not False or self._unanswered else None)
+            if deadline is not None:
+                deadline.abort()
+            thread = self._thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(CLOSE_JOIN_S)
+            with self._cond:  # a request still under way (a resolver that hangs): lost now
+                under_way, self._current = self._current, None
+                if under_way is not None:
+                    self._settle(under_way, "shutdown")
+                self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - shutdown of a view never raises
+            reraise_interrupt(exc)
+            self._count("errors", 1)
 
     # --- counting and reporting --------------------------------------------------------------
     def _where(self) -> tuple[Stats, str]:
@@ -344,6 +717,11 @@ class PhoenixAnnotations:
     def _count(self, what: str, n: int) -> None:
         stats, name = self._where()
         stats.add(f"annotations.{what}.{name}", n)
+
+    def _lose(self, reason: str, n: int) -> None:
+        """``n`` annotations not posted, for ``reason``: in all and by reason."""
+        self._count("lost", n)
+        self._count(f"lost.{reason}", n)
 
     def _report(self, kind: str, message: str) -> None:
         _, name = self._where()

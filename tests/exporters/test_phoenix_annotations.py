@@ -161,7 +161,8 @@ def test_posts_each_batchs_evaluations_to_a_phoenix(sink: OtlpSink, otr_shutdown
     assert totals[f"annotations.posted.{NAME}"] == len(posted) == 5 * len(EPISODES)
     assert totals[f"delivered.{NAME}"] == len(EPISODES)
     state = sink.state()
-    assert state["annotation_requests"] == state["requests"]  # one post per export that stored spans
+    # at most one post per export that stored spans (batches queued together go in one post)
+    assert 1 <= state["annotation_requests"] <= state["requests"]
     assert layer.last_post_s is not None and layer.last_post_s < phoenix.POST_TIMEOUT_S
 
 
@@ -216,7 +217,7 @@ def test_phoenix_refusing_annotations_loses_annotations_never_episodes(sink: Otl
     assert sink.annotations() == [] and len(sink.roots()) == len(EPISODES)
 
 
-def test_a_slow_phoenix_holds_delivery_up_for_the_timeout_only(sink: OtlpSink, otr_shutdown, caplog):
+def test_a_slow_phoenix_never_holds_delivery_up(sink: OtlpSink, otr_shutdown, caplog):
     sink.control(phoenix_version="20.26.1", annotations_delay=5.0)
     exporter = OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)
     layer = PhoenixAnnotations.attach(exporter)
