@@ -287,6 +287,14 @@ class CountingExporter(SpanExporter):
             self.counts.failure(count_episodes(spans))
             self.counts.log_once("export.FAILURE", "export returned FAILURE (will retry from the spool)")
             return FAILED
+        if answer is not None and answer.unreadable:
+            # a 2xx whose body is no OTLP response (junk after a partial_success, a proxy's
+            # page): nothing says what was stored, so nothing of this request counts as stored
+            self.counts.log_once("export.unconfirmed",
+                                 f"the collector accepted a request with {answer.message}; its "
+                                 "episodes are counted dropped (unconfirmed), not delivered")
+            self.counts.dropped("unconfirmed", spans)
+            return OK
         if answer is not None and answer.rejected_spans > 0:
             # the collector says how many spans it rejected, not which: no episode of this
             # request is confirmed stored

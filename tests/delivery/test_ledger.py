@@ -33,6 +33,8 @@ from suite_paths import with_test_paths
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 
+_LOST = "dropped"  # the prefix of what delivery lost, per reason and exporter
+
 # --- helpers -----------------------------------------------------------------------------------
 
 
@@ -260,6 +262,84 @@ def test_a_partial_success_is_not_counted_delivered(otr_shutdown, sink, answer, 
     assert otr.stats()["totals"][f"dropped.{reason}.OTLPSpanExporter"] == 3
     assert books["1/train"]["delivered"] == 2  # the next request went through: stored, counted
     _assert_balanced("OTLPSpanExporter")
+
+
+class _AnsweringCollector:
+    """A real OTLP/HTTP endpoint on loopback (``http.server`` in a thread) that takes every
+    request and answers 200 with the body ``answer(spans in the request)`` and ``content_type``:
+    a collector, or a proxy in front of one, whose answer is not what OTLP says it must be."""
+
+    def __init__(self, answer, content_type: str = "application/x-protobuf") -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        owner = self
+        self.requests = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                request = ExportTraceServiceRequest.FromString(data)
+                spans = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                owner.requests += 1
+                body = answer(spans)
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def _rejecting_all(spans: int) -> bytes:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    response = ExportTraceServiceResponse()
+    response.partial_success.rejected_spans = spans
+    response.partial_success.error_message = "every span rejected"
+    return response.SerializeToString()
+
+
+@pytest.mark.parametrize(("answer", "content_type", "reason"), [
+    # what the red team sent: a partial_success rejecting every span, then junk bytes
+    (lambda n: _rejecting_all(n) + b"junk after the response", "application/x-protobuf", "unconfirmed"),
+    (lambda n: b"<html><body>OK</body></html>", "text/html", "unconfirmed"),  # a proxy's page
+    (lambda n: b'{"partialSuccess": {"rejectedSpans": "%d"}}' % n, "application/json", "rejected"),
+], ids=["partial-success-then-junk", "html-page", "json-partial-success"])
+def test_a_2xx_answer_that_confirms_nothing_is_never_counted_delivered(otr_shutdown, answer, content_type,
+                                                                        reason):
+    """A 200 whose body is no readable OTLP response (a ``partial_success`` rejecting every span
+    followed by junk bytes; a proxy's HTML page) says nothing of what was stored: every episode
+    is dropped under ``unconfirmed``, none delivered (on the previous main the body was taken as
+    "nothing rejected": 12 counted delivered, 0 stored). An answer in OTLP/JSON is read as such."""
+    collector = _AnsweringCollector(answer, content_type)
+    try:
+        otr.configure(exporters=[OTLPSpanExporter(endpoint=collector.endpoint, timeout=5)],
+                      sampler=otr.TailSampler(100, "first"), handle_signals=False)
+        _episodes(0, 12)
+        otr.end_step(0)
+        assert otr.shutdown(timeout=30)
+    finally:
+        collector.close()
+    assert collector.requests >= 1
+    totals = otr.stats()["totals"]
+    assert totals.get("delivered.OTLPSpanExporter", 0) == 0, totals
+    assert totals.get(f"{_LOST}.{reason}.OTLPSpanExporter", 0) == 12, totals
+    books = _assert_balanced("OTLPSpanExporter")
+    assert books["kept"] == books["dropped"] == 12
 
 
 # --- exit ----------------------------------------------------------------------------------------
