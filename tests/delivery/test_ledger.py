@@ -272,7 +272,9 @@ class _AnsweringCollector:
     def __init__(self, answer, content_type: str = "application/x-protobuf") -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
 
         owner = self
         self.requests = 0
