@@ -77,9 +77,7 @@ def books(totals: dict[str, int], exporter: str) -> dict[str, int]:
     left in the spool for the next process (``undelivered_at_exit.<exporter>``, not a loss), or
     dropped under a named reason."""
     suffix = f".{exporter}"
-    dropped = sum(v for k, v in totals.items()
-                  if k.startswith("dropped.") and k.endswith(suffix)
-                  and k != f"dropped.oversize_spans{suffix}" and not k.startswith("dropped.adopted."))
+    dropped = sum(v for k, v in totals.items() if k.startswith("lost.") and k.endswith(suffix))
     return {
         "kept": totals.get("kept", 0),
         "delivered": totals.get(f"delivered{suffix}", 0),

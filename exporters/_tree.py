@@ -42,6 +42,40 @@ def root_of(spans: Sequence[ReadableSpan]) -> ReadableSpan | None:
     return None
 
 
+def broken_root(spans: Sequence[ReadableSpan]) -> str | None:
+    """Why the spans of one trace that ``root_of`` finds no root in are a broken trace (spans from
+    elsewhere: a replayed file, another SDK), or None when they are a fragment of a trace whose
+    root was exported apart (late spans: every parent chain leaves these spans).
+
+    Broken: an episode span that has a parent (itself, or one in a cycle: no root at all), spans
+    whose parents form a cycle, or a span without a parent that is not marked an episode root.
+    The record path makes none of these; a viewer cannot show them as an episode."""
+    by_id = {s.context.span_id: s for s in spans}
+    for span in spans:
+        parent = span.parent
+        if parent is not None and parent.span_id == span.context.span_id:
+            return f"span {hex_id(span.context.span_id)} ({span.name!r}) is its own parent"
+    for span in spans:
+        chain: list[int] = []
+        current: ReadableSpan | None = span
+        while current is not None and current.parent is not None:
+            sid = current.context.span_id
+            if sid in chain:
+                cycle = chain[chain.index(sid):]
+                return "spans " + ", ".join(hex_id(i) for i in cycle) + " form a parent cycle"
+            chain.append(sid)
+            current = by_id.get(current.parent.span_id)
+    for span in spans:
+        if kind_of(span) == c.KIND_EPISODE and span.parent is not None:
+            return (f"the episode span {hex_id(span.context.span_id)} ({span.name!r}) has a parent "
+                    f"({hex_id(span.parent.span_id)}) that is not in the trace")
+    for span in spans:
+        if span.parent is None:
+            return (f"span {hex_id(span.context.span_id)} ({span.name!r}) has no parent but is not "
+                    f"marked an episode root ({c.RL_SPAN_KIND}={c.KIND_EPISODE} missing)")
+    return None
+
+
 def ordered(spans: Sequence[ReadableSpan]) -> list[tuple[int, ReadableSpan]]:
     """Depth-first (depth, span) in start-time order; orphans hang under the root level."""
     ids = {s.context.span_id for s in spans}

@@ -66,6 +66,7 @@ from otel_rollouts._core.messages import as_text, attach_tool_call, to_openai
 from otel_rollouts._core.redaction import Redactor
 from otel_rollouts._core.values import fits_int64
 from otel_rollouts.exporters._tree import (
+    broken_root,
     by_trace,
     duration_ms,
     hex_id,
@@ -725,6 +726,8 @@ NOT_STORED_UNSTORABLE = "unstorable"  # a value Trackio cannot store (see ``_uns
 NOT_STORED_DIR_UNUSABLE = "trackio_dir_unusable"  # TRACKIO_DIR (or a parent) is a file: never writable
 NOT_STORED_READ_ONLY = "trackio_read_only"  # TRACKIO_DIR or the database cannot be written
 NOT_STORED_WRITE_FAILED = "trackio_write_failed"  # the write left it out, for no reason we could name
+NOT_STORED_NO_ROOT = "no_episode_root"  # a broken tree: no span is its episode root (see ``broken_root``)
+_BROKEN_LOGGED = 20  # broken traces named one by one in the log, the rest counted
 # (a locked database and a full disk are transient: the export fails and is retried instead)
 # what makes trackio.init log to a remote server instead of the local database
 _TRACKIO_REMOTE_ENV = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")
@@ -1041,6 +1044,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         self._not_stored_lock = threading.Lock()
         self._warned_unstorable = False
         self._warned_problems: set[str] = set()
+        self.broken_traces = 0  # traces refused for a broken tree (``broken_root``)
         # watched prompts: table key -> its history rows (bounded), and (step, key) tables due
         self._watch: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
         self._watch_due: set[tuple[int, str]] = set()
@@ -1126,10 +1130,16 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
 
         episodes: list[_Episode] = []
         unstorable: list[int] = []  # reported only when the export succeeds (a retry finds them again)
+        broken: list[int] = []  # the same, for traces whose tree has no episode root
         for trace_id, group in by_trace(spans).items():
             root = root_of(group)
             if root is None:
-                self.skipped_fragments += len(group)
+                problem = broken_root(group)
+                if problem is None:  # late spans of an episode exported before: nothing to store
+                    self.skipped_fragments += len(group)
+                else:
+                    broken.append(trace_id)
+                    self._log_broken(trace_id, problem)
                 continue
             attrs = root.attributes or {}
             step = attrs.get(c.RL_STEP)
@@ -1165,7 +1175,20 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         result = self._write(episodes)
         if result is SpanExportResult.SUCCESS and unstorable:
             self._not_stored_add(NOT_STORED_UNSTORABLE, unstorable)
+        if result is SpanExportResult.SUCCESS and broken:
+            self._not_stored_add(NOT_STORED_NO_ROOT, broken)
         return result
+
+    def _log_broken(self, trace_id: int, problem: str) -> None:
+        """Name a trace refused for its broken tree (the first ``_BROKEN_LOGGED`` one by one: a
+        replayed file of thousands of them says so without a line each)."""
+        self.broken_traces += 1
+        if self.broken_traces <= _BROKEN_LOGGED:
+            logger.warning("otel_rollouts: TrackioExporter: trace %s not stored: %s, so it has no episode "
+                           "root (counted %s)", hex_id(trace_id, 32), problem, NOT_STORED_NO_ROOT)
+        elif self.broken_traces == _BROKEN_LOGGED + 1:
+            logger.warning("otel_rollouts: TrackioExporter: more traces without an episode root; the "
+                           "rest are counted (%s), not named", NOT_STORED_NO_ROOT)
 
     def _write(self, episodes: list[_Episode]) -> SpanExportResult:
         """Log ``episodes`` to Trackio and confirm them (see ``export``)."""

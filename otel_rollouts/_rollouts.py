@@ -416,8 +416,10 @@ class Rollouts(_runtime.Runtime):
             self._stop_lock.release()
 
     def stats(self) -> dict[str, Any]:
-        """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late), totals,
-        and per exporter what was delivered, spooled, pending and dropped."""
+        """Counters: per ``"step/split"`` the sampler's (started, seen, kept, dropped.<reason>,
+        late: ``seen = kept + dropped.*``) and delivery's per exporter (``ledger.entered``,
+        ``delivered``, ``lost.<reason>``: ``kept = delivered + lost.* + pending``), totals, and
+        per exporter what was delivered, spooled, pending and dropped (lost) now."""
         if self.counters is None:
             return {"totals": {}, "steps": {}}
         snapshot = self.counters.snapshot()
@@ -509,7 +511,7 @@ def configure(
       waiting in memory for it; past that the oldest go to the spool (or are dropped, counted,
       without one).
     * ``max_queue_bytes``: the bytes of kept episodes waiting to be rendered; past that a kept
-      episode is dropped, counted (``dropped.queue_full``), never waited for.
+      episode is lost, counted (``lost.queue_full.<exporter>``), never waited for.
     * ``render``: where kept episodes are rendered (redaction, views, encoding) and exported:
       ``"thread"`` (default; a thread of this process) or ``"process"`` (a renderer process that
       owns the exporters, off this process's GIL; see ``otel_rollouts.delivery.process``); env
@@ -640,7 +642,8 @@ def shutdown(timeout: float = 30.0) -> bool:
 
 
 def stats() -> dict[str, Any]:
-    """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late) and totals.
+    """Counters: per ``"step/split"`` (started, seen, kept, dropped.<reason>, late; and per
+    exporter ledger.entered, delivered, lost.<reason>) and totals; see ``Rollouts.stats``.
 
     After ``shutdown()`` (and until the next ``configure()``) the final totals of the last run.
     """

@@ -131,7 +131,7 @@ def _demo(args: argparse.Namespace) -> int:
              if args.watch else "")
     print(f"episodes: {totals.get('seen', 0)} seen, {totals.get('kept', 0)} kept "
           f"(cap {args.cap} per step, policy {args.policy}{watch}), "
-          f"{sum(v for k, v in totals.items() if k.startswith('dropped.'))} dropped")
+          f"{totals.get('seen', 0) - totals.get('kept', 0)} dropped")  # by the sampler: seen = kept + dropped
     if run_name is None and not delivered:
         print(f"traces: none kept (cap {args.cap}), nothing written to Trackio")
         return 0

@@ -100,7 +100,7 @@ def ledger_balances_with_trackio(faults: list[str], cap: int) -> None:
         for step, counts in stats["steps"].items():
             entered = counts.get(f"ledger.entered.{name}", 0)
             delivered = counts.get(f"delivered.{name}", 0)
-            dropped = sum(v for k, v in counts.items() if k.startswith("dropped.") and k.endswith("." + name))
+            dropped = sum(v for k, v in counts.items() if k.startswith("lost.") and k.endswith("." + name))
             assert counts.get("kept", 0) == entered == delivered + dropped, (faults, name, step, counts)
         assert stats["delivery"][name]["pending"] == 0, (faults, name)
     in_trackio = stored(db)

@@ -223,7 +223,7 @@ def test_soak_with_faults_on_a_schedule(tmp_path):
     kept = result["kept"]
     assert totals["kept"] == 8 * len(result["rss"])  # the cap, every step
     # on a starved machine the export queue may overflow: every such loss must be counted
-    assert len(kept) == totals["kept"] - totals.get("dropped.queue_full.episodes", 0)
+    assert len(kept) == totals["kept"] - totals.get("lost.queue_full.Ledger", 0)
     # delivered == kept, for the exporters that were down or raising along the way. Delivery is
     # at least once: a request that timed out after the receiver had stored it is sent again,
     # with the same ids (a receiver or a collector de-duplicates by span id)

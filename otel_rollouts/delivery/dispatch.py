@@ -220,14 +220,12 @@ class Delivery:
         is closed or its trace id is pending already."""
         key = (record.step, record.split)
         if self.closed:  # kept as the run was being shut down or reconfigured
-            self.stats.add("dropped.after_shutdown.episodes")
             self.ledger.dropped_unentered(key, "after_shutdown")
             record.release(keep_root=True)
             return False
         if not self.ledger.enter(record.trace_id, key):
             # another episode with this trace id is still being delivered (ids made from a seed
             # that repeats): exporting both would merge two episodes into one trace
-            self.stats.add("dropped.duplicate_trace_id")
             self.ledger.dropped_unentered(key, "duplicate_trace_id")
             record.release(keep_root=True)
             return False
@@ -270,9 +268,12 @@ class Delivery:
         self._put(("spans", spans, 0), "spans", 0)
 
     def _put(self, item: object, what: str, size: int) -> bool:
-        """Queue ``item`` (``size`` bytes of memory); False (counted) when it cannot be."""
+        """Queue ``item`` (``size`` bytes of memory); False (counted) when it cannot be. A kept
+        episode refused is counted by the caller's ledger, per exporter (``lost.queue_full.
+        <exporter>``), never here: ``dropped.*`` is the sampler's for episodes."""
         if self.closed:  # a span of an episode begun before shutdown or reconfiguration
-            self.stats.add(f"dropped.after_shutdown.{what}")
+            if what != "episodes":
+                self.stats.add(f"dropped.after_shutdown.{what}")
             return False
         with self._bytes_lock:
             fits = self._queued_bytes + size <= self.max_queue_bytes or self._queued_bytes == 0
@@ -285,15 +286,19 @@ class Delivery:
             except queue.Full:
                 with self._bytes_lock:
                     self._queued_bytes -= size
-        self.stats.add(f"dropped.queue_full.{what}")
+        key = f"lost.queue_full.{self.ledger.exporters[0]}" if what == "episodes" and self.ledger.exporters \
+            else f"dropped.queue_full.{what}"
+        if what != "episodes":
+            self.stats.add(key)
         self.warner.warn(
             f"queue_full.{what}",
-            "export queue full (%d items, %d of %d bytes); dropping %s. Total dropped: %s (otr.stats())",
+            "export queue full (%d items, %d of %d bytes); dropping %s. Total dropped before: %s (%s in otr.stats())",
             self._queue.maxsize,
             self._queued_bytes,
             self.max_queue_bytes,
             what,
-            self.stats.total(f"dropped.queue_full.{what}"),
+            self.stats.total(key),
+            key,
         )
         return False
 
@@ -459,8 +464,7 @@ class Delivery:
                 spans = [self.materializer.foreign(s) for s in payload]
         except BaseException as exc:  # noqa: BLE001 - rendering must never kill the thread
             self.stats.add("errors.materialize")
-            if kind == "episode":
-                self.stats.add("dropped.render_error")
+            if kind == "episode":  # counted lost.render_error.<exporter> by the ledger
                 self.ledger.dropped_traces(None, (payload.trace_id,), "render_error")
                 payload.release(keep_root=True)
             else:

@@ -122,7 +122,7 @@ class DeliveryCounts:
     """The typed counters of one exporter's delivery, behind ``otr.stats()``.
 
     Every count of the delivery layers goes through a method here, so the keys (``delivered.
-    <exporter>``, ``dropped.<reason>.<exporter>``...) are written in one place. What happened to
+    <exporter>``, ``lost.<reason>.<exporter>``...) are written in one place. What happened to
     episodes is decided by the ``Ledger`` from what happened to their spans; without one (a layer
     used on its own, in front of a user's exporter), a private ledger counts episodes by their
     root spans."""
@@ -195,18 +195,14 @@ class DeliveryCounts:
             self.name,
             episodes,
             reason,
-            self.stats.total(f"dropped.{reason}.{self.name}"),
+            self.stats.total(f"lost.{reason}.{self.name}"),
         )
 
     def dropped_episodes(self) -> int:
         """Episodes this exporter lost, every reason together (spans are not episodes)."""
         totals = self.stats.snapshot()["totals"]
         suffix = "." + self.name
-        return sum(
-            v for k, v in totals.items()
-            if k.startswith("dropped.") and k.endswith(suffix) and k != self.key("dropped.oversize_spans")
-            and not k.startswith("dropped.adopted.")
-        )
+        return sum(v for k, v in totals.items() if k.startswith("lost.") and k.endswith(suffix))
 
     def total(self, what: str) -> int:
         return self.stats.total(self.key(what))
@@ -287,6 +283,14 @@ class CountingExporter(SpanExporter):
             self.counts.failure(count_episodes(spans))
             self.counts.log_once("export.FAILURE", "export returned FAILURE (will retry from the spool)")
             return FAILED
+        if answer is not None and answer.unreadable:
+            # a 2xx whose body is no OTLP response (junk after a partial_success, a proxy's
+            # page): nothing says what was stored, so nothing of this request counts as stored
+            self.counts.log_once("export.unconfirmed",
+                                 f"the collector accepted a request with {answer.message}; its "
+                                 "episodes are counted dropped (unconfirmed), not delivered")
+            self.counts.dropped("unconfirmed", spans)
+            return OK
         if answer is not None and answer.rejected_spans > 0:
             # the collector says how many spans it rejected, not which: no episode of this
             # request is confirmed stored

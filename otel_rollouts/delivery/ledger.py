@@ -9,16 +9,23 @@ spans belong to. An episode leaves ``pending`` for an exporter exactly once:
 - **delivered** when every span it was rendered with was confirmed stored by that exporter (a
   call of ``export`` that returned ``SUCCESS``, less what the exporter reported it did not
   store: OTLP ``partial_success``, Trackio's checked write);
-- **dropped** under a reason the first time any of its spans is given up (queue full, render
+- **lost** under a reason the first time any of its spans is given up (queue full, render
   error, oversize, refused by the collector, spool full, exit deadline...). Spans of it that are
   stored later change nothing.
+
+The counters, per step and in the totals, per exporter: ``ledger.entered.<exporter>`` (every kept
+episode: the sampler's ``kept``) = ``delivered.<exporter>`` + ``lost.<reason>.<exporter>`` (each
+reason) + ``undelivered_at_exit.<exporter>`` (left in a persistent spool) + pending. They are
+apart from the sampler's ``dropped.<reason>`` (episodes the sampler did not keep), so that per
+step ``seen = kept + dropped.*`` and ``kept = delivered + lost.* (+ left, + pending)`` each add up.
 
 Reports about an episode that is not pending (a retried request the receiver had stored after
 all, a hung ``export`` that returns after shutdown counted it lost) are ignored: no episode is
 counted twice. Episodes a previous run left in a ``spool_dir`` enter when this process first
 reads their batch (``adopt``: ``ledger.adopted.<exporter>``, in the step their root names).
 A ledger made for one layer used on its own (``auto_enter``) has nobody to enter episodes: it
-counts the roots it sees instead, as the layers did before the ledger.
+counts the roots it sees instead, as the layers did before the ledger (in the totals only, and
+also as ``adopted.delivered.<exporter>`` / ``adopted.lost.<exporter>``: episodes never entered).
 
 Memory: one small entry per *pending* episode (its step, a map of its span ids to bits, and one
 int per exporter: the bits still outstanding); a decided episode leaves nothing behind.
@@ -67,9 +74,10 @@ def _roots(spans: Iterable[ReadableSpan]) -> list[int]:
 class Ledger:
     """Kept episodes by trace id, per exporter: pending, delivered, dropped (with a reason).
 
-    Thread-safe; the counters it writes are the ``otr.stats()`` keys ``delivered.<exporter>``,
-    ``dropped.<reason>.<exporter>`` and ``dropped.<reason>`` (totals and per step), so no other
-    code writes them."""
+    Thread-safe; the counters it writes are the ``otr.stats()`` keys ``ledger.entered.<exporter>``,
+    ``delivered.<exporter>``, ``lost.<reason>.<exporter>`` and ``undelivered_at_exit.<exporter>``
+    (totals and per step), so no other code writes them. An episode lost by every exporter is
+    counted once per exporter: no total over exporters is kept (it would count pairs)."""
 
     def __init__(self, stats: Stats, exporters: Sequence[str], *, auto_enter: bool = False) -> None:
         self.stats = stats
@@ -100,7 +108,7 @@ class Ledger:
 
     def dropped_unentered(self, key: StepKey, reason: str) -> None:
         """A kept episode that could not enter (its trace id is pending already, or delivery
-        was closed): dropped for every exporter, counted in its step."""
+        was closed): lost for every exporter, counted in its step."""
         for name in self.exporters:
             self.stats.step(key, f"ledger.entered.{name}")
         self._count_dropped([(i, key) for i in range(len(self.exporters))], reason)
@@ -191,7 +199,7 @@ class Ledger:
                 self.stats.step(key, f"delivered.{exporter}")
         if adopted:
             self.stats.add(f"delivered.{exporter}", adopted)
-            self.stats.add(f"delivered.adopted.{exporter}", adopted)
+            self.stats.add(f"adopted.delivered.{exporter}", adopted)
 
     def dropped(self, exporter: str, spans: Sequence[ReadableSpan], reason: str) -> int:
         """``exporter`` gave ``spans`` up for ``reason``: every pending episode one of them belongs
@@ -228,7 +236,7 @@ class Ledger:
                     entry.outstanding[i] = None
                     dropped.append((i, entry.key))
                     if reason is not None:
-                        self.stats.step(entry.key, f"dropped.{reason}.{self.exporters[i]}")
+                        self.stats.step(entry.key, f"lost.{reason}.{self.exporters[i]}")
                 self._forget_if_done(trace_id, entry)
         return dropped
 
@@ -237,7 +245,7 @@ class Ledger:
         per_exporter: dict[int, int] = {}
         for i, key in dropped:
             if not counted:
-                self.stats.step(key, f"dropped.{reason}.{self.exporters[i]}")
+                self.stats.step(key, f"lost.{reason}.{self.exporters[i]}")
             per_exporter[i] = per_exporter.get(i, 0) + 1
         for i, n in per_exporter.items():
             self._count_drop(self.exporters[i], reason, n, stepped=True)
@@ -247,15 +255,14 @@ class Ledger:
         """``n`` episodes this process never entered (a previous run's spool) dropped."""
         if n > 0:
             self._count_drop(exporter, reason, n)
-            self.stats.add(f"dropped.adopted.{exporter}", n)
+            self.stats.add(f"adopted.lost.{exporter}", n)
             return n
         return 0
 
     def _count_drop(self, exporter: str, reason: str, n: int, stepped: bool = False) -> None:
         """Totals of a drop (``stepped``: the per-exporter total came with the step's count)."""
         if not stepped:
-            self.stats.add(f"dropped.{reason}.{exporter}", n)
-        self.stats.add(f"dropped.{reason}", n)
+            self.stats.add(f"lost.{reason}.{exporter}", n)
         listener = self._listeners.get(exporter)
         if listener is not None:
             try:
@@ -273,7 +280,7 @@ class Ledger:
         """Decide whatever is still pending: an episode whose batch waits in a persistent spool
         (``left_in_spool[exporter]``: their trace ids) is counted ``undelivered_at_exit.<exporter>``
         (the next process configured with that spool_dir delivers it); the rest is lost,
-        ``dropped.undelivered_at_exit.<exporter>``. Returns the episodes lost per exporter."""
+        ``lost.undelivered_at_exit.<exporter>``. Returns the episodes lost per exporter."""
         lost: dict[str, int] = {}
         for name in self.exporters:
             spooled = left_in_spool.get(name, set())
@@ -291,7 +298,7 @@ class Ledger:
     # --- reading -----------------------------------------------------------------------------
     def report(self, counters: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
         """Per exporter: episodes pending now, and how many of them per ``"step/split"`` (the
-        rest of the books is in the ``delivered``/``dropped`` counters: ``counters(exporter)``
+        rest of the books is in the ``delivered``/``lost`` counters: ``counters(exporter)``
         reads them under the same lock, so an episode is never counted both pending and
         delivered, or neither)."""
         with self._lock:

@@ -8,7 +8,10 @@ delivered), and a refused request must be split or dropped, never retried as it 
 request refused twice in a row once stopped all later delivery to that exporter).
 
 ``OtlpProbe.attach(exporter)`` wraps the exporter's transport (HTTP) or stub (gRPC) so that the
-last response of the calling thread is kept: its status, and the spans it rejected. It touches
+last response of the calling thread is kept: its status, and the spans it rejected. A 2xx body
+that is not an ``ExportTraceServiceResponse`` (junk appended to one, a proxy's HTML page, a cut
+message) confirms nothing: what the collector stored is unknown, so the answer says
+``unreadable`` and no episode of that request counts as delivered. It touches
 two private attributes of the SDK's exporters, in this module only; for an exporter it does not
 recognise it returns None and delivery falls back to ``SUCCESS``/``FAILURE``.
 """
@@ -31,24 +34,34 @@ _REFUSED_GRPC = frozenset({"INVALID_ARGUMENT"})
 @dataclass(frozen=True)
 class Answer:
     """The collector's answer to the last request: ``refused`` (for good: split or drop),
-    ``rejected_spans`` of an accepted request (``partial_success``), and its message."""
+    ``rejected_spans`` of an accepted request (``partial_success``), and its message;
+    ``unreadable``: an accepted request whose body is no OTLP response, so nothing of it is
+    confirmed stored."""
 
     refused: bool = False
     rejected_spans: int = 0
     message: str = ""
     code: str = ""
+    unreadable: bool = False
 
 
-def _partial(body: bytes) -> tuple[int, str]:
-    """(rejected spans, message) of an ``ExportTraceServiceResponse`` body; (0, "") if none."""
+def _partial(body: bytes, content_type: str = "") -> tuple[int, str] | None:
+    """(rejected spans, message) of an ``ExportTraceServiceResponse`` body ((0, "") when the body
+    is empty: a collector may answer nothing); None when the body is not that message, in
+    protobuf or, when ``content_type`` says JSON, in OTLP/JSON: junk, HTML, a cut message."""
     if not body:
         return 0, ""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
     try:
-        response = ExportTraceServiceResponse.FromString(body)
-    except Exception:  # noqa: BLE001 - a body that is not the response (JSON, HTML): nothing rejected
-        return 0, ""
+        if "json" in content_type.lower():
+            from google.protobuf import json_format
+
+            response = json_format.Parse(body, ExportTraceServiceResponse(), ignore_unknown_fields=True)
+        else:
+            response = ExportTraceServiceResponse.FromString(body)
+    except Exception:  # noqa: BLE001 - not the response: what was stored is unknown
+        return None
     return _from_response(response)
 
 
@@ -116,8 +129,7 @@ class _HttpTransport:
             status = getattr(result, "status_code", None)
             if isinstance(status, int):
                 if 200 <= status < 300:
-                    rejected, message = _partial(result.content())
-                    self._probe._set(Answer(rejected_spans=rejected, message=message, code=str(status)))
+                    self._probe._set(_accepted(result, status))
                 else:
                     self._probe._set(Answer(refused=status in _REFUSED_HTTP,
                                             message=str(getattr(result, "reason", "") or ""),
@@ -128,6 +140,22 @@ class _HttpTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _accepted(result: Any, status: int) -> Answer:
+    """The answer of a 2xx ``result``: what its body says was rejected, or ``unreadable``."""
+    body = result.content()
+    try:
+        content_type = str(result.headers().get("content-type") or "")
+    except Exception:  # noqa: BLE001 - a transport without headers: read the body as protobuf
+        content_type = ""
+    partial = _partial(body, content_type)
+    if partial is None:
+        shown = bytes(body[:40]).decode("ascii", "backslashreplace")
+        return Answer(unreadable=True, code=str(status),
+                      message=f"a {len(body)}-byte body that is no OTLP response ({shown!r}...)")
+    rejected, message = partial
+    return Answer(rejected_spans=rejected, message=message, code=str(status))
 
 
 class _StubFactory:

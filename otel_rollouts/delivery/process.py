@@ -664,8 +664,9 @@ class ProcessDelivery(Delivery):
             clean, replaced = _scrubbed(wire)
             self.stats.add("render.process.unpicklable_values", replaced)
             return pickle.dumps((what, clean), _PROTOCOL)
-        except Exception:  # noqa: BLE001
-            self.stats.add(f"dropped.{UNPICKLABLE}.{what}")
+        except Exception:  # noqa: BLE001 - a kept episode: counted lost.unpicklable.<exporter> by the ledger
+            if what != "episode":
+                self.stats.add(f"dropped.{UNPICKLABLE}.{what}")
             return None
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
@@ -727,7 +728,8 @@ class ProcessDelivery(Delivery):
         ``count=False``: a control message (start, flush, stop), never refused."""
         size = len(data)
         if self.closed and count:
-            self.stats.add(f"dropped.after_shutdown.{what}s" if what == "episode" else f"dropped.after_shutdown.{what}")
+            if what != "episode":  # a kept episode is counted by the ledger (lost.<reason>.<exporter>)
+                self.stats.add(f"dropped.after_shutdown.{what}")
             return False
         with self._bytes_lock:
             # control messages (start, flush, stop) always go
@@ -741,11 +743,14 @@ class ProcessDelivery(Delivery):
                 self._wake.notify()
             return True
         label = "episodes" if what == "episode" else what
-        self.stats.add(f"dropped.queue_full.{label}")
+        key = f"lost.queue_full.{self.ledger.exporters[0]}" if what == "episode" and self.ledger.exporters \
+            else f"dropped.queue_full.{label}"
+        if what != "episode":  # a kept episode is counted by the ledger (lost.queue_full.<exporter>)
+            self.stats.add(key)
         self.warner.warn(f"queue_full.{label}",
-                         "renderer queue full (%d items, %d of %d bytes); dropping %s. Total dropped: %s (otr.stats())",
-                         len(self._items), self._bytes, self.max_queue_bytes, label,
-                         self.stats.total(f"dropped.queue_full.{label}"))
+                         "renderer queue full (%d items, %d of %d bytes); dropping %s. Total dropped before: %s "
+                         "(%s in otr.stats())",
+                         len(self._items), self._bytes, self.max_queue_bytes, label, self.stats.total(key), key)
         return False
 
     # --- the writer thread: the pipe to the child, started and restarted here ------------------

@@ -127,7 +127,7 @@ def test_counting_layer_honours_take_not_stored():
     counting = otr.CountingExporter(NotStoring())
     counting.export(_batch(3))
     assert counting.counts.total("delivered") == 2
-    assert counting.counts.stats.total("dropped.trackio_skipped") == 1
+    assert counting.counts.stats.total("lost.trackio_skipped.NotStoring") == 1
     assert counting.counts.dropped_episodes() == 1
 
 
@@ -167,7 +167,7 @@ def test_splitting_layer_drops_a_span_larger_than_the_limit_counted():
     splitting = otr.SplittingExporter(memory, 2_000, counts)
     batch = _batch(1, text_bytes=5_000) + _batch(2, start=5, text_bytes=10)
     splitting.export(batch)
-    assert counts.stats.total("dropped.oversize") == 1
+    assert counts.stats.total("lost.oversize.memory") == 1
     assert count_episodes(memory.get_finished_spans()) == 2
 
 
@@ -286,7 +286,7 @@ def test_sender_without_a_spool_counts_what_a_failing_exporter_loses():
     try:
         sender.export(_batch(3))
         assert sender.wait_idle(time.monotonic() + 30, through_outage=True)
-        assert inner.counts.stats.total("dropped.spool_unavailable") == 3
+        assert inner.counts.stats.total("lost.spool_unavailable.Failing") == 3
         assert sender.counts.dropped_episodes() == 3 and sender.pending_episodes() == 0
     finally:
         sender.shutdown()

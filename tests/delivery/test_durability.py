@@ -114,7 +114,7 @@ def test_a_damaged_spool_file_is_quarantined_counted_and_blocks_nothing(tmp_path
     assert len(delivered) == len(set(delivered))
     totals = otr.stats()["totals"]
     assert totals.get("spool.quarantined._Receiver") == 1
-    assert totals.get("dropped.spool_damaged._Receiver", 0) == victim_episodes
+    assert totals.get("lost.spool_damaged._Receiver", 0) == victim_episodes
     assert otr.stats()["delivery"]["_Receiver"]["dropped"] == victim_episodes
     assert os.path.lexists(victim.parent / "quarantine" / victim.name)
     assert not victim.exists() and not victim.is_symlink()
@@ -364,7 +364,7 @@ def test_a_trace_trackio_cannot_store_is_counted_lost_not_delivered(otr_shutdown
     assert otr.shutdown(timeout=60)
     delivery = otr.stats()["delivery"]["Unfiltered"]
     assert delivery["delivered"] == 2 and delivery["dropped"] == 1
-    assert otr.stats()["totals"]["dropped.unstorable.Unfiltered"] == 1
+    assert otr.stats()["totals"]["lost.unstorable.Unfiltered"] == 1
     db = sqlite3.connect(Path(os.environ["TRACKIO_DIR"]) / f"{project}.db")
     try:
         assert db.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 2  # the step's others are stored

@@ -28,11 +28,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from otr_helpers import traces
 from profiles import examples
 from suite_paths import with_test_paths
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+
+_LOST = "lost"  # the prefix of what delivery lost, per reason and exporter
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -56,7 +59,7 @@ def _books(name: str) -> dict[str, dict[str, int]]:
             continue
         suffix = "." + name
         delivered = counts.get(f"delivered.{name}", 0)
-        dropped = sum(v for k, v in counts.items() if k.startswith("dropped.") and k.endswith(suffix))
+        dropped = sum(v for k, v in counts.items() if k.startswith(_LOST + ".") and k.endswith(suffix))
         left = counts.get(f"undelivered_at_exit.{name}", 0)
         out[step] = {"kept": counts.get("kept", 0), "entered": entered, "delivered": delivered,
                      "dropped": dropped, "left": left}
@@ -145,7 +148,7 @@ def test_refused_requests_in_a_row_never_stop_later_delivery(otr_shutdown, sink,
     totals = otr.stats()["totals"]
     assert books["delivered"] == len(received) >= 30  # every later episode arrived...
     assert max(received.values()) == 1  # ...once
-    assert books["dropped"] == totals.get("dropped.refused.OTLPSpanExporter", 0)
+    assert books["dropped"] == totals.get("lost.refused.OTLPSpanExporter", 0)
     assert totals["export.refused.OTLPSpanExporter"] >= 2
     assert sink.state()["script"] == []  # every scripted refusal was met
 
@@ -195,7 +198,7 @@ def test_a_grpc_ok_whose_partial_success_rejects_every_span_is_not_delivered(otr
     books = _books("OTLPSpanExporter")
     assert books["0/train"]["delivered"] == 0 and books["0/train"]["dropped"] == 1
     assert books["1/train"]["delivered"] == 1
-    assert otr.stats()["totals"]["dropped.rejected.OTLPSpanExporter"] == 1
+    assert otr.stats()["totals"]["lost.rejected.OTLPSpanExporter"] == 1
     _assert_balanced("OTLPSpanExporter")
 
 
@@ -258,9 +261,89 @@ def test_a_partial_success_is_not_counted_delivered(otr_shutdown, sink, answer, 
     assert otr.shutdown(timeout=30)
     books = _books("OTLPSpanExporter")
     assert books["0/train"]["delivered"] == 0 and books["0/train"]["dropped"] == 3
-    assert otr.stats()["totals"][f"dropped.{reason}.OTLPSpanExporter"] == 3
+    assert otr.stats()["totals"][f"lost.{reason}.OTLPSpanExporter"] == 3
     assert books["1/train"]["delivered"] == 2  # the next request went through: stored, counted
     _assert_balanced("OTLPSpanExporter")
+
+
+class _AnsweringCollector:
+    """A real OTLP/HTTP endpoint on loopback (``http.server`` in a thread) that takes every
+    request and answers 200 with the body ``answer(spans in the request)`` and ``content_type``:
+    a collector, or a proxy in front of one, whose answer is not what OTLP says it must be."""
+
+    def __init__(self, answer, content_type: str = "application/x-protobuf") -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        owner = self
+        self.requests = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                request = ExportTraceServiceRequest.FromString(data)
+                spans = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                owner.requests += 1
+                body = answer(spans)
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def _rejecting_all(spans: int) -> bytes:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    response = ExportTraceServiceResponse()
+    response.partial_success.rejected_spans = spans
+    response.partial_success.error_message = "every span rejected"
+    return response.SerializeToString()
+
+
+@pytest.mark.parametrize(("answer", "content_type", "reason"), [
+    # what the red team sent: a partial_success rejecting every span, then junk bytes
+    (lambda n: _rejecting_all(n) + b"junk after the response", "application/x-protobuf", "unconfirmed"),
+    (lambda n: b"<html><body>OK</body></html>", "text/html", "unconfirmed"),  # a proxy's page
+    (lambda n: b'{"partialSuccess": {"rejectedSpans": "%d"}}' % n, "application/json", "rejected"),
+], ids=["partial-success-then-junk", "html-page", "json-partial-success"])
+def test_a_2xx_answer_that_confirms_nothing_is_never_counted_delivered(otr_shutdown, answer, content_type,
+                                                                        reason):
+    """A 200 whose body is no readable OTLP response (a ``partial_success`` rejecting every span
+    followed by junk bytes; a proxy's HTML page) says nothing of what was stored: every episode
+    is dropped under ``unconfirmed``, none delivered (on the previous main the body was taken as
+    "nothing rejected": 12 counted delivered, 0 stored). An answer in OTLP/JSON is read as such."""
+    collector = _AnsweringCollector(answer, content_type)
+    try:
+        otr.configure(exporters=[OTLPSpanExporter(endpoint=collector.endpoint, timeout=5)],
+                      sampler=otr.TailSampler(100, "first"), handle_signals=False)
+        _episodes(0, 12)
+        otr.end_step(0)
+        assert otr.shutdown(timeout=30)
+    finally:
+        collector.close()
+    assert collector.requests >= 1
+    totals = otr.stats()["totals"]
+    assert totals.get("delivered.OTLPSpanExporter", 0) == 0, totals
+    assert totals.get(f"{_LOST}.{reason}.OTLPSpanExporter", 0) == 12, totals
+    books = _assert_balanced("OTLPSpanExporter")
+    assert books["kept"] == books["dropped"] == 12
 
 
 # --- exit ----------------------------------------------------------------------------------------
@@ -282,7 +365,7 @@ def test_an_episode_inside_a_hung_export_at_shutdown_is_counted_lost_once(config
     assert pending["InMemorySpanExporter"]["pending"] == 0
     assert otr.shutdown(timeout=1.0) is False  # it could not deliver everything in time
     totals = otr.stats()["totals"]
-    assert totals["dropped.undelivered_at_exit.Hostile"] == 4, totals
+    assert totals["lost.undelivered_at_exit.Hostile"] == 4, totals
     books = _assert_balanced("Hostile")
     assert books["delivered"] == 0
     _assert_balanced("InMemorySpanExporter")
@@ -307,7 +390,7 @@ def test_shutdown_against_a_fast_failing_exporter_backs_off(otr_shutdown):
     cpu = time.process_time() - cpu
     assert failing.calls < 40, failing.calls
     assert cpu < 2.0, cpu
-    assert otr.stats()["totals"]["dropped.undelivered_at_exit.Hostile"] == 3
+    assert otr.stats()["totals"]["lost.undelivered_at_exit.Hostile"] == 3
     _assert_balanced("Hostile")
 
 
@@ -321,6 +404,63 @@ def test_reconfigure_is_bounded_by_the_previous_runs_exit_timeout(otr_shutdown):
     otr.configure(exporters=[InMemorySpanExporter()], handle_signals=False)
     assert time.monotonic() - start < 4.0
     assert failing.calls < 20
+
+
+# --- one meaning per count ----------------------------------------------------------------------
+
+
+def test_with_a_full_render_queue_every_count_has_one_meaning_and_the_totals_add_up(configured):
+    """The sampler's books and delivery's are apart: per step ``seen = kept + dropped.<reason>``
+    (the sampler's reasons only), and per exporter ``kept = ledger.entered = delivered +
+    lost.<reason> (+ pending)``. The render thread is held (a deferred prompt that blocks, as a
+    slow decode would) behind a queue of 8, so most kept episodes are lost for ``queue_full``.
+    On the previous main those were also counted ``dropped.queue_full.<exporter>`` in their step
+    (and ``dropped.queue_full``, ``dropped.queue_full.episodes`` in the totals) beside the sampler's
+    ``dropped.sampled_out``: kept + dropped came to more than the episodes seen (the red team's
+    3,200 kept + 97,263 dropped of 100,000)."""
+    from otel_rollouts._core.content import Deferred
+
+    slow = Hostile()
+    memory = configured(4, "first", also=[slow], handle_signals=False, max_queue=8)
+    gate, rendering = threading.Event(), threading.Event()
+
+    def blocked() -> list:
+        rendering.set()
+        gate.wait(60)
+        return [{"role": "user", "content": "hello"}]
+
+    try:
+        for step in range(10):
+            for i in range(50):
+                with otr.episode(step=step, sample_index=i) as ep:
+                    ep.prompt(Deferred(blocked) if step == i == 0 else f"question {step}/{i}")
+                    ep.reward(float(i))
+                if step == i == 0:  # kept ("first") and taken by the render thread, which waits
+                    assert rendering.wait(30)
+            otr.end_step(step)
+    finally:
+        gate.set()
+    assert otr.shutdown(timeout=30)
+    stats = otr.stats()
+    names = ("InMemorySpanExporter", "Hostile")
+    for label, counts in stats["steps"].items():
+        sampler_dropped = sum(v for k, v in counts.items() if k.startswith("dropped."))
+        assert counts["started"] == counts["seen"] == counts["kept"] + sampler_dropped == 50, (label, counts)
+        assert counts["kept"] == 4 and counts["dropped.sampled_out"] == 46, (label, counts)
+        for name in names:
+            lost = sum(v for k, v in counts.items() if k.startswith("lost.") and k.endswith("." + name))
+            assert counts["kept"] == counts[f"ledger.entered.{name}"] == (
+                counts.get(f"delivered.{name}", 0) + lost), (label, name, counts)
+    totals = stats["totals"]
+    assert totals["started"] == totals["seen"] == 500
+    assert totals["seen"] == totals["kept"] + sum(v for k, v in totals.items() if k.startswith("dropped."))
+    for name in names:
+        books = _assert_balanced(name)
+        # one in rendering, 8 queued: the other 31 kept were lost to the full queue, counted once
+        assert books["kept"] == 40 and books["delivered"] == 9, books
+        assert totals[f"lost.queue_full.{name}"] == books["dropped"] == 31, totals
+        assert stats["delivery"][name]["dropped"] == 31 and stats["delivery"][name]["pending"] == 0
+    assert len(traces(memory)) == 9 and len(slow.roots()) == 9
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -394,7 +534,7 @@ def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(
     otr.end_step(0)
     assert otr.shutdown(timeout=60)
     assert held < 16 * 1024 * 1024, f"{held / 2**20:.1f} MiB held for 40 x 1 MB episodes"
-    dropped = otr.stats()["totals"]["dropped.queue_full.InMemorySpanExporter"]
+    dropped = otr.stats()["totals"]["lost.queue_full.InMemorySpanExporter"]
     assert 25 <= dropped < 40
     books = _assert_balanced("InMemorySpanExporter")
     assert books["delivered"] == 41 - dropped

@@ -289,3 +289,62 @@ def test_replay_to_trackio_counts_a_trace_trackio_skipped_as_not_delivered(tmp_p
     err = capsys.readouterr().err
     assert "2 traces" in err and "1 traces" in err and "not stored: unstorable" in err, err
     assert _stored_ids(project) == sorted([ids["a"], ids["c"]])
+
+
+def _broken(line: dict[str, Any], trace: str, how: str) -> None:
+    """Break trace ``trace`` (hex id) of an OTLP/JSON request in place: its root made its own
+    parent, its root and prompt made each other's parent, or its root stripped of its kind."""
+    spans = [s for rs in line["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]
+             if s["traceId"] == trace]
+    if not spans:
+        return
+    root = next(s for s in spans if not s.get("parentSpanId"))
+    prompt = next(s for s in spans if s["name"] == "prompt")
+    if how == "own-parent":
+        root["parentSpanId"] = root["spanId"]
+    elif how == "cycle":
+        root["parentSpanId"] = prompt["spanId"]
+    else:  # no kind: nothing marks it as the episode root
+        kinds = (c.RL_SPAN_KIND, c.GEN_AI_OPERATION_NAME)
+        root["attributes"] = [a for a in root["attributes"] if a["key"] not in kinds]
+
+
+@pytest.mark.parametrize(("how", "problem"), [
+    ("own-parent", "is its own parent"),
+    ("cycle", "form a parent cycle"),
+    ("no-kind", "has no parent but is not marked an episode root"),
+])
+def test_replay_to_trackio_refuses_a_trace_without_an_episode_root_and_says_which(
+        tmp_path, capsys, caplog, otr_shutdown, how, problem):
+    """A replayed trace whose root is its own parent, whose root and prompt are each other's
+    parent, or whose root lacks its kind attributes has no episode root: Trackio stores nothing
+    of it. It is refused, named with its problem, counted not stored, and the exit status is 1
+    (on the previous main: "2 traces delivered", exit 0, and Trackio held 1)."""
+    from otel_rollouts.delivery.replay import main
+    from otel_rollouts.exporters import OtlpJsonFileExporter
+
+    path = tmp_path / "rollouts.jsonl"
+    otr.configure(exporters=[OtlpJsonFileExporter(str(path))], sampler=otr.TailSampler(100, "first"),
+                  handle_signals=False)
+    ids = {}
+    for name in ("good", "broken"):
+        with otr.episode(step=0, episode_id=name) as ep:
+            ep.prompt("question")
+            ep.reward(1.0)
+            ids[name] = ep.trace_id
+    otr.end_step(0)
+    assert otr.shutdown(timeout=10)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        _broken(line, ids["broken"], how)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    project = _project()
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="otel_rollouts"):
+        assert main([str(path), "--to", "trackio", "--project", project]) == 1
+    err = capsys.readouterr().err
+    assert "delivery failed: 1 traces" in err and "1 traces (" in err and "of 2 traces read" in err, err
+    assert "not stored: no_episode_root" in err, err
+    named = [r.getMessage() for r in caplog.records if ids["broken"] in r.getMessage()]
+    assert len(named) == 1 and problem in named[0], caplog.text
+    assert _stored_ids(project) == [ids["good"]]  # what the real Trackio storage holds

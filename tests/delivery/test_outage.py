@@ -134,7 +134,7 @@ def test_spool_cap_drops_the_oldest_first_and_counts_them(sink, tmp_path, otr_sh
     report = _delivery()
     dropped = report["dropped"]
     assert 0 < dropped < 40
-    assert otr.stats()["totals"]["dropped.spool_full"] == dropped  # every drop is a spool_full one
+    assert otr.stats()["totals"]["lost.spool_full.OTLPSpanExporter"] == dropped  # every drop is a spool_full one
     assert report["delivered"] >= 40 - dropped
     received = {r["trace_id"] for r in sink.roots()}
     assert received <= set(kept)  # nothing but kept episodes arrives
@@ -217,7 +217,7 @@ def test_slow_receiver_never_blocks_training_and_everything_arrives(sink, tmp_pa
         otr.flush(timeout=1)
         # the loop finished while the receiver had taken at most a few of the 30 requests
         assert sink.state()["accepted"] < 10
-        assert otr.stats()["totals"].get("dropped.queue_full.episodes", 0) == 0
+        assert otr.stats()["totals"].get("lost.queue_full.OTLPSpanExporter", 0) == 0
         sink.control(delay=0)
         _wait(lambda: _delivery()["delivered"] >= 30, what="delivery through a slow receiver")
     finally:
@@ -238,7 +238,7 @@ def test_full_queue_drops_are_counted_and_warned_once_per_interval(tmp_path, con
         with otr.episode(step=0) as ep:
             ep.reward(float(i))
     otr.end_step(0)
-    dropped = otr.stats()["totals"]["dropped.queue_full.episodes"]
+    dropped = otr.stats()["totals"]["lost.queue_full.InMemorySpanExporter"]
     assert dropped >= 15
     assert sum("export queue full" in r.getMessage() for r in caplog.records) == 1
     release.set()
@@ -291,7 +291,7 @@ def test_spool_directory_that_cannot_be_created_drops_counted_not_raised(sink, t
     _episodes(0, 3)
     otr.flush(timeout=3)
     _wait(lambda: _delivery()["dropped"] == 2, what="drops counted")
-    assert otr.stats()["totals"]["dropped.spool_unavailable"] == 2
+    assert otr.stats()["totals"]["lost.spool_unavailable.OTLPSpanExporter"] == 2
 
 
 class _Receiver(InMemorySpanExporter):
@@ -347,4 +347,4 @@ def test_a_batch_the_receiver_always_refuses_is_dropped_counted_and_does_not_sta
     assert otr.shutdown(timeout=30)
     roots = {s.context.trace_id for s in receiver.get_finished_spans() if s.name == c.SPAN_EPISODE}
     assert len(roots) == 9 and receiver.poison not in roots
-    assert otr.stats()["totals"]["dropped.rejected"] == 1
+    assert otr.stats()["totals"]["lost.rejected._Receiver"] == 1

@@ -125,7 +125,7 @@ def test_killed_renderer_counts_in_flight_and_restarts(tmp_path: Path) -> None:
     os.kill(renderer.process.pid, signal.SIGKILL)
     assert renderer.dead.wait(30)
     totals = otr.stats()["totals"]
-    assert totals["dropped.renderer_died.OtlpJsonFileExporter"] == 3
+    assert totals["lost.renderer_died.OtlpJsonFileExporter"] == 3
     assert totals["render.process.died"] == 1
     _episodes(2, 4)  # the next items start a new renderer
     assert otr.flush(30)
@@ -165,7 +165,7 @@ def test_hung_renderer_is_terminated_within_timeout(tmp_path: Path) -> None:
     assert renderer.process.poll() is not None
     totals = otr.stats()["totals"]
     assert totals["delivered.OtlpJsonFileExporter"] == 1
-    assert totals["dropped.undelivered_at_exit.OtlpJsonFileExporter"] == 2
+    assert totals["lost.undelivered_at_exit.OtlpJsonFileExporter"] == 2
 
 
 class _Locked(InMemorySpanExporter):
@@ -250,7 +250,7 @@ def test_trackio_exporter_delivers_from_the_renderer_process() -> None:
     otr.shutdown(30)
     # the step's summary went to the renderer's copy too: this process's exporter never wrote
     assert exporter._run is None
-    assert not [k for k in otr.stats()["totals"] if k.startswith(("errors.", "dropped."))]
+    assert not [k for k in otr.stats()["totals"] if k.startswith(("errors.", "dropped.", "lost."))]
 
 
 def test_a_forked_process_lets_go_of_the_renderers_pipes(tmp_path):

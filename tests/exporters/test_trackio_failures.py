@@ -81,7 +81,7 @@ def _assert_contained(result: dict, stderr: str, dropped_as: str | None = None) 
     assert result["delivery"]["TrackioExporter"]["delivered"] == 0  # nothing was stored
     totals = result["totals"]
     if dropped_as is not None:
-        assert totals.get(f"dropped.{dropped_as}.TrackioExporter") == 12, totals  # counted, by name
+        assert totals.get(f"lost.{dropped_as}.TrackioExporter") == 12, totals  # counted, by name
     else:
         failures = sum(v for k, v in totals.items() if k.endswith(".TrackioExporter")
                        and k.startswith(("errors.", "export.failures.")))
