@@ -34,7 +34,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, jsonable, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
-from otel_rollouts._core.logprobs import TokenView, Totals, read_array, totals_of
+from otel_rollouts._core.logprobs import TokenView, Totals, read_tokens, totals_of
 from otel_rollouts._core.spans import (
     ATTRIBUTE_RESERVE,
     DROPPED,
@@ -246,14 +246,15 @@ def record_logprobs(span: SpanRecord, logprobs: object, trainer_logprobs: object
                     mask: object = None, decode: Any = None) -> None:
     """A generation's train–inference mismatch: its statistics on ``span`` and added to its
     episode's root; its worst tokens as Deferred attributes (computed only if kept). A value that
-    is not per-token numbers, or lengths that disagree, is flagged on the span naming the field."""
+    is not per-token numbers (a 1-D sequence: a 2-D one is refused, not flattened), or lengths
+    that disagree, is flagged on the span naming the field (and the shape)."""
     arrays = []
     for field_name, value in (("logprobs", logprobs), ("trainer_logprobs", trainer_logprobs)):
-        array, problem = read_array(value, field_name)
-        if problem is not None:  # what is not numbers is flagged, never raised
+        array, problem = read_tokens(value, field_name)
+        if problem is not None:  # what is not one number per token is flagged, never raised
             flag(span, problem)
             return
-        arrays.append(None if array is None else array.reshape(-1))
+        arrays.append(array)
     rollout, trainer = arrays
     if rollout is None or trainer is None:
         return
@@ -262,11 +263,11 @@ def record_logprobs(span: SpanRecord, logprobs: object, trainer_logprobs: object
         return
     counted = None
     if mask is not None:
-        counted, problem = read_array(mask, "mask")
+        counted, problem = read_tokens(mask, "mask")
         if problem is not None:
             flag(span, problem)
             return
-        counted = None if counted is None else counted.reshape(-1) != 0
+        counted = None if counted is None else counted != 0
         if counted is not None and len(counted) != len(rollout):
             flag(span, f"mask: {len(counted)} values for {len(rollout)} logprobs (no mismatch recorded)")
             return
