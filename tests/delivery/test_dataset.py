@@ -518,6 +518,13 @@ def test_a_disk_that_fills_leaves_neither_output_and_the_dataset_already_there_a
                 assert "Traceback" not in err
             assert _rows(earlier / "messages.parquet") == before
             assert len(datasets.load_from_disk(str(earlier / "hf"))) == 8
+        # a row group that fails mid-read is the output's failure, not the source's: raised
+        more = fill(small, "filler-2")
+        os.truncate(more, more.stat().st_size - 2 * page)  # room for the header and a group or two
+        with pytest.raises(OSError, match="No space left on device"):
+            otr.build_dataset([file], fresh, rows_per_group=2, progress=False)
+        assert list(fresh.iterdir()) == []
+        more.unlink()
         filler.unlink()  # room again: a complete run replaces both, whole
         for out in (fresh, earlier):
             assert command(out) == 0
