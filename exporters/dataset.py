@@ -566,9 +566,13 @@ class Shaper:
 # --- writing ----------------------------------------------------------------------------------
 class RowWriter:
     """Rows to ``<out>/<format>.parquet`` (row groups of ``rows_per_group`` rows or about
-    ``max_group_bytes`` of text, whichever comes first; memory holds one group) and, at ``close``, a Hugging Face dataset saved to ``<out>/hf`` built from that file
-    (memory-mapped, not loaded). The Parquet file is written under a temporary name and renamed
-    when complete: an interrupted run leaves no half file under the final name."""
+    ``max_group_bytes`` of text, whichever comes first; memory holds one group) and, at ``close``,
+    a Hugging Face dataset saved to ``<out>/hf`` built from that file (memory-mapped, not loaded).
+
+    Both are written under temporary names in ``out`` (``.<format>.parquet.partial``,
+    ``.hf.partial``) and given their final names only once both are complete: a run that fails
+    (a disk that fills, an interrupt) leaves neither, removes what it wrote, and leaves a
+    dataset already at the final names as it was; a complete one replaces it whole."""
 
     def __init__(self, out: str | os.PathLike[str], fmt: str, *, hf: bool = True,
                  rows_per_group: int = 512, max_group_bytes: int = 8 << 20) -> None:
@@ -589,7 +593,12 @@ class RowWriter:
         self.path = self.out / f"{fmt}.parquet"
         self.hf_path = self.out / "hf" if hf else None
         self._partial = self.out / f".{fmt}.parquet.partial"
-        self._writer = pq.ParquetWriter(str(self._partial), self.schema)
+        self._hf_partial = self.out / ".hf.partial"
+        try:
+            self._writer = pq.ParquetWriter(str(self._partial), self.schema)
+        except BaseException:
+            _remove(self._partial)
+            raise
         self._rows: list[dict[str, object]] = []
         self._bytes = 0
         self.max_group_bytes = max_group_bytes
@@ -613,24 +622,82 @@ class RowWriter:
         self.written += len(rows)
 
     def close(self) -> None:
+        """Complete both outputs, then give them their final names together. Whatever fails
+        (the last row group, the Parquet footer, the Hugging Face save, a rename) raises, after
+        the temporary files are removed: nothing half-written is left under any name."""
         if self.closed:
             return
         self.closed = True
-        self.flush()
-        self._writer.close()
-        os.replace(self._partial, self.path)
-        if self.hf_path is not None:
-            _save_hf(self.path, self.hf_path, self.schema, self.fmt)
+        try:
+            try:
+                self.flush()
+            finally:
+                self._writer.close()  # (closed in any case: its file is removed below on failure)
+            staged = [(self._partial, self.path)]
+            if self.hf_path is not None:
+                _save_hf(self._partial, self._hf_partial, self.schema, self.fmt)
+                staged.append((self._hf_partial, self.hf_path))
+            _swap_in(staged)
+        except BaseException:
+            self._discard()
+            raise
 
     def abort(self) -> None:
-        """Stop without a result: the partial file is removed."""
+        """Stop without a result: the temporary files are removed, the final names untouched.
+        Never raises (it runs while another error is on its way)."""
         if self.closed:
             return
         self.closed = True
         try:
             self._writer.close()
+        except Exception:  # noqa: BLE001 - its file is removed anyway (a full disk: the footer fails)
+            pass
         finally:
-            self._partial.unlink(missing_ok=True)
+            self._discard()
+
+    def _discard(self) -> None:
+        """Remove the temporary outputs (what of them exists); never raises."""
+        _remove(self._partial)
+        _remove(self._hf_partial)
+
+
+def _remove(path: Path) -> None:
+    """Remove the file or directory tree at ``path`` if there is one; never raises."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _swap_in(staged: Sequence[tuple[Path, Path]]) -> None:
+    """Rename each complete ``(temporary, final)`` into place, all or none: what is at a final
+    name is set aside first, and put back (the new ones removed) if any rename fails; set aside
+    copies are removed once all are in place."""
+    aside: list[tuple[Path, Path]] = []  # (final, where its old content waits)
+    placed: list[Path] = []
+    try:
+        for new, final in staged:
+            if final.exists() or final.is_symlink():
+                old = final.with_name(f".{final.name}.old")
+                _remove(old)
+                os.replace(final, old)
+                aside.append((final, old))
+            os.replace(new, final)
+            placed.append(final)
+    except BaseException:
+        for final in placed:
+            _remove(final)
+        for final, old in aside:
+            try:
+                os.replace(old, final)
+            except OSError:
+                pass
+        raise
+    for _, old in aside:
+        _remove(old)
 
 
 def _row_bytes(row: Mapping[str, object]) -> int:
@@ -654,7 +721,8 @@ def _arrow_row(row: dict[str, object]) -> dict[str, object]:
 
 
 def _save_hf(parquet: Path, target: Path, arrow_schema: object, fmt: str) -> None:
-    """``parquet`` as a Hugging Face dataset on disk (``datasets.load_from_disk(target)``)."""
+    """``parquet`` as a Hugging Face dataset on disk (``datasets.load_from_disk(target)``);
+    ``target`` is replaced, and removed again if the save fails."""
     import datasets
     import datasets.utils as hf_utils
 
@@ -679,9 +747,12 @@ def _build_hf(datasets: Any, parquet: Path, target: Path, arrow_schema: Any, des
         else:
             ds = datasets.Dataset.from_parquet(str(parquet), cache_dir=cache, keep_in_memory=False)
         ds.info.description = description
-        if target.exists():
-            shutil.rmtree(target)
-        ds.save_to_disk(str(target))
+        _remove(target)
+        try:
+            ds.save_to_disk(str(target))
+        except BaseException:
+            _remove(target)
+            raise
 
 
 # --- live ---------------------------------------------------------------------------------------

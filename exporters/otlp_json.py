@@ -30,6 +30,7 @@ import base64
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -175,6 +176,31 @@ def rotated_paths(path: str | os.PathLike[str]) -> list[Path]:
 
 MAX_LINE_BYTES = 256 * 1024 * 1024  # a longer line is skipped (and reported), never held whole
 
+_NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+class NotARegularFileError(OSError):
+    """A path to read as an OTLP/JSON file that is not a regular file: a named pipe (reading
+    it would wait for a writer forever), a device (``/dev/zero`` never ends), a socket."""
+
+
+def open_regular(path: str | os.PathLike[str]) -> Any:
+    """``open(path, "rb")`` for a regular file only (``NotARegularFileError`` naming what it is
+    otherwise). Opened without blocking and checked on the open descriptor: a named pipe is
+    refused at once, not waited on, and a file swapped for one after a check is still caught."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+            raise NotARegularFileError(f"{os.fspath(path)}: {kind}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 def read_lines(
     path: str | os.PathLike[str], errors: list[str] | None = None, max_line_bytes: int = MAX_LINE_BYTES
@@ -184,7 +210,8 @@ def read_lines(
     Each line is isolated: one that does not parse (bad JSON, nesting too deep, not a trace
     request) or is longer than ``max_line_bytes`` (skipped without being held in memory) is
     described in ``errors`` (``"file:line: why"``), or raises ``ValueError`` when ``errors`` is
-    None. A last line without its newline is a write in progress and is not read.
+    None. A last line without its newline is a write in progress and is not read. A path that
+    is not a regular file (a named pipe, a device) raises ``NotARegularFileError``.
     """
 
     def problem(number: int, why: str) -> None:
@@ -193,7 +220,7 @@ def read_lines(
             raise ValueError(message)
         errors.append(message)
 
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         number = 0
         while True:
             raw = handle.readline(max_line_bytes + 1)

@@ -147,7 +147,7 @@ class Rollouts(_runtime.Runtime):
         stats = Stats()
         exporters = (
             list(s.exporters) if s.exporters is not None
-            else default_exporters(s.trackio_project, redactor)
+            else default_exporters(s.trackio_project, redactor, stats)
         )
         for exporter in exporters:  # a stock OTLP exporter aimed at a Phoenix also posts the scores
             PhoenixAnnotations.attach(exporter)  # (per OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS; idempotent)

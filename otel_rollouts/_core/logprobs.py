@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["MismatchOptions", "Totals", "RowTotals", "TokenView", "float_array", "read_array",
-           "totals_of", "row_totals"]
+           "read_tokens", "totals_of", "row_totals"]
 
 MAX_TOP_TOKENS = 256
 
@@ -113,6 +113,18 @@ def read_array(value: object, field: str) -> tuple[np.ndarray | None, str | None
     if exc is not None:
         return None, f"{field}: not per-token numbers ({type_name(exc)})"
     return array, None
+
+
+def read_tokens(value: object, field: str) -> tuple[np.ndarray | None, str | None]:
+    """``read_array`` for one sequence (a generation's, a sample's): one value per token, so a
+    1-D array. Anything else (a ``[1, R]`` row, a ``[B, R]`` batch given to one generation, a
+    nested list, a scalar) is refused with a reason naming ``field`` and the shape: flattening
+    it would measure tokens of other sequences (or padding) as this one's."""
+    array, problem = read_array(value, field)
+    if array is not None and array.ndim != 1:
+        return None, (f"{field}: expected one value per token (1-D), got shape "
+                      f"{tuple(int(n) for n in array.shape)} (no mismatch recorded)")
+    return array, problem
 
 
 # --- sums over tokens ---------------------------------------------------------------------------

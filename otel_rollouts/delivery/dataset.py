@@ -205,6 +205,15 @@ def _trackio_page(storage: Any, project: str, run: str, step: Any, offset: int,
         return page
 
 
+class _OutputError(Exception):
+    """An ``OSError`` of writing the dataset, carried past the handlers of the sources' own
+    errors (a full disk is not a source that could not be read)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def build_dataset(
     sources: Sequence[str | os.PathLike[str]] = (),
     out: str | os.PathLike[str] = "dataset",
@@ -223,8 +232,11 @@ def build_dataset(
     """Kept episodes from OTLP/JSON files, spool directories and a Trackio project as rows of
     ``format`` in ``<out>/<format>.parquet`` (and ``<out>/hf`` unless ``hf=False``).
 
-    A source that cannot be read at all is named in ``failed_sources`` (the others are still
-    read); what was skipped inside a source is in ``tally`` (``tally.lines()``). Memory holds
+    A source that cannot be read at all (missing, not a regular file: a named pipe is refused,
+    never waited on) is named in ``failed_sources`` (the others are still read); what was
+    skipped inside a source is in ``tally`` (``tally.lines()``). The outputs are written under
+    temporary names and renamed when both are complete (``RowWriter``): a failure to write them
+    (``OSError``: a full disk...) raises with nothing left behind. Memory holds
     the episodes of the last ``window_steps`` steps (at most ``max_held_bytes``) and one row
     group (``rows_per_group`` rows, at most ~8 MiB of text). ``progress`` None shows a bar on a
     terminal only."""
@@ -242,7 +254,10 @@ def build_dataset(
     def take(episode: Episode | str, where: str) -> None:
         rows = shaper.add(episode, where)
         tally.rows += len(rows)
-        writer.write(rows)
+        try:
+            writer.write(rows)
+        except OSError as exc:  # the output's, not the source's: past the sources' handlers
+            raise _OutputError(exc) from exc
         bar.update(1)
 
     try:
@@ -268,12 +283,17 @@ def build_dataset(
 
                 for trace, where in _trackio_traces(trackio_project, trackio_run, tally, more):
                     take(episode_from_trackio(trace), where)
+            except _OutputError:
+                raise
             except Exception as exc:  # noqa: BLE001 - not a Trackio database, or none: one line
                 result.failed_sources.append(f"trackio:{trackio_project}: {exception_text(exc)}")
         last = shaper.finish()
         tally.rows += len(last)
         writer.write(last)
         writer.close()
+    except _OutputError as exc:
+        writer.abort()
+        raise exc.error from None
     except BaseException:
         writer.abort()
         raise
@@ -369,7 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, report: Callable[[str], None] | None = None) -> int:
     """Execute a parsed ``dataset`` command: 0 written; 1 a source could not be read (the rest
-    was still written); 2 nothing to read."""
+    was still written); 2 nothing to read; 3 the dataset could not be written (a full disk, a
+    directory that cannot be written): nothing new is left under ``--out``, and a dataset
+    already there is as it was."""
     prog = "otel-rollouts dataset"
     say = report or (lambda line: print(line, file=sys.stderr))
     if not args.sources and args.trackio is None:
@@ -385,11 +407,16 @@ def run(args: argparse.Namespace, report: Callable[[str], None] | None = None) -
         return 2
     filters = Filters(steps=args.steps, splits=args.split, statuses=args.status, reasons=args.reason,
                       reward_min=args.reward_min, reward_max=args.reward_max)
-    result = build_dataset(
-        args.sources, args.out, format=args.format, trackio_project=args.trackio,
-        trackio_run=args.trackio_run, filters=filters, trace_ui_url=args.trace_ui_url,
-        hf=not args.no_hf, window_steps=args.window_steps, progress=False if args.no_progress else None,
-    )
+    try:
+        result = build_dataset(
+            args.sources, args.out, format=args.format, trackio_project=args.trackio,
+            trackio_run=args.trackio_run, filters=filters, trace_ui_url=args.trace_ui_url,
+            hf=not args.no_hf, window_steps=args.window_steps, progress=False if args.no_progress else None,
+        )
+    except OSError as exc:  # (the sources' own errors are in failed_sources: this is the output)
+        say(f"{prog}: error: could not write the dataset to {args.out}: {exception_text(exc)}; "
+            "nothing was written")
+        return 3
     tally = result.tally
     for failure in result.failed_sources:
         say(f"{prog}: could not read {failure}")

@@ -20,15 +20,20 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.content import exception_text, reraise_interrupt
 from otel_rollouts._core.env import GRPC, HTTP_JSON, HTTP_PROTOBUF, otlp_protocol, protocol_source
 from otel_rollouts._core.redaction import Redactor
 from otel_rollouts._core.settings import TRACES_EXPORTER_GROUP, traces_exporter_names
+from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 __all__ = ["default_exporters", "otlp_exporter_from_env", "otlp_log_exporter", "otlp_metric_exporter"]
 
@@ -123,17 +128,39 @@ def _named(name: str, project: str | None, redactor: Redactor | None) -> SpanExp
 
     for point in entry_points(group=TRACES_EXPORTER_GROUP):
         if point.name.lower() == name:
-            exporter = point.load()()
-            if not isinstance(exporter, SpanExporter):
-                raise TypeError(f"{point.value} is not a span exporter")
-            return exporter
+            return _from_entry_point(point)
     raise LookupError(f"no {TRACES_EXPORTER_GROUP} entry point is named {name!r}")
 
 
-def default_exporters(project: str | None = None, redactor: Redactor | None = None) -> list[SpanExporter]:
+class EntryPointError(Exception):
+    """An installed exporter entry point that failed to load or build: it names the entry point
+    and what it raised (``SystemExit`` included, which must not end the program from here)."""
+
+
+def _from_entry_point(point: EntryPoint) -> SpanExporter:
+    """The exporter an installed entry point builds (with no arguments, as the SDK builds it).
+
+    Its module and its factory are third-party code run inside ``configure()``: whatever they
+    raise (``SystemExit``, ``GeneratorExit``...) becomes an ``EntryPointError`` naming the entry
+    point; only Ctrl-C on the main thread goes through, as everywhere user code is called."""
+    where = f"entry point {point.name} = {point.value} ({point.group})"
+    try:
+        exporter = point.load()()
+    except BaseException as exc:  # noqa: BLE001 - third-party code: contained, Ctrl-C excepted
+        reraise_interrupt(exc)
+        raise EntryPointError(f"{where} raised {exception_text(exc)}") from None
+    if not isinstance(exporter, SpanExporter):
+        raise EntryPointError(f"{where} built a {type(exporter).__name__}, not a span exporter")
+    return exporter
+
+
+def default_exporters(project: str | None = None, redactor: Redactor | None = None,
+                      stats: Stats | None = None) -> list[SpanExporter]:
     """The exporters ``OTEL_TRACES_EXPORTER`` names; unset (or invalid): local Trackio (nothing
     to start), plus OTLP when an OTLP endpoint is set in the environment. Never raises: an
-    exporter that cannot be built is left out with a warning naming it."""
+    exporter that cannot be built (whatever it raises, ``SystemExit`` included; Ctrl-C on the
+    main thread excepted) is left out with a warning naming it, and counted in ``stats`` as
+    ``errors.build_exporter.<name>``; the others are built."""
     names = traces_exporter_names()
     if names is None:
         exporters = [_trackio(project, redactor)]
@@ -147,7 +174,10 @@ def default_exporters(project: str | None = None, redactor: Redactor | None = No
     for name in names:
         try:
             built.append(_named(name, project, redactor))
-        except Exception as exc:  # noqa: BLE001 - configure() never fails on an exporter it cannot build
-            logger.warning("otel_rollouts: %s names %r, which could not be built (%s: %s); it is left out",
-                           c.ENV_TRACES_EXPORTER, name, type(exc).__name__, exc)
+        except BaseException as exc:  # noqa: BLE001 - configure() never fails on an exporter it cannot build
+            reraise_interrupt(exc)
+            logger.warning("otel_rollouts: %s names %r, which could not be built (%s); it is left out",
+                           c.ENV_TRACES_EXPORTER, name, exception_text(exc))
+            if stats is not None:
+                stats.add(f"errors.build_exporter.{name}")
     return built

@@ -33,6 +33,7 @@ from otel_rollouts._core.logprobs import (
     RowTotals,
     TokenView,
     read_array,
+    read_tokens,
     row_totals,
 )
 from otel_rollouts._core.spans import EpisodeRecord
@@ -417,9 +418,9 @@ class _BatchMismatch:
         lengths = np.zeros(n, dtype=np.int64)
         before = len(problems)
         for i in range(n):
-            r, p1 = read_array(_at(lists[0], i), "logprobs")
-            t, p2 = read_array(_at(lists[1], i), "trainer_logprobs")
-            m, p3 = read_array(_at(lists[2], i), "logprob_masks")
+            r, p1 = read_tokens(_at(lists[0], i), "logprobs")
+            t, p2 = read_tokens(_at(lists[1], i), "trainer_logprobs")
+            m, p3 = read_tokens(_at(lists[2], i), "logprob_masks")
             problem = p1 or p2 or p3
             if problem is not None:  # that sample has no mismatch, said so
                 problems.append(f"sample {i}: {problem}")

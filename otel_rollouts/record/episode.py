@@ -34,7 +34,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, jsonable, snapshot, text
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
-from otel_rollouts._core.logprobs import TokenView, Totals, read_array, totals_of
+from otel_rollouts._core.logprobs import TokenView, Totals, read_tokens, totals_of
 from otel_rollouts._core.spans import (
     ATTRIBUTE_RESERVE,
     DROPPED,
@@ -156,11 +156,23 @@ _time_ns = time.time_ns
 _UNSET = StatusCode.UNSET
 
 
-# the context key under which a context names the episode whose identity its baggage carries
-_IDENTITY = otel_context.create_key("otel_rollouts.episode_identity")
 # the context key OpenTelemetry keeps the baggage under (private to its API): found once, through
 # the public API, so that an episode's keys are set with one context copy, not one per key
 _BAGGAGE = next(iter(baggage.set_baggage("k", "v", Context())))
+
+
+class EpisodeBaggage(dict[str, object]):
+    """The baggage of an episode's context: the entries it came with, the episode's identity
+    set over them, and the episode it was made for (``episode``).
+
+    The mark is how a context says "my baggage carries this episode's identity" without a
+    comparison per span: OpenTelemetry never changes a baggage in place (``set_baggage``,
+    ``remove_baggage``, ``clear`` each make a plain ``dict`` copy), so baggage the user changed
+    inside the episode has lost the mark, and is checked again before the next span of the
+    episode is made current or a request leaves (``with_identity``)."""
+
+    __slots__ = ("episode",)
+    episode: EpisodeRecord
 
 
 def span_context(span: object, ctx: Context | None = None) -> Context:
@@ -169,7 +181,7 @@ def span_context(span: object, ctx: Context | None = None) -> Context:
     (ours, or a stock instrumentation's) sends it with each request made while it is current."""
     if ctx is None:
         ctx = current_context()
-    if type(span) is SpanRecord and ctx.get(_IDENTITY) is not span.episode:
+    if type(span) is SpanRecord and getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
         # (the episode's own context, and those made from it: as it is)
         values = _identity_values(span, ctx)
         if values is not None:  # the identity and the current span in one copy
@@ -183,14 +195,21 @@ def with_identity(span: object, ctx: Context) -> Context:
     (``conventions.BAGGAGE_KEYS``, each when known); ``ctx`` itself for a span of no episode.
 
     Computed once per episode: the context made for the episode (and every context derived
-    from it: its turns, calls, tasks) names the episode, and is returned as it is; only a context
-    that does not (the episode being entered, a span entered in another thread, a worker's
-    context carried from another process) is looked at, and gets the keys set. The rest of the
-    baggage stays: entries the user set (including an rl.* value set inside the episode) are
-    kept; the episode's keys replace those of another episode (an upstream one, say). An
-    episode's identity is fixed when it starts (``otr.set_step`` applies to later episodes).
+    from it: its turns, calls, tasks) carries baggage marked with the episode
+    (``EpisodeBaggage``), and is returned as it is; only a context whose baggage is not (the
+    episode being entered, a span entered in another thread, a worker's context carried from
+    another process, baggage the user changed inside the episode) is looked at, and gets the
+    keys set. Inside its episode the episode's identity wins: each key the episode knows is
+    set to its value, over whatever the baggage held (another episode's, an upstream one's, or
+    an ``rl.episode.id`` the user set with ``opentelemetry.baggage`` inside the episode: the
+    user's value is replaced, in what is sent and in the context the episode's spans run
+    under, and comes back when the user's own context is current again, after the episode).
+    A key the episode does not know is removed when the baggage names another episode, kept
+    when it names this one (a worker's context, carried with keys this side may not know). The
+    rest of the baggage (entries the user set under other keys) stays. An episode's identity
+    is fixed when it starts (``otr.set_step`` applies to later episodes).
     """
-    if not isinstance(span, SpanRecord) or ctx.get(_IDENTITY) is span.episode:
+    if not isinstance(span, SpanRecord) or getattr(ctx.get(_BAGGAGE), "episode", None) is span.episode:
         return ctx
     values = _identity_values(span, ctx)
     return ctx if values is None else Context(values)
@@ -204,18 +223,17 @@ def _identity_values(span: SpanRecord, ctx: Context) -> dict[str, object] | None
         return None
     attributes = root.attributes
     current = ctx.get(_BAGGAGE)
-    entries: dict[str, object] = dict(current) if isinstance(current, dict) else {}
-    if entries.get(c.RL_EPISODE_ID) != attributes.get(c.RL_EPISODE_ID):
-        for key in c.BAGGAGE_KEYS:
-            value = attributes.get(key)
-            if value is not None:
-                entries[key] = str(value)
-            else:
-                entries.pop(key, None)  # another episode's, not this one's
-    # (same episode id: a worker's context, carried with the keys this side may not know)
+    entries = EpisodeBaggage(current) if isinstance(current, dict) else EpisodeBaggage()
+    entries.episode = record
+    another = entries.get(c.RL_EPISODE_ID) != attributes.get(c.RL_EPISODE_ID)
+    for key in c.BAGGAGE_KEYS:
+        value = attributes.get(key)
+        if value is not None:
+            entries[key] = str(value)  # the episode's own identity wins
+        elif another:
+            entries.pop(key, None)  # another episode's, not this one's
     values = dict(ctx)
     values[_BAGGAGE] = entries
-    values[_IDENTITY] = record
     return values
 
 
@@ -246,14 +264,15 @@ def record_logprobs(span: SpanRecord, logprobs: object, trainer_logprobs: object
                     mask: object = None, decode: Any = None) -> None:
     """A generation's train–inference mismatch: its statistics on ``span`` and added to its
     episode's root; its worst tokens as Deferred attributes (computed only if kept). A value that
-    is not per-token numbers, or lengths that disagree, is flagged on the span naming the field."""
+    is not per-token numbers (a 1-D sequence: a 2-D one is refused, not flattened), or lengths
+    that disagree, is flagged on the span naming the field (and the shape)."""
     arrays = []
     for field_name, value in (("logprobs", logprobs), ("trainer_logprobs", trainer_logprobs)):
-        array, problem = read_array(value, field_name)
-        if problem is not None:  # what is not numbers is flagged, never raised
+        array, problem = read_tokens(value, field_name)
+        if problem is not None:  # what is not one number per token is flagged, never raised
             flag(span, problem)
             return
-        arrays.append(None if array is None else array.reshape(-1))
+        arrays.append(array)
     rollout, trainer = arrays
     if rollout is None or trainer is None:
         return
@@ -262,11 +281,11 @@ def record_logprobs(span: SpanRecord, logprobs: object, trainer_logprobs: object
         return
     counted = None
     if mask is not None:
-        counted, problem = read_array(mask, "mask")
+        counted, problem = read_tokens(mask, "mask")
         if problem is not None:
             flag(span, problem)
             return
-        counted = None if counted is None else counted.reshape(-1) != 0
+        counted = None if counted is None else counted != 0
         if counted is not None and len(counted) != len(rollout):
             flag(span, f"mask: {len(counted)} values for {len(rollout)} logprobs (no mismatch recorded)")
             return
@@ -336,7 +355,7 @@ class _SpanHandle:
         span = self._span
         if span is not None:
             ctx = current_context()
-            if ctx.get(_IDENTITY) is not span.episode:
+            if getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
                 ctx = with_identity(span, ctx)
             values = dict(ctx)  # with_span, in place
             values[SPAN_KEY] = span
@@ -395,7 +414,7 @@ class CallHandle(_SpanHandle):
         span = self._span
         if span is not None:
             ctx = current_context()
-            if ctx.get(_IDENTITY) is not span.episode:
+            if getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
                 ctx = with_identity(span, ctx)
             values = dict(ctx)  # with_span, in place
             values[SPAN_KEY] = span

@@ -32,7 +32,7 @@ from otel_rollouts._core.spans import (
     with_span,
 )
 from otel_rollouts.record.episode import (
-    _IDENTITY,
+    _BAGGAGE,
     OPEN_CALL,
     CallHandle,
     Episode,
@@ -70,7 +70,7 @@ class _Call:
         a span of the episode the context names already, else the episode's identity added."""
         span = self.span
         ctx = current_context()
-        if type(span) is not SpanRecord or ctx.get(_IDENTITY) is not span.episode:
+        if type(span) is not SpanRecord or getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
             ctx = with_identity(span, ctx)
         return attach_context(with_span(span, ctx))
 

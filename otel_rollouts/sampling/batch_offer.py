@@ -97,10 +97,9 @@ class BatchOffer:
             if watched:
                 indices = [i for i in indices if i not in watched]
             offered = rows(batch, indices, host._seq)
-            kept_now: list[BatchRow] = list(watched.values())
-            if watched:
-                host.stats.step(key, "kept.watch", len(watched))
-            dropped = batch.n - len(offered) - len(kept_now)  # never offered: dropped without an object
+            step.watching.extend(watched.values())  # kept when the step closes, with the rest
+            kept_now: list[BatchRow] = []
+            dropped = batch.n - len(offered) - len(watched)  # never offered: dropped without an object
             for row in offered:
                 released, keep_now = bucket.offer(row)
                 for r in released:
@@ -112,7 +111,7 @@ class BatchOffer:
                     step.kept += 1
                     kept_now.append(r)
             held = [r for r in bucket.held() if isinstance(r, BatchRow) and r.batch is batch]
-            survivors = held + kept_now
+            survivors = held + kept_now + list(watched.values())
             if dropped:
                 alive = {r.index for r in survivors}
                 self.dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
@@ -132,10 +131,7 @@ class BatchOffer:
             host._drop(r, "sampled_out")
         alive = {r.index for r in held}
         watched = [r for i, r in self._watched_rows(batch, step, base).items() if i not in alive]
-        if watched:
-            host.stats.step(batch.key, "kept.watch", len(watched))
-        for r in watched:
-            host._keep(r)
+        step.watching.extend(watched)  # kept when the step closes, with the rest
         held += watched
         if len(held) < batch.n:
             alive = {r.index for r in held}
@@ -144,7 +140,8 @@ class BatchOffer:
 
     def _watched_rows(self, batch: RowBatch, step: StepState, base: int | None = None) -> dict[int, BatchRow]:
         """The rows of watched prompts (by dataset index), kept outside the cap while the step's
-        watch budget lasts: index -> row, marked kept."""
+        watch budget lasts: index -> row, marked with the reason (the caller holds them in
+        ``StepState.watching`` until the step closes)."""
         sampler = self._host.sampler
         watch = sampler.watch
         if not watch or step.watched >= sampler.watch_per_step:

@@ -218,12 +218,11 @@ class Pipeline(SpanProcessor):
         step.groups.add(record)
         if self.sampler.watch and step.watched < self.sampler.watch_per_step:
             watched = self.sampler.watched(record)
-            if watched is not None:  # kept outside the cap, the policy never sees it
-                step.watched += 1
-                self.stats.step(key, "kept.watch")
+            if watched is not None:  # kept outside the cap, the policy never sees it; handed
+                step.watched += 1  # on when the step closes (StepState.watching), like the rest
                 record.reason = c.REASON_WATCH
                 record.notes = {c.RL_WATCH_KEY: watched}
-                self._keep(record)
+                step.watching.append(record)
                 return
         released, keep_now = step.bucket.offer(record)
         for r in released:
@@ -411,7 +410,10 @@ class Pipeline(SpanProcessor):
             if id(record) not in chosen_ids:
                 self._drop(record, "sampled_out")
         groups = step.groups
-        for record in chosen:
+        watching, step.watching = step.watching, []
+        if watching:  # the watched episodes (outside the cap), complete now as the others are
+            self.stats.step(key, "kept.watch", len(watching))
+        for record in itertools.chain(watching, chosen):
             if groups.groups or groups.runs:  # each kept member says how its group fared
                 health = groups.attributes(record.attribute(c.RL_GROUP_ID))
                 if health is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+from otel_rollouts._core.spans import EpisodeRecord
+from otel_rollouts.sampling.batch import BatchRow
 from otel_rollouts.sampling.health import StepGroups
 from otel_rollouts.sampling.policy import Bucket
 from otel_rollouts.sampling.tail import TailSampler
@@ -25,16 +27,22 @@ _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule),
 
 class StepState:
     """An open step: the bucket holding its undecided episodes, when it last saw one, how many
-    it kept before its close, its groups' health and its watched episodes kept."""
+    it kept before its close, its groups' health and its watched episodes.
 
-    __slots__ = ("bucket", "last_seen", "kept", "groups", "watched")
+    A watched episode is chosen (outside the cap) when it is offered but handed on only when
+    the step closes, with the others: what its episode records after its block (the advantage,
+    once the whole group is scored) and its group's health reach it as they reach the rest.
+    ``watching`` holds them until then (at most ``watch_per_step``: bounded)."""
+
+    __slots__ = ("bucket", "last_seen", "kept", "groups", "watched", "watching")
 
     def __init__(self, bucket: Bucket, group_size: int | None = None) -> None:
         self.bucket = bucket
         self.last_seen = time.monotonic()
         self.kept = 0
         self.groups = StepGroups(group_size)  # the health of the step's groups
-        self.watched = 0  # episodes of watched prompts kept (outside the cap)
+        self.watched = 0  # episodes of watched prompts chosen (outside the cap)
+        self.watching: list[EpisodeRecord | BatchRow] = []  # those chosen, kept when the step closes
 
 
 class StepBook:

@@ -25,9 +25,11 @@ class TailSampler:
 
     ``watch``: prompts followed across the run, by dataset index (``rl.dataset.index``, an int
     or a string) or prompt hash (``otr.prompt_hash(prompt)``, matched against what
-    ``ep.prompt()`` recorded): every episode of a watched prompt is kept when it finishes, with
+    ``ep.prompt()`` recorded): every episode of a watched prompt is chosen when it finishes, with
     the reason ``watch``, outside the cap, at most ``watch_per_step`` per (step, split) (then
-    the policy decides as for any other). At most ``MAX_WATCH`` keys.
+    the policy decides as for any other), and kept when its step closes, with the others (so
+    the advantage recorded after its block and its group's health reach it). At most
+    ``MAX_WATCH`` keys.
 
     ``group_size``: how many episodes the framework samples per group (GRPO's group size), when
     every group has the same; a group with fewer members that step lost some (group health).

@@ -270,16 +270,59 @@ def test_user_baggage_stays_and_another_episodes_identity_is_replaced(rollouts: 
         with otr.episode(step=1) as ep:  # no group: the upstream one must not be sent as ours
             assert _sent(otr.inject_headers({})) == {
                 "tenant": "a", c.RL_RUN_ID: RUN_ID, c.RL_STEP: "1", c.RL_EPISODE_ID: ep.episode_id}
-            # a value the user sets inside the episode stays
-            inner = otel_context.attach(baggage.set_baggage(c.RL_STEP, "override"))
+            # an entry the user sets inside the episode stays, under a key of its own
+            inner = otel_context.attach(baggage.set_baggage("user.id", "u7"))
             try:
                 with ep.turn():
-                    assert _sent(otr.inject_headers({}))[c.RL_STEP] == "override"
+                    assert _sent(otr.inject_headers({}))["user.id"] == "u7"
             finally:
                 otel_context.detach(inner)
         assert _sent(otr.inject_headers({}))[c.RL_EPISODE_ID] == "upstream-ep"  # back as it was
     finally:
         otel_context.detach(token)
+
+
+def test_inside_its_episode_the_episodes_identity_wins_over_the_users_baggage(
+        rollouts: Any) -> None:
+    """An rl.* identity key the user sets with OpenTelemetry's baggage API inside an episode is
+    replaced by the episode's own in what leaves (and in the context its spans run under); the
+    user's other entries stay, and the user's value is theirs again once the episode is over."""
+    with otr.episode(step=2, group_id="g-own") as ep:
+        mine = baggage.set_baggage(c.RL_STEP, "99", baggage.set_baggage(
+            c.RL_EPISODE_ID, "mine", baggage.set_baggage("tenant", "t1")))
+        token = otel_context.attach(mine)
+        try:
+            # no span of ours entered since: the headers are fixed as they are made
+            assert _sent(otr.inject_headers({})) == {"tenant": "t1", **_expected(ep, "g-own")}
+            assert _sent(otr.openai_extra_headers()) == {"tenant": "t1", **_expected(ep, "g-own")}
+            with ep.turn() as turn, turn.generation("policy"):
+                # the spans of the episode run under its identity: stock propagators send it too
+                assert baggage.get_baggage(c.RL_EPISODE_ID) == ep.episode_id
+                assert _sent(otr.inject_headers({})) == {"tenant": "t1", **_expected(ep, "g-own")}
+            assert baggage.get_baggage(c.RL_EPISODE_ID) == "mine"  # the user's context, untouched
+        finally:
+            otel_context.detach(token)
+    ctx = baggage.set_baggage(c.RL_EPISODE_ID, "mine")
+    assert _sent(otr.inject_headers({}, context=ctx)) == {c.RL_EPISODE_ID: "mine"}  # no episode
+
+
+def test_stock_instrumentation_sends_the_episodes_identity_over_the_users(
+        toy_server: tuple[str, OtlpSink], rollouts: Any) -> None:
+    url, sink = toy_server
+    instrumentor = HTTPXClientInstrumentor()
+    instrumentor.instrument(tracer_provider=rollouts.provider)
+    try:
+        with otr.episode(step=5, group_id="g-stock-own") as ep:
+            token = otel_context.attach(baggage.set_baggage(c.RL_EPISODE_ID, "mine"))
+            try:
+                with ep.turn() as turn, turn.generation("policy"):
+                    _httpx(url, _body(190))
+            finally:
+                otel_context.detach(token)
+    finally:
+        instrumentor.uninstrument()
+    for span in _server_spans_of(sink, 190):
+        assert _rl(span["attributes"]) == _expected(ep, "g-stock-own"), span
 
 
 def test_a_span_entered_in_another_thread_carries_the_identity(rollouts: Any) -> None:

@@ -347,3 +347,46 @@ def test_hostile_and_misaligned_logprobs_are_flagged_naming_the_field(run):
     assert not any(k.startswith(c.RL_MISMATCH_PREFIX) for s in chats[:4] for k in s.attributes)
     batch_roots = [s for s in spans_by(exporter, c.SPAN_EPISODE) if s.attributes.get(c.RL_SAMPLE_INDEX) == 1]
     assert any(s.attributes.get(c.RL_MISMATCH_TOKENS) == 4 for s in batch_roots)  # the good sample
+
+
+def test_two_dimensional_logprobs_of_one_generation_are_flagged_with_their_shape_not_measured(run):
+    # one generation's logprobs are one value per token: a [2, 3] batch (a tensor, an array, a
+    # nested list) flattened into 6 "tokens" would measure the other row (or padding) as its own
+    exporter = run()
+    flat = np.log(np.full(6, 0.5, np.float32))
+    grid = flat.reshape(2, 3)
+    cases = {
+        "torch": dict(logprobs=torch.from_numpy(grid.copy()), trainer_logprobs=torch.from_numpy(grid + 1)),
+        "numpy": dict(logprobs=flat, trainer_logprobs=grid + 1),
+        "nested": dict(logprobs=grid.tolist(), trainer_logprobs=(grid + 1).tolist()),
+        "row": dict(logprobs=flat[None, :], trainer_logprobs=flat[None, :] + 1),
+        "mask": dict(logprobs=flat, trainer_logprobs=flat + 1, mask=torch.ones(2, 3)),
+        "good": dict(logprobs=flat, trainer_logprobs=flat + 1),
+    }
+    with otr.episode(step=0) as ep:
+        turn = ep.turn()
+        for name, given in cases.items():
+            turn.record_generation("a", model=name, **given)
+    summary = otr.record_batch(2, step=0, logprobs=[grid, flat], trainer_logprobs=[grid + 1, flat + 1],
+                               record=lambda i, ep: ep.turn().record_generation("b", model="batch"))
+    otr.end_step(0)
+    assert otr.flush(30)
+    chats = {s.attributes[c.GEN_AI_REQUEST_MODEL]: s for s in spans_by(exporter, "chat")}
+    notes = {name: list(chats[name].attributes.get(c.RL_INVALID_FIELDS, [])) for name in cases}
+    assert notes["torch"] == ["logprobs: expected one value per token (1-D), got shape (2, 3) (no mismatch recorded)"]
+    assert notes["numpy"] == ["trainer_logprobs: expected one value per token (1-D), got shape (2, 3) "
+                              "(no mismatch recorded)"]
+    assert notes["nested"] == ["logprobs: expected one value per token (1-D), got shape (2, 3) (no mismatch recorded)"]
+    assert notes["row"] == ["logprobs: expected one value per token (1-D), got shape (1, 6) (no mismatch recorded)"]
+    assert notes["mask"] == ["mask: expected one value per token (1-D), got shape (2, 3) (no mismatch recorded)"]
+    assert notes["good"] == []
+    measured = {name: chats[name].attributes.get(c.RL_MISMATCH_TOKENS) for name in cases}
+    assert measured == {"torch": None, "numpy": None, "nested": None, "row": None, "mask": None, "good": 6}
+    own = [s for s in spans_by(exporter, c.SPAN_EPISODE) if s.attributes.get(c.RL_SAMPLE_INDEX) is None]
+    assert [r.attributes.get(c.RL_MISMATCH_TOKENS) for r in own] == [6]  # the good one only
+    # record_batch, one sequence per sample: the 2-D sample is refused and named, the other measured
+    batch = {s.attributes.get(c.RL_SAMPLE_INDEX): s.attributes.get(c.RL_MISMATCH_TOKENS)
+             for s in spans_by(exporter, c.SPAN_EPISODE) if s.attributes.get(c.RL_SAMPLE_INDEX) is not None}
+    assert batch == {0: None, 1: 6}
+    assert ("sample 0: logprobs: expected one value per token (1-D), got shape (2, 3) (no mismatch recorded)"
+            in summary.problems)

@@ -451,3 +451,84 @@ def test_a_file_written_by_two_runs_joins_a_late_reward_of_the_second(tmp_path: 
     rows = _rows(otr.build_dataset([file], tmp_path / "out", hf=False, progress=False).parquet)
     assert [(r["run_id"], r["step"], r["reward"]) for r in sorted(rows, key=lambda r: (r["run_id"], r["step"]))] == [
         ("A", 0, 1.0), ("A", 1, 1.0), ("A", 2, 1.0), ("A", 3, 1.0), ("A", 4, 1.0), ("B", 0, 0.5)]
+
+
+def test_a_named_pipe_given_as_a_source_is_refused_at_once_and_the_rest_is_read(run_dir, capsys) -> None:
+    """A FIFO would block the read until some process writes to it (forever, for the command):
+    it is refused as not a regular file, with no writer ever opening it."""
+    import threading
+
+    tmp, _, file, _ = run_dir
+    fifo = tmp / "episodes.jsonl"
+    os.mkfifo(fifo)
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(cli_main(
+        ["dataset", str(fifo), str(file), "--out", str(tmp / "fifo-out"), "--no-progress", "--no-hf"])),
+        daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # blocked opening the pipe: let it go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=20)
+        pytest.fail("the dataset command waited on a named pipe")
+    err = capsys.readouterr().err
+    assert codes == [1]  # a source could not be read; the rest was written
+    assert f"could not read {fifo}: NotARegularFileError: {fifo}: a named pipe, not a regular file" in err
+    assert len(_rows(tmp / "fifo-out" / "messages.parquet")) == STEPS * 8
+
+
+def test_a_disk_that_fills_leaves_neither_output_and_the_dataset_already_there_as_it_was(
+        run_dir, tmp_path: Path, capsys) -> None:
+    """A real small filesystem (tmpfs) under --out, filled to the last byte, then given room for
+    nothing, or for the Parquet file but not the Hugging Face dataset: the command says so (exit
+    3), writes neither output, leaves no temporary file, and the dataset of an earlier run in
+    another directory there is still whole."""
+    from disk_faults import fill, mount_tmpfs, umount
+
+    tmp, _, file, _ = run_dir
+    reference = otr.build_dataset([file], tmp / "reference", progress=False)
+    parquet_bytes = reference.parquet.stat().st_size
+    hf_bytes = sum(p.stat().st_size for p in reference.hf.iterdir())
+    small = tmp_path / "small"
+    if not mount_tmpfs(small, "size=2m"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        fresh, earlier = small / "fresh", small / "earlier"
+
+        def command(out: Path, *more: str) -> int:
+            return cli_main(["dataset", str(file), "--out", str(out), "--no-progress", *more])
+
+        assert command(earlier, "--steps", "0") == 0  # an earlier dataset: step 0's rows
+        before = _rows(earlier / "messages.parquet")
+        assert len(before) == 8
+        fresh.mkdir()
+        filler = fill(small)
+        page = 4096
+        for room in (0, (parquet_bytes // page + 2) * page):  # nothing; the Parquet file only
+            assert hf_bytes > room - parquet_bytes + page  # (the HF dataset cannot fit)
+            os.truncate(filler, max(filler.stat().st_size - room, 0))
+            for out in (fresh, earlier):
+                capsys.readouterr()
+                code = command(out)
+                err = capsys.readouterr().err
+                left = sorted(p.name for p in out.iterdir())
+                assert left == ([] if out is fresh else ["hf", "messages.parquet"]), (room, code, err)
+                assert code == 3, (room, err)
+                assert "No space left on device" in err and "nothing was written" in err, err
+                assert "Traceback" not in err
+            assert _rows(earlier / "messages.parquet") == before
+            assert len(datasets.load_from_disk(str(earlier / "hf"))) == 8
+        # a row group that fails mid-read is the output's failure, not the source's: raised
+        more = fill(small, "filler-2")
+        os.truncate(more, more.stat().st_size - 2 * page)  # room for the header and a group or two
+        with pytest.raises(OSError, match="No space left on device"):
+            otr.build_dataset([file], fresh, rows_per_group=2, progress=False)
+        assert list(fresh.iterdir()) == []
+        more.unlink()
+        filler.unlink()  # room again: a complete run replaces both, whole
+        for out in (fresh, earlier):
+            assert command(out) == 0
+            assert sorted(p.name for p in out.iterdir()) == ["hf", "messages.parquet"]
+            assert len(_rows(out / "messages.parquet")) == len(datasets.load_from_disk(str(out / "hf"))) == STEPS * 8
+    finally:
+        umount(small)

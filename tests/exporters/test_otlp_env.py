@@ -129,6 +129,83 @@ def test_none_exports_nothing_but_episodes_are_still_sampled_and_counted(otr_shu
     assert not (Path(os.environ["TRACKIO_DIR"]) / f"{project}.db").exists()
 
 
+def _install_distribution(root: Path, modules: dict[str, str], exporters: dict[str, str]) -> None:
+    """A real installed distribution under ``root`` (put on sys.path by the caller): its modules,
+    and a dist-info whose entry_points.txt declares ``exporters`` (name -> "module:attr") in the
+    SDK's traces exporter group, where importlib.metadata finds them as it finds any package."""
+    from otel_rollouts._core.settings import TRACES_EXPORTER_GROUP
+
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(source)
+    info = root / "otr_hostile_exporters-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otr-hostile-exporters\nVersion: 0.1\n")
+    lines = [f"[{TRACES_EXPORTER_GROUP}]"] + [f"{name} = {target}" for name, target in exporters.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_an_entry_point_that_exits_or_raises_is_left_out_named_and_counted(
+        otr_shutdown, monkeypatch, caplog, tmp_path):
+    # third-party exporters named by OTEL_TRACES_EXPORTER: one whose module calls sys.exit() on
+    # import, one whose factory raises SystemExit, one that builds a non-exporter; configure()
+    # goes on with the one that works, and the run records into it
+    _install_distribution(tmp_path, {
+        "otr_ep_exits_on_import": "import sys\nsys.exit(3)\n",
+        "otr_ep_factories": (
+            "from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
+            "EXPORTER = InMemorySpanExporter()\n"
+            "def exits():\n    raise SystemExit('factory says no')\n"
+            "def not_an_exporter():\n    return object()\n"
+            "def memory():\n    return EXPORTER\n"),
+    }, {
+        "otr-exits-on-import": "otr_ep_exits_on_import:make",
+        "otr-exits-in-factory": "otr_ep_factories:exits",
+        "otr-not-an-exporter": "otr_ep_factories:not_an_exporter",
+        "otr-memory": "otr_ep_factories:memory",
+    })
+    monkeypatch.syspath_prepend(str(tmp_path))
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv(c.ENV_TRACES_EXPORTER,
+                       "otr-exits-on-import,otr-exits-in-factory,otr-not-an-exporter,otr-memory")
+    run = otr.configure(sampler=otr.TailSampler(1000, "first"))  # SystemExit here ended the program
+    import otr_ep_factories
+
+    with otr.episode(step=0) as ep:
+        ep.reward(1.0)
+    otr.flush()
+    assert {s.name for s in otr_ep_factories.EXPORTER.get_finished_spans()} >= {"episode"}
+    warned = "\n".join(_warnings(caplog, c.ENV_TRACES_EXPORTER))
+    assert "entry point otr-exits-on-import = otr_ep_exits_on_import:make" in warned
+    assert "raised SystemExit: 3" in warned
+    assert "entry point otr-exits-in-factory = otr_ep_factories:exits" in warned
+    assert "raised SystemExit: factory says no" in warned
+    assert "built a object, not a span exporter" in warned
+    totals = run.stats()["totals"]
+    assert {name: totals.get(f"errors.build_exporter.{name}") for name in (
+        "otr-exits-on-import", "otr-exits-in-factory", "otr-not-an-exporter", "otr-memory")} == {
+        "otr-exits-on-import": 1, "otr-exits-in-factory": 1, "otr-not-an-exporter": 1, "otr-memory": None}
+
+
+def test_ctrl_c_while_an_entry_point_loads_stops_the_main_thread_only(monkeypatch, tmp_path):
+    # the policy for user code everywhere (content.reraise_interrupt): Ctrl-C on the main thread
+    # still stops the program; on another thread a KeyboardInterrupt is only a failure, left out
+    import threading
+
+    _install_distribution(tmp_path, {
+        "otr_ep_interrupt": "def make():\n    raise KeyboardInterrupt\n",
+    }, {"otr-interrupt": "otr_ep_interrupt:make"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(c.ENV_TRACES_EXPORTER, "otr-interrupt")
+    built: list[object] = []
+    worker = threading.Thread(target=lambda: built.append(default_exporters("p")))
+    worker.start()
+    worker.join(timeout=30)
+    assert built == [[]]
+    if threading.current_thread() is threading.main_thread():
+        with pytest.raises(KeyboardInterrupt):
+            default_exporters("p")
+
+
 # --- OTEL_EXPORTER_OTLP_PROTOCOL=http/json --------------------------------------------------
 def test_spans_are_posted_as_otlp_json_with_hex_ids(otr_shutdown, monkeypatch, sink):
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest

@@ -395,3 +395,49 @@ def test_stage_sums_kept_as_spans_end_equal_the_exact_unions():
         assert fast.keys() == exact.keys() == {c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD, c.STAGE_WAITING}
         for stage in exact:
             assert fast[stage] == pytest.approx(exact[stage], abs=1e-9)
+
+
+def test_a_watched_episode_gets_the_advantage_and_group_health_recorded_after_its_block(tmp_path):
+    """The Quickstart's shape: ``ep.reward(...)`` inside the block, the advantage after it (once
+    the group is scored). A watched episode waits for its step's close like the others, so what
+    comes after its block reaches it: in the exporters (Trackio's stored metadata included)."""
+    from otr_helpers import trackio_rows
+
+    from otel_rollouts.exporters import TrackioExporter
+
+    project = f"otr-watch-late-{tmp_path.name}"
+    memory = InMemorySpanExporter()
+    otr.configure(exporters=[memory, TrackioExporter(project)], handle_signals=False,
+                  sampler=otr.TailSampler(2, policy="top_bottom", watch=[0], group_size=4))
+    try:
+        for step in range(2):
+            for group, prompt in enumerate(["2+2?", "3*7?"]):
+                for sample in range(4):
+                    with otr.episode(step=step, group_id=f"p{group}", sample_index=sample,
+                                     dataset_index=group) as ep:
+                        ep.prompt([{"role": "user", "content": prompt}])
+                        score = 1.0 if sample % 2 == 0 else 0.0
+                        ep.reward(score, components={"math": score})
+                    ep.reward(score, advantage=score - 0.5)  # the whole group is scored now
+            otr.end_step(step)
+        assert otr.flush(30)
+        stats = otr.stats()
+    finally:
+        otr.shutdown(timeout=10)
+    watched = [r for r in _roots(memory) if r.attributes[c.RL_SAMPLING_REASON] == "watch"]
+    assert len(watched) == 8  # group p0 (dataset index 0), 4 per step, outside the cap of 2
+    for root in watched:
+        assert root.attributes[c.RL_ADVANTAGE] == root.attributes[c.RL_REWARD] - 0.5
+        assert root.attributes[c.RL_GROUP_SIZE] == 4
+        assert root.attributes[c.RL_GROUP_REWARD_SPREAD] == 1.0
+    # nothing of them came apart as a late fragment: one reward span each, the advantage on it
+    rewards = [s for s in memory.get_finished_spans() if s.name == c.SPAN_REWARD
+               and s.context.trace_id in {r.context.trace_id for r in watched}]
+    assert len(rewards) == 8 and all(c.RL_ADVANTAGE in s.attributes for s in rewards)
+    stored = [row["metadata"] for row in trackio_rows(project)
+              if row["metadata"].get(c.RL_SAMPLING_REASON) == "watch"]
+    assert len(stored) == 8
+    assert all(m[c.RL_ADVANTAGE] in (-0.5, 0.5) and m[c.RL_GROUP_SIZE] == 4 for m in stored)
+    for step in range(2):
+        counts = stats["steps"][f"{step}/train"]
+        assert counts["kept.watch"] == 4 and counts["kept"] == 4 + 2  # the watched, and the cap
