@@ -368,7 +368,8 @@ class Store:
             self._forget_items(entry, kind)
 
     def _forget_items(self, entry: _Trace, kind: str) -> None:
-        keep, gone = [], []
+        keep: list[tuple[str, int, bytes]] = []
+        gone: list[tuple[str, int, bytes]] = []
         for item in entry.items:
             (gone if item[0] == kind else keep).append(item)
         freed = sum(len(item[2]) + ITEM_OVERHEAD for item in gone)
