@@ -250,6 +250,7 @@ class Channel:
             return conn
 
     def _lost(self, conn: Connection) -> None:
+        """The gateway went away: whoever waits for an answer is told at once (no answer)."""
         if self._conn is conn:
             self._conn = None
             self.stats.add("errors.gateway_channel")
@@ -257,6 +258,8 @@ class Channel:
                 conn.close()
             except OSError:
                 pass
+        for event, _ in list(self._replies.values()):
+            event.set()
 
     def _write_loop(self) -> None:
         while not self._stop.is_set():
