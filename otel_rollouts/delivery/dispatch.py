@@ -71,6 +71,7 @@ __all__ = ["Delivery"]
 logger = logging.getLogger("otel_rollouts")
 
 _STOP = object()
+_WAKE_S = 0.25  # the render thread looks at its queue at least this often (see Delivery._run)
 
 
 _BASE_BYTES = 256  # a span's own objects (ids, times, dicts), about
@@ -409,7 +410,14 @@ class Delivery:
     # --- the render thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                # never an unbounded wait: a KeyboardInterrupt that lands in the training thread's
+                # put_nowait while it notifies this thread (inside Condition.notify) loses the
+                # wakeup, and a thread blocked in get() then never saw what was queued after it
+                # (a SIGINT exit waited out its whole deadline on a render thread asleep)
+                item = self._queue.get(timeout=_WAKE_S)
+            except queue.Empty:
+                continue
             if item is _STOP:
                 return
             if isinstance(item, _Marker):
