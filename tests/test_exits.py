@@ -683,3 +683,94 @@ def test_ctrl_c_while_a_kept_episode_is_queued_never_leaves_the_render_thread_as
     assert otr.flush(timeout=5)
     ids = {(s.attributes or {}).get(c.RL_EPISODE_ID) for s in memory.get_finished_spans()}
     assert {"interrupted", "after"} <= ids
+
+
+# --- every shutdown path honours its deadline ---------------------------------------------------
+MARGIN_S = 0.75  # one batch written past the deadline, and scheduling on a loaded machine
+
+
+def _books_balance(totals: dict, exporter: str) -> int:
+    """Every kept episode is delivered, left in the spool or dropped under a named reason
+    (per exporter: the ledger's rule); returns how many were left in the spool."""
+    entered = totals.get(f"ledger.entered.{exporter}", 0)
+    delivered = totals.get(f"delivered.{exporter}", 0)
+    left = totals.get(f"undelivered_at_exit.{exporter}", 0)
+    dropped = sum(v for k, v in totals.items() if k.startswith("dropped.") and k.endswith(f".{exporter}")
+                  and not k.startswith("dropped.adopted."))
+    assert entered == delivered + left + dropped, totals
+    return left
+
+
+@pytest.mark.parametrize("spool", ["spool_dir", "private"])
+def test_shutdown_honours_its_deadline_with_the_collector_down_and_a_backlog(tmp_path, otr_shutdown, caplog, spool):
+    # The collector is down (nobody listens on the port) and the exporter's own retries hold its
+    # first export call for up to 30 s: everything kept meanwhile waits in memory, 200 episodes
+    # of 42 spans. shutdown(1) wrote all of it to the spool past its deadline (3.6 s with a
+    # spool_dir; 2.8 s writing to the private spool, which is removed at exit unread).
+    port = free_port()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    spool_dir = tmp_path / "spool"
+    otr.configure(
+        exporters=[OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=30)],
+        sampler=otr.TailSampler(200, "first"),
+        **({"spool_dir": spool_dir} if spool == "spool_dir" else {}),
+    )
+    for i in range(200):
+        with otr.episode(step=0, episode_id=f"e{i}") as ep:
+            ep.prompt("question " * 20)
+            for k in range(20):
+                with ep.turn() as turn:
+                    turn.record_generation(f"answer {k} " * 20, model="policy", output_tokens=3)
+            ep.reward(1.0)
+    deadline = time.monotonic() + 60
+    while otr.stats()["totals"].get("exported.episodes", 0) < 200 and time.monotonic() < deadline:
+        time.sleep(0.02)  # rendered: the backlog waits in the sender's memory
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="otel_rollouts"):
+        ok = otr.shutdown(timeout=1.0)
+    took = time.monotonic() - started
+    assert ok is False
+    assert took < 1.0 + MARGIN_S, f"shutdown(1) took {took:.2f} s"
+    totals = otr.stats()["totals"]
+    left = _books_balance(totals, "OTLPSpanExporter")
+    lost = totals.get("dropped.undelivered_at_exit.OTLPSpanExporter", 0)
+    if spool == "spool_dir":  # what the spool holds is exactly what was counted left there
+        on_disk = sum(int(p.name.split("-")[1].split(".")[0]) for p in spool_dir.rglob("*.otlp"))
+        assert on_disk == left
+    else:
+        assert left == 0 and lost == 200
+    if lost:  # what did not fit is said, once, with its reason
+        lines = [r.getMessage() for r in caplog.records if "could not be delivered before exit" in r.getMessage()]
+        assert len(lines) == 1 and str(lost) in lines[0], lines
+
+
+def test_shutdown_honours_its_deadline_with_thousands_of_never_ended_episodes_and_the_hang_watcher(
+        tmp_path, otr_shutdown, caplog):
+    # 4,000 episodes that never ended, one per step (the lag rule closed the earlier steps, so
+    # each is kept when shutdown ends it), the hang watcher on, the collector down. shutdown(2)
+    # took 3.1-4.0 s: ending every open episode had no deadline, nor had writing the backlog to the
+    # private spool.
+    port = free_port()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    otr.configure(exporters=[OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=30)],
+                  sampler=otr.TailSampler(32, "top_bottom"), hang=0.5)
+    episodes = []
+    for i in range(4000):
+        ep = otr.episode(step=i).start()
+        ep.prompt("q" * 1000)
+        ep.turn().__enter__().tool_call("calc", arguments={"a": i}).__enter__()  # stuck in a tool
+        episodes.append(ep)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="otel_rollouts"):
+        otr.shutdown(timeout=2.0)
+    took = time.monotonic() - started
+    assert took < 2.0 + MARGIN_S, f"shutdown(2) took {took:.2f} s"
+    totals = otr.stats()["totals"]
+    _books_balance(totals, "OTLPSpanExporter")
+    # every episode is decided, or counted undecided (and said so)
+    undecided = totals.get("episodes.undecided_at_exit", 0)
+    assert totals.get("seen", 0) + undecided == 4000, totals
+    if undecided:
+        assert any("not decided before the shutdown deadline" in r.getMessage() for r in caplog.records)

@@ -628,12 +628,14 @@ class RolloutMetrics:
         return ok
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Send what is queued and stop, within ``timeout`` (the meter provider's shutdown
+        exports a last time: bounded by what is left)."""
         deadline = time.monotonic() + timeout
         self.flush(timeout)
         if self._sender is not None:
             self._sender.stop(max(deadline - time.monotonic(), 0.0))
         if self.provider is not None:
-            self.provider.shutdown()
+            self.provider.shutdown(timeout_millis=max(deadline - time.monotonic(), 0.0) * 1000)
 
 
 def _status_counts(batch: RowBatch, rows: np.ndarray) -> dict[str, int]:
