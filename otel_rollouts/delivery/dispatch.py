@@ -439,6 +439,8 @@ class Delivery:
                 # (a SIGINT exit waited out its whole deadline on a render thread asleep)
                 item = self._queue.get(timeout=_WAKE_S)
             except queue.Empty:
+                if self._abandon.is_set():
+                    return  # shut down (its stop item may not have found room in a full queue)
                 continue
             if item is _STOP:
                 return
