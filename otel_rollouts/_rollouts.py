@@ -395,23 +395,37 @@ class Rollouts(_runtime.Runtime):
                 self._stopped = True
                 return True
             self._stopped = True
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
+            deadline = start + timeout
+            # the decisions (open episodes ended, steps closed) take at most a third of the time:
+            # what is kept by then is delivered with the rest, what is not decided is counted
+            decide_by = start + timeout / 3
             self.settle()  # spans of finished remote calls join before the last decisions
-            pipeline.stop_watching()  # episodes still hanging now are counted hung
-            pipeline.end_open(c.STATUS_TRUNCATED, timeout=timeout / 4)
+            pipeline.stop_watching(timeout=max(decide_by - time.monotonic(), 0.0))  # hanging now: hung
+            pipeline.end_open(c.STATUS_TRUNCATED, timeout=max(decide_by - time.monotonic(), 0.0) / 2,
+                              deadline=decide_by)
             self.enabled = False
-            closed = pipeline.close_all(timeout=max(deadline - time.monotonic(), 0.0) / 3)
+            closed = pipeline.close_all(timeout=max(decide_by - time.monotonic(), 0.0), deadline=decide_by)
+            undecided = pipeline.count_undecided()
+            if undecided:
+                logger.warning(
+                    "otel_rollouts: %d episode(s) were not decided before the shutdown deadline "
+                    "(still open, or held by a step that could not be closed); none of them was "
+                    "kept (counted undecided_at_exit in otr.stats())", undecided)
             metrics = self.metrics
             if metrics is not None:
-                # step summaries go before the exporters stop
-                metrics.flush(max(deadline - time.monotonic(), 0.0) / 2)
-            # the renderer pulls the last kept episodes' server spans from the gateway
-            ok = self.delivery.shutdown(max(deadline - time.monotonic(), 0.0) * 0.9)
+                # step summaries go before the exporters stop (a tenth of what is left: the kept
+                # episodes' delivery has the rest)
+                metrics.flush(max(deadline - time.monotonic(), 0.0) / 10)
+            # the last tenth (at most a second) is for the gateway and the metrics closed after
+            # delivery; the renderer pulls the last kept episodes' server spans meanwhile
+            reserve = min(timeout / 10, 1.0) if (self.gateway is not None or metrics is not None) else 0.0
+            ok = self.delivery.shutdown(max(deadline - reserve - time.monotonic(), 0.0))
             if self.gateway is not None:  # the last decisions sent, the gateway's counts received
-                self.gateway.stop(timeout=min(max(deadline - time.monotonic(), 0.0), 2.0))
+                self.gateway.stop(timeout=min(max(deadline - time.monotonic(), 0.0) / 2, 2.0))
             if metrics is not None:
                 metrics.shutdown(max(deadline - time.monotonic(), 0.0))
-            return ok and closed
+            return ok and closed and not undecided
         finally:
             self._stop_lock.release()
 

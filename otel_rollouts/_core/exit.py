@@ -125,12 +125,29 @@ def calls_user_code(functions: Iterable[Callable[..., object]]) -> None:
 
 def inside_library(frame: types.FrameType | None) -> bool:
     """Whether a stack (innermost frame first) is inside a library call that may hold a lock."""
+    return library_call(frame) is not None
+
+
+def library_call(frame: types.FrameType | None) -> types.FrameType | None:
+    """The outermost frame of the library call a stack (innermost frame first) is inside, one
+    that may hold a lock; None when it is in none. That call has returned, and released what it
+    held, once this frame is no longer on the thread's stack."""
+    found = None
     while frame is not None:
         if frame.f_code not in _hooks.calls_out:
             module = frame.f_globals.get("__name__")
             if isinstance(module, str) and (module == _PACKAGE or module.startswith(_PACKAGE + ".")):
                 if module != __name__:
-                    return True
+                    found = frame
+        frame = frame.f_back
+    return found
+
+
+def _on_stack(call: types.FrameType, frame: types.FrameType | None) -> bool:
+    """Whether ``call`` is still on the stack whose innermost frame is ``frame``."""
+    while frame is not None:
+        if frame is call:
+            return True
         frame = frame.f_back
     return False
 
@@ -302,7 +319,8 @@ def _on_signal(signum: int, frame: types.FrameType | None) -> None:
     if _hooks.pending is not None or not _hooks.claim.acquire(blocking=False):
         return  # already flushing for an earlier signal, or the watcher took this one
     deadline = time.monotonic() + _hooks.timeout
-    if not inside_library(frame):
+    call = library_call(frame)
+    if call is None:
         # the training thread stays where it is (in user code, holding none of our locks)
         _hooks.pending = (signum, threading.current_thread())
         _flush_then_kill(signum, deadline)
@@ -310,22 +328,30 @@ def _on_signal(signum: int, frame: types.FrameType | None) -> None:
     # the main thread was interrupted inside the library, maybe holding a lock the flush needs:
     # let it finish that call; the helper flushes once it has, and ends the process
     helper = threading.Thread(
-        target=_flush_after_library, args=(signum, deadline), name="otel-rollouts-exit", daemon=True
+        target=_flush_after_library, args=(signum, deadline, call), name="otel-rollouts-exit", daemon=True
     )
     _hooks.pending = (signum, helper)
     helper.start()
 
 
-def _flush_after_library(signum: int, deadline: float) -> None:
+def _flush_after_library(signum: int, deadline: float, call: types.FrameType) -> None:
+    """Flush once the interrupted library ``call`` returned (at most half the deadline).
+
+    Waiting for that call, not for the main thread to be seen outside the library: a training
+    loop that records episode after episode is inside the library nearly all the time, and an
+    exit with nothing left to deliver waited out half of ``exit_timeout`` for a glimpse of it
+    outside. Once the interrupted call returned it holds nothing; later calls take locks briefly,
+    and the flush takes every lock with a deadline."""
     try:
         main = threading.main_thread()
         wait_until = time.monotonic() + _hooks.timeout / 2
         while time.monotonic() < wait_until and main.is_alive():
             ident = main.ident
-            if ident is None or not inside_library(sys._current_frames().get(ident)):
+            if ident is None or not _on_stack(call, sys._current_frames().get(ident)):
                 break
             time.sleep(_POLL_S)  # polling another thread's stack: there is nothing to wait on
     finally:
+        del call  # the frame (and what it refers to) is not kept alive by the exit
         _flush_then_kill(signum, deadline)
 
 

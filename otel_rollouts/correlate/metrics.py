@@ -87,6 +87,7 @@ _RESERVOIR = 1024
 _MAX_SAMPLES = 1 << 20
 # a custom policy's labels are its author's: past this many reasons in a step, "policy"
 _MAX_REASONS = 32
+_WAKE_S = 0.25  # the step-summary thread looks at its queue at least this often (_ScalarSender._run)
 _STATUSES = frozenset(c.STATUSES)
 # the reservoir's generator: a 64-bit LCG (Knuth's MMIX constants), the same for every series,
 # so that the same values in the same order give the same sample
@@ -317,7 +318,12 @@ class _ScalarSender:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                # bounded: a KeyboardInterrupt landing in the training thread's put_nowait while
+                # it notifies this thread loses the wakeup (see delivery.dispatch.Delivery._run)
+                item = self._queue.get(timeout=_WAKE_S)
+            except queue.Empty:
+                continue
             if item is None:  # stop(): the run is over
                 return
             step, values = item
@@ -622,12 +628,14 @@ class RolloutMetrics:
         return ok
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Send what is queued and stop, within ``timeout`` (the meter provider's shutdown
+        exports a last time: bounded by what is left)."""
         deadline = time.monotonic() + timeout
         self.flush(timeout)
         if self._sender is not None:
             self._sender.stop(max(deadline - time.monotonic(), 0.0))
         if self.provider is not None:
-            self.provider.shutdown()
+            self.provider.shutdown(timeout_millis=max(deadline - time.monotonic(), 0.0) * 1000)
 
 
 def _status_counts(batch: RowBatch, rows: np.ndarray) -> dict[str, int]:

@@ -72,6 +72,7 @@ __all__ = ["Delivery"]
 logger = logging.getLogger("otel_rollouts")
 
 _STOP = object()
+_WAKE_S = 0.25  # the render thread looks at its queue at least this often (see Delivery._run)
 
 
 _BASE_BYTES = 256  # a span's own objects (ids, times, dicts), about
@@ -157,6 +158,9 @@ class Delivery:
         self.warner = Warner()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.closed = False  # set by shutdown: later items are counted, not queued
+        # set by shutdown once its render time is over: queued items are let go unrendered (the
+        # ledger counts the kept episodes among them at exit); the exit's time goes to the spool
+        self._abandon = threading.Event()
         self._own_spool_root = spool_dir is None
         self.spool_root = Path(spool_dir) if spool_dir is not None else None
         self.senders: list[SpoolingSender] = []
@@ -342,32 +346,48 @@ class Delivery:
         return bool(result) and result[0] is not False
 
     def shutdown(self, timeout: float) -> bool:
-        """Flush, then stop; never waits past ``timeout`` (a dead network included)."""
+        """Flush, then stop; never waits past ``timeout`` (a dead network, a large backlog and
+        a slow disk included).
+
+        The time goes, in order, to delivery (at most 80%: the exporters are retried, the last
+        chance), to the render thread finishing what is queued (half of what is left; then it
+        stops rendering), and to writing what still waits in memory to a persistent spool
+        (until the deadline: what fits is written, oldest first). Nothing is written to the
+        private spool, which is removed at exit. Whatever is not delivered or written by the
+        deadline is counted by the ledger, ``undelivered_at_exit``, with one log line per
+        exporter. The exporters' own ``shutdown`` gets what is left, on a thread of its own."""
         deadline = time.monotonic() + timeout
         if not self._thread.is_alive():
             return False  # a forked copy: the threads (and the work) are the parent's
         flushed = self.flush(max(timeout * 0.8, 0.0), through_outage=True)
         self.closed = True
         try:
-            self._queue.put(_STOP, timeout=max(deadline - time.monotonic(), 0.001))
+            self._queue.put_nowait(_STOP)
         except queue.Full:
-            pass
-        self._thread.join(max(deadline - time.monotonic(), 0.0))
+            pass  # the render thread stops at the deadline anyway (_abandon)
+        self._thread.join(max((deadline - time.monotonic()) / 2, 0.0))
+        self._abandon.set()  # what is not rendered now stays pending: counted at exit
         if self._gateway is not None:
-            self._gateway.close(min(max(deadline - time.monotonic(), 0.0), 1.0))
-        for sender in self.senders:
-            sender.stop()
+            self._gateway.close(min(max(deadline - time.monotonic(), 0.0) / 4, 1.0))
+        keep = not self._own_spool_root
+        unwritten = {sender.name: sender.stop(deadline, keep=keep) for sender in self.senders}
+        for name, batches in unwritten.items():
+            if batches:
+                self.stats.add(f"spool.unwritten_at_exit.{name}", batches)
         # exporters' shutdown may hang on a dead network: run it where we can stop waiting
         closer = threading.Thread(target=self._shutdown_exporters, daemon=True)
         closer.start()
         closer.join(max(deadline - time.monotonic(), 0.0))
-        self._report_leftovers()
-        return flushed and not self._thread.is_alive() and not closer.is_alive()
+        self._report_leftovers(unwritten)
+        return (flushed and not any(unwritten.values()) and not self._thread.is_alive()
+                and not closer.is_alive())
 
-    def _report_leftovers(self) -> None:
+    def _report_leftovers(self, unwritten: dict[str, int] | None = None) -> None:
         """Decide every episode still pending (the ledger's end): left in a persistent spool for
         the next process, or lost under ``undelivered_at_exit`` (a private spool dies with the
-        process; an ``export`` still hung at the deadline never confirmed anything)."""
+        process; an ``export`` still hung at the deadline never confirmed anything; a batch the
+        deadline left unwritten, ``unwritten[exporter]`` of them, never reached the spool)."""
+        unwritten = unwritten or {}
         own = self._own_spool_root
         left: dict[str, set[int]] = {}
         directories: dict[str, Path | None] = {}
@@ -382,7 +402,10 @@ class Delivery:
                     "lost%s",
                     sender.name,
                     lost[sender.name],
-                    " (pass configure(spool_dir=...) to keep them for the next run)" if own else "",
+                    " (pass configure(spool_dir=...) to keep them for the next run)" if own else
+                    f" ({unwritten[sender.name]} batch(es) still in memory when the exit deadline came; "
+                    "a longer exit_timeout or shutdown(timeout) writes more of them to the spool)"
+                    if unwritten.get(sender.name) else "",
                 )
             kept = len(left.get(sender.name, ()))
             if kept:
@@ -428,16 +451,38 @@ class Delivery:
     # --- the render thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                # never an unbounded wait: a KeyboardInterrupt that lands in the training thread's
+                # put_nowait while it notifies this thread (inside Condition.notify) loses the
+                # wakeup, and a thread blocked in get() then never saw what was queued after it
+                # (a SIGINT exit waited out its whole deadline on a render thread asleep)
+                item = self._queue.get(timeout=_WAKE_S)
+            except queue.Empty:
+                if self._abandon.is_set():
+                    return  # shut down (its stop item may not have found room in a full queue)
+                continue
             if item is _STOP:
                 return
             if isinstance(item, _Marker):
                 item.event.set()
                 continue
+            if self._abandon.is_set():
+                self._let_go(item)
+                continue
             try:
                 self._render(item)
             except BaseException:  # noqa: BLE001 - last resort (a logging handler that raises): go on
                 self.stats.add("errors.render_thread")
+
+    def _let_go(self, item: Any) -> None:
+        """After the exit's render time: an item is freed unrendered (a kept episode among them
+        stays pending in the ledger, which counts it ``undelivered_at_exit``)."""
+        kind, payload, size = item
+        if size:
+            with self._bytes_lock:
+                self._queued_bytes -= size
+        if kind == "episode":
+            payload.release(keep_root=True)
 
     def _render(self, item: Any) -> None:
         """Materialise one queued item and offer it to every sender; failures are counted."""

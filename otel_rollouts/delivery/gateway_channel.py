@@ -65,6 +65,10 @@ _ID = struct.Struct(">QQ")
 _REQ = struct.Struct(">Q")
 MAX_OUTBOX = 1_000_000  # trace ids waiting to be sent (16 MB at most)
 MAX_IDS_PER_FRAME = 16_384
+# after a pull went unanswered, the renderer waits at most this long on the next ones for a
+# while: a gateway that is gone or starved never holds every kept episode up for the full timeout
+_SLOW_PULL_S = 0.05
+_SLOW_FOR_S = 5.0
 
 
 def pack_ids(trace_ids: Iterable[int]) -> bytes:
@@ -118,6 +122,7 @@ class Channel:
         self._writer: threading.Thread | None = None
         self._reader: threading.Thread | None = None
         self._retry_at = 0.0
+        self._slow_until = 0.0  # a pull went unanswered: the next ones wait _SLOW_PULL_S at most
 
     # --- the training thread: append only -----------------------------------------------------
     def opened(self, trace_id: int) -> None:
@@ -185,10 +190,15 @@ class Channel:
     def pull(self, trace_ids: list[int], timeout: float) -> bytes:
         """The held spans of these kept episodes, as an encoded ``ExportTraceServiceRequest``
         (empty: none, or no answer within ``timeout``, counted ``errors.gateway_pull``)."""
-        reply = self._request(PULL, pack_ids(trace_ids), time.monotonic() + timeout)
+        now = time.monotonic()
+        if now < self._slow_until:  # it did not answer lately: ask, but do not wait long
+            timeout = min(timeout, _SLOW_PULL_S)
+        reply = self._request(PULL, pack_ids(trace_ids), now + timeout)
         if reply is None:
             self.stats.add("errors.gateway_pull")
+            self._slow_until = time.monotonic() + _SLOW_FOR_S
             return b""
+        self._slow_until = 0.0
         return reply
 
     def puller(self, timeout: float) -> Callable[[int], list[PendingSpan]]:

@@ -17,7 +17,7 @@ from otel_rollouts._core.codec import count_episodes, encode
 from otel_rollouts._core.content import exception_text, type_name
 from otel_rollouts._core.stats import Stats
 from otel_rollouts.delivery.layers import DeliveryCounts, PartialExporter, exporter_name
-from otel_rollouts.delivery.spool import Spool
+from otel_rollouts.delivery.spool import Spool, SpoolClosed
 
 __all__ = ["SpoolingSender", "approx_bytes"]
 
@@ -26,7 +26,7 @@ _BACKOFF_MAX_S = 15.0
 _POISON_AFTER = 3  # consecutive failures of one batch before checking whether only it fails
 _HURRY_MAX_S = 1.0  # backoff cap while shutdown waits (tries, not a busy loop: ~1 a second)
 _PROBE_LATER = 4  # later spooled batches tried to tell a refused head from a dead exporter
-_DRAIN_BATCHES = 64  # spooled batches sent together once the exporter takes them again
+_DRAIN_BATCHES = 64  # batches sent together: spooled ones once the exporter is back, or waiting in memory
 _DRAIN_BYTES = 2 * 1024 * 1024
 
 
@@ -102,6 +102,9 @@ class SpoolingSender(SpanExporter):
         self._wake = threading.Event()  # cut a backoff short (flush, stop)
         self._attempts = 0  # export attempts finished
         self._inflight = 0  # episodes in the export call under way
+        # the batch of that call when it came from memory (None: from the spool): stop() keeps it
+        # on disk while the call hangs, and then the sender leaves its failure to stop()
+        self._sending: list[ReadableSpan] | None = None
         self._spilling = 0  # episodes taken from memory and being written to the spool
         self._last_ok = True
         self._hurry = False  # shutdown: backoff capped at _HURRY_MAX_S (a few tries before the deadline)
@@ -114,6 +117,8 @@ class SpoolingSender(SpanExporter):
 
     # --- render side ---------------------------------------------------------------------
     def offer(self, batch: list[ReadableSpan]) -> None:
+        if self._stopping.is_set():
+            return  # after stop(): still pending in the ledger, which decides it at exit
         spans: list[ReadableSpan] | None = batch
         size = approx_bytes(batch)
         spill: list[list[ReadableSpan]] = []
@@ -147,6 +152,25 @@ class SpoolingSender(SpanExporter):
         batch = self._pending.popleft()
         self._pending_bytes -= self._sizes.pop(id(batch), 0)
         return batch
+
+    def _take_request(self) -> list[list[ReadableSpan]]:
+        """The batches waiting in memory, oldest first, that go out in one request (caller
+        holds ``_cond``): at least one, at most ``_DRAIN_BATCHES`` of about ``_DRAIN_BYTES``. A
+        receiver that takes its time per request (Phoenix, a loaded collector) then costs one
+        round trip for everything that waited, not one per kept episode: at an exit, with
+        seconds left, 48 episodes sent one by one to a receiver answering in 0.2 s did not
+        all arrive. The layer below still splits a request over the receiver's size limit; a
+        request that fails whole is spooled batch by batch (one refused batch is then found
+        and dropped alone, never its request's companions)."""
+        size = self._sizes.get(id(self._pending[0]), 0)
+        batches = [self._take_head()]
+        while self._pending and len(batches) < _DRAIN_BATCHES:
+            following = self._sizes.get(id(self._pending[0]), 0)
+            if size + following > _DRAIN_BYTES:
+                break
+            batches.append(self._take_head())
+            size += following
+        return batches
 
     @property
     def pending_bytes(self) -> int:
@@ -194,6 +218,8 @@ class SpoolingSender(SpanExporter):
         traces = tuple({s.context.trace_id: None for s in spans if s.context is not None})
         try:
             dropped = spool.push(encode(spans), episodes, traces)
+        except SpoolClosed:
+            return  # after the exit's accounts were closed: those episodes are decided there
         except BaseException as exc:  # noqa: BLE001 - a full disk must not stop delivery
             self.counts.error("spool")
             self._log_once("spool.write", f"spool write failed: {exception_text(exc)}")
@@ -261,18 +287,24 @@ class SpoolingSender(SpanExporter):
                     ok = self._send_spooled(spool, failures)
                 else:
                     with self._cond:
-                        batch = self._take_head() if self._pending else None
-                        self._inflight = count_episodes(batch) if batch is not None else 0
+                        batches = self._take_request() if self._pending else []
+                        batch = batches[0] if len(batches) == 1 else [s for b in batches for s in b]
+                        self._inflight = count_episodes(batch) if batches else 0
+                        self._sending = batch if batches else None
                     ok = True
-                    if batch is not None:
+                    if batches:
                         failed = self._send(batch)
-                        batch = None
+                        with self._cond:
+                            taken = self._sending is not batch  # stop() took it meanwhile
+                            self._sending = None
                         ok = not failed
-                        if failed:
+                        if failed and not taken:
                             # keep it, and everything behind it, on disk until the exporter is back
-                            for part in failed:
+                            whole = len(failed) == 1 and len(failed[0]) == len(batch)
+                            for part in (batches if whole else failed):
                                 self._to_spool(part)
                             self._spill_pending()
+                        batch = None
             except BaseException as exc:  # noqa: BLE001 - the sender thread never dies
                 ok = False
                 self.counts.error("sender")
@@ -283,6 +315,7 @@ class SpoolingSender(SpanExporter):
                 with self._cond:
                     self._busy = False
                     self._inflight = 0
+                    self._sending = None
                     self._attempts += 1
                     self._last_ok = ok
                     self._cond.notify_all()
@@ -391,21 +424,36 @@ class SpoolingSender(SpanExporter):
             return [spans]
 
     # --- shutdown --------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop the sender; batches still in memory are kept on disk (when there is a spool)."""
+    def stop(self, deadline: float | None = None, *, keep: bool = True) -> int:
+        """Stop the sender. Batches still in memory, and the one of an export call still under
+        way (a hung exporter), are kept on disk, oldest first, until ``deadline``: what is not
+        written by then stays pending in the ledger, which counts it lost at exit
+        (``undelivered_at_exit``) with one log line. ``keep=False`` (a private spool, removed at
+        exit) writes nothing: those files would be deleted unread. Without a spool the batches
+        in memory are dropped (``shutdown``). Returns the batches left unwritten at the deadline.
+
+        A batch is written whole: the deadline can be passed by the time of one write (a
+        batch is at most ``max_pending_bytes``; an episode, at most ``max_episode_chars``)."""
         self._stopping.set()
         self._wake.set()
         with self._cond:
             rest, self._pending = list(self._pending), deque()
+            sending, self._sending = self._sending, None
             self._sizes.clear()
             self._pending_bytes = 0
             self._cond.notify_all()
-        if rest and self._spool_max_bytes > 0:
-            for batch in rest:
-                self._to_spool(batch)
-        else:
+        if self._spool_max_bytes <= 0:
             for batch in rest:
                 self.counts.dropped("shutdown", batch)
+            return 0
+        if not keep:
+            return 0
+        batches = ([sending] if sending is not None else []) + rest
+        for written, batch in enumerate(batches):
+            if deadline is not None and time.monotonic() >= deadline:
+                return len(batches) - written
+            self._to_spool(batch)
+        return 0
 
     def leftover(self) -> Path | None:
         """After stop(): the spool directory (None: none was made), its lock let go; the files

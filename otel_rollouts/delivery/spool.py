@@ -49,6 +49,10 @@ Quarantine = Callable[[str, int, str, "tuple[int, ...] | None"], None]
 Dropped = list[tuple[int, "tuple[int, ...] | None"]]  # (episodes, their trace ids if known) per batch
 
 
+class SpoolClosed(OSError):
+    """A batch pushed after ``close()``: the exit has closed its accounts, nothing more is written."""
+
+
 class SpoolFileError(Exception):
     """A spool file that cannot be a batch of ours (the message is the reason)."""
 
@@ -143,6 +147,7 @@ class Spool:
         self._traces: dict[Path, tuple[int, ...]] = {}  # trace ids of the batches this process wrote
         self._bytes = 0
         self._seq = 0
+        self._closed = False  # close(): later pushes are refused (SpoolClosed)
         self.dropped_at_open = 0  # episodes of adopted batches that did not fit under the cap
         _private_dir(self.requested)
         self.directory = self.requested
@@ -247,7 +252,10 @@ class Spool:
             self.on_quarantine(path.name, episodes, reason, traces)
 
     def close(self) -> None:
-        """Release the directory lock (the files stay for the next process)."""
+        """Release the directory lock (the files stay for the next process); pushes are refused
+        from now on, so what is here is what the exit counted as left for the next process."""
+        with self._lock:
+            self._closed = True
         fd, self._lock_fd = self._lock_fd, -1
         if fd >= 0:
             try:
@@ -287,6 +295,8 @@ class Spool:
         if size > self.max_bytes:
             return [(episodes, traces)]
         with self._lock:
+            if self._closed:
+                raise SpoolClosed(f"spool {self.directory} is closed")
             self._bytes += size
             dropped = self._trim()
             self._bytes -= size

@@ -406,12 +406,18 @@ class HungWatcher:
         return copy
 
     # --- shutdown ------------------------------------------------------------------------------
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """At shutdown, before open episodes are ended: every shown episode still open is
         counted hung, and every shown one is named ended (its exporter stops showing it
-        running). Later ticks do nothing. Never raises."""
+        running). Later ticks do nothing. Never raises; waits at most ``timeout`` for a tick
+        under way (thousands of open episodes make a long one): past that the watcher is only
+        marked stopped, counted ``errors.hung_watcher_busy``."""
         try:
-            with self._lock:
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                self._stopped = True  # the tick under way is the last one
+                self.stats.add("errors.hung_watcher_busy")
+                return
+            try:
                 if self._stopped:
                     return
                 self._stopped = True
@@ -425,6 +431,8 @@ class HungWatcher:
                     self.delivery.pending([], notices)
                 self._shown.clear()
                 self._ended = []
+            finally:
+                self._lock.release()
         except Exception:  # noqa: BLE001 - shutdown goes on
             self.stats.add("errors.hung_watcher")
 

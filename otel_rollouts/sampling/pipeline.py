@@ -335,32 +335,41 @@ class Pipeline(SpanProcessor):
                 self._apply(key, held, chosen.get(key, []))
             self.steps.trim()
 
-    def close_all(self, timeout: float | None = None) -> bool:
+    def close_all(self, timeout: float | None = None, deadline: float | None = None) -> bool:
         """Close every open step (flush/shutdown). Not collective: see ``_close``.
 
         With ``timeout``, gives up (returning False, counted) if the lock is not free by then:
-        at exit the thread holding it may be the one a signal interrupted.
+        at exit the thread holding it may be the one a signal interrupted. With ``deadline``
+        (``time.monotonic()``), stops offering and closing when it passes (returning False):
+        what is left undecided is counted by ``count_undecided``.
         """
         if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             self.stats.add("errors.close_lock_busy")
             return False
         try:
-            self._offer_waiting(lambda r: True)
+            if not self._offer_waiting(lambda r: True, deadline):
+                return False
             for key in list(self.steps.open):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 self._close(key)
             self.steps.trim()
             return True
         finally:
             self._lock.release()
 
-    def end_open(self, status: str, timeout: float | None = None) -> int:
-        """End every episode whose root is still open, marked ``status`` (shutdown, reconfigure)."""
+    def end_open(self, status: str, timeout: float | None = None, deadline: float | None = None) -> int:
+        """End every episode whose root is still open, marked ``status`` (shutdown, reconfigure);
+        with ``deadline`` (``time.monotonic()``), only those it leaves time for (the rest stay
+        open, undecided: ``count_undecided``). Returns how many were ended."""
         if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             self.stats.add("errors.close_lock_busy")
             return 0
         try:
             ended = 0
             for record in [r for r in list(self._live.values()) if r.state == OPEN]:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
                 root = record.root
                 if root is not None and root.end_ns is None:
                     root.attributes[c.RL_STATUS] = status
@@ -370,6 +379,24 @@ class Pipeline(SpanProcessor):
         finally:
             self._lock.release()
 
+    def count_undecided(self) -> int:
+        """At exit, after the last decisions: count the episodes still undecided (open, or held
+        by a step that was not closed in time), per step as ``undecided_at_exit`` and in all as
+        ``episodes.undecided_at_exit``. None of them was kept: the ledger never saw them, but
+        ``started`` = decided + this. Reads a copy of the live records, without the lock (its
+        holder may be the thread a signal interrupted). Returns the count."""
+        per_step: dict[tuple[int, str], int] = {}
+        for record in list(self._live.values()):  # one C-level copy
+            if record.state in (OPEN, OFFERED):
+                key = (record.step, record.split)
+                per_step[key] = per_step.get(key, 0) + 1
+        for key, n in per_step.items():
+            self.stats.step(key, "undecided_at_exit", n)
+        total = sum(per_step.values())
+        if total:
+            self.stats.add("episodes.undecided_at_exit", total)
+        return total
+
     def _close_old(self, split: str, newest_closed: int) -> None:
         """Close the steps of ``split`` up to ``newest_closed`` (the lag rule)."""
         self._offer_waiting(lambda r: r.split == split and r.step <= newest_closed)
@@ -377,16 +404,20 @@ class Pipeline(SpanProcessor):
             self._close(key)
         self.steps.trim()
 
-    def _offer_waiting(self, match) -> None:
-        """Episodes whose root ended but whose reward never came are offered as they are."""
+    def _offer_waiting(self, match, deadline: float | None = None) -> bool:
+        """Episodes whose root ended but whose reward never came are offered as they are; with
+        ``deadline``, until it passes (False: some were left unoffered)."""
         waiting = [
             r
             for r in list(self._live.values())  # a copy: episodes start without the lock
             if r.state == OPEN and r.root is not None and r.root.end_ns is not None and match(r)
         ]
-        for record in sorted(waiting, key=lambda r: r.seq):
+        for n, record in enumerate(sorted(waiting, key=lambda r: r.seq)):
+            if deadline is not None and n % 64 == 0 and time.monotonic() >= deadline:
+                return False
             if record.state == OPEN:
                 self._offer(record)
+        return True
 
     def _close(self, key: tuple[int, str]) -> None:
         """A local decision. Under a distributed budget (lag, timeout, flush: no collective is
@@ -457,11 +488,12 @@ class Pipeline(SpanProcessor):
         if hung is not None:  # also with nothing open: episodes shown hanging may have ended
             hung.tick(list(self._live.values()))  # a copy made without the lock
 
-    def stop_watching(self) -> None:
-        """Before open episodes are ended at shutdown: those still hanging are counted hung."""
+    def stop_watching(self, timeout: float | None = None) -> None:
+        """Before open episodes are ended at shutdown: those still hanging are counted hung
+        (waiting at most ``timeout`` for a tick under way)."""
         hung = self.hung
         if hung is not None:
-            hung.stop()
+            hung.stop(timeout)
 
     def end_stale(self, timeout_s: float) -> int:
         """End, as truncated, every episode whose root has been open longer than ``timeout_s``:

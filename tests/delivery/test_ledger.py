@@ -250,12 +250,13 @@ def test_a_grpc_invalid_argument_is_split_and_never_stops_delivery(otr_shutdown)
 def test_a_partial_success_is_not_counted_delivered(otr_shutdown, sink, answer, reason):
     """A 200 whose ``partial_success`` rejects spans: those episodes are dropped under a reason,
     never counted delivered (they were, on the previous main)."""
-    sink.control(script=[answer] * 3)  # each episode goes out in a request of its own
+    sink.control(script=[answer] * 3)  # each episode goes out in a request of its own:
     otr.configure(exporters=[OTLPSpanExporter(endpoint=sink.endpoint, timeout=5)],
                   sampler=otr.TailSampler(100, "first"), handle_signals=False)
-    _episodes(0, 3)
+    for _ in range(3):  # (episodes waiting together for the sender go in one request)
+        _episodes(0, 1)
+        otr.flush(timeout=30)  # False: what was rejected is not delivered
     otr.end_step(0)
-    assert otr.flush(timeout=30)
     _episodes(1, 2)
     otr.end_step(1)
     assert otr.shutdown(timeout=30)
@@ -369,12 +370,12 @@ def test_an_episode_inside_a_hung_export_at_shutdown_is_counted_lost_once(config
     books = _assert_balanced("Hostile")
     assert books["delivered"] == 0
     _assert_balanced("InMemorySpanExporter")
-    hung.release.set()  # the call returns now, and stores its episode: too late to count
+    hung.release.set()  # the call returns now, and stores its episodes: too late to count
     for thread in threading.enumerate():
         if thread.name == "otel-rollouts-send-Hostile":
             thread.join(30)
             assert not thread.is_alive()
-    assert len(hung.roots()) == 1
+    assert 1 <= len(hung.roots()) <= 4  # (those that waited together went in one call)
     assert otr.stats()["totals"].get("delivered.Hostile", 0) == 0
 
 
