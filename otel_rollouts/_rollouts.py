@@ -21,6 +21,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
+from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.guard import guarded
 from otel_rollouts._core.logprobs import MismatchOptions
 from otel_rollouts._core.redaction import (
@@ -276,8 +277,13 @@ class Rollouts(_runtime.Runtime):
                 logger.warning("otel_rollouts: GatewayOptions.log_exporter %s cannot be rebuilt in the gateway "
                      "process; the OTLP log exporter the environment names is used instead",
                      type(options.log_exporter).__name__)
-        self.gateway = SpanGateway(options, self.counters, run_id=self.run_id, span_recipes=recipes,
-                                   log_recipe=log_recipe).start()
+        try:
+            self.gateway = SpanGateway(options, self.counters, run_id=self.run_id, span_recipes=recipes,
+                                       log_recipe=log_recipe).start()
+        except Exception as exc:  # noqa: BLE001 - no gateway: reported, training goes on
+            self.counters.add("errors.gateway_start")
+            logger.warning("otel_rollouts: the span gateway could not start: %s", exception_text(exc))
+            return
         pipeline.gateway = self.gateway
         delivery.use_gateway(self.gateway.address, options.pull_timeout_s)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -85,7 +86,10 @@ def gateway_dir() -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"otel-rollouts-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
-    if path.stat().st_uid != os.getuid() or path.stat().st_mode & 0o077:
+    info = os.lstat(path)
+    if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{path} is not a directory of this user's: no gateway socket is made there")
+    if info.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
 

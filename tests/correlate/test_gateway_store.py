@@ -36,3 +36,27 @@ def test_what_the_store_holds_costs_what_it_counts_and_is_freed_when_let_go() ->
     # strangers' traces let go: nothing remembered of them; what stays is the dicts' tables at
     # their peak size (bounded, like the traces held, by the bound)
     assert after < counted * 0.15, (after, counted)
+
+
+def test_a_socket_directory_that_is_not_the_users_leaves_the_run_without_a_gateway(tmp_path, monkeypatch, caplog) -> None:
+    """The gateway's Unix socket lives in a directory only its user can enter. One that is not
+    a directory of this user's (a symlink planted by someone else) is refused: the run goes on
+    without a gateway, with a warning and a count, and nothing is made there."""
+    import os
+
+    import otel_rollouts as otr
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / f"otel-rollouts-{os.getuid()}").symlink_to(elsewhere)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    otr.configure(exporters=[], handle_signals=False, gateway=otr.GatewayOptions(http_port=0, grpc_port=0))
+    try:
+        assert otr.gateway() is None
+        with otr.episode(step=0) as ep:
+            ep.reward(1.0)
+    finally:
+        otr.shutdown()
+    assert otr.stats()["totals"]["errors.gateway_start"] == 1
+    assert "is not a directory of this user's" in caplog.text
+    assert list(elsewhere.iterdir()) == []
