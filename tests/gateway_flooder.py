@@ -1,10 +1,11 @@
 """A misbehaving neighbour of the span gateway, run as its own process by the flood test.
 
-    python tests/gateway_flooder.py PORT SECONDS IDLE_CONNECTIONS
+    python tests/gateway_flooder.py PORT SECONDS IDLE_CONNECTIONS [REQUESTS_PER_SECOND]
 
 For SECONDS it keeps IDLE_CONNECTIONS connections open that never send a request (opening a new
-one whenever the gateway closes one), and on one more connection posts, as fast as the gateway
-answers, OTLP/HTTP requests of 64 spans each, every span of a trace no recording process knows
+one whenever the gateway closes one), and on one more connection posts OTLP/HTTP requests of 64
+spans each (REQUESTS_PER_SECOND, default 50: 3,200 spans a second, enough to fill a gateway's
+byte bound within seconds without taking a whole core of a shared test machine), every span of a trace no recording process knows
 (so the gateway holds them), one request in eight malformed. It prints one JSON line at the end:
 requests answered by status, connections the gateway closed.
 """
@@ -37,6 +38,7 @@ def _request(n: int) -> bytes:
 
 def main() -> None:
     port, seconds, idle = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+    interval = 1.0 / float(sys.argv[4]) if len(sys.argv) > 4 else 0.02
     os.nice(10)  # the neighbour's own CPU is not what the test measures
     selector = selectors.DefaultSelector()
     closed = 0
@@ -52,8 +54,9 @@ def main() -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     deadline = time.monotonic() + seconds
     n = 0
+    next_at = time.monotonic()
     while time.monotonic() < deadline:
-        for key, _ in selector.select(timeout=0):
+        for key, _ in selector.select(timeout=max(next_at - time.monotonic(), 0.0)):
             sock = key.fileobj
             assert isinstance(sock, socket.socket)
             try:
@@ -65,6 +68,9 @@ def main() -> None:
                 sock.close()
                 closed += 1
                 open_one()
+        if time.monotonic() < next_at:
+            continue
+        next_at += interval
         n += 1
         body = b"\x00garbage" if n % 8 == 0 else _request(n)
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from otr_helpers import self_signed_certificate as _certificate
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -211,18 +211,6 @@ def test_redaction_covers_spans_of_other_instrumentation(tmp_path, configured):
     foreign = [s for s in memory.get_finished_spans() if s.name == "POST /v1/chat"]
     assert len(foreign) == 1
     assert SECRETS["bearer"] not in str(dict(foreign[0].attributes))
-
-
-def _certificate(tmp_path: Path) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )
-    return str(cert), str(key)
 
 
 TLS_CHILD = textwrap.dedent(

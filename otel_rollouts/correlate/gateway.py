@@ -117,6 +117,7 @@ class SpanGateway:
         self.channel = Channel(self.address, stats, role="recorder", run_id=run_id)
         self._process: subprocess.Popen[bytes] | None = None
         self._gave_up = threading.Event()  # no gateway will answer
+        self._reported = threading.Event()  # what the gateway this process started could not bind: said
 
     # --- where to point a server ---------------------------------------------------------------
     @property
@@ -152,6 +153,8 @@ class SpanGateway:
         while time.monotonic() < deadline:
             welcome = self.channel.wait_welcome(0.05)
             if welcome is not None:
+                if self._process is not None:  # its warnings (a port it could not bind) first
+                    self._reported.wait(max(deadline - time.monotonic(), 0.0))
                 return welcome
             if self._gave_up.is_set():
                 return {}
@@ -189,6 +192,7 @@ class SpanGateway:
             self.stats.add("errors.gateway_start")
             logger.warning("otel_rollouts: the span gateway could not start: %s", exception_text(exc))
             self._gave_up.set()
+            self._reported.set()
             return
         self._process = process
         threading.Thread(target=self._read_answer, args=(process,), name="otel-rollouts-gateway-start",
@@ -201,14 +205,17 @@ class SpanGateway:
             answer = json.loads(line) if line else {"errors": ["the gateway process exited"]}
         except Exception as exc:  # noqa: BLE001
             answer = {"errors": [exception_text(exc)]}
-        served = answer.get("http_port") or answer.get("grpc_port")
-        if not served and self.channel.wait_welcome(2.0) is not None:
-            return  # another process's gateway has these ports: this one joined it
-        for error in answer.get("errors") or ():
-            self.stats.add("errors.gateway_bind")
-            logger.warning("otel_rollouts: span gateway could not listen on %s", error)
-        if not served:
-            self._gave_up.set()
+        try:
+            served = answer.get("http_port") or answer.get("grpc_port")
+            if not served and self.channel.wait_welcome(2.0) is not None:
+                return  # another process's gateway has these ports: this one joined it
+            for error in answer.get("errors") or ():
+                self.stats.add("errors.gateway_bind")
+                logger.warning("otel_rollouts: span gateway could not listen on %s", error)
+            if not served:
+                self._gave_up.set()
+        finally:
+            self._reported.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Leave the gateway: what was decided is sent, its counts received; the gateway exits

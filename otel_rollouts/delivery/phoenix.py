@@ -412,6 +412,17 @@ class _Shutdown(_Wrapped):
         self.own()
 
 
+def _per_episode(annotations: list[dict[str, object]]) -> list[list[dict[str, object]]]:
+    """``annotations`` (in episode order) as one list per episode root span."""
+    parts: list[list[dict[str, object]]] = []
+    for annotation in annotations:
+        if parts and parts[-1][0]["span_id"] == annotation["span_id"]:
+            parts[-1].append(annotation)
+        else:
+            parts.append([annotation])
+    return parts
+
+
 class _Batch:
     """Annotations waiting for the poster, encoded: how many, and the items of their JSON array
     without its brackets (so that batches queued together are sent as one request)."""
@@ -509,9 +520,10 @@ class PhoenixAnnotations:
         try:
             if self.phoenix is False:
                 return
-            annotations = annotations_of(spans)
-            for start in range(0, len(annotations), MAX_ANNOTATIONS_PER_REQUEST):
-                part = annotations[start:start + MAX_ANNOTATIONS_PER_REQUEST]
+            # one part per episode (the sender sends many episodes in one export): what fits the
+            # queue is queued, episode by episode, and what does not is lost; the poster sends the
+            # parts queued together in one request
+            for part in _per_episode(annotations_of(spans)):
                 try:
                     items = json.dumps(part, ensure_ascii=False, allow_nan=False).encode()[1:-1]
                 except (TypeError, ValueError) as exc:

@@ -265,7 +265,8 @@ def test_a_busy_port_is_reported_not_raised(sink: OtlpSink, caplog: pytest.LogCa
 
 def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink) -> None:
     """Server spans held with undecided episodes count against one byte budget: past it they
-    are dropped and counted, never held without bound; a decision gives the bytes back."""
+    are dropped and counted, never held without bound; a dropped episode's bytes are given back
+    at its decision, a kept one's once its renderer took its spans."""
     gateway = _configure(sink, max_held_bytes=2400)
     to_gateway = OTLPSpanExporter(endpoint=f"{gateway.http_endpoint}/v1/traces")
     padding = {"pad": "x" * 200}  # ~260 bytes a span on the wire
@@ -278,7 +279,8 @@ def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink)
                                       start_time=s.start_time, end_time=s.end_time) for s in spans]
                 assert to_gateway.export(spans).name == "SUCCESS"
                 ep.reward(1.0)
-            otr.end_step(step)  # kept: its bytes are given back for the next step's episode
+            otr.end_step(step)  # kept: its bytes are given back once its renderer has pulled them
+            assert otr.flush(30)
         assert otr.flush(30)
     finally:
         otr.shutdown()

@@ -19,6 +19,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_sink import OtlpSink
+from otr_helpers import wait_for as _wait
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -42,17 +43,6 @@ def _kept_ids(memory: InMemorySpanExporter) -> list[str]:
         for s in memory.get_finished_spans()
         if (s.attributes or {}).get(c.RL_SPAN_KIND) == c.KIND_EPISODE
     ]
-
-
-def _wait(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _received(sink) -> set[str]:
