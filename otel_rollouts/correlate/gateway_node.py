@@ -50,6 +50,7 @@ from otel_rollouts.delivery import gateway_channel as ch
 logger = logging.getLogger("otel_rollouts")
 
 _TICK_S = 0.25
+_FIRST_CLIENT_S = 30.0  # how long a new gateway waits for its first client
 _FLUSH_S = 5.0  # the most a client's flush waits for the gateway's exporters
 _MARK = "mark"
 _MAX_EXPORT_BYTES = 32 * 1024 * 1024  # encoded requests waiting for the exporters
@@ -328,7 +329,10 @@ class Node:
                 self._apply(outcome)
                 with self.clients_lock:
                     clients = list(self.clients.values())
-                    idle = not clients and time.monotonic() - self._last_client_at > self.linger_s
+                    # no client for linger_s since the last one left; or none ever, a while
+                    # after starting (the process that started it went before connecting)
+                    linger = self.linger_s if self._counter else max(self.linger_s, _FIRST_CLIENT_S)
+                    idle = not clients and time.monotonic() - self._last_client_at > linger
                 for client in clients:
                     self._send_counts(client)
                 if idle or not os.path.exists(self.address):

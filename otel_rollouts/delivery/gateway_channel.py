@@ -70,6 +70,8 @@ MAX_IDS_PER_FRAME = 16_384
 # after a pull went unanswered, the renderer waits at most this long on the next ones for a
 # while: a gateway that is gone or starved never holds every kept episode up for the full timeout
 _SLOW_PULL_S = 0.25
+_CONNECT_RETRY_S = 0.05  # between attempts to reach a gateway (one starting takes ~0.7 s)
+_CONNECT_PAUSE_MAX_S = 2.0
 _SLOW_FOR_S = 5.0
 
 
@@ -127,6 +129,7 @@ class Channel:
         self._writer: threading.Thread | None = None
         self._reader: threading.Thread | None = None
         self._retry_at = 0.0
+        self._pause = 0.0  # between attempts to connect, growing while the gateway stays away
         self._slow_until = 0.0  # a pull went unanswered: the next ones wait _SLOW_PULL_S at most
 
     # --- the training thread: append only -----------------------------------------------------
@@ -222,6 +225,11 @@ class Channel:
     # --- inside ----------------------------------------------------------------------------------
     def _request(self, kind: bytes, payload: bytes, deadline: float) -> bytes | None:
         conn = self._connected()
+        while conn is None and not self._stop.is_set():  # (not yet connected: a gateway starting)
+            if self._stop.wait(min(_CONNECT_RETRY_S, max(deadline - time.monotonic(), 0.0))) or \
+                    time.monotonic() >= deadline:
+                return None
+            conn = self._connected(retry=True)
         if conn is None:
             return None
         with self._send_lock:
@@ -239,14 +247,16 @@ class Channel:
         self._replies.pop(number, None)
         return waiter[1][0] if waiter[1] else None
 
-    def _connected(self) -> Connection | None:
+    def _connected(self, *, retry: bool = False) -> Connection | None:
+        """The connection, made now if there is none (``retry``: even within the pause after a
+        failed attempt)."""
         conn = self._conn
         if conn is not None or self._stop.is_set():
             return conn
         with self._connect_lock:
             if self._conn is not None:
                 return self._conn
-            if time.monotonic() < self._retry_at:
+            if time.monotonic() < self._retry_at and not retry:
                 return None
             key = read_key(self.address)
             try:
@@ -256,8 +266,12 @@ class Channel:
                 hello = {"pid": os.getpid(), "run_id": self.run_id, "role": self.role}
                 conn.send_bytes(HELLO + json.dumps(hello).encode())
             except Exception:  # noqa: BLE001 - no gateway (yet): tried again shortly
-                self._retry_at = time.monotonic() + 0.2
+                # the pause doubles while the gateway stays away (2 s at most): one that died
+                # costs a few attempts a second, not twenty
+                self._pause = min(self._pause * 2, _CONNECT_PAUSE_MAX_S) if self._pause else _CONNECT_RETRY_S
+                self._retry_at = time.monotonic() + self._pause
                 return None
+            self._pause = 0.0
             self._conn = conn
             self._reader = threading.Thread(target=self._read_loop, args=(conn,),
                                             name="otel-rollouts-gateway-reader", daemon=True)

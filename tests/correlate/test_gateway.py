@@ -287,7 +287,7 @@ def test_what_is_held_for_undecided_episodes_is_bounded_in_bytes(sink: OtlpSink)
     totals = otr.stats()["totals"]
     names = [s["name"] for s in sink.spans() if s["name"].startswith("s")]
     held = {step: len([n for n in names if n.startswith(f"s{step}-")]) for step in (0, 1)}
-    assert held[0] == held[1] and 2 <= held[0] < 8, held  # the same share both steps: bytes given back
+    assert held[0] == held[1] and 2 <= held[0] < 8, (held, totals)  # the same share both steps: bytes given back
     assert totals["dropped.held_bytes_full.spans"] == 2 * (8 - held[0])
 
 
