@@ -255,7 +255,7 @@ def test_soak_with_faults_on_a_schedule(tmp_path):
     assert result["delivery"]["OTLPSpanExporter"]["spooled"] > 0
     # Trackio read-only: its writes are checked, so the fault shows as a failed export (retried)
     # or as episodes dropped under a named reason, never as episodes counted delivered
-    assert any(k.endswith(".TrackioExporter") and k.split(".")[0] in ("errors", "dropped", "export")
+    assert any(k.endswith(".TrackioExporter") and k.split(".")[0] in ("errors", "dropped", "lost", "export")
                and not k.startswith("export.split") for k in totals), totals
     # the ledger's books: for every exporter, delivered + dropped = kept once it is all over
     for name, books in result["delivery"].items():

@@ -81,7 +81,7 @@ class GatewayOptions:
     header_timeout_s: float = 5.0
     body_timeout_s: float = 10.0
     linger_s: float = 5.0  # how long the gateway outlives its last client
-    pull_timeout_s: float = 2.0  # how long a renderer waits for a kept episode's server spans
+    pull_timeout_s: float = 5.0  # how long a renderer waits for a kept episode's server spans
 
     def __post_init__(self) -> None:
         if self.unknown not in ("drop", "export"):

@@ -69,7 +69,7 @@ MAX_OUTBOX = 1_000_000  # trace ids waiting to be sent (16 MB at most)
 MAX_IDS_PER_FRAME = 16_384
 # after a pull went unanswered, the renderer waits at most this long on the next ones for a
 # while: a gateway that is gone or starved never holds every kept episode up for the full timeout
-_SLOW_PULL_S = 0.25
+_SLOW_PULL_S = 1.0
 _CONNECT_RETRY_S = 0.05  # between attempts to reach a gateway (one starting takes ~0.7 s)
 _CONNECT_PAUSE_MAX_S = 2.0
 _SLOW_FOR_S = 5.0
@@ -130,6 +130,7 @@ class Channel:
         self._reader: threading.Thread | None = None
         self._retry_at = 0.0
         self._pause = 0.0  # between attempts to connect, growing while the gateway stays away
+        self._ever = False  # connected once (a gateway lost later is not waited for)
         self._slow_until = 0.0  # a pull went unanswered: the next ones wait _SLOW_PULL_S at most
 
     # --- the training thread: append only -----------------------------------------------------
@@ -225,7 +226,8 @@ class Channel:
     # --- inside ----------------------------------------------------------------------------------
     def _request(self, kind: bytes, payload: bytes, deadline: float) -> bytes | None:
         conn = self._connected()
-        while conn is None and not self._stop.is_set():  # (not yet connected: a gateway starting)
+        # never connected yet: a gateway starting, worth waiting for (one that went away is not)
+        while conn is None and not self._ever and not self._stop.is_set():
             if self._stop.wait(min(_CONNECT_RETRY_S, max(deadline - time.monotonic(), 0.0))) or \
                     time.monotonic() >= deadline:
                 return None
@@ -272,6 +274,7 @@ class Channel:
                 self._retry_at = time.monotonic() + self._pause
                 return None
             self._pause = 0.0
+            self._ever = True
             self._conn = conn
             self._reader = threading.Thread(target=self._read_loop, args=(conn,),
                                             name="otel-rollouts-gateway-reader", daemon=True)

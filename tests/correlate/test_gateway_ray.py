@@ -17,6 +17,7 @@ import ray
 import ray_workloads as w
 from instrumented_server import ENGINE_SPAN, SERVER_SPAN, serve
 from otlp_sink import OtlpSink
+from otr_helpers import wait_for
 
 from otel_rollouts import conventions as c
 
@@ -48,6 +49,11 @@ def test_three_rollout_actors_share_one_gateway_and_one_server(ray_cluster, tmp_
             outside = ray.get(actors[0].outside.remote(server.url))
         # the server has flushed its spans and logs (SIGTERM at the end of `serve`)
         totals = ray.get([a.finish.remote(0) for a in actors])
+        # a server span that reached the gateway after its episode was rendered goes out on its
+        # own, from the gateway, which exports it as it leaves (its clients gone): wait for it
+        kept_ids = {actor_ids[i] for actor_ids in ids for i in (0, EPISODES - 1)}
+        wait_for(lambda: kept_ids <= {s["trace_id"] for s in sink.spans() if s["name"] == ENGINE_SPAN},
+                 30, "every kept episode's engine span")
         spans, logs = sink.spans(), sink.logs()
     roots = {s["trace_id"] for s in spans if s["attributes"].get(c.RL_SPAN_KIND) == c.KIND_EPISODE}
     every = {t for actor_ids in ids for t in actor_ids}
