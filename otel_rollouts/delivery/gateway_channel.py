@@ -131,6 +131,8 @@ class Channel:
         self._retry_at = 0.0
         self._pause = 0.0  # between attempts to connect, growing while the gateway stays away
         self._ever = False  # connected once (a gateway lost later is not waited for)
+        # its socket is there but nobody answers: a gateway that died, not one starting
+        self._refused = False
         self._slow_until = 0.0  # a pull went unanswered: the next ones wait _SLOW_PULL_S at most
 
     # --- the training thread: append only -----------------------------------------------------
@@ -226,8 +228,9 @@ class Channel:
     # --- inside ----------------------------------------------------------------------------------
     def _request(self, kind: bytes, payload: bytes, deadline: float) -> bytes | None:
         conn = self._connected()
-        # never connected yet: a gateway starting, worth waiting for (one that went away is not)
-        while conn is None and not self._ever and not self._stop.is_set():
+        # never connected yet: a gateway starting, worth waiting for (one that went away, or
+        # whose socket refuses, is not)
+        while conn is None and not self._ever and not self._refused and not self._stop.is_set():
             if self._stop.wait(min(_CONNECT_RETRY_S, max(deadline - time.monotonic(), 0.0))) or \
                     time.monotonic() >= deadline:
                 return None
@@ -267,7 +270,8 @@ class Channel:
                 conn = Client(self.address, family="AF_UNIX", authkey=key)
                 hello = {"pid": os.getpid(), "run_id": self.run_id, "role": self.role}
                 conn.send_bytes(HELLO + json.dumps(hello).encode())
-            except Exception:  # noqa: BLE001 - no gateway (yet): tried again shortly
+            except Exception as exc:  # noqa: BLE001 - no gateway (yet): tried again shortly
+                self._refused = isinstance(exc, ConnectionRefusedError)
                 # the pause doubles while the gateway stays away (2 s at most): one that died
                 # costs a few attempts a second, not twenty
                 self._pause = min(self._pause * 2, _CONNECT_PAUSE_MAX_S) if self._pause else _CONNECT_RETRY_S

@@ -60,3 +60,32 @@ def test_a_socket_directory_that_is_not_the_users_leaves_the_run_without_a_gatew
     assert otr.stats()["totals"]["errors.gateway_start"] == 1
     assert "is not a directory of this user's" in caplog.text
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_renderer_does_not_wait_for_a_gateway_that_died_before_it_connected(tmp_path) -> None:
+    """A gateway killed before the renderer first reached it leaves its socket file and key
+    behind; the socket refuses. The renderer asks, is refused, and renders at once (counted), as
+    it would for a gateway lost later, instead of waiting the whole pull timeout per episode.
+    One still starting (no socket yet) is waited for, up to the timeout."""
+    import socket
+    import time
+
+    from otel_rollouts._core.stats import Stats
+    from otel_rollouts.delivery.gateway_channel import Channel
+
+    dead = str(tmp_path / "dead.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(dead)  # bound, never listening, closed: what a SIGKILLed gateway leaves
+    (tmp_path / "dead.sock.key").write_bytes(b"k" * 32)
+    starting = str(tmp_path / "starting.sock")
+    (tmp_path / "starting.sock.key").write_bytes(b"k" * 32)
+    took = {}
+    for name, address in (("dead", dead), ("starting", starting)):
+        stats = Stats()
+        channel = Channel(address, stats, role="renderer")
+        begun = time.monotonic()
+        assert channel.pull([1], timeout=1.5) == b""
+        took[name] = time.monotonic() - begun
+        assert stats.total("errors.gateway_pull") == 1
+        channel.close(1)
+    assert took["dead"] < 0.5 and took["starting"] >= 1.4, took
