@@ -7,7 +7,8 @@ one whenever the gateway closes one), and on one more connection posts OTLP/HTTP
 spans each (REQUESTS_PER_SECOND, default 50: 3,200 spans a second, enough to fill a gateway's
 byte bound within seconds without taking a whole core of a shared test machine), every span of a trace no recording process knows
 (so the gateway holds them), one request in eight malformed. It prints one JSON line at the end:
-requests answered by status, connections the gateway closed.
+requests answered by status, connections the gateway closed. SIGTERM ends it early, with the same
+line (the test stops it with SIGSTOP between its flooded blocks and counts the flooding time itself).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import http.client
 import json
 import os
 import selectors
+import signal
 import socket
 import sys
 import time
@@ -55,7 +57,9 @@ def main() -> None:
     deadline = time.monotonic() + seconds
     n = 0
     next_at = time.monotonic()
-    while time.monotonic() < deadline:
+    ended: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
+    while time.monotonic() < deadline and not ended:
         for key, _ in selector.select(timeout=max(next_at - time.monotonic(), 0.0)):
             sock = key.fileobj
             assert isinstance(sock, socket.socket)
@@ -70,7 +74,7 @@ def main() -> None:
                 open_one()
         if time.monotonic() < next_at:
             continue
-        next_at += interval
+        next_at = max(next_at + interval, time.monotonic() - interval)  # no burst after a stop
         n += 1
         body = b"\x00garbage" if n % 8 == 0 else _request(n)
         try:
