@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core.spans import OFFERED, EpisodeRecord
@@ -26,9 +26,13 @@ from otel_rollouts.sampling.policy import BatchBucket, WholeBatchBucket
 from otel_rollouts.sampling.steps import StepBook, StepState
 from otel_rollouts.sampling.tail import TailSampler
 
+if TYPE_CHECKING:
+    from otel_rollouts.sampling.distributed import Member
+
 
 class BatchHost(Protocol):
-    """What the batch path needs of the pipeline: its shared state and its decisions."""
+    """What the batch path needs of the pipeline: its shared state and its decisions, each a
+    declared member (the pipeline's own state is never reached into)."""
 
     @property
     def sampler(self) -> TailSampler: ...
@@ -37,17 +41,31 @@ class BatchHost(Protocol):
     @property
     def observer(self) -> StepObserver | None: ...
     @property
-    def _lock(self) -> AbstractContextManager[Any]: ...
+    def lock(self) -> AbstractContextManager[Any]:
+        """The lock every change of the sampler's state is made under."""
+        ...
     @property
     def steps(self) -> StepBook: ...
     @property
-    def _seq(self) -> itertools.count[int]: ...
+    def arrivals(self) -> itertools.count[int]:
+        """Arrival numbers (``next()`` is atomic): a row's ``seq``, its place among episodes."""
+        ...
 
-    def _step_started(self, step: int, split: str, n: int) -> None: ...
-    def _new_step(self, key: tuple[int, str]) -> StepState: ...
-    def _distributed(self) -> Any: ...
-    def _keep(self, record: EpisodeRecord | BatchRow) -> None: ...
-    def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None: ...
+    def step_started(self, step: int, split: str, n: int) -> None:
+        """``n`` episodes of (step, split) started: counted; the lag and timeout rules apply."""
+        ...
+    def new_step(self, key: tuple[int, str]) -> StepState:
+        """Open (step, split) ``key`` (it was neither open nor closed)."""
+        ...
+    def coordinator(self) -> Member | None:
+        """The cross-rank coordinator when a distributed budget applies now, else None."""
+        ...
+    def keep(self, record: EpisodeRecord | BatchRow) -> None:
+        """Keep ``record`` (a row not yet recorded is marked and kept when it is)."""
+        ...
+    def drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
+        """Drop ``record``, counted under ``reason`` (None: counted already)."""
+        ...
 
 
 class BatchOffer:
@@ -59,7 +77,7 @@ class BatchOffer:
     def takes_batches(self) -> bool:
         """Whether a batch can be offered as rows: the policy's buckets are offered rows and
         read nothing a batch's columns lack (decided per batch by ``offer_batch``)."""
-        return callable(getattr(self._host.sampler.policy, "bucket", None))
+        return callable(self._host.sampler.policy.bucket)
 
     def offer_batch(self, batch: RowBatch) -> list[BatchRow] | None:
         """Offer every row of ``batch`` (finished episodes of one step) in one call; return the
@@ -74,8 +92,8 @@ class BatchOffer:
         if not all(batch.has(name) for name in policy.needs()):
             return None
         key = batch.key
-        with host._lock:
-            host._step_started(batch.step, batch.split, batch.n)
+        with host.lock:
+            host.step_started(batch.step, batch.split, batch.n)
             if batch.n == 0:
                 return []
             host.stats.step(key, "seen", batch.n)
@@ -83,7 +101,7 @@ class BatchOffer:
             if step is None:
                 if host.steps.is_closed(key):
                     return self._late_batch(batch, key)
-                step = host._new_step(key)
+                step = host.new_step(key)
             step.last_seen = time.monotonic()
             step.groups.add_batch(batch)
             bucket = step.bucket
@@ -96,7 +114,7 @@ class BatchOffer:
             indices = range(batch.n) if chosen is None else [int(i) for i in chosen]
             if watched:
                 indices = [i for i in indices if i not in watched]
-            offered = rows(batch, indices, host._seq)
+            offered = rows(batch, indices, host.arrivals)
             step.watching.extend(watched.values())  # kept when the step closes, with the rest
             kept_now: list[BatchRow] = []
             dropped = batch.n - len(offered) - len(watched)  # never offered: dropped without an object
@@ -106,7 +124,7 @@ class BatchOffer:
                     if isinstance(r, BatchRow) and r.batch is batch:
                         dropped += 1
                     else:
-                        host._drop(r, "sampled_out")
+                        host.drop(r, "sampled_out")
                 for r in keep_now:
                     step.kept += 1
                     kept_now.append(r)
@@ -116,19 +134,19 @@ class BatchOffer:
                 alive = {r.index for r in survivors}
                 self.dropped_rows(batch, [i for i in range(batch.n) if i not in alive], "sampled_out")
             for r in kept_now:
-                host._keep(r)
+                host.keep(r)
             return sorted(survivors, key=lambda r: r.seq)
 
     def _offer_whole(self, batch: RowBatch, offer: Any, step: StepState) -> list[BatchRow]:
         """A bucket that is offered the batch at once: rows numbered in order as if offered one
         by one; only the rows it still holds become objects (and watched rows it let go)."""
         host = self._host
-        base = next(host._seq)
+        base = next(host.arrivals)
         if batch.n > 1:
-            deque(itertools.islice(host._seq, batch.n - 1), maxlen=0)  # reserve the batch's numbers
+            deque(itertools.islice(host.arrivals, batch.n - 1), maxlen=0)  # reserve the batch's numbers
         released, held = offer(batch, lambda i: BatchRow(batch, i, base + i))
         for r in released:
-            host._drop(r, "sampled_out")
+            host.drop(r, "sampled_out")
         alive = {r.index for r in held}
         watched = [r for i, r in self._watched_rows(batch, step, base).items() if i not in alive]
         step.watching.extend(watched)  # kept when the step closes, with the rest
@@ -153,7 +171,7 @@ class BatchOffer:
         for i, index in enumerate(column):
             if type(index) not in (int, str) or index not in watch:  # only ints and strings are keys
                 continue
-            row = BatchRow(batch, i, base + i if base is not None else next(self._host._seq))
+            row = BatchRow(batch, i, base + i if base is not None else next(self._host.arrivals))
             row.reason = c.REASON_WATCH
             row.notes = {c.RL_WATCH_KEY: str(index)}
             out[i] = row
@@ -167,13 +185,13 @@ class BatchOffer:
         cap (none under a distributed budget), the rest dropped, counted at once."""
         host = self._host
         host.stats.step(key, "late", batch.n)
-        room = 0 if host._distributed() is not None else host.steps.late_room(key)
-        taken = rows(batch, range(min(room, batch.n)), host._seq)
+        room = 0 if host.coordinator() is not None else host.steps.late_room(key)
+        taken = rows(batch, range(min(room, batch.n)), host.arrivals)
         if taken:
             host.steps.kept_late(key, len(taken))
         for row in taken:
             row.reason = c.REASON_LATE
-            host._keep(row)
+            host.keep(row)
         if batch.n > len(taken):
             self.dropped_rows(batch, range(len(taken), batch.n), reason="late")
         return taken
@@ -196,7 +214,7 @@ class BatchOffer:
         """The episodes recorded for rows ``offer_batch`` returned (None: recording failed).
         A row still held now stands for its record; one decided meanwhile gets its decision."""
         host = self._host
-        with host._lock:
+        with host.lock:
             for row, record in recorded:
                 row.built = True
                 if record is None:
@@ -209,9 +227,9 @@ class BatchOffer:
                 record.notes = row.notes
                 row.record = record
                 if row.decision == KEEP:
-                    host._keep(record)
+                    host.keep(record)
                 elif row.decision == DROP:
-                    host._drop(record, None)
+                    host.drop(record, None)
 
     def record_failed(self, row: BatchRow) -> None:
         """A row chosen to keep whose episode could not be recorded (its callback raised, or

@@ -51,9 +51,13 @@ class ForeignHost(Protocol):
     @property
     def gateway(self) -> GatewaySink | None: ...
     @property
-    def _lock(self) -> AbstractContextManager[Any]: ...
+    def lock(self) -> AbstractContextManager[Any]:
+        """The lock every change of the episodes' state is made under."""
+        ...
     @property
-    def _live(self) -> dict[int, EpisodeRecord]: ...
+    def live(self) -> dict[int, EpisodeRecord]:
+        """Trace id → episode not yet decided (read without the lock: single lookups)."""
+        ...
 
 
 class Foreign:
@@ -91,13 +95,13 @@ class Foreign:
         host = self._host
         record = self._open.pop(span.context.span_id, None)
         if record is None:
-            if span.context.trace_id in host._live:
+            if span.context.trace_id in host.live:
                 # a foreign span of an episode we could not track: never export a fragment
                 host.stats.add("dropped.late_spans")
                 return
             host.delivery.spans([span])  # not part of any episode: passes through
             return
-        with host._lock:
+        with host.lock:
             if record.state in (OPEN, OFFERED):
                 if len(record.spans) + len(record.foreign) < record.max_spans:
                     record.foreign.append(span)
@@ -114,11 +118,11 @@ class Foreign:
         held with it while undecided, exported if it was kept, dropped (counted) otherwise."""
         host = self._host
         late: list[ReadableSpan] = []
-        with host._lock:
+        with host.lock:
             for span in spans:
                 trace_id = span.context.trace_id
                 owner = record if record is not None and record.trace_id == trace_id else None
-                owner = owner or host._live.get(trace_id)
+                owner = owner or host.live.get(trace_id)
                 if owner is not None and owner.state in (OPEN, OFFERED):
                     if len(owner.spans) + len(owner.foreign) < owner.max_spans:
                         owner.foreign.append(span)
@@ -141,7 +145,7 @@ class Foreign:
         """The undecided episode of ``trace_id``, else whether it was kept (None: unknown)."""
         if record is not None and record.trace_id == trace_id and record.state in (OPEN, OFFERED):
             return record, None
-        owner = self._host._live.get(trace_id)
+        owner = self._host.live.get(trace_id)
         if owner is not None and owner.state in (OPEN, OFFERED):
             return owner, None
         if record is not None and record.trace_id == trace_id and record.state >= KEPT:
@@ -166,7 +170,7 @@ class Foreign:
         if not logs:
             return True
         host = self._host
-        with host._lock:
+        with host.lock:
             owner, kept = self._owner(trace_id, record)
             if owner is not None:
                 if not self._hold(owner, size):

@@ -10,6 +10,7 @@ when it closes, and puts each kept member's group health on its root.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 _MAX_GROUPS = 65_536  # groups assessed per (step, split): ~100 bytes each; the rest counted untracked
 _LOST = frozenset((c.STATUS_FILTERED, c.STATUS_ERROR, c.STATUS_TRUNCATED))
+_FOLD_ROWS = 4096  # offered episodes held as columns before they are added up per group
+_NAN = math.nan
 
 
 class _Group:
@@ -63,9 +66,15 @@ def _reward(value: object) -> float | None:
 
 class StepGroups:
     """The groups of one (step, split): per group, members seen, reward range, members lost
-    and the expected size (the largest an episode gave, else ``group_size``)."""
+    and the expected size (the largest an episode gave, else ``group_size``).
 
-    __slots__ = ("groups", "untracked", "group_size", "runs", "_index")
+    An offered episode is one row appended to columns (``note``: its group id, reward, whether
+    it was lost, its expected size when it gave one), added up per group only when the step's
+    health is asked for (kept members and the step's close) or every ``_FOLD_ROWS`` rows (so the
+    columns stay small): the per-episode work is a few appends under the lock the offer holds."""
+
+    __slots__ = ("groups", "untracked", "group_size", "runs", "_index", "_ids", "_rewards", "_lost",
+                 "_sizes")
 
     def __init__(self, group_size: int | None = None) -> None:
         self.groups: dict[object, _Group] = {}
@@ -75,37 +84,72 @@ class StepGroups:
         # reward, members lost, expected size), merged into ``groups`` only when needed
         self.runs: list[tuple[list[object], Any, Any, Any, Any, Any]] = []
         self._index: dict[object, int] | None = None
-
-    def _group(self, gid: object) -> _Group | None:
-        g = self.groups.get(gid)
-        if g is None:
-            if len(self.groups) >= _MAX_GROUPS:  # (runs are merged before: they count there)
-                self.untracked += 1
-                return None
-            g = self.groups[gid] = _Group()
-            g.expected = self.group_size
-        return g
+        # offered episodes not yet added up, one row each (always newer than every run):
+        # group id, reward (NaN: none), lost (1) or not (0); expected sizes as (row, size), rare
+        self._ids: list[object] = []
+        self._rewards = array("d")
+        self._lost = bytearray()
+        self._sizes: list[tuple[int, object]] = []
 
     def add(self, record: Candidate) -> None:
-        """One offered episode (a record or a batch row): a few lookups, nothing held."""
-        if self.runs:  # after a batch of the same step: its runs first
-            self._merge()
+        """One offered episode (a record or a batch row), read by its attributes."""
         gid = record.attribute(c.RL_GROUP_ID)
-        if gid is None or isinstance(gid, (list, dict)):
+        if gid is None:
             return
-        g = self._group(gid)
-        if g is None:
-            return
-        g.n += 1
         reward = _reward(record.attribute(c.RL_REWARD))
-        if reward is not None:
-            g.lo = min(g.lo, reward)
-            g.hi = max(g.hi, reward)
-        if record.attribute(c.RL_STATUS) in _LOST:
-            g.lost += 1
-        expected = _size(record.attribute(c.RL_GROUP_EXPECTED_SIZE))
-        if expected > g.expected:
-            g.expected = expected
+        self.note(gid, _NAN if reward is None else reward, record.attribute(c.RL_STATUS),
+                  record.attribute(c.RL_GROUP_EXPECTED_SIZE))
+
+    def note(self, gid: object, reward: float, status: object, expected: object = None) -> None:
+        """One offered episode of group ``gid`` (not None), as the offer read it: ``reward`` a
+        float (NaN: none), its ``status``, its ``rl.group.expected_size`` (None: not given).
+        Appended to the columns (added up later, in order): nothing looked up per group."""
+        ids = self._ids
+        if expected is not None:
+            self._sizes.append((len(ids), expected))
+        ids.append(gid)
+        self._rewards.append(reward)
+        self._lost.append(status in _LOST)
+        if len(ids) >= _FOLD_ROWS:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add up the columns per group, in arrival order (after the batches' runs, which
+        are older): the bound on groups applies as if each had been added on arrival."""
+        if self.runs:
+            self._merge()
+        ids = self._ids
+        if not ids:
+            return
+        sizes = dict(self._sizes)
+        groups, size0 = self.groups, self.group_size
+        for row, (gid, reward, lost) in enumerate(zip(ids, self._rewards, self._lost, strict=True)):
+            if isinstance(gid, (list, dict)):
+                continue
+            g = groups.get(gid)
+            if g is None:
+                if len(groups) >= _MAX_GROUPS:
+                    self.untracked += 1
+                    continue
+                g = groups[gid] = _Group()
+                g.expected = size0
+            g.n += 1
+            if reward == reward:  # not NaN: it has a reward
+                if reward < g.lo:
+                    g.lo = reward
+                if reward > g.hi:
+                    g.hi = reward
+            if lost:
+                g.lost += 1
+            if sizes:
+                expected = _size(sizes.get(row))
+                if expected > g.expected:
+                    g.expected = expected
+        self._ids = []
+        self._rewards = array("d")
+        self._lost = bytearray()
+        self._sizes = []
+        self._index = None
 
     def add_batch(self, batch: RowBatch) -> None:
         """Every row of a batch, from its columns, a run of rows of one group at a time (a
@@ -117,6 +161,8 @@ class StepGroups:
         n = batch.n
         if gids is None or n == 0:
             return
+        if self._ids:  # episodes offered before this batch are added up first (their order)
+            self._fold()
         import numpy as np
 
         try:  # where runs start, compared in C (ids numpy cannot hold flat: one by one)
@@ -166,6 +212,10 @@ class StepGroups:
     def _held(self) -> int:
         return len(self.groups) + sum(len(r[0]) for r in self.runs)
 
+    def pending(self) -> bool:
+        """Whether anything was offered (rows or runs) that is not yet added up per group."""
+        return bool(self._ids or self.runs)
+
     def _merge(self) -> None:
         """The batches' runs into per-group entries (a group seen in several runs or batches,
         or also episode by episode)."""
@@ -198,6 +248,8 @@ class StepGroups:
         """The root attributes of a kept member of group ``gid`` (None: not a tracked group)."""
         if gid is None or isinstance(gid, (list, dict)):
             return None
+        if self._ids:
+            self._fold()
         if self.runs:
             if self._one_batch():
                 at = self._index.get(gid) if self._index is not None else None
@@ -219,6 +271,8 @@ class StepGroups:
 
     def summary(self) -> StepHealth:
         """The step's counts (a group both all-equal and lost counts in both, once as degenerate)."""
+        if self._ids:
+            self._fold()
         if self.runs and self._one_batch():
             import numpy as np
 

@@ -10,18 +10,26 @@ The pipeline is the front (the ``SpanProcessor`` and the library's calls) and ma
 (offer, keep, drop) under its lock; three parts it holds do the rest: ``steps.StepBook`` (the step
 bookkeeping: open and closed steps, the lag and timeout rules), ``batch_offer.BatchOffer`` (whole
 batches offered as rows) and ``foreign.Foreign`` (spans and logs of other instrumentation and
-processes joined to the held episodes); the last two hold a reference to the pipeline (its lock
-and its decisions).
+processes joined to the held episodes); the last two hold a reference to the pipeline typed by
+their own protocols (``BatchHost``, ``ForeignHost``), whose declared members (``lock``, ``live``,
+``arrivals``, ``keep``, ``drop``, ...) are all they use of it.
+
+Per episode the offer does little: the numbers its step needs (group, reward, status) appended
+to the step's columns (``health.StepGroups.note``: added up per group when the step's health is
+asked for), the step's counts kept as ints (they reach ``Stats`` when the step closes; a read
+before that adds them in, ``pending_counts``), and, for the built-in policies, a streaming
+reject (``screen``) that drops most episodes by two comparisons before the bucket.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
@@ -35,12 +43,26 @@ from otel_rollouts.sampling.companions import CompanionsBucket
 from otel_rollouts.sampling.foreign import Foreign, GatewaySink
 from otel_rollouts.sampling.observer import StepObserver
 from otel_rollouts.sampling.policy import reason_of
-from otel_rollouts.sampling.steps import StepBook, StepState
+from otel_rollouts.sampling.steps import SEEN, StepBook, StepState
 from otel_rollouts.sampling.tail import TailSampler
+
+if TYPE_CHECKING:
+    from otel_rollouts.sampling.distributed import Member
+    from otel_rollouts.sampling.hung import HungWatcher
 
 _MAX_CLAIMED = 16_384  # deterministic trace ids remembered to tell a repeated episode id (~2 MB)
 
 _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds it
+_PENDING_LOCK_S = 0.25  # a stats read waits this long for the lock, then reads the counts without it
+SAMPLED_OUT_REASON = "sampled_out"
+_NO_ATTRIBUTES: dict[str, Any] = {}  # an episode without a root (never written to)
+
+
+def _score(value: object) -> float:
+    """An attribute as a score: a float, NaN when it is none (not a number, a bool, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value)
 
 class Pipeline(SpanProcessor):
     """Thread-safe holder of the episodes in flight and the per-step sampler buckets."""
@@ -54,11 +76,11 @@ class Pipeline(SpanProcessor):
         self.sampler = sampler
         self.delivery = delivery
         self.stats = stats
-        self._lock = threading.RLock()
-        self._live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
+        self._lock = threading.RLock()  # ``lock``
+        self.live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
         self.steps = StepBook(sampler)  # open and closed steps, the lag and timeout rules
-        self._seq = itertools.count(1)  # arrival order; next() is atomic: no lock needed
-        self._coordinator: Any = None  # resolved lazily: torch.distributed may start later
+        self.arrivals = itertools.count(1)  # arrival order; next() is atomic: no lock needed
+        self._coordinator: Member | None = None  # resolved lazily: torch.distributed may start later
         self.observer: StepObserver | None = None  # metrics: told of each decision and each closed step
         # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
         self._claimed: OrderedDict[int, None] = OrderedDict()
@@ -68,10 +90,19 @@ class Pipeline(SpanProcessor):
         self.gateway: GatewaySink | None = None
         # a watch list with prompt hashes: episodes hash their prompt when they record it
         self.watch_hashes = any(isinstance(k, str) for k in sampler.watch)
-        self.hung: Any = None  # sampling.hung.HungWatcher: episodes shown while they hang
+        self.hung: HungWatcher | None = None  # episodes shown while they hang
         self._policy_reason = reason_of(sampler.policy)
+        self._timeouts = sampler.step_timeout_s is not None  # steps note when they last saw one
+        self._watch = bool(sampler.watch)
+        stats.pending = self.pending_counts  # a read of the stats adds the open steps' counts
         self.batches = BatchOffer(self)  # the batch path: whole batches offered as rows
         self.foreign = Foreign(self)  # other instrumentation's and processes' spans and logs
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every decision and every change of the sampler's state is made under (the
+        parts, ``BatchOffer`` and ``Foreign``, take it as the pipeline does)."""
+        return self._lock
 
     # --- deterministic ids ---------------------------------------------------------------------
     def claim_trace_id(
@@ -99,7 +130,7 @@ class Pipeline(SpanProcessor):
         return trace_id, n
 
     # --- distributed budget --------------------------------------------------------------------
-    def _distributed(self):
+    def coordinator(self) -> Member | None:
         """The cross-rank coordinator when a distributed budget applies now, else None."""
         setting = self.sampler.distributed
         if setting is False or setting is None:
@@ -116,8 +147,8 @@ class Pipeline(SpanProcessor):
         """An episode began. No lock unless its step is newer than any of its split (the lag
         rule may close older steps) or steps time out: the one lock round-trip of an episode is
         its offer to the sampler."""
-        record.seq = next(self._seq)
-        self._live[record.trace_id] = record  # one dict store: atomic
+        record.seq = next(self.arrivals)
+        self.live[record.trace_id] = record  # one dict store: atomic
         gateway = self.gateway
         if gateway is not None:
             gateway.opened(record.trace_id)
@@ -126,7 +157,7 @@ class Pipeline(SpanProcessor):
             with self._lock:
                 self._step_advanced(record.step, record.split)
 
-    def _step_started(self, step: int, split: str, n: int) -> None:
+    def step_started(self, step: int, split: str, n: int) -> None:
         """``n`` episodes of (step, split) started: counted; the lag and timeout rules apply."""
         self.stats.step((step, split), "started", n)
         self._step_advanced(step, split)
@@ -151,8 +182,8 @@ class Pipeline(SpanProcessor):
         """The episodes recorded for rows ``offer_batch`` returned (see ``BatchOffer.attach``)."""
         self.batches.attach(recorded)
 
-    def _new_step(self, key: tuple[int, str]) -> StepState:
-        return self.steps.start(key, stream=self._distributed() is None)
+    def new_step(self, key: tuple[int, str]) -> StepState:
+        return self.steps.start(key, stream=self.coordinator() is None)
 
     def part_ended(self, record: EpisodeRecord) -> None:
         """The root or the reward span ended: offer the episode once it is complete.
@@ -168,8 +199,13 @@ class Pipeline(SpanProcessor):
         if root is None or root.end_ns is None:
             return  # the reward span ended first: the root's end offers it
         hung = self.hung
-        if hung is not None and record.timed:
-            self._note_duration(hung, record)
+        if hung is not None and record.timed and (reward is None or reward.end_ns is None
+                                                  or reward.end_ns <= root.end_ns):
+            # once per episode, when its root ends (a reward span that ended after the root
+            # was noted then): its duration goes to the hang watcher (an atomic append)
+            seconds = record.duration()
+            if seconds is not None:
+                hung.finished.append(((record.step, record.split), seconds))
         if reward is None or reward.end_ns is None:  # not complete (EpisodeRecord.complete)
             # the lock-free check (a dict lookup): a step closing meanwhile offers it itself,
             # since its root's end is set before this is called
@@ -178,20 +214,6 @@ class Pipeline(SpanProcessor):
         with self._lock:
             if record.state == OPEN:
                 self._offer(record)
-
-    @staticmethod
-    def _note_duration(hung: Any, record: EpisodeRecord) -> None:
-        """Once per episode, when its root ends (before or after its reward span): its duration
-        goes to the hang watcher, whose threshold follows the step's durations (an atomic
-        append, no lock)."""
-        root, reward = record.root, record.reward_span
-        if root is None or root.end_ns is None:
-            return
-        if reward is not None and reward.end_ns is not None and reward.end_ns > root.end_ns:
-            return  # the reward span ended after the root: noted when the root ended
-        seconds = record.duration()
-        if seconds is not None:
-            hung.finished.append(((record.step, record.split), seconds))
 
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         """A span of an already decided episode ended: it goes out only with a kept one."""
@@ -205,18 +227,31 @@ class Pipeline(SpanProcessor):
         return self.steps.is_closed(key)
 
     def _offer(self, record: EpisodeRecord) -> None:
+        """Offer a finished episode to its step (under the lock): the numbers the step needs
+        appended to its columns (``StepGroups.note``), counted by plain ints, then rejected by
+        the step's screen (two comparisons against the built-in policy's thresholds) or offered
+        to its bucket (watched prompts and custom policies: the full path)."""
         key = (record.step, record.split)
         record.state = OFFERED
-        self.stats.step(key, "seen")
         step = self.steps.open.get(key)
         if step is None:
             if self.steps.is_closed(key):
+                self.stats.step(key, SEEN)
                 self._late(record, key)
                 return
-            step = self._new_step(key)
-        step.last_seen = time.monotonic()
-        step.groups.add(record)
-        if self.sampler.watch and step.watched < self.sampler.watch_per_step:
+            step = self.new_step(key)
+        step.seen += 1
+        if self._timeouts:
+            step.last_seen = time.monotonic()
+        root = record.root
+        attrs = root.attributes if root is not None else _NO_ATTRIBUTES
+        reward: Any = attrs.get(c.RL_REWARD)
+        score: float = reward if type(reward) is float else _score(reward)
+        status = attrs.get(c.RL_STATUS)
+        gid = attrs.get(c.RL_GROUP_ID)
+        if gid is not None:
+            step.groups.note(gid, score, status, attrs.get(c.RL_GROUP_EXPECTED_SIZE))
+        if self._watch and step.watched < self.sampler.watch_per_step:
             watched = self.sampler.watched(record)
             if watched is not None:  # kept outside the cap, the policy never sees it; handed
                 step.watched += 1  # on when the step closes (StepState.watching), like the rest
@@ -224,12 +259,37 @@ class Pipeline(SpanProcessor):
                 record.notes = {c.RL_WATCH_KEY: watched}
                 step.watching.append(record)
                 return
+        screen = step.screen
+        if screen is not None and status not in screen.statuses and attrs.get(c.RL_COMPANIONS_ID) is None:
+            ranked = screen.ranked
+            if ranked is None:
+                self._sampled_out(record, step)
+                return
+            if ranked.full:
+                if screen.score != c.RL_REWARD:
+                    score = _score(attrs.get(screen.score))
+                if score == score and not score > ranked.above and not score <= ranked.below:
+                    self._sampled_out(record, step)
+                    return
         released, keep_now = step.bucket.offer(record)
         for r in released:
-            self._drop(r, "sampled_out")
+            if r is record:
+                self._sampled_out(record, step)
+            else:
+                self.drop(r, SAMPLED_OUT_REASON)
         for r in keep_now:
             step.kept += 1
-            self._keep(r)
+            self.keep(r)
+
+    def _sampled_out(self, record: EpisodeRecord, step: StepState) -> None:
+        """The episode just offered to ``step`` was let go at once: dropped, counted by the
+        step (``dropped.sampled_out`` reaches the stats when it closes)."""
+        step.sampled_out += 1
+        self._discard(record)
+        observer = self.observer
+        if observer is not None:
+            self._observe_decided(record, SAMPLED_OUT_REASON)
+        record.release()
 
     def _late(self, record: EpisodeRecord, key: tuple[int, str]) -> None:
         """The late rule: kept while its step kept fewer than the cap (first come), else dropped.
@@ -237,14 +297,14 @@ class Pipeline(SpanProcessor):
         With a distributed budget a rank cannot know what others kept: late ones are dropped.
         """
         self.stats.step(key, "late")
-        if self.steps.late_room(key) > 0 and self._distributed() is None:
+        if self.steps.late_room(key) > 0 and self.coordinator() is None:
             self.steps.kept_late(key)
             record.reason = record.reason or c.REASON_LATE
-            self._keep(record)
+            self.keep(record)
         else:
-            self._drop(record, "late")
+            self.drop(record, "late")
 
-    def _keep(self, record: EpisodeRecord | BatchRow) -> None:
+    def keep(self, record: EpisodeRecord | BatchRow) -> None:
         if isinstance(record, BatchRow):
             row = record
             if row.record is None:  # decided before its episode was recorded: kept on arrival
@@ -260,7 +320,7 @@ class Pipeline(SpanProcessor):
         record.state = KEPT
         if record.reason is None:  # a custom bucket that said nothing: the policy's own label
             record.reason = self._policy_reason
-        self._live.pop(record.trace_id, None)
+        self.live.pop(record.trace_id, None)
         self.foreign.release(record)
         if self.gateway is not None:
             self.gateway.decided(record.trace_id, True)
@@ -274,7 +334,7 @@ class Pipeline(SpanProcessor):
             for outlet, items, _ in logs:
                 self.foreign.send_logs(outlet, items)
 
-    def _drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
+    def drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
         """``reason`` None: counted already (a row dropped before its record arrived)."""
         if isinstance(record, BatchRow):
             row = record
@@ -284,24 +344,30 @@ class Pipeline(SpanProcessor):
                     self.batches.dropped_rows(row.batch, [row.index], reason)
                 return
             record = row.record
+        self._discard(record)
+        if reason is not None:
+            self.stats.step((record.step, record.split), "dropped." + reason)
+            self._observe_decided(record, reason)
+        record.release()
+
+    def _discard(self, record: EpisodeRecord) -> None:
+        """``record`` is dropped: no longer live, its held bytes and logs let go (counted), the
+        gateway told. The caller counts it and releases it."""
         record.state = DROPPED
-        self._live.pop(record.trace_id, None)
-        self.foreign.release(record)
+        self.live.pop(record.trace_id, None)
+        if record.held_bytes:
+            self.foreign.release(record)
         if self.gateway is not None:
             self.gateway.decided(record.trace_id, False)
         if record.logs:
             for _, items, _ in record.logs:
                 self.stats.add("dropped.episode_logs", len(items))
             record.logs = None
-        if reason is not None:
-            self.stats.step((record.step, record.split), "dropped." + reason)
-            self._observe_decided(record, reason)
-        record.release()
 
     # --- closing steps -----------------------------------------------------------------------
     def end_step(self, step: int, split: str | None = None) -> None:
         """Close ``step`` (every split, or one). With a distributed budget this is collective."""
-        coordinator = self._distributed()
+        coordinator = self.coordinator()
         with self._lock:
             self._offer_waiting(lambda r: r.step == step and (split is None or r.split == split))
             keys = self.steps.of_step(step, split)
@@ -313,7 +379,7 @@ class Pipeline(SpanProcessor):
                     self._close(key)
                 self.steps.trim()
                 return
-            closing = {key: self.steps.open.pop(key) for key in keys}
+            closing = {key: state for key in keys if (state := self._pop_step(key)) is not None}
         # the collective runs outside the lock: other threads keep recording meanwhile
         try:
             chosen = coordinator.choose(
@@ -367,7 +433,7 @@ class Pipeline(SpanProcessor):
             return 0
         try:
             ended = 0
-            for record in [r for r in list(self._live.values()) if r.state == OPEN]:
+            for record in [r for r in list(self.live.values()) if r.state == OPEN]:
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 root = record.root
@@ -386,7 +452,7 @@ class Pipeline(SpanProcessor):
         ``started`` = decided + this. Reads a copy of the live records, without the lock (its
         holder may be the thread a signal interrupted). Returns the count."""
         per_step: dict[tuple[int, str], int] = {}
-        for record in list(self._live.values()):  # one C-level copy
+        for record in list(self.live.values()):  # one C-level copy
             if record.state in (OPEN, OFFERED):
                 key = (record.step, record.split)
                 per_step[key] = per_step.get(key, 0) + 1
@@ -409,7 +475,7 @@ class Pipeline(SpanProcessor):
         ``deadline``, until it passes (False: some were left unoffered)."""
         waiting = [
             r
-            for r in list(self._live.values())  # a copy: episodes start without the lock
+            for r in list(self.live.values())  # a copy: episodes start without the lock
             if r.state == OPEN and r.root is not None and r.root.end_ns is not None and match(r)
         ]
         for n, record in enumerate(sorted(waiting, key=lambda r: r.seq)):
@@ -423,14 +489,35 @@ class Pipeline(SpanProcessor):
         """A local decision. Under a distributed budget (lag, timeout, flush: no collective is
         possible there) each rank keeps at most ``cap // world_size``, so the job stays under
         the cap."""
-        step = self.steps.open.pop(key, None)
+        step = self._pop_step(key)
         if step is None:
             return
-        coordinator = self._distributed()
+        coordinator = self.coordinator()
         limit = None if coordinator is None else coordinator.local_share(
             self.sampler.max_traces_per_step
         )
         self._apply(key, step, step.bucket.decide(limit))
+
+    def _pop_step(self, key: tuple[int, str]) -> StepState | None:
+        """Take ``key`` out of the open steps (under the lock), its counts into the stats."""
+        step = self.steps.open.pop(key, None)
+        if step is not None:
+            for name, n in step.take_counts():
+                self.stats.step(key, name, n)
+        return step
+
+    def pending_counts(self) -> list[tuple[tuple[int, str], str, int]]:
+        """The per-step counts the open steps hold and the stats do not have yet, as
+        ``(key, name, n)``: ``Stats`` adds them to what it reports. Read under the lock (waiting
+        at most ``_PENDING_LOCK_S``: at exit its holder may be a thread a signal stopped; past
+        that, read without it)."""
+        locked = self._lock.acquire(timeout=_PENDING_LOCK_S)
+        try:
+            return [(key, name, n) for key, step in list(self.steps.open.items())
+                    for name, n in step.counts()]
+        finally:
+            if locked:
+                self._lock.release()
 
     def _apply(self, key: tuple[int, str], step: StepState, chosen: list[EpisodeRecord]) -> None:
         if isinstance(step.bucket, CompanionsBucket):  # the local companions of what was chosen
@@ -439,17 +526,17 @@ class Pipeline(SpanProcessor):
         chosen_ids = {id(r) for r in chosen}
         for record in step.bucket.held():
             if id(record) not in chosen_ids:
-                self._drop(record, "sampled_out")
+                self.drop(record, "sampled_out")
         groups = step.groups
         watching, step.watching = step.watching, []
         if watching:  # the watched episodes (outside the cap), complete now as the others are
             self.stats.step(key, "kept.watch", len(watching))
         for record in itertools.chain(watching, chosen):
-            if groups.groups or groups.runs:  # each kept member says how its group fared
+            if groups.groups or groups.pending():  # each kept member says how its group fared
                 health = groups.attributes(record.attribute(c.RL_GROUP_ID))
                 if health is not None:
                     record.notes = {**(record.notes or {}), **health}
-            self._keep(record)
+            self.keep(record)
         self.steps.mark_closed(key, step.kept + len(chosen))
         observer = self.observer
         if observer is not None:
@@ -479,14 +566,14 @@ class Pipeline(SpanProcessor):
     def tick(self) -> None:
         """Called every second by the configuration's ticker thread: ends episodes open past
         ``episode_timeout_s``, closes timed-out steps."""
-        if self.episode_timeout_s is not None and self._live:
+        if self.episode_timeout_s is not None and self.live:
             self.end_stale(self.episode_timeout_s)
         if self.sampler.step_timeout_s is not None and self.steps.open:
             with self._lock:
                 self._expire()
         hung = self.hung
         if hung is not None:  # also with nothing open: episodes shown hanging may have ended
-            hung.tick(list(self._live.values()))  # a copy made without the lock
+            hung.tick(list(self.live.values()))  # a copy made without the lock
 
     def stop_watching(self, timeout: float | None = None) -> None:
         """Before open episodes are ended at shutdown: those still hanging are counted hung
@@ -502,7 +589,7 @@ class Pipeline(SpanProcessor):
         cutoff = time.time_ns() - int(timeout_s * 1e9)
         ended = 0
         with self._lock:
-            for record in list(self._live.values()):
+            for record in list(self.live.values()):
                 root = record.root
                 if record.state != OPEN or root is None or root.end_ns is not None:
                     continue
@@ -518,7 +605,7 @@ class Pipeline(SpanProcessor):
 
     def open_episodes(self) -> list[EpisodeRecord]:
         with self._lock:
-            return [r for r in list(self._live.values()) if r.state == OPEN]
+            return [r for r in list(self.live.values()) if r.state == OPEN]
 
     # --- SpanProcessor and other processes' telemetry: foreign.Foreign -----------------------
     def on_start(self, span, parent_context=None) -> None:

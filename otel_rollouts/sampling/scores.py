@@ -4,6 +4,7 @@ train–inference mismatch)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,25 @@ class _TopBottomBucket(Bucket):
         self.worst = _ScoreBucket(bottom, policy.score, 1.0, later_wins=True)
         self.refs: dict[int, int] = {}  # id(record) -> how many sides hold it
         self.unscored: list[Candidate] = []
+        # the thresholds a screen compares with (``sampling.screen``): once both sides are
+        # ``full``, a score is held only if it is ``> above`` (the lowest of the best; earlier
+        # ties win) or ``<= below`` (the highest of the worst; later ties win); NaN for a side of
+        # no room, which no score passes
+        self.full = False
+        self.above = math.nan
+        self.below = math.nan
+        self._thresholds()
+
+    def _thresholds(self) -> None:
+        """Read the sides' thresholds again (after a side's heap changed)."""
+        best, worst = self.best, self.worst
+        best_full = best.capacity <= 0 or len(best.heap) >= best.capacity
+        worst_full = worst.capacity <= 0 or len(worst.heap) >= worst.capacity
+        self.full = best_full and worst_full
+        if self.full:
+            # best holds (score, ...) entries, worst (-score, ...): each heap's top is its worst
+            self.above = best.heap[0][0] if best.capacity > 0 else math.nan
+            self.below = -worst.heap[0][0] if worst.capacity > 0 else math.nan
 
     def _let_go(self, record: Candidate, out: list[Candidate]) -> None:
         _let_go(self.refs, record, out)
@@ -102,6 +122,7 @@ class _TopBottomBucket(Bucket):
             self._let_go(r, released)
         for r in self.worst.offer_ranked(record, score)[0]:
             self._let_go(r, released)
+        self._thresholds()
         if self.unscored and len(self.refs) >= self.cap + self.margin:
             # enough distinct scored candidates: the unscored ones can never be chosen
             released.extend(self.unscored)

@@ -17,9 +17,13 @@ from otel_rollouts._core.spans import EpisodeRecord
 from otel_rollouts.sampling.batch import BatchRow
 from otel_rollouts.sampling.health import StepGroups
 from otel_rollouts.sampling.policy import Bucket
+from otel_rollouts.sampling.screen import Screen, screen_of
 from otel_rollouts.sampling.tail import TailSampler
 
 Key = tuple[int, str]  # (step, split)
+
+SEEN = "seen"  # the per-step stats names the step state counts itself
+SAMPLED_OUT = "dropped.sampled_out"
 
 _MAX_CLOSED = 4096  # closed (step, split) keys remembered, with their kept count, for late ones
 _MAX_SPLITS = 1024  # splits whose newest step is remembered (for the lag rule), least recent forgotten
@@ -32,9 +36,16 @@ class StepState:
     A watched episode is chosen (outside the cap) when it is offered but handed on only when
     the step closes, with the others: what its episode records after its block (the advantage,
     once the whole group is scored) and its group's health reach it as they reach the rest.
-    ``watching`` holds them until then (at most ``watch_per_step``: bounded)."""
+    ``watching`` holds them until then (at most ``watch_per_step``: bounded).
 
-    __slots__ = ("bucket", "last_seen", "kept", "groups", "watched", "watching")
+    ``seen`` and ``sampled_out`` count the episodes offered one by one and those the bucket let
+    go at once (plain ints, under the pipeline's lock): they reach the run's ``Stats`` when the
+    step closes (``take_counts``), and a read of the stats before that adds them in
+    (``Pipeline.pending_counts``). ``screen``: the bucket's thresholds, when it is a built-in
+    one whose rejections can be told by comparisons alone (``sampling.screen``)."""
+
+    __slots__ = ("bucket", "last_seen", "kept", "groups", "watched", "watching", "seen", "sampled_out",
+                 "screen")
 
     def __init__(self, bucket: Bucket, group_size: int | None = None) -> None:
         self.bucket = bucket
@@ -43,6 +54,24 @@ class StepState:
         self.groups = StepGroups(group_size)  # the health of the step's groups
         self.watched = 0  # episodes of watched prompts chosen (outside the cap)
         self.watching: list[EpisodeRecord | BatchRow] = []  # those chosen, kept when the step closes
+        self.seen = 0  # offered one by one, not yet in the stats
+        self.sampled_out = 0  # of those, let go by the bucket at once, not yet in the stats
+        self.screen: Screen | None = screen_of(bucket)
+
+    def counts(self) -> list[tuple[str, int]]:
+        """The counts not yet in the stats, as (stats name, n), zeros left out."""
+        out = []
+        if self.seen:
+            out.append((SEEN, self.seen))
+        if self.sampled_out:
+            out.append((SAMPLED_OUT, self.sampled_out))
+        return out
+
+    def take_counts(self) -> list[tuple[str, int]]:
+        """``counts()``, then zeroed: the caller adds them to the stats (under the same lock)."""
+        out = self.counts()
+        self.seen = self.sampled_out = 0
+        return out
 
 
 class StepBook:
