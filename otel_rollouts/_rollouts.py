@@ -201,6 +201,7 @@ class Rollouts(_runtime.Runtime):
         self.max_attribute_chars = content.max_attribute_chars
         self.strict = s.strict
         self.run_id = run_id
+        self.given_run_id = str(s.run_id) if s.run_id else None
         self.deterministic_ids = s.sampling.deterministic_ids
         self.mismatch = MismatchOptions.of(s.sampling.mismatch)
         self.tracer = provider.get_tracer(c.SCOPE_NAME, version())

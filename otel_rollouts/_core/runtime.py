@@ -104,6 +104,9 @@ class Runtime:
     max_attribute_chars: int = 16_384
     strict: bool = False
     run_id: str = ""
+    # the run id as configured (``configure(run_id=...)``), None when it was made up here: what
+    # other processes of the run are told to share (``sampling.ray_budget``)
+    given_run_id: str | None = None
     deterministic_ids: bool = False
     tracer: Tracer | None = None
     redactor: Redacting | None = None  # what leaves the process is redacted with it (None: off)

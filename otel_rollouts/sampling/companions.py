@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts.sampling.batch import RowBatch
+from otel_rollouts.sampling.batch import BatchRow, RowBatch
 from otel_rollouts.sampling.policy import (
     BatchBucket,
     Bucket,
@@ -169,11 +169,11 @@ class _CompanionsWholeBucket(CompanionsBucket):
         released = []
         for i in range(batch.n):  # one row at a time, so that a row can be parked
             rel, keep = self.offer(make_row(i))
-            released.extend(r for r in rel if getattr(r, "batch", None) is not batch)
+            released.extend(r for r in rel if not (isinstance(r, BatchRow) and r.batch is batch))
             for r in keep:  # not a streaming policy: kept at the step's close with its companions
                 self.parked.setdefault(companions_of(r), []).append(r)
                 self.n_parked += 1
-        held = [r for r in self.held() if getattr(r, "batch", None) is batch]
+        held = [r for r in self.held() if isinstance(r, BatchRow) and r.batch is batch]
         return released, held
 
 

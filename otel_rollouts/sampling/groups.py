@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_rollouts import conventions as c
-from otel_rollouts.sampling.batch import RowBatch
+from otel_rollouts.sampling.batch import BatchRow, RowBatch
 from otel_rollouts.sampling.policy import (
     BasePolicy,
     Bucket,
@@ -220,7 +220,7 @@ class _GroupsBucket(Bucket):
         for gid, g in touched.items():
             if self.groups.get(gid) is g:
                 g.members = [make_row(m) if type(m) is int else m for m in g.members]
-                held.extend(m for m in g.members if getattr(m, "batch", None) is batch)
+                held.extend(m for m in g.members if isinstance(m, BatchRow) and m.batch is batch)
         return [r for r in released if type(r) is not int], held
 
     def _evict(self, g: _Group, released: list[Candidate]) -> None:

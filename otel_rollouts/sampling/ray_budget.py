@@ -197,8 +197,7 @@ def _run_id() -> str | None:
     """The ``run_id`` the installed instance (the one closing the step) was configured with;
     None when it was not given."""
     rt = _runtime.installed()
-    run = getattr(getattr(rt, "settings", None), "run_id", None)
-    return str(run) if run else None
+    return rt.given_run_id if rt is not None else None
 
 
 def _count(name: str) -> None:
