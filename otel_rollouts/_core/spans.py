@@ -85,8 +85,6 @@ MAX_ATTRIBUTES = 1024  # attributes per span (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT, w
 ATTRIBUTE_RESERVE = 64  # of those, kept for the library's own attributes (added at render too)
 _MAX_INVALID = 32  # rl.invalid notes per span: the flags themselves stay bounded
 # the library's own attribute names (conventions): never counted against the user's share
-# span kinds that are a stage of an episode's time, by their index in EpisodeRecord.timing
-_STAGE_INDEX = {c.KIND_GENERATION: 0, c.KIND_TOOL: 1, c.KIND_REWARD: 2}
 _OWN_KEYS = frozenset(v for k, v in vars(c).items() if k.isupper() and isinstance(v, str))
 
 # Episode record states
@@ -149,8 +147,11 @@ class SpanRecord(trace.Span):
     def get_span_context(self) -> SpanContext:
         ctx = self._context
         if ctx is None:
+            episode = self.episode
+            if episode is None:  # a handle that records nothing (see record/episode.py)
+                return trace.INVALID_SPAN_CONTEXT
             ctx = self._context = SpanContext(
-                self.episode.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED
+                episode.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED
             )
         return ctx
 
@@ -200,7 +201,7 @@ class SpanRecord(trace.Span):
     def end(self, end_time: int | None = None) -> None:
         if self.end_ns is not None:
             return
-        end = self.end_ns = end_time if end_time is not None else time.time_ns()
+        self.end_ns = end_time if end_time is not None else time.time_ns()
         episode = self.episode  # the sink is told when the root or the reward span ends
         state = episode.state
         if state >= KEPT:  # already decided: a late span of a kept episode still goes out
@@ -208,21 +209,6 @@ class SpanRecord(trace.Span):
                 episode.sink.late_span(episode, self)
             # held: it is in the kept tree, which goes out (or went out) once, with it in it
             return
-        stage = _STAGE_INDEX.get(self.kind)
-        if stage is not None:
-            # where the episode's time goes, added up as its spans end (a few integer operations
-            # on timestamps that exist already): stages.stage_totals reads it in O(1)
-            timing = episode.timing
-            if timing is None:
-                timing = episode.timing = [0, 0, 0, -1, -1, -1, -1, 0]
-            start = self.start_ns
-            if start < timing[3 + stage] or start < timing[6]:
-                timing[7] = 1  # overlapping or out of order: the exact union is computed instead
-            timing[stage] += end - start
-            if end > timing[3 + stage]:
-                timing[3 + stage] = end
-            if end > timing[6]:
-                timing[6] = end
         if self is episode.root or self is episode.reward_span:
             episode.sink.part_ended(episode)
 
@@ -304,6 +290,31 @@ def _note(span: SpanRecord, message: str, counter: str, kind: str, n: int = 1) -
         invalid.append(message)
 
 
+# stage kinds by their index in EpisodeRecord.timing (generation 0, tool 1, reward 2)
+STAGE_GENERATION = 0
+STAGE_TOOL = 1
+STAGE_REWARD = 2
+
+
+def stage_ended(episode: EpisodeRecord, stage: int, start: int, end: int) -> None:
+    """A span of stage ``stage`` (``STAGE_*``) ran from ``start`` to ``end``: added to the
+    episode's running sums (``EpisodeRecord.timing``), which ``stages.stage_totals`` reads in
+    O(1). Called where a stage span ends (a generation's or a tool call's exit, a reward), never
+    for other spans: no lookup on every span end. A span that starts before the latest end of
+    its stage, or of any stage (overlapping, nested, out of order), marks the sums inexact: the
+    exact union over the spans is computed instead. (Inlined in the exits of the handles.)"""
+    timing = episode.timing
+    if timing is None:
+        timing = episode.timing = [0, 0, 0, -1, -1, -1, -1, 0]
+    if start < timing[3 + stage] or start < timing[6]:
+        timing[7] = 1
+    timing[stage] += end - start
+    if end > timing[3 + stage]:
+        timing[3 + stage] = end
+    if end > timing[6]:
+        timing[6] = end
+
+
 def exception_attributes(exception: BaseException) -> dict[str, str]:
     """The ``exception`` event's attributes, whatever the exception's ``__str__`` does."""
     return {
@@ -352,6 +363,8 @@ class EpisodeRecord:
         "stages",
         "timing",
         "mismatch",
+        "identity",
+        "conversation",
         "__weakref__",
     )
 
@@ -383,12 +396,18 @@ class EpisodeRecord:
         # watch key it matched
         self.notes: dict[str, object] | None = None
         self.stages: dict[str, float] | None = None  # seconds per stage, once computed
-        # ns per stage kind as its spans ended (SpanRecord.end): [generation, tool, reward sums,
+        # ns per stage kind as its spans ended (stage_ended): [generation, tool, reward sums,
         # their latest ends, the latest end of all, 1 if any overlapped or came out of order];
         # None until a stage span ends
         self.timing: list[int] | None = None
         # the sums of train–inference mismatch over its generations (_core.logprobs.Totals)
         self.mismatch: Any = None
+        # its identity as its baggage carries it ({BAGGAGE_KEYS key: text}), fixed when it
+        # began (record/episode.py); None until then
+        self.identity: dict[str, str] | None = None
+        # the last message list a generation recorded (record/episode.py Conversation): the next
+        # call with the same conversation copies only the messages it added
+        self.conversation: Any = None
 
     def add(self, span: SpanRecord) -> SpanRecord:
         """Put ``span`` in this episode's tree, or count it cut by the span limit. A span made
@@ -415,6 +434,7 @@ class EpisodeRecord:
         self.foreign = []
         self.logs = None
         self.handle = None
+        self.conversation = None
         if not keep_root:
             self.root = None
             self.reward_span = None

@@ -70,6 +70,7 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import Deferred, exception_text, scalar, snapshot
 from otel_rollouts._core.content import text as _text
 from otel_rollouts._core.guard import InvalidValue, first_time, guarded, guarded_or, report
+from otel_rollouts._core.spans import SpanRecord
 from otel_rollouts._core.values import to_float, to_int
 from otel_rollouts.decode.batch import ROLE_ENVIRONMENT as _ROLE_ENVIRONMENT
 from otel_rollouts.decode.batch import TokenizerInfo, tokenizer_info, tokenizer_knowledge
@@ -813,10 +814,10 @@ def set_times(ep: _AttributeTarget, duration: object = None, stages: Mapping[str
 
 
 def set_span_attribute(handle: object, key: str, value: object) -> None:
-    """Set an attribute on the span behind an episode-API handle (turn, tool call, generation)."""
-    span = getattr(handle, "_span", None)
-    if span is not None and value is not None:
-        span.attributes[key] = value
+    """Set an attribute on the span of an episode-API handle (a turn, tool call, generation:
+    each is its span); a handle that records nothing is let be."""
+    if isinstance(handle, SpanRecord) and handle.episode is not None and value is not None:
+        handle.attributes[key] = value
 
 
 def turns_from_mask(

@@ -21,9 +21,10 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from contextvars import Token
+from operator import is_ as _is
 from random import getrandbits as _getrandbits
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from opentelemetry import baggage
 from opentelemetry import context as otel_context
@@ -32,7 +33,14 @@ from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import Deferred, jsonable, snapshot, text
+from otel_rollouts._core.content import (
+    DEFAULT_MAX_NODES,
+    Deferred,
+    jsonable,
+    reraise_interrupt,
+    snapshot,
+    text,
+)
 from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
 from otel_rollouts._core.logprobs import TokenView, Totals, read_tokens, totals_of
 from otel_rollouts._core.spans import (
@@ -42,6 +50,9 @@ from otel_rollouts._core.spans import (
     MAX_KEY_CHARS,
     OFFERED,
     SPAN_KEY,
+    STAGE_GENERATION,
+    STAGE_REWARD,
+    STAGE_TOOL,
     EpisodeRecord,
     SpanRecord,
     attach_context,
@@ -52,6 +63,7 @@ from otel_rollouts._core.spans import (
     has_room,
     put_attribute,
     reset_context,
+    stage_ended,
     with_span,
 )
 from otel_rollouts._core.values import fits_int64, refused, storable_number, to_float, to_int
@@ -61,6 +73,7 @@ __all__ = ["Episode", "Turn", "ToolCall", "Generation", "episode", "current_epis
 # the context key under which an entered ToolCall / Generation names itself: a @traced function of
 # the same kind called directly inside its ``with`` block records into its span (see CallHandle)
 OPEN_CALL = otel_context.create_key("otel_rollouts.open_call")
+_S = TypeVar("_S", bound=SpanRecord)
 
 
 # --- helpers shared with @traced ---------------------------------------------------------------
@@ -74,8 +87,17 @@ def flag(span: SpanRecord, message: str) -> None:
     report(message)
 
 
-def as_messages(messages: object, role: str = "user") -> list[dict[str, object]] | Deferred:
-    """OpenAI-style message list from a list of messages, one message, or plain text."""
+def as_messages(messages: object, role: str = "user",
+                record: EpisodeRecord | None = None) -> list[dict[str, object]] | Deferred:
+    """OpenAI-style message list from a list of messages, one message, or plain text.
+
+    ``record``: the episode a generation's input is recorded for. A conversation grows from
+    call to call (the same message dicts, a few appended); the messages it began with were
+    copied at an earlier call already. Those copies are shared, not made again, where the list
+    is shown to start with the very same message objects, unchanged (``_recorded_prefix``):
+    each call copies only the messages it adds."""
+    if record is not None and type(messages) is list and role == "user":
+        return _conversation(record, messages)
     if messages is None:
         return []
     if isinstance(messages, Deferred):  # a message list known only if the episode is kept
@@ -93,6 +115,62 @@ def as_messages(messages: object, role: str = "user") -> list[dict[str, object]]
     if isinstance(messages, Mapping):
         return [_message(snapshot(messages), role)]
     return [{"role": role, "content": text(messages)}]
+
+
+class Conversation:
+    """The last message list recorded in an episode (``EpisodeRecord.conversation``): the
+    user's message objects as given (``originals``) and the copies recorded for them
+    (``copies``, what ``as_messages`` made), with the items and entries copied (``nodes``)."""
+
+    __slots__ = ("originals", "copies", "nodes")
+
+    def __init__(self, originals: list[object], copies: list[dict[str, object]], nodes: int) -> None:
+        self.originals = originals
+        self.copies = copies
+        self.nodes = nodes
+
+
+def _conversation(record: EpisodeRecord, messages: list[object]) -> list[dict[str, object]] | Deferred:
+    """``as_messages(messages)`` sharing what the episode recorded of the same conversation."""
+    held = record.conversation
+    start = len(held.originals) if held is not None and _recorded_prefix(held, messages) else 0
+    rest = messages[start:] if start else messages
+    added = as_messages(rest)
+    if not isinstance(added, list):  # pragma: no cover - a list gives a list
+        return added
+    nodes = len(added) + sum(map(len, added))
+    if start and held is not None:
+        copies = held.copies + added
+        nodes += held.nodes
+    else:
+        copies = added
+    # shared only while every message is exactly a dict (its copy compares to it with no user
+    # code but its values') and nothing was cut (snapshot's node budget)
+    if (len(added) != len(rest) or nodes > DEFAULT_MAX_NODES
+            or (rest and set(map(type, rest)) != _DICT_ONLY)):
+        record.conversation = None
+        return as_messages(messages) if start else copies
+    record.conversation = Conversation(list(messages), copies, nodes)
+    return list(copies)
+
+
+_DICT_ONLY = {dict}
+
+
+def _recorded_prefix(held: Conversation, messages: list[object]) -> bool:
+    """Whether ``messages`` starts with the very message dicts ``held`` recorded (identity)
+    and each is unchanged since (its copy equal to it: a dict comparison in C, the same string
+    objects equal at once). A value replaced by an equal one of another type (1 by 1.0) counts
+    as unchanged; a comparison that raises (a user ``__eq__`` of a value), as changed."""
+    originals = held.originals
+    n = len(originals)
+    if len(messages) < n or not all(map(_is, messages, originals)):
+        return False
+    try:
+        return held.copies == messages[:n]
+    except BaseException as exc:  # noqa: BLE001 - a user __eq__: changed
+        reraise_interrupt(exc)
+        return False
 
 
 def prompt_hash(prompt: object) -> str | None:
@@ -118,8 +196,11 @@ def _message(copied: object, role: str) -> dict[str, object]:
 
 
 def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord | None = None,
-               attributes: dict[str, object] | None = None) -> SpanRecord:
-    """A new span of ``record`` under ``parent`` (default: the current span of this episode)."""
+               attributes: dict[str, object] | None = None,
+               cls: type[_S] = SpanRecord) -> _S:  # type: ignore[assignment]
+    """A new span of ``record`` under ``parent`` (default: the current span of this episode),
+    an instance of ``cls`` (a handle class that is a span: its own fields are the caller's to
+    set)."""
     if parent is None:
         current = current_context().get(SPAN_KEY)  # current_span, in place
         parent = (
@@ -129,7 +210,7 @@ def child_span(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord |
         )
     # SpanRecord.__init__ inlined (one call less per span, the most frequent call of all); the
     # kind's own attributes (rl.span.kind...) are added when the span is rendered
-    span = _new_span(SpanRecord)
+    span = _new_span(cls)
     span.episode = record
     span.name = name
     span.span_id = _getrandbits(64) or _runtime.new_id64()
@@ -181,7 +262,7 @@ def span_context(span: object, ctx: Context | None = None) -> Context:
     (ours, or a stock instrumentation's) sends it with each request made while it is current."""
     if ctx is None:
         ctx = current_context()
-    if type(span) is SpanRecord and getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
+    if isinstance(span, SpanRecord) and getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
         # (the episode's own context, and those made from it: as it is)
         values = _identity_values(span, ctx)
         if values is not None:  # the identity and the current span in one copy
@@ -216,25 +297,42 @@ def with_identity(span: object, ctx: Context) -> Context:
 
 
 def _identity_values(span: SpanRecord, ctx: Context) -> dict[str, object] | None:
-    """The entries of ``with_identity``'s new context (None: ``ctx`` as it is)."""
+    """The entries of ``with_identity``'s new context (None: ``ctx`` as it is): ``ctx``'s
+    entries, and baggage made of its baggage's entries with the episode's identity over them
+    (``EpisodeRecord.identity``: text, made once when the episode began)."""
     record = span.episode
-    root = record.root
-    if root is None:
-        return None
-    attributes = root.attributes
-    current = ctx.get(_BAGGAGE)
-    entries = EpisodeBaggage(current) if isinstance(current, dict) else EpisodeBaggage()
-    entries.episode = record
-    another = entries.get(c.RL_EPISODE_ID) != attributes.get(c.RL_EPISODE_ID)
-    for key in c.BAGGAGE_KEYS:
-        value = attributes.get(key)
-        if value is not None:
-            entries[key] = str(value)  # the episode's own identity wins
-        elif another:
-            entries.pop(key, None)  # another episode's, not this one's
+    identity = record.identity
+    if identity is None:  # an episode not begun by Episode (none today): from its root
+        root = record.root
+        if root is None:
+            return None
+        identity = record.identity = identity_of(root.attributes)
     values = dict(ctx)
-    values[_BAGGAGE] = entries
+    values[_BAGGAGE] = episode_baggage(record, identity, values.get(_BAGGAGE))
     return values
+
+
+def episode_baggage(record: EpisodeRecord, identity: dict[str, str], current: object) -> EpisodeBaggage:
+    """The baggage of ``record``'s contexts: ``current``'s entries with the episode's identity
+    set over them (its own identity wins); a key the episode does not know is removed when
+    ``current`` names another episode, kept when it names this one."""
+    if isinstance(current, dict) and current:
+        entries = EpisodeBaggage(current)
+        if entries.get(c.RL_EPISODE_ID) != identity.get(c.RL_EPISODE_ID):
+            for key in c.BAGGAGE_KEYS:  # another episode's, not this one's
+                if key not in identity:
+                    entries.pop(key, None)
+        entries.update(identity)
+    else:
+        entries = EpisodeBaggage(identity)
+    entries.episode = record
+    return entries
+
+
+def identity_of(attributes: Mapping[str, object]) -> dict[str, str]:
+    """The episode identity (``conventions.BAGGAGE_KEYS`` that are known) of a root's attributes,
+    as text."""
+    return {key: str(value) for key in c.BAGGAGE_KEYS if (value := attributes.get(key)) is not None}
 
 
 def leave_context(token: Token[Context] | None) -> None:
@@ -333,32 +431,30 @@ def _integer(span: SpanRecord, value: object, field: str) -> int | None:
 
 
 # --- handles ---------------------------------------------------------------------------------------
-_H = TypeVar("_H", bound="_SpanHandle")
+_H = TypeVar("_H", bound="BlockSpan")
 
 
-class _SpanHandle:
-    """A span that is the current one for a (async) ``with`` block and ends with it.
+class BlockSpan(SpanRecord):
+    """A span that is its own user handle: a (async) ``with`` block makes it the current span
+    and ends it at the block's end. One object per span, not a handle wrapping a span record.
 
-    Used without ``with``, the span ends when its result is recorded. ``None`` spans (not
-    recording: disabled, unconfigured, or after a contained error) make every method a no-op.
-    """
+    Used without ``with``, the span ends when its result is recorded. A handle that records
+    nothing (disabled, unconfigured, or after a contained error: ``blank_handle``) has no
+    episode (``episode is None``, already ended): every method is a no-op."""
 
-    __slots__ = ("_span", "_token", "_entered")
-
-    def __init__(self, span: SpanRecord | None) -> None:
-        self._span = span
-        self._token: Token[Context] | None = None  # the context before the ``with`` block
-        self._entered = False
+    __slots__ = ("_token", "_entered")
+    _token: Token[Context] | None  # the context before the ``with`` block
+    _entered: bool  # used as a ``with`` block (or owned by a traced call): the block ends it
 
     def __enter__(self: _H) -> _H:
         self._entered = True
-        span = self._span
-        if span is not None:
+        record = self.episode
+        if record is not None:
             ctx = current_context()
-            if getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
-                ctx = with_identity(span, ctx)
+            if getattr(ctx.get(_BAGGAGE), "episode", None) is not record:
+                ctx = with_identity(self, ctx)
             values = dict(ctx)  # with_span, in place
-            values[SPAN_KEY] = span
+            values[SPAN_KEY] = self
             self._token = attach_context(Context(values))
         return self
 
@@ -366,17 +462,24 @@ class _SpanHandle:
                  tb: TracebackType | None) -> None:
         # never raises: the user's exception, if any, must leave this block as it came in
         try:
-            token, self._token = self._token, None
+            token = self._token
             if token is not None:
+                self._token = None
                 try:
                     reset_context(token)  # detach_context, in place
                 except Exception:  # noqa: BLE001 - a token of another context is let be
                     pass
-            span = self._span
-            if span is not None:
-                if exc is not None and span.status_code is not StatusCode.ERROR:
-                    span.fail(exc)
-                span.end()
+            record = self.episode
+            if record is None:
+                return
+            if exc is not None and self.status_code is not StatusCode.ERROR:
+                self.fail(exc)
+            if self.end_ns is None:
+                if record.state < KEPT:
+                    # SpanRecord.end in place: a span of no stage, neither root nor reward
+                    self.end_ns = _time_ns()
+                else:
+                    self.end()
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
             contained(f"{type(self).__name__}.__exit__", err)
@@ -389,8 +492,10 @@ class _SpanHandle:
         self.__exit__(exc_type, exc, tb)
 
 
-class CallHandle(_SpanHandle):
-    """A tool call or a generation, the two spans a ``@traced`` function may duplicate.
+class CallHandle(BlockSpan):
+    """A tool call or a generation, the two spans a ``@traced`` function may duplicate, and the
+    two stage spans of an episode's time (their exit adds their duration to the episode's
+    running stage sums: ``stage_ended``, in place).
 
     People write ``with turn.tool_call("calculator", ...) as call: call.result(calculator(x))``
     with ``calculator`` itself ``@otr.traced(kind="tool")``. Two spans for one call would show
@@ -401,88 +506,130 @@ class CallHandle(_SpanHandle):
     """
 
     __slots__ = ("merged", "merged_error")
-
-    def __init__(self, span: SpanRecord | None) -> None:
-        self._span = span
-        self._token = None
-        self._entered = False
-        self.merged = False  # a traced call recorded into this span already
-        self.merged_error: BaseException | None = None  # the exception it recorded, if any
+    merged: bool  # a traced call recorded into this span already
+    merged_error: BaseException | None  # the exception it recorded, if any
+    stage: ClassVar[int]  # its index in EpisodeRecord.timing (STAGE_GENERATION, STAGE_TOOL)
 
     def __enter__(self: _H) -> _H:
         self._entered = True
-        span = self._span
-        if span is not None:
+        record = self.episode
+        if record is not None:
             ctx = current_context()
-            if getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
-                ctx = with_identity(span, ctx)
+            if getattr(ctx.get(_BAGGAGE), "episode", None) is not record:
+                ctx = with_identity(self, ctx)
             values = dict(ctx)  # with_span, in place
-            values[SPAN_KEY] = span
+            values[SPAN_KEY] = self
             values[OPEN_CALL] = self
             self._token = attach_context(Context(values))
         return self
 
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # never raises: the user's exception, if any, must leave this block as it came in
+        try:
+            token = self._token
+            if token is not None:
+                self._token = None
+                try:
+                    reset_context(token)  # detach_context, in place
+                except Exception:  # noqa: BLE001 - a token of another context is let be
+                    pass
+            record = self.episode
+            if record is None:
+                return
+            if exc is not None and self.status_code is not StatusCode.ERROR:
+                self.fail(exc)
+            if self.end_ns is None:
+                if record.state < KEPT:
+                    end = self.end_ns = _time_ns()
+                    # stage_ended, in place: where this stage ends, the episode's running sums
+                    timing = record.timing
+                    if timing is None:
+                        timing = record.timing = [0, 0, 0, -1, -1, -1, -1, 0]
+                    stage, start = self.stage, self.start_ns
+                    if start < timing[3 + stage] or start < timing[6]:
+                        timing[7] = 1  # overlapping or out of order: the exact union instead
+                    timing[stage] += end - start
+                    if end > timing[3 + stage]:
+                        timing[3 + stage] = end
+                    if end > timing[6]:
+                        timing[6] = end
+                else:
+                    self.end()
+        except Exception as err:  # noqa: BLE001 - containment is the point
+            contained(f"{type(self).__name__}.__exit__", err)
+
+    def end(self, end_time: int | None = None) -> None:
+        """End the span (``SpanRecord.end``), its duration added to its episode's stage sums."""
+        if self.end_ns is not None:
+            return
+        record = self.episode
+        if record.state < KEPT:
+            end = self.end_ns = end_time if end_time is not None else _time_ns()
+            stage_ended(record, self.stage, self.start_ns, end)
+        else:
+            SpanRecord.end(self, end_time)
+
     def take(self, kind: str, tool: str | None) -> SpanRecord | None:
         """This span, for the traced call of ``kind`` (a tool named ``tool``) that starts now,
         if that call is the first directly inside this block; else None."""
-        span = self._span
-        if (span is None or self.merged or span.end_ns is not None or span.kind != kind
-                or current_span() is not span):
+        if (self.episode is None or self.merged or self.end_ns is not None or self.kind != kind
+                or current_span() is not self):
             return None
-        if kind == c.KIND_TOOL and span.attributes.get(c.GEN_AI_TOOL_NAME) != tool:
+        if kind == c.KIND_TOOL and self.attributes.get(c.GEN_AI_TOOL_NAME) != tool:
             return None
         self.merged = True
-        return span
+        taken: SpanRecord = self
+        return taken
 
 
 class ToolCall(CallHandle):
     """One tool call inside a turn: ``execute_tool {name}``."""
 
     __slots__ = ()
+    stage = STAGE_TOOL
 
     def result(self, value: object) -> None:
         """Record the tool's result (ends the call unless used as a ``with`` block)."""
         try:
-            span = self._span
-            if span is None:
+            record = self.episode
+            if record is None:
                 return
-            if span.episode.capture_content:
-                span.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
+            if record.capture_content:
+                self.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
             if not self._entered:
-                span.end()
+                self.end()
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("ToolCall.result", exc)
 
     @guarded
     def error(self, error: BaseException | str) -> None:
         """Mark the call as failed with an exception or a message (nothing is raised)."""
-        span = self._span
-        if span is None:
+        if self.episode is None:
             return
-        if error is self.merged_error and span.status_code is StatusCode.ERROR:
+        if error is self.merged_error and self.status_code is StatusCode.ERROR:
             pass  # the traced function it came from recorded it on this span already
         elif isinstance(error, BaseException):
-            span.fail(error)
+            self.fail(error)
         else:
-            span.fail(message=text(error))
+            self.fail(message=text(error))
         if not self._entered:
-            span.end()
-
+            self.end()
 
 
 class Generation(CallHandle):
     """One model generation inside a turn: ``chat {model}``."""
 
     __slots__ = ()
+    stage = STAGE_GENERATION
 
     @guarded
     def usage(self, input_tokens: int | None = None, output_tokens: int | None = None) -> None:
         """Record the generation's token usage (``gen_ai.usage.*``); the span is not ended.
         A count not given stays absent: viewers show it as unknown, not as 0."""
-        span = self._span
-        if span is None:
+        if self.episode is None:
             return
-        record_usage(span, input_tokens, output_tokens)
+        record_usage(self, input_tokens, output_tokens)
 
     @guarded
     def output(
@@ -507,15 +654,16 @@ class Generation(CallHandle):
         mismatch statistics (``rl.mismatch.*``); ``tokens`` (the tokens' texts or ids) and the
         worst tokens are rendered only if the episode is kept. ``mask``: 1 for the tokens that
         count (default all)."""
-        span = self._span
-        if span is None:
+        record = self.episode
+        if record is None:
             return
+        attributes = self.attributes
         if logprobs is not None and trainer_logprobs is not None:
-            record_logprobs(span, logprobs, trainer_logprobs, tokens, mask)
+            record_logprobs(self, logprobs, trainer_logprobs, tokens, mask)
         if model:
-            span.attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
-            span.name = c.chat_span_name(text(model))
-        if span.episode.capture_content:
+            attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
+            self.name = c.chat_span_name(text(model))
+        if record.capture_content:
             message: Deferred | dict[str, object]
             if type(content) is str:  # the common case, first
                 message = {"role": "assistant", "content": content}
@@ -530,13 +678,13 @@ class Generation(CallHandle):
                     message["content"] = text(message["content"])
             if tool_calls and isinstance(message, dict):
                 message["tool_calls"] = snapshot(tool_calls)
-            span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
+            attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
         if finish_reason is not None:
-            span.attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
-        record_usage(span, input_tokens, output_tokens)
+            attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
+        if input_tokens is not None or output_tokens is not None:
+            record_usage(self, input_tokens, output_tokens)
         if not self._entered:
-            span.end()
-
+            self.end()
 
 
 # span names of the GenAI conventions, built in place for a name that is text (c.chat_span_name,
@@ -547,19 +695,13 @@ _TOOL_PREFIX = c.tool_span_name("x")[:-1]
 _PLAIN_OUTPUT = frozenset(("finish_reason", "input_tokens", "output_tokens"))
 
 
-class Turn(_SpanHandle):
+class Turn(BlockSpan):
     """One policy step: a generation, the tool calls it made, and the feedback it got."""
 
-    __slots__ = ("_record", "index")
+    __slots__ = ("index",)
+    index: int  # the turn's index in its episode (from 0; -1 for a handle that records nothing)
 
-    def __init__(self, record: EpisodeRecord | None, span: SpanRecord | None, index: int) -> None:
-        self._span = span
-        self._token = None
-        self._entered = False
-        self._record = record
-        self.index = index
-
-    @guarded_or(lambda: Generation(None))
+    @guarded_or(lambda: blank_handle(Generation))
     def generation(self, model: str | None = None, *, messages: object = None,
                    provider: str | None = None) -> Generation:
         """Start a generation span (use as ``with``; call ``.output(...)`` inside).
@@ -569,25 +711,29 @@ class Turn(_SpanHandle):
         from the episode's spans only if it is kept. ``provider``: ``gen_ai.provider.name``
         (e.g. ``"vllm"``, ``"openai"``) when known.
         """
-        if self._record is None:
-            return Generation(None)
+        record = self.episode
+        if record is None:
+            return blank_handle(Generation)
         attrs: dict[str, object] = {}
         if model:
-            attrs[c.GEN_AI_REQUEST_MODEL] = text(model)
+            attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
         if provider:
             attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
-        if messages is not None and self._record.capture_content:
-            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
-        span = child_span(self._record, c.chat_span_name(model), c.KIND_GENERATION, self._span, attrs)
-        return Generation(span)
+        if messages is not None and record.capture_content:
+            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
+        name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
+        span = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
+        span._token = span.merged_error = None
+        span._entered = span.merged = False
+        return span
 
     def record_generation(self, content: object = None, *, model: str | None = None,
                           messages: object = None, provider: str | None = None, **output: object) -> Generation:
         """Record a finished generation in one call (same keywords as ``Generation.output``)."""
         try:
-            record = self._record
+            record = self.episode
             if record is None:
-                return Generation(None)
+                return blank_handle(Generation)
             # generation() and output() in one body, guarded once as a whole: a plain text
             # answer (the common case) is recorded here, anything else by output()'s body
             attrs: dict[str, object] = {}
@@ -597,10 +743,11 @@ class Turn(_SpanHandle):
                 attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
             capture = record.capture_content
             if messages is not None and capture:
-                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
             name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
-            span = child_span(record, name, c.KIND_GENERATION, self._span, attrs)
-            gen = Generation(span)
+            gen = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
+            gen._token = gen.merged_error = None
+            gen._entered = gen.merged = False
             if type(content) is str and (not output or output.keys() <= _PLAIN_OUTPUT):
                 if capture:
                     attrs[c.GEN_AI_OUTPUT_MESSAGES] = [{"role": "assistant", "content": content}]
@@ -612,49 +759,97 @@ class Turn(_SpanHandle):
                     if input_tokens is None and type(output_tokens) is int and 0 <= output_tokens < _INT64:
                         attrs[c.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens  # record_usage, in place
                     else:
-                        record_usage(span, input_tokens, output_tokens)
-                span.end()
+                        record_usage(gen, input_tokens, output_tokens)
+                gen.end()
             else:
                 Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
             return gen
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.record_generation", exc)
-            return Generation(None)
+            return blank_handle(Generation)
 
     def tool_call(self, name: str, arguments: object = None, call_id: str | None = None) -> ToolCall:
         """Start a tool call span; end it with ``with`` or with ``.result()`` / ``.error()``."""
         try:
-            if self._record is None:
-                return ToolCall(None)
+            record = self.episode
+            if record is None:
+                return blank_handle(ToolCall)
             tool = name if type(name) is str else text(name)
             attrs: dict[str, object] = {c.GEN_AI_TOOL_NAME: tool}
             if call_id is not None:
                 attrs[c.GEN_AI_TOOL_CALL_ID] = text(call_id)
-            if arguments is not None and self._record.capture_content:
+            if arguments is not None and record.capture_content:
                 attrs[c.GEN_AI_TOOL_CALL_ARGUMENTS] = snapshot(arguments)
-            name = _TOOL_PREFIX + tool if tool else c.SPAN_EXECUTE_TOOL  # c.tool_span_name, in place
-            span = child_span(self._record, name, c.KIND_TOOL, self._span, attrs)
-            return ToolCall(span)
+            span_name = _TOOL_PREFIX + tool if tool else c.SPAN_EXECUTE_TOOL  # c.tool_span_name, in place
+            span = child_span(record, span_name, c.KIND_TOOL, self, attrs, ToolCall)
+            span._token = span.merged_error = None
+            span._entered = span.merged = False
+            return span
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.tool_call", exc)
-            return ToolCall(None)
+            return blank_handle(ToolCall)
 
     @guarded
     def feedback(self, content: object, role: str = "environment") -> None:
         """Record what the environment (or a user) said back after this turn's action."""
-        if self._record is None:
+        record = self.episode
+        if record is None:
             return
         attrs: dict[str, object] = {c.RL_FEEDBACK_ROLE: text(role)}
-        if self._record.capture_content:
+        if record.capture_content:
             attrs[c.GEN_AI_INPUT_MESSAGES] = [{"role": text(role), "content": snapshot(content)}]
-        span = child_span(self._record, c.SPAN_FEEDBACK, c.KIND_SPAN, self._span, attrs)
+        span: SpanRecord = child_span(record, c.SPAN_FEEDBACK, c.KIND_SPAN, self, attrs)
         span.end()
 
 
+def blank_handle(cls: type[_H]) -> _H:
+    """A handle of ``cls`` that records nothing (not recording: disabled, unconfigured, or
+    after a contained error): no episode, already ended, so every method is a no-op and it is
+    never made the current span."""
+    handle = _new_span(cls)
+    handle.episode = None  # type: ignore[assignment]  # the one span with no episode
+    handle.name = handle.kind = ""
+    handle.span_id = handle.start_ns = handle.end_ns = 0
+    handle.parent_id = None
+    handle.attributes = {}
+    handle.events = handle.links = handle.status_message = handle._context = None
+    handle.status_code = _UNSET
+    handle.held = None
+    handle._token = None
+    handle._entered = False
+    if isinstance(handle, CallHandle):
+        handle.merged = False
+        handle.merged_error = None
+    elif isinstance(handle, Turn):
+        handle.index = -1
+    return handle
+
+
+def stage_call(record: EpisodeRecord, name: str, kind: str, parent: SpanRecord | None,
+               attributes: dict[str, object]) -> SpanRecord:
+    """``child_span`` for a ``@traced`` call: a generation or a tool call is a ``Generation`` /
+    ``ToolCall`` (its end adds its stage time; ``current_generation()`` returns it as it is),
+    owned by the traced call, which ends it (``_entered``); any other kind a plain record."""
+    cls = _STAGE_CLASSES.get(kind)
+    if cls is None:
+        return child_span(record, name, kind, parent, attributes)
+    span = child_span(record, name, kind, parent, attributes, cls)
+    span._token = span.merged_error = None
+    span.merged = False
+    span._entered = True
+    return span
+
+
+_STAGE_CLASSES: dict[str, type[CallHandle]] = {c.KIND_GENERATION: Generation, c.KIND_TOOL: ToolCall}
+
 
 def new_episode_id(step: int) -> str:
-    """An episode id when none is given: the step and 64 random bits."""
+    """An episode id when none is given: the step and 64 random bits (``Episode`` makes the
+    same, in place, from the bits it draws for its trace)."""
     return f"{step}-{_getrandbits(64):016x}"
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def status_value(status: object) -> str | None:
@@ -785,7 +980,11 @@ class Episode:
             elif step_value < 0:
                 problems.append(f"step: negative ({step_value})")
         split = split if type(split) is str else text(split) if split is not None else "train"
-        episode_id = new_episode_id(step_value) if episode_id is None else text(episode_id)
+        # the episode's ids from one getrandbits: 128 bits of trace id, 64 of root span id, 64 of
+        # episode id (a zero id, one chance in 2**64, is drawn again)
+        bits = _getrandbits(256)
+        step_text = str(step_value)
+        episode_id = f"{step_text}-{bits & _MASK64:016x}" if episode_id is None else text(episode_id)
         if trace_id is None:
             if rt.deterministic_ids:
                 # a repeated id gets its own trace id, counted and flagged: two episodes under
@@ -797,7 +996,7 @@ class Episode:
                 if occurrence:
                     problems.append(repeated_note(episode_id, step_value, occurrence))
             else:
-                trace_id = _getrandbits(128) or _runtime.new_id128()
+                trace_id = bits >> 128 or _runtime.new_id128()
         record = EpisodeRecord(trace_id, step_value, split, rt.pipeline, rt.max_spans_per_episode)
         record.handle = self
         record.capture_content = rt.capture_content
@@ -811,11 +1010,19 @@ class Episode:
         }
         if rt.run_id:
             attrs[c.RL_RUN_ID] = rt.run_id
-        root = SpanRecord(record, name if type(name) is str else text(name), _getrandbits(64) or _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
+        root = SpanRecord(record, name if type(name) is str else text(name),
+                          (bits >> 64) & _MASK64 or _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
         record.root = root
         record.add(root)
+        # the identity the episode's baggage carries (BAGGAGE_KEYS), as text once, here, from
+        # the values just made text: every context of the episode carries this one dict's entries
+        run_id = rt.run_id
+        identity = {c.RL_RUN_ID: run_id if type(run_id) is str else str(run_id)} if run_id else {}
+        identity[c.RL_STEP] = step_text
+        identity[c.RL_EPISODE_ID] = episode_id
         if group_id is not None:
-            attrs[c.RL_GROUP_ID] = group_id if type(group_id) is str else text(group_id)
+            attrs[c.RL_GROUP_ID] = identity[c.RL_GROUP_ID] = group_id if type(group_id) is str else text(group_id)
+        record.identity = identity
         if sample_index is not None:
             attrs[c.RL_SAMPLE_INDEX] = (sample_index if type(sample_index) is int and 0 <= sample_index < _INT64
                                         else _integer(root, sample_index, "sample_index"))
@@ -869,7 +1076,15 @@ class Episode:
         self.start()
         record = self._record
         if record is not None and record.root is not None:
-            self._token = attach_context(span_context(record.root))
+            # span_context in place: the root current and the episode's identity in the
+            # baggage, in the root's one context copy
+            identity = record.identity
+            values = dict(current_context())
+            values[SPAN_KEY] = record.root
+            values[_BAGGAGE] = episode_baggage(
+                record, identity if identity is not None else identity_of(record.root.attributes),
+                values.get(_BAGGAGE))
+            self._token = attach_context(Context(values))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -960,10 +1175,10 @@ class Episode:
                 return
             attrs: dict[str, object] = {}
             if record.capture_content:
-                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages)
+                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
                 if system_instructions is not None:
                     attrs[c.GEN_AI_SYSTEM_INSTRUCTIONS] = snapshot(system_instructions)
-            span = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
+            span: SpanRecord = child_span(record, c.SPAN_PROMPT, c.KIND_PROMPT, record.root, attrs)
             if record.state < KEPT:  # SpanRecord.end of a span of no stage, in place
                 span.end_ns = span.start_ns
             else:
@@ -981,14 +1196,17 @@ class Episode:
         try:
             record = self._record
             if record is None:
-                return Turn(None, None, -1)
+                return blank_handle(Turn)
             index = record.next_turn
-            record.next_turn += 1
-            span = child_span(record, c.SPAN_TURN, c.KIND_TURN, None, {c.RL_TURN_INDEX: index})
-            return Turn(record, span, index)
+            record.next_turn = index + 1
+            turn = child_span(record, c.SPAN_TURN, c.KIND_TURN, None, {c.RL_TURN_INDEX: index}, Turn)
+            turn._token = None
+            turn._entered = False
+            turn.index = index
+            return turn
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Episode.turn", exc)
-            return Turn(None, None, -1)
+            return blank_handle(Turn)
 
     def reward(
         self,
@@ -1031,7 +1249,10 @@ class Episode:
                 _put(span, key, number)
                 _put(root, key, number)
             if span.end_ns is None:
-                span.end()
+                end = _time_ns()
+                if record.state < KEPT:  # where the reward stage ends
+                    stage_ended(record, STAGE_REWARD, span.start_ns, end)
+                span.end(end)
             elif record.state < KEPT:
                 record.sink.part_ended(record)
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
@@ -1101,9 +1322,10 @@ def current_generation() -> Generation:
     ``otr.current_generation().usage(input_tokens=812, output_tokens=64)``. Outside one, a
     handle whose methods do nothing. Its ``output()`` does not end the span."""
     span = current_span()
-    handle = Generation(span if isinstance(span, SpanRecord) and span.kind == c.KIND_GENERATION
-                        and span.end_ns is None else None)
-    handle._entered = True  # the span belongs to its block or function: they end it
+    if isinstance(span, Generation) and span.end_ns is None and span._entered:
+        return span  # the span belongs to its block or function: they end it
+    handle = blank_handle(Generation)
+    handle._entered = True
     return handle
 
 

@@ -37,8 +37,8 @@ from otel_rollouts.record.episode import (
     CallHandle,
     Episode,
     as_messages,
-    child_span,
     record_usage,
+    stage_call,
     with_identity,
 )
 from otel_rollouts.record.response import read_response
@@ -70,7 +70,7 @@ class _Call:
         a span of the episode the context names already, else the episode's identity added."""
         span = self.span
         ctx = current_context()
-        if type(span) is not SpanRecord or getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
+        if self.sdk or getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
             ctx = with_identity(span, ctx)
         return attach_context(with_span(span, ctx))
 
@@ -102,14 +102,13 @@ class _Call:
         try:
             span = self.span
             kind = self.kind
-            light = type(span) is SpanRecord
+            light = not self.sdk
             if light and kind == c.KIND_GENERATION and type(value) is str:
                 # the common case, in place: a text answer, a message made here (nothing of the
                 # caller's to copy), on a light span (an attribute of the library's own)
                 if span.episode.capture_content:
                     span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [{"role": "assistant", "content": value}]
                 return
-            light = light or isinstance(span, SpanRecord)
             if kind == c.KIND_GENERATION and light and not isinstance(value, str):
                 response = read_response(value)
                 if response is not None:
@@ -187,23 +186,42 @@ class _Params:
     calling it when the signature is plain (no ``*args``, ``**kwargs`` or positional-only
     parameters) and the call fits it: inspect's binding cost each call more than its span."""
 
-    __slots__ = ("sig", "plain", "positional")
+    __slots__ = ("sig", "plain", "positional", "names", "defaults_from", "hidden")
 
     def __init__(self, sig: inspect.Signature | None) -> None:
         self.sig = sig
         self.plain: tuple[tuple[str, Any], ...] | None = None
         self.positional = 0
+        # for a call with positional arguments only (the common case), its binding in C: the
+        # names zipped with the arguments, then the defaults of the parameters after them
+        self.names: tuple[str, ...] = ()
+        self.defaults_from: tuple[dict[str, Any], ...] = ()
+        self.hidden: tuple[str, ...] = ()  # self / cls: not recorded
         if sig is not None and all(p.kind in _PLAIN_KINDS for p in sig.parameters.values()):
             self.plain = tuple((name, p.default) for name, p in sig.parameters.items())
             self.positional = sum(
                 p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+            self.names = tuple(name for name, _ in self.plain)
+            empty = inspect.Parameter.empty
+            self.defaults_from = tuple(
+                {name: default for name, default in self.plain[i:] if default is not empty}
+                for i in range(self.positional + 1))
+            self.hidden = tuple(name for name in self.names if name in ("self", "cls"))
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         plain = self.plain
         n = len(args)
         if plain is None or n > self.positional:
             return _bound_args(self.sig, args, kwargs)
-        out: dict[str, Any] = {}
+        if not kwargs:  # positional arguments only: in signature order, defaults filled in
+            out = dict(zip(self.names, args, strict=False))
+            defaults = self.defaults_from[n]
+            if defaults:
+                out.update(defaults)
+            for name in self.hidden:
+                out.pop(name, None)
+            return out
+        out = {}
         used = 0
         empty = inspect.Parameter.empty
         for i, (name, default) in enumerate(plain):
@@ -301,7 +319,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         if model:
             attributes[c.GEN_AI_REQUEST_MODEL] = model
         if capture and "messages" in arguments:
-            attributes[c.GEN_AI_INPUT_MESSAGES] = as_messages(arguments["messages"])
+            attributes[c.GEN_AI_INPUT_MESSAGES] = as_messages(arguments["messages"], "user", inside)
         elif capture and arguments:
             attributes[c.INPUT_VALUE] = arguments
     elif kind == c.KIND_TOOL:
@@ -334,7 +352,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         for key in _CALL_ARGUMENTS:  # the call's own arguments are copied (messages already are)
             if key in attributes:
                 attributes[key] = snapshot(attributes[key])
-        child = child_span(record, span_name, kind, parent, attributes)
+        child = stage_call(record, span_name, kind, parent, attributes)
         return _Call(child, None, False, kind)
 
     # outside any episode: an ordinary SDK span
