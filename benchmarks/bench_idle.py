@@ -74,6 +74,9 @@ def main() -> int:
     if args.render == "process":
         print(f"  renderer process {1e3 * (k1 - k0) / args.seconds:7.3f} ms CPU per second")
     otr.shutdown()
+    if not problems:
+        print(f"checked: the episode was delivered ({spans} spans in the file, the ledger counted it)"
+              + ("; one renderer process" if args.render == "process" else ""))
     for p in problems:
         print(f"CHECK FAILED: {p}")
     return 1 if problems else 0

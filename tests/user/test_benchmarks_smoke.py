@@ -71,6 +71,14 @@ def test_bench_dropped_quick_checks_the_trees() -> None:
     assert "CHECK FAILED" not in proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_idle_measures_a_live_renderer() -> None:
+    proc = run_benchmark("bench_idle.py", "--seconds", "1", "--settle", "0.5")
+    assert "renderer process" in proc.stdout
+    assert "checked: the episode was delivered" in proc.stdout
+    assert "CHECK FAILED" not in proc.stdout
+
+
 def test_bench_loop_skips_a_missing_peer_with_a_line(monkeypatch: pytest.MonkeyPatch) -> None:
     bench_loop = load("bench_loop")
     monkeypatch.setitem(bench_loop.PACKAGES, "logfire", ("no_such_module_for_bench_loop", "logfire"))
