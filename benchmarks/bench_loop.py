@@ -23,6 +23,7 @@ untraced episodes did at least half their calibrated work.
 
     python benchmarks/bench_loop.py --prev 6ee8273 --markdown   # 8 steps per arm (~5 CPU minutes)
     python benchmarks/bench_loop.py --quick --kinds thread       # smoke
+    python benchmarks/bench_loop.py --profile 1024               # where a traced episode's time goes
 
 ``--mode steps`` (below): untraced and traced whole steps alternated, every variant and peer in
 a process of its own (the peers' table).
@@ -1181,6 +1182,50 @@ def episode_report(data: dict[str, Any], markdown: bool) -> int:
     return 1 if problems else 0
 
 
+def episode_profile(episodes: int, top: int = 30) -> int:
+    """Where the traced episode's time goes: ``episodes`` traced episodes of the user's loop
+    (one matrix product of work per generation), the default configuration, cap 32, under
+    cProfile; the functions by own time, per episode, and the Python calls per episode. cProfile
+    slows every call alike, so read the shares, not the times."""
+    import cProfile
+    import pstats
+
+    import otel_rollouts as otr
+
+    overhead._guard_network()
+    exporter = noting_exporter(threading.get_ident())
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP), run_id="bench-loop-profile",
+                  handle_signals=False)
+    loop = UserLoop(otr, Work(1))
+    for i in range(min(episodes, 256)):  # warm
+        loop.episode(0, i)
+    otr.end_step(0)
+    prof = cProfile.Profile()
+    step, done = 1, 0
+    while done < episodes:
+        n = min(512, episodes - done)
+        prof.enable()
+        for i in range(n):
+            loop.episode(step, i)
+        otr.end_step(step)
+        prof.disable()
+        otr.flush()
+        done += n
+        step += 1
+    roots, _ = drain(exporter)
+    otr.shutdown()
+    stats = pstats.Stats(prof)
+    calls = getattr(stats, "total_calls", 0)
+    print(f"bench_loop --profile: {episodes} traced episodes of the user's loop (cap 32, {roots} kept), "
+          f"{calls / episodes:.0f} Python calls per episode (the work's numpy calls included: "
+          f"{3 * 2} per episode); own time per episode, top {top}:")
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    for (path, line, name), (_cc, nc, tt, ct, _) in rows:
+        where = f"{os.path.relpath(path) if os.path.isabs(path) else path}:{line}({name})"
+        print(f"  {1e6 * tt / episodes:8.1f} µs own {1e6 * ct / episodes:8.1f} µs cum {nc / episodes:7.1f} calls  {where}")
+    return 0
+
+
 def episode_main(args: argparse.Namespace) -> int:
     if args.quick:
         args.episodes, args.steps, args.rounds, args.work_ms = 32, 2, 1, 2.0
@@ -1255,6 +1300,8 @@ def main() -> int:
                         help="episodes mode: thread (A/A, this checkout, --prev) and/or process (A/A, render=process)")
     parser.add_argument("--prev", help="episodes mode: git revision of the previous release, measured in the "
                                        "same process as otel_rollouts_prev")
+    parser.add_argument("--profile", type=int, default=0, metavar="EPISODES",
+                        help="episodes mode: profile this many traced episodes of the user's loop instead")
     parser.add_argument("--episode-child", help=argparse.SUPPRESS)
     parser.add_argument("--prev-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1270,6 +1317,8 @@ def main() -> int:
             loaded = json.load(f)
         if "results" in loaded:  # an episodes-mode run
             return episode_report(loaded, args.markdown)
+    if args.profile:
+        return episode_profile(args.profile)
     if args.mode == "episodes" and not args.from_json:
         args.work_ms = USER_WORK_MS if args.work_ms is None else args.work_ms
         args.rounds = 2 if args.rounds is None else args.rounds
