@@ -1,5 +1,33 @@
 """The figure users feel: what tracing adds to the step time of a realistic RL loop.
 
+Two modes.
+
+``--mode episodes`` (the default; the step-overhead figure): the user's loop, 512 episodes per
+step, each ~7.5 ms of numpy CPU standing in for inference inside 3 ``@otr.traced`` generations
+that take the growing conversation, 3 ``@otr.traced`` tool calls, a prompt and a reward; the
+default sampler (cap 32). Inside one process, traced and untraced episodes alternate in ABBA
+blocks of ``--block`` (1 to 4) episodes, so that both arms see the same mix of this machine's
+CPU speed modes (whole-step pairs measure the switches between them: A/A sd ~5.9%; single
+episodes: ~0.45% per step). Per step: (traced episodes' training-thread CPU + ``end_step``) /
+(untraced episodes' CPU) - 1, and the same with all the other CPU the step cost the process
+(its other threads, the flush) and its child processes (the renderer of ``render="process"``,
+read at nanosecond resolution from schedstat); the median (quartiles) over ``--steps`` x
+``--rounds`` steps. Arms, each a step of its own, in rotated order: ``aa`` (untraced against
+untraced: the A/A row, the same units), ``otr`` (this checkout) and, with ``--prev REV``, the
+previous release (its package exported from git at REV, absolute imports rewritten, imported as
+``otel_rollouts_prev`` in the same process); ``--kinds process`` runs ``aa`` and
+``render="process"`` in a process of their own. The threads of a library not measured in a step
+(the other release's) are left out of its CPU. Checks: every traced step exported min(32, n)
+episodes of 9 spans and the ledger counted them delivered; no export on the training thread; the
+untraced episodes did at least half their calibrated work.
+
+    python benchmarks/bench_loop.py --prev 6ee8273 --markdown   # 8 steps per arm (~5 CPU minutes)
+    python benchmarks/bench_loop.py --quick --kinds thread       # smoke
+    python benchmarks/bench_loop.py --profile 1024               # where a traced episode's time goes
+
+``--mode steps`` (below): untraced and traced whole steps alternated, every variant and peer in
+a process of its own (the peers' table).
+
 One script, one run. Each variant runs in its own fresh Python process (a peer's configure()
 installs global state, and every child refuses network connections: the guard of
 ``bench_overhead.py``); the run is repeated in ``--rounds`` rounds, every variant once per round
@@ -58,12 +86,12 @@ Variants (every one checks what it measured; see ``check``):
                     BatchSpanProcessor, the OTLP exporter replaced by an in-memory one)
 A peer whose package is not installed is skipped, with a printed line saying so.
 
-    python benchmarks/bench_loop.py                       # 512 episodes, 3 rounds x 3 pairs
-    python benchmarks/bench_loop.py --markdown            # also the README's table
-    python benchmarks/bench_loop.py --variants otr_cap32,raw_sdk_all --rounds 5
-    python benchmarks/bench_loop.py --json out.json       # every child's figures (after each round)
-    python benchmarks/bench_loop.py --from-json out.json --markdown   # re-render only
-    python benchmarks/bench_loop.py --quick               # smoke: 32 episodes of 2 ms, 1 round, 2 pairs
+    python benchmarks/bench_loop.py --mode steps                  # 512 episodes, 3 rounds x 3 pairs
+    python benchmarks/bench_loop.py --mode steps --markdown       # also the README's table
+    python benchmarks/bench_loop.py --mode steps --variants otr_cap32,raw_sdk_all --rounds 5
+    python benchmarks/bench_loop.py --mode steps --json out.json  # every child's figures (after each round)
+    python benchmarks/bench_loop.py --from-json out.json --markdown   # re-render only (either mode)
+    python benchmarks/bench_loop.py --mode steps --quick          # smoke: 32 episodes of 2 ms, 1 round, 2 pairs
 
 Exit status non-zero when a check fails (or a present variant fails to run).
 """
@@ -770,7 +798,7 @@ def conditions(args: argparse.Namespace, variants: list[str], iters: int, work_m
 
 def command_line(args: argparse.Namespace, iters: int) -> str:
     """The command that reruns this measurement with the same work per episode."""
-    parts = ["python benchmarks/bench_loop.py"]
+    parts = ["python benchmarks/bench_loop.py --mode steps"]
     if args.quick:
         parts.append("--quick")
     else:
@@ -797,12 +825,461 @@ def print_conditions(cond: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+# --- the user's loop, episode by episode (the default mode, ``--mode episodes``) -------------
+# The CPU of these machines runs in two speed modes ~40% apart, switching every 1 to 100
+# episodes: untraced and traced steps measured one after the other measure those switches (A/A
+# sd ~5.9% per step pair). Alternating single episodes (or blocks of at most 4), untraced and
+# traced, in ABBA order inside one process puts both arms in the same mix of modes (A/A sd ~0.45%
+# per step of 512 + 512 episodes). Every arm of one process is a step of its own: the A/A arm
+# (untraced against untraced), this checkout, and the previous release (``--prev REV``: its
+# package exported from git and imported as ``otel_rollouts_prev``), in rotated order.
+USER_SPANS = 9  # episode, prompt, 3 generations, 3 tool calls, reward
+USER_WORK_MS = 7.5
+LIBS = ("otel_rollouts_prev", "otel_rollouts")
+EPISODE_ARMS = {"thread": ["aa", "otr", "prev"], "process": ["aa", "otr_process"]}
+ARM_LABELS = {
+    "aa": "A/A: untraced against untraced (the method's noise floor)",
+    "otr": "otel_rollouts (this checkout), cap 32, render thread",
+    "prev": "previous release{rev}, cap 32, render thread",
+    "otr_process": "otel_rollouts (this checkout), cap 32, render=\"process\"",
+}
+
+
+def _lib_of(thread: threading.Thread) -> str | None:
+    """Which library started ``thread`` (by the module of its target or class), or None."""
+    target = getattr(thread, "_target", None)
+    mod = (getattr(target, "__module__", None) if target is not None else None) or type(thread).__module__ or ""
+    for name in LIBS:
+        if mod == name or mod.startswith(name + "."):
+            return name
+    return None
+
+
+def _task_cpu(path: str) -> float:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0]) / 1e9  # on-CPU nanoseconds
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def lib_threads_cpu(libs: set[str]) -> float:
+    """CPU seconds of the live threads of this process that the libraries ``libs`` started (an
+    idle library's threads are not the active arm's cost)."""
+    if not libs:
+        return 0.0
+    return sum(_task_cpu(f"/proc/self/task/{t.native_id}/schedstat") for t in threading.enumerate()
+               if t.native_id is not None and _lib_of(t) in libs)
+
+
+def children_cpu_ns() -> float:
+    """CPU seconds of this process's live child processes, every thread, at nanosecond
+    resolution (schedstat; psutil's tick-based times are 10 ms coarse, a quarter of a percent of
+    a step), plus the finished ones (``os.times``)."""
+    t = os.times()
+    total = t.children_user + t.children_system
+    try:
+        import psutil
+
+        kids = psutil.Process().children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil: the finished ones only
+        return total
+    for proc in kids:
+        tasks = f"/proc/{proc.pid}/task"
+        try:
+            names = os.listdir(tasks)
+        except OSError:
+            continue
+        total += sum(_task_cpu(f"{tasks}/{tid}/schedstat") for tid in names)
+    return total
+
+
+def export_prev(rev: str) -> str:
+    """The package at git revision ``rev`` of this checkout, importable as ``otel_rollouts_prev``
+    from the returned folder (its absolute imports rewritten; ``exporters/`` placed as the
+    installed layout has it)."""
+    import io
+    import re
+    import tarfile
+    import tempfile
+
+    root = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--show-toplevel"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    data = subprocess.run(["git", "-C", root, "archive", rev, "otel_rollouts", "exporters"],
+                          capture_output=True, check=True).stdout
+    folder = tempfile.mkdtemp(prefix="bench-loop-prev-")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(folder, filter="data")
+    pkg = os.path.join(folder, "otel_rollouts_prev")
+    os.rename(os.path.join(folder, "otel_rollouts"), pkg)
+    os.rename(os.path.join(folder, "exporters"), os.path.join(pkg, "exporters"))
+    word = re.compile(r"\botel_rollouts\b")
+    for base, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(base, name)
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(word.sub("otel_rollouts_prev", text))
+    return folder
+
+
+class UserLoop:
+    """The user's episode: a prompt, 3 generations (``@traced``, taking the growing
+    conversation, doing the inference stand-in), 3 tool calls (``@traced``), a reward. ``lib``
+    None: the same episode untraced (plain functions, the same appends)."""
+
+    def __init__(self, lib: Any, work: Work) -> None:
+        self.lib = lib
+
+        def generate(messages: list[dict[str, str]], k: int) -> str:
+            work()
+            return self.completions[k]
+
+        def search(arguments: dict[str, Any]) -> str:
+            return self.result
+
+        if lib is not None:
+            generate = lib.traced(kind="generation", model="policy")(generate)
+            search = lib.traced(kind="tool", name="search")(search)
+        self.generate, self.search = generate, search
+        self.completions: list[str] = []
+        self.result = ""
+
+    def episode(self, step: int, i: int) -> None:
+        prompt, completions, args, result, reward = sample(i)
+        self.completions, self.result = completions, result
+        generate, search = self.generate, self.search
+        lib = self.lib
+        if lib is None:
+            messages = list(prompt)
+            for k in range(3):
+                messages.append({"role": "assistant", "content": generate(messages, k)})
+                messages.append({"role": "tool", "content": search(args)})
+            return
+        with lib.episode(step=step, group_id=f"g{i // 8}", sample_index=i % 8) as ep:
+            ep.prompt(prompt)
+            messages = list(prompt)
+            for k in range(3):
+                messages.append({"role": "assistant", "content": generate(messages, k)})
+                messages.append({"role": "tool", "content": search(args)})
+            ep.reward(reward)
+
+
+class EpisodeArm:
+    """One arm of the episode mode: its traced loop (None for A/A), how it ends and settles a
+    step, what the step exported."""
+
+    def __init__(self, name: str, lib: Any, work: Work, training: int, process: bool) -> None:
+        self.name, self.lib = name, lib
+        self.loop = UserLoop(lib, work)
+        self.path = ""
+        self.offset = 0
+        self.exporter: Any = None
+        if lib is None:
+            return
+        if process:
+            import tempfile
+
+            from otel_rollouts.exporters.otlp_json import OtlpJsonFileExporter
+
+            self.path = os.path.join(tempfile.mkdtemp(prefix="bench-loop-"), "spans.jsonl")
+            self.exporter = OtlpJsonFileExporter(self.path)
+            lib.configure(exporters=[self.exporter], sampler=lib.TailSampler(CAP), run_id=f"bench-loop-{name}",
+                          handle_signals=False, render="process")
+        else:
+            self.exporter = noting_exporter(training)
+            lib.configure(exporters=[self.exporter], sampler=lib.TailSampler(CAP), run_id=f"bench-loop-{name}",
+                          handle_signals=False)
+
+    def counts(self, step: int) -> tuple[int, int, int | None]:
+        if self.lib is None:
+            return 0, 0, None
+        if self.path:
+            roots = spans = 0
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            self.offset += len(data)
+            for line in data.splitlines():
+                for rs in json.loads(line).get("resourceSpans", []):
+                    for ss in rs.get("scopeSpans", []):
+                        for span in ss.get("spans", []):
+                            spans += 1
+                            roots += not span.get("parentSpanId")
+        else:
+            roots, spans = drain(self.exporter)
+        entry = self.lib.stats().get("steps", {}).get(f"{step}/train", {})
+        return roots, spans, entry.get(f"delivered.{type(self.exporter).__name__}")
+
+
+def episode_child(kind: str, episodes: int, steps: int, block: int, iters: int, seed: int,
+                  prev: str | None) -> dict[str, Any]:
+    """Alternate the arms step by step; inside a step, untraced and traced episodes in ABBA
+    blocks of ``block``. Figures per step."""
+    overhead._guard_network()
+    random.seed(seed)
+    training = threading.get_ident()
+    work = Work(iters)
+    import otel_rollouts
+
+    arms: list[EpisodeArm] = [EpisodeArm("aa", None, work, training, False)]
+    if kind == "process":
+        arms.append(EpisodeArm("otr_process", otel_rollouts, work, training, True))
+    else:
+        arms.append(EpisodeArm("otr", otel_rollouts, work, training, False))
+        if prev:
+            sys.path.insert(0, prev)
+            import otel_rollouts_prev  # type: ignore[import-not-found]
+
+            arms.append(EpisodeArm("prev", otel_rollouts_prev, work, training, False))
+    off = UserLoop(None, work)
+    clock = time.thread_time
+
+    def measured(arm: EpisodeArm, step: int, n: int) -> dict[str, Any]:
+        own = LIBS[1] if arm.lib is otel_rollouts else LIBS[0] if arm.lib is not None else None
+        idle = {lib for lib in LIBS if lib != own}
+        on_episode, off_episode = arm.loop.episode, off.episode
+        gc.collect()
+        l0, c0 = lib_threads_cpu(idle), children_cpu_ns()
+        t0, p0 = clock(), time.process_time()
+        on_s = off_s = 0.0
+        i_on = i_off = 0
+        for _ in range(n // (2 * block)):
+            for traced in (False, True, True, False):
+                s = clock()
+                if traced:
+                    for _ in range(block):
+                        on_episode(step, i_on)
+                        i_on += 1
+                    on_s += clock() - s
+                else:
+                    for _ in range(block):
+                        off_episode(step, i_off)
+                        i_off += 1
+                    off_s += clock() - s
+        if arm.lib is not None:
+            s = clock()
+            arm.lib.end_step(step)
+            on_s += clock() - s
+            on_helper_thread(arm.lib.flush)
+        t1, p1 = clock(), time.process_time()
+        children = children_cpu_ns() - c0 if own is not None else 0.0
+        other = max((p1 - p0) - (t1 - t0) - (lib_threads_cpu(idle) - l0), 0.0)
+        roots, spans, delivered = arm.counts(step)
+        return {"arm": arm.name, "step": step, "n": n, "on": on_s, "off": off_s, "other": other,
+                "children": children, "episodes": roots, "spans": spans, "delivered": delivered}
+
+    warm = min(2 * block * max(1, 32 // block), episodes)
+    for arm in arms:  # imports, caches, first calls, the renderer's start: not measured
+        measured(arm, 0, warm)
+    out: dict[str, Any] = {"kind": kind, "steps": []}
+    for s in range(1, steps + 1):
+        k = (s - 1) % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            out["steps"].append(measured(arm, s, episodes))
+    out["exports_on_training_thread"] = sum(getattr(a.exporter, "on_training", 0) for a in arms)
+    for arm in arms:
+        if arm.lib is not None:
+            arm.lib.shutdown()
+    out["net_attempts"] = overhead.NET_ATTEMPTS[:5]
+    return out
+
+
+def run_episode_child(kind: str, args: argparse.Namespace, iters: int, prev: str | None) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--episode-child", kind, "--episodes", str(args.episodes),
+           "--steps", str(args.steps), "--block", str(args.block), "--work-iters", str(iters),
+           "--seed", str(args.seed)]
+    if prev:
+        cmd += ["--prev-dir", prev]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, "OTEL_SDK_DISABLED": "false", "OPENBLAS_NUM_THREADS": "1",
+                               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:]) or "failed"
+        return {"kind": kind, "error": f"exit {proc.returncode}: {tail}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def episode_checks(results: list[dict[str, Any]], work_ms: float) -> list[str]:
+    problems = []
+    for res in results:
+        if "error" in res:
+            problems.append(f"{res['kind']}: {res['error']}")
+            continue
+        if res.get("exports_on_training_thread"):
+            problems.append(f"{res['kind']}: {res['exports_on_training_thread']} exports ran on the training thread")
+        if res.get("net_attempts"):
+            problems.append(f"{res['kind']}: attempted network connections {res['net_attempts']}")
+        for st in res["steps"]:
+            n, arm = st["n"], st["arm"]
+            if st["off"] < OFF_WORK_FLOOR * n * work_ms / 1e3:
+                problems.append(f"{arm} step {st['step']}: the untraced episodes took {st['off'] * 1e3:.0f} ms of "
+                                f"thread CPU, under {OFF_WORK_FLOOR:.0%} of the calibrated {n * work_ms:.0f} ms")
+            if arm == "aa":
+                continue
+            want = min(CAP, n)
+            if st["episodes"] != want or st["spans"] != want * USER_SPANS or st["delivered"] != want:
+                problems.append(f"{arm} step {st['step']}: exported {st['episodes']} episodes, {st['spans']} spans, "
+                                f"ledger delivered {st['delivered']}; expected {want}, {want * USER_SPANS}, {want}")
+    return problems
+
+
+def _quant(values: list[float]) -> str:
+    if len(values) >= 4:
+        q = statistics.quantiles(values, n=4)
+        return f"{statistics.median(values):+.2f}% ({q[0]:+.2f} to {q[2]:+.2f})"
+    return f"{statistics.median(values):+.2f}% ({min(values):+.2f} to {max(values):+.2f})"
+
+
+def episode_report(data: dict[str, Any], markdown: bool) -> int:
+    cond = data["conditions"]
+    results = data["results"]
+    problems = episode_checks(results, cond["work_ms"])
+    n_steps = cond["steps"] * cond["rounds"]
+    print(f"\nstep overhead of tracing, per step: (traced episodes' CPU) / (untraced episodes' CPU) - 1; untraced "
+          f"and traced episodes alternated in ABBA blocks of {cond['block']} in one process; median (q1 to q3) "
+          f"over {n_steps} steps of {cond['episodes']} + {cond['episodes']} episodes")
+    print(f"{'arm':<12} {'training thread CPU':>28} {'all CPU (+ children)':>28} {'µs/episode':>11} "
+          f"{'exported/step':>14}")
+    rows = []
+    for kind in [k for k in ("thread", "process") if any(r.get("kind") == k for r in results)]:
+        for arm in EPISODE_ARMS[kind]:
+            steps = [st for r in results if r.get("kind") == kind and "steps" in r for st in r["steps"]
+                     if st["arm"] == arm]
+            if not steps:
+                continue
+            thread = [100 * (st["on"] / st["off"] - 1) for st in steps]
+            total = [100 * ((st["on"] + st["other"] + st["children"]) / st["off"] - 1) for st in steps]
+            us = [1e6 * (st["on"] + st["other"] + st["children"] - st["off"]) / st["n"] for st in steps]
+            exported = statistics.median([st["episodes"] for st in steps])
+            name = arm if kind == "thread" or arm != "aa" else "aa (process)"
+            print(f"{name:<12} {_quant(thread):>28} {_quant(total):>28} {statistics.median(us):>11.0f} "
+                  f"{exported:>14g}")
+            rev = f" ({cond['prev']})" if cond.get("prev") else ""
+            label = ARM_LABELS[arm].format(rev=rev) + (" (the render=\"process\" run's own)" if name == "aa (process)" else "")
+            rows.append(f"| {label} | {_quant(thread)} | {_quant(total)} | {statistics.median(us):.0f} | {exported:g} |")
+    if not problems:
+        print(f"checked: every traced step exported min({CAP}, episodes) episodes x {USER_SPANS} spans, counted "
+              f"delivered by the ledger; no export on the training thread; untraced episodes >= "
+              f"{OFF_WORK_FLOOR:.0%} of the calibrated work")
+    for p in problems:
+        print(f"CHECK FAILED: {p}")
+    if markdown:
+        print()
+        print(f"{cond['episodes']} + {cond['episodes']} episodes per step (traced and untraced alternated in ABBA "
+              f"blocks of {cond['block']}), {cond['work_ms']:.1f} ms of numpy CPU per episode; {n_steps} steps per "
+              f"arm; python {cond['python']}, {cond['cpu_count']} CPUs, load average {cond.get('loadavg_start')} → "
+              f"{cond.get('loadavg_end')}; checkout {cond.get('commit') or '?'}. Reproduce: `{cond['command']} "
+              "--markdown`.\n")
+        print("| arm | step overhead, training thread CPU | all CPU, child processes included | µs of tracing per "
+              "episode | episodes exported per step |")
+        print("|---|---|---|---|---|")
+        print("\n".join(rows))
+    return 1 if problems else 0
+
+
+def episode_profile(episodes: int, top: int = 30) -> int:
+    """Where the traced episode's time goes: ``episodes`` traced episodes of the user's loop
+    (one matrix product of work per generation), the default configuration, cap 32, under
+    cProfile; the functions by own time, per episode, and the Python calls per episode. cProfile
+    slows every call alike, so read the shares, not the times."""
+    import cProfile
+    import pstats
+
+    import otel_rollouts as otr
+
+    overhead._guard_network()
+    exporter = noting_exporter(threading.get_ident())
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP), run_id="bench-loop-profile",
+                  handle_signals=False)
+    loop = UserLoop(otr, Work(1))
+    for i in range(min(episodes, 256)):  # warm
+        loop.episode(0, i)
+    otr.end_step(0)
+    prof = cProfile.Profile()
+    step, done = 1, 0
+    while done < episodes:
+        n = min(512, episodes - done)
+        prof.enable()
+        for i in range(n):
+            loop.episode(step, i)
+        otr.end_step(step)
+        prof.disable()
+        otr.flush()
+        done += n
+        step += 1
+    roots, _ = drain(exporter)
+    otr.shutdown()
+    stats = pstats.Stats(prof)
+    calls = getattr(stats, "total_calls", 0)
+    print(f"bench_loop --profile: {episodes} traced episodes of the user's loop (cap 32, {roots} kept), "
+          f"{calls / episodes:.0f} Python calls per episode (the work's numpy calls included: "
+          f"{3 * 2} per episode); own time per episode, top {top}:")
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    for (path, line, name), (_cc, nc, tt, ct, _) in rows:
+        where = f"{os.path.relpath(path) if os.path.isabs(path) else path}:{line}({name})"
+        print(f"  {1e6 * tt / episodes:8.1f} µs own {1e6 * ct / episodes:8.1f} µs cum {nc / episodes:7.1f} calls  {where}")
+    return 0
+
+
+def episode_main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.episodes, args.steps, args.rounds, args.work_ms = 32, 2, 1, 2.0
+    if args.episodes % (2 * args.block) or not 1 <= args.block <= 4:
+        raise SystemExit("--block must be 1 to 4 and --episodes a multiple of 2 x --block")
+    if args.work_iters > 0:
+        iters, work_ms = args.work_iters, 3 * per_call(Work(args.work_iters)) * 1e3
+    else:
+        iters, work_ms = calibrate(args.work_ms)
+    prev = export_prev(args.prev) if args.prev else None
+    kinds = [k for k in args.kinds.split(",") if k]
+    parts = ["python benchmarks/bench_loop.py"] + (["--quick"] if args.quick else [
+        f"--episodes {args.episodes}", f"--steps {args.steps}", f"--rounds {args.rounds}", f"--block {args.block}",
+        f"--work-iters {iters}", f"--seed {args.seed}"]) + [f"--kinds {args.kinds}"] + (
+        [f"--prev {args.prev}"] if args.prev else [])
+    cond = {"episodes": args.episodes, "steps": args.steps, "rounds": args.rounds, "block": args.block,
+            "work_iters": iters, "work_ms": round(work_ms, 3), "prev": args.prev, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "commit": overhead.checkout(), "command": " ".join(parts)}
+    print(f"bench_loop (episodes mode): {args.episodes} traced + {args.episodes} untraced episodes per step, ABBA "
+          f"blocks of {args.block}, {args.steps} steps per arm x {args.rounds} process rounds; {work_ms:.2f} ms of "
+          f"numpy CPU per episode ({iters} x 3 products); load average {cond['loadavg_start']}; checkout "
+          f"{cond['commit']}; previous release: {args.prev or 'not compared (--prev REV)'}")
+    print(f"  rerun: {cond['command']}")
+    sys.stdout.flush()
+    results = []
+    started = time.monotonic()
+    try:
+        for r in range(args.rounds):
+            for kind in kinds:
+                results.append(run_episode_child(kind, args, iters, prev))
+                print(f"  round {r + 1}/{args.rounds} {kind} ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+                      flush=True)
+    finally:
+        if prev:
+            import shutil
+
+            shutil.rmtree(prev, ignore_errors=True)
+    cond["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    data = {"conditions": cond, "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return episode_report(data, args.markdown)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--episodes", type=int, default=512, help="episodes per step")
     parser.add_argument("--pairs", type=int, default=3, help="untraced/traced step pairs per process")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; every variant once in each")
-    parser.add_argument("--work-ms", type=float, default=8.0, help="CPU ms of numpy work per episode")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds; every variant (steps mode: default 3) or kind (episodes mode: 2) once in each")
+    parser.add_argument("--work-ms", type=float, default=None,
+                        help=f"CPU ms of numpy work per episode (default {USER_WORK_MS} in episodes mode, 8 in steps mode)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seed", type=int, default=34, help="seed of the shuffles and of each child")
     parser.add_argument("--quick", action="store_true",
@@ -813,10 +1290,41 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--work-iters", type=int, default=0,
                         help="matrix products per generation, fixed (default: calibrated to --work-ms)")
+    parser.add_argument("--mode", choices=["episodes", "steps"], default="episodes",
+                        help="episodes: the user's loop, traced and untraced episodes alternated in one "
+                             "process (the step-overhead figure); steps: untraced and traced steps alternated, "
+                             "every variant and peer in a process of its own")
+    parser.add_argument("--steps", type=int, default=4, help="episodes mode: measured steps per arm and process")
+    parser.add_argument("--block", type=int, default=2, help="episodes mode: episodes per ABBA block (1 to 4)")
+    parser.add_argument("--kinds", default="thread,process",
+                        help="episodes mode: thread (A/A, this checkout, --prev) and/or process (A/A, render=process)")
+    parser.add_argument("--prev", help="episodes mode: git revision of the previous release, measured in the "
+                                       "same process as otel_rollouts_prev")
+    parser.add_argument("--profile", type=int, default=0, metavar="EPISODES",
+                        help="episodes mode: profile this many traced episodes of the user's loop instead")
+    parser.add_argument("--episode-child", help=argparse.SUPPRESS)
+    parser.add_argument("--prev-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.episode_child:
+        print(json.dumps(episode_child(args.episode_child, args.episodes, args.steps, args.block, args.work_iters,
+                                       args.seed, args.prev_dir)))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.episodes, args.pairs, args.work_iters, args.seed)))
         return 0
+    if args.from_json:
+        with open(args.from_json) as f:
+            loaded = json.load(f)
+        if "results" in loaded:  # an episodes-mode run
+            return episode_report(loaded, args.markdown)
+    if args.profile:
+        return episode_profile(args.profile)
+    if args.mode == "episodes" and not args.from_json:
+        args.work_ms = USER_WORK_MS if args.work_ms is None else args.work_ms
+        args.rounds = 2 if args.rounds is None else args.rounds
+        return episode_main(args)
+    args.work_ms = 8.0 if args.work_ms is None else args.work_ms
+    args.rounds = 3 if args.rounds is None else args.rounds
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)

@@ -161,6 +161,9 @@ class Delivery:
         # set by shutdown once its render time is over: queued items are let go unrendered (the
         # ledger counts the kept episodes among them at exit); the exit's time goes to the spool
         self._abandon = threading.Event()
+        # the render thread's longest wait on an empty queue (a process that ignores SIGINT, the
+        # renderer process, waits longer: see _run)
+        self.wake_s = _WAKE_S
         self._own_spool_root = spool_dir is None
         self.spool_root = Path(spool_dir) if spool_dir is not None else None
         self.senders: list[SpoolingSender] = []
@@ -456,7 +459,7 @@ class Delivery:
                 # put_nowait while it notifies this thread (inside Condition.notify) loses the
                 # wakeup, and a thread blocked in get() then never saw what was queued after it
                 # (a SIGINT exit waited out its whole deadline on a render thread asleep)
-                item = self._queue.get(timeout=_WAKE_S)
+                item = self._queue.get(timeout=self.wake_s)
             except queue.Empty:
                 if self._abandon.is_set():
                     return  # shut down (its stop item may not have found room in a full queue)

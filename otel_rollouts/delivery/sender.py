@@ -99,6 +99,9 @@ class SpoolingSender(SpanExporter):
         self._cond = threading.Condition()
         self._busy = False
         self._stopping = threading.Event()
+        # the longest wait of an idle sender thread (every change notifies it; the bound is a
+        # safety net), longer in the renderer process, which ignores SIGINT
+        self.idle_wait_s = 0.5
         self._wake = threading.Event()  # cut a backoff short (flush, stop)
         self._attempts = 0  # export attempts finished
         self._inflight = 0  # episodes in the export call under way
@@ -277,7 +280,7 @@ class SpoolingSender(SpanExporter):
                 while not self._pending and (self._spool is None or len(self._spool) == 0):
                     if self._stopping.is_set():
                         return
-                    self._cond.wait(0.5)
+                    self._cond.wait(self.idle_wait_s)
                 self._busy = True
             ok = False
             batch = None  # taken from memory, and neither delivered nor spooled yet

@@ -44,13 +44,39 @@ def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_bench_loop_quick_checks_every_variant() -> None:
-    proc = run_benchmark("bench_loop.py", "--quick", "--variants", LOOP_VARIANTS)
+    proc = run_benchmark("bench_loop.py", "--mode", "steps", "--quick", "--variants", LOOP_VARIANTS)
     checked = [line for line in proc.stdout.splitlines() if line.startswith("checked: ")]
     assert sorted(line.split(":")[1].strip() for line in checked) == sorted(LOOP_VARIANTS.split(","))
     assert "CHECK FAILED" not in proc.stdout
     # what the checks verified, as printed: cap 32 of 32 episodes, head sampling exported some
     assert "checked: otr_cap32: 32 episodes x 11 spans exported per step" in proc.stdout
     assert "checked: otr_keep_all: 32 episodes x 11 spans exported per step" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_loop_episodes_mode_checks_every_arm() -> None:
+    # the default mode: traced and untraced episodes alternated in one process, the A/A arm and
+    # the previous release (here this checkout's HEAD, exported and imported as otel_rollouts_prev)
+    proc = run_benchmark("bench_loop.py", "--quick", "--kinds", "thread", "--prev", "HEAD")
+    assert "CHECK FAILED" not in proc.stdout
+    assert "checked: every traced step exported min(32, episodes) episodes x 9 spans" in proc.stdout
+    arms = [line.split()[0] for line in proc.stdout.splitlines() if line.split()[:1] in (["aa"], ["otr"], ["prev"])]
+    assert arms == ["aa", "otr", "prev"]
+
+
+@pytest.mark.slow
+def test_bench_dropped_quick_checks_the_trees() -> None:
+    proc = run_benchmark("bench_dropped.py", "--rounds", "2", "--per-step", "64", "--warmup", "300")
+    assert "checked: every otr episode started and seen and dropped per the step stats" in proc.stdout
+    assert "CHECK FAILED" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_idle_measures_a_live_renderer() -> None:
+    proc = run_benchmark("bench_idle.py", "--seconds", "1", "--settle", "0.5")
+    assert "renderer process" in proc.stdout
+    assert "checked: the episode was delivered" in proc.stdout
+    assert "CHECK FAILED" not in proc.stdout
 
 
 def test_bench_loop_skips_a_missing_peer_with_a_line(monkeypatch: pytest.MonkeyPatch) -> None:
