@@ -408,6 +408,7 @@ class Rollouts(_runtime.Runtime):
             # what is kept by then is delivered with the rest, what is not decided is counted
             decide_by = start + timeout / 3
             self.settle()  # spans of finished remote calls join before the last decisions
+            self.stop_integrations()  # their threads (Ray's span collector) end before we return
             pipeline.stop_watching(timeout=max(decide_by - time.monotonic(), 0.0))  # hanging now: hung
             pipeline.end_open(c.STATUS_TRUNCATED, timeout=max(decide_by - time.monotonic(), 0.0) / 2,
                               deadline=decide_by)

@@ -120,6 +120,9 @@ class Runtime:
     extensions: dict[str, Any] = field(default_factory=dict)
     # called before a step closes (end_step, flush): spans still on their way join first
     before_close: list[Callable[[], None]] = field(default_factory=list)
+    # called once at shutdown, after the last ``before_close``: an integration's own threads stop
+    # (bounded) before the caller goes on to shut down what they use (``ray.shutdown()``)
+    on_stop: list[Callable[[], None]] = field(default_factory=list)
 
     def settle(self) -> None:
         """Run the ``before_close`` hooks; telemetry never breaks the caller."""
@@ -130,6 +133,16 @@ class Runtime:
                 if self.counters is not None:
                     self.counters.add("errors.before_close")
                 logger.debug("otel_rollouts: before-close hook failed: %s", exc)
+
+    def stop_integrations(self) -> None:
+        """Run the ``on_stop`` hooks; telemetry never breaks the caller."""
+        for hook in list(self.on_stop):
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001
+                if self.counters is not None:
+                    self.counters.add("errors.on_stop")
+                logger.debug("otel_rollouts: stop hook failed: %s", exc)
 
     def rebuild_after_fork(self) -> Callable[[], Runtime | None] | None:
         """How a forked child builds its own instance from this one's settings (None: it can't)."""

@@ -61,6 +61,7 @@ __all__ = ["RaySpans", "TracedActorClass", "TracedActorHandle", "TracedRemoteFun
 MAX_PENDING = 100_000
 _PREFIX = "_otr_call__"  # the actor's carrier-taking twin of each public method
 _EXTENSION = "ray_spans"
+_STOP_S = 1.0  # how long shutdown waits for the collector thread (one ray.wait of 0.2 s at most)
 
 
 def _ray() -> Any:
@@ -296,6 +297,7 @@ class RaySpans:
         self.wake = threading.Event()
         self.pending: dict[Any, EpisodeRecord | None] = {}
         self.thread: threading.Thread | None = None
+        self.stopped = False  # the run shut down: the thread ends and none starts again
 
     @classmethod
     def of_current(cls) -> RaySpans | None:
@@ -310,6 +312,7 @@ class RaySpans:
                 if collector is None:
                     collector = rt.extensions[_EXTENSION] = cls(rt, _ray())
                     rt.before_close.append(collector.settle)
+                    rt.on_stop.append(collector.stop)
         return collector
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -322,7 +325,7 @@ class RaySpans:
                 self._count("dropped.ray_spans")
                 return
             self.pending[ref] = record
-            if self.thread is None:
+            if self.thread is None and not self.stopped:
                 self.thread = threading.Thread(target=self._run, name="otel-rollouts-ray-spans", daemon=True)
                 self.thread.start()
         self.wake.set()
@@ -331,6 +334,22 @@ class RaySpans:
         """Adopt the spans of every call whose task has finished (run before a step closes)."""
         with self.adopting:
             self._adopt(self._take(self._finished(0)))
+
+    def stop(self, timeout: float = _STOP_S) -> None:
+        """End the thread (at shutdown, after the last ``settle``), waiting for it at most
+        ``timeout``: a user calls ``ray.shutdown()`` right after ``otr.shutdown()``, and a thread
+        still asking Ray then would end the process (Ray's core worker exits on a call after its
+        shutdown). What is still pending is counted ``dropped.ray_spans``."""
+        with self.lock:
+            self.stopped = True
+            thread = self.thread
+        self.wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self.lock:
+            if self.pending:
+                self._count("dropped.ray_spans", len(self.pending))
+                self.pending.clear()
 
     def _finished(self, timeout: float) -> list[Any]:
         """The pending calls whose task has finished (waiting up to ``timeout`` for one)."""
@@ -360,7 +379,7 @@ class RaySpans:
             _hand_over(data, trace_id, record)
 
     def _run(self) -> None:
-        while _runtime.installed() is self.rt:
+        while _runtime.installed() is self.rt and not self.stopped:
             if not self.pending:
                 self.wake.wait(0.5)
                 self.wake.clear()
