@@ -172,9 +172,9 @@ _MUTABLE_CALLS = {
 }
 
 
-# classes whose instances hold no state (values, stateless strategies)
+# classes whose instances hold no state (values, stateless strategies, precompiled formats)
 _VALUE_TYPES = {"TypeVar", "ParamSpec", "TraceFlags", "Decimal", "Path", "Status", "Resource",
-                "CompositePropagator", "_Sink"}
+                "CompositePropagator", "_Sink", "Struct"}
 
 
 def _module_state(path: pathlib.Path) -> set[str]:

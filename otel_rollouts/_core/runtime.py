@@ -126,23 +126,20 @@ class Runtime:
 
     def settle(self) -> None:
         """Run the ``before_close`` hooks; telemetry never breaks the caller."""
-        for hook in list(self.before_close):
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001
-                if self.counters is not None:
-                    self.counters.add("errors.before_close")
-                logger.debug("otel_rollouts: before-close hook failed: %s", exc)
+        self._run_hooks(self.before_close, "before_close")
 
     def stop_integrations(self) -> None:
         """Run the ``on_stop`` hooks; telemetry never breaks the caller."""
-        for hook in list(self.on_stop):
+        self._run_hooks(self.on_stop, "on_stop")
+
+    def _run_hooks(self, hooks: list[Callable[[], None]], what: str) -> None:
+        for hook in list(hooks):
             try:
                 hook()
             except Exception as exc:  # noqa: BLE001
                 if self.counters is not None:
-                    self.counters.add("errors.on_stop")
-                logger.debug("otel_rollouts: stop hook failed: %s", exc)
+                    self.counters.add(f"errors.{what}")
+                logger.debug("otel_rollouts: %s hook failed: %s", what, exc)
 
     def rebuild_after_fork(self) -> Callable[[], Runtime | None] | None:
         """How a forked child builds its own instance from this one's settings (None: it can't)."""

@@ -62,9 +62,8 @@ __all__ = [
 
 HELLO, WELCOME, OPENED, OUTSIDE, KEPT, DROPPED = b"H", b"W", b"O", b"X", b"K", b"D"
 PULL, PULLED, FLUSH, FLUSHED, COUNTS, BYE = b"P", b"R", b"F", b"f", b"S", b"B"
-_ID = ">QQ"  # a trace id: two unsigned 64-bit halves, big-endian
-_REQ = ">Q"  # a request number
-_REQ_SIZE = 8
+_ID = struct.Struct(">QQ")  # a trace id: two unsigned 64-bit halves, big-endian
+_REQ = struct.Struct(">Q")  # a request number
 MAX_OUTBOX = 1_000_000  # trace ids waiting to be sent (16 MB at most)
 MAX_IDS_PER_FRAME = 16_384
 # after a pull went unanswered, the renderer waits at most this long on the next ones for a
@@ -76,11 +75,11 @@ _SLOW_FOR_S = 5.0
 
 
 def pack_ids(trace_ids: Iterable[int]) -> bytes:
-    return b"".join(struct.pack(_ID, t >> 64, t & 0xFFFF_FFFF_FFFF_FFFF) for t in trace_ids)
+    return b"".join(_ID.pack(t >> 64, t & 0xFFFF_FFFF_FFFF_FFFF) for t in trace_ids)
 
 
 def unpack_ids(data: bytes | memoryview) -> list[int]:
-    return [(hi << 64) | lo for hi, lo in struct.iter_unpack(_ID, data[: len(data) - len(data) % 16])]
+    return [(hi << 64) | lo for hi, lo in _ID.iter_unpack(data[: len(data) - len(data) % 16])]
 
 
 def gateway_dir() -> Path:
@@ -243,7 +242,7 @@ class Channel:
             waiter: tuple[threading.Event, list[bytes]] = (threading.Event(), [])
             self._replies[number] = waiter
             try:
-                conn.send_bytes(kind + struct.pack(_REQ, number) + payload)
+                conn.send_bytes(kind + _REQ.pack(number) + payload)
             except (OSError, ValueError):
                 self._replies.pop(number, None)
                 self._lost(conn)
@@ -336,10 +335,10 @@ class Channel:
             kind, payload = frame[:1], frame[1:]
             try:
                 if kind in (PULLED, FLUSHED):
-                    (number,) = struct.unpack_from(_REQ, payload)
+                    (number,) = _REQ.unpack_from(payload)
                     waiter = self._replies.get(number)
                     if waiter is not None:
-                        waiter[1].append(bytes(payload[_REQ_SIZE:]))
+                        waiter[1].append(bytes(payload[_REQ.size:]))
                         waiter[0].set()
                 elif kind == COUNTS:
                     self.on_counts(json.loads(payload))
