@@ -83,6 +83,25 @@ def test_a_shared_child_is_copied_once_and_a_cycle_becomes_a_marker():
     assert [m["history"] for m in copied] == [CYCLE] * 3
 
 
+def test_a_tool_calls_bound_arguments_are_copied_with_their_nested_parts_and_sharing():
+    # the shapes a traced call passes most (a dict of a flat dict, a list of messages) take the
+    # fast copy: still a copy of every container, a shared child still shared once
+    query = {"query": "weather", "top_k": 5}
+    message = {"role": "user", "content": "hi"}
+    for arguments in ({"arguments": query}, {"a": query, "b": query, "n": 1}, {"messages": [message, message]}):
+        copied = snapshot(arguments)
+        assert copied == arguments
+        query["query"], message["content"] = "changed", "changed"
+        assert "changed" not in json.dumps(copied)
+        query["query"], message["content"] = "weather", "hi"
+    both = snapshot({"a": query, "b": query})
+    assert both["a"] is both["b"] and both["a"] is not query
+    pair = snapshot({"messages": [message, message]})["messages"]
+    assert pair[0] is pair[1] and pair[0] is not message
+    long = snapshot({"rows": list(range(2 * DEFAULT_MAX_NODES))})["rows"]  # still within the budget
+    assert len(long) <= DEFAULT_MAX_NODES + 1 and any("items cut" in str(x) for x in long)
+
+
 def test_a_huge_container_is_copied_up_to_the_budget_keeping_head_and_tail():
     big = list(range(1_000_000))
     copied = snapshot(big)

@@ -25,7 +25,7 @@ import json
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 _MAX_DEPTH = 64
 DEFAULT_MAX_NODES = 16_384  # containers and items copied or rendered per value (the attribute budget)
@@ -146,8 +146,9 @@ def snapshot(value: object, max_nodes: int = DEFAULT_MAX_NODES) -> Any:
     return _Snapshot(max_nodes).copy(value, 0)
 
 
-def _flat_dict(value: dict) -> dict | None:
-    """A copy of a plain dict whose values are all atoms (None when it has containers)."""
+def flat_dict(value: dict) -> dict | None:
+    """A copy of a plain dict whose values are all atoms (None when it has containers): the
+    common message, copied in one C call."""
     atoms = _ATOMS
     for item in value.values():
         if item is not None and type(item) not in atoms:
@@ -156,32 +157,80 @@ def _flat_dict(value: dict) -> dict | None:
 
 
 def _shallow(value: object, max_nodes: int) -> Any:
-    """A fast copy of a plain dict of atoms, or a plain list of atoms and such dicts; None for
-    anything else (which the full walk handles: nested, shared, cyclic, subclasses, huge)."""
+    """A fast copy of the shapes calls pass most (a plain dict or list of atoms, of plain dicts
+    of atoms, or of plain lists of those: a message, a message list, a tool call's bound
+    arguments); None for anything else, which the full walk handles (deeper, cyclic,
+    subclasses, huge). A child referred to twice is copied once and shared, as in the walk."""
     kind = type(value)
-    if kind is dict:
-        plain = cast("dict[object, object]", value)  # exactly a dict (no subclass)
-        return _flat_dict(plain) if len(plain) <= max_nodes else None
+    if kind is dict:  # exactly a dict (no subclass)
+        if len(value) > max_nodes:  # type: ignore[arg-type]
+            return None
+        flat = flat_dict(value)  # type: ignore[arg-type]
+        return flat if flat is not None else _Shallow(max_nodes).nested(value)  # type: ignore[arg-type]
     if kind is not list:
         return None
-    items = cast("list[object]", value)  # exactly a list (no subclass)
-    if len(items) > max_nodes:
-        return None
-    out: list[object] = []
-    nodes = len(items)
-    atoms = _ATOMS
-    for item in items:
-        if item is None or type(item) in atoms:
-            out.append(item)
-            continue
-        if type(item) is not dict:
+    return _Shallow(max_nodes).flat_list(value)  # type: ignore[arg-type]
+
+
+class _Shallow:
+    """One fast copy: the children copied so far (by id: a shared child is copied once) and the
+    items left in the node budget."""
+
+    __slots__ = ("memo", "left")
+
+    def __init__(self, max_nodes: int) -> None:
+        self.memo: dict[int, dict[object, object]] = {}
+        self.left = max_nodes
+
+    def child(self, item: dict[object, object]) -> dict[object, object] | None:
+        done = self.memo.get(id(item))
+        if done is not None:
+            return done
+        self.left -= len(item)
+        copied = flat_dict(item) if self.left >= 0 else None
+        if copied is not None:
+            self.memo[id(item)] = copied
+        return copied
+
+    def flat_list(self, items: list[object]) -> list[object] | None:
+        """A plain list of atoms and flat dicts."""
+        self.left -= len(items)
+        if self.left < 0:
             return None
-        nodes += len(item)
-        copied = _flat_dict(item) if nodes <= max_nodes else None
-        if copied is None:
-            return None
-        out.append(copied)
-    return out
+        out: list[object] = []
+        atoms = _ATOMS
+        for item in items:
+            if item is None or type(item) in atoms:
+                out.append(item)
+            elif type(item) is dict:
+                copied = self.child(item)
+                if copied is None:
+                    return None
+                out.append(copied)
+            else:
+                return None
+        return out
+
+    def nested(self, value: dict[object, object]) -> dict[object, object] | None:
+        """A plain dict of atoms, flat dicts and flat lists."""
+        self.left -= len(value)
+        out: dict[object, object] = {}
+        atoms = _ATOMS
+        for key, item in value.items():
+            kind = type(item)
+            if item is None or kind in atoms:
+                out[key] = item
+                continue
+            if kind is dict:
+                copied: object = self.child(item)  # type: ignore[arg-type]
+            elif kind is list:  # a list referred to twice: the full walk shares it
+                copied = self.flat_list(item) if len(value) == 1 else None  # type: ignore[arg-type]
+            else:
+                return None
+            if copied is None:
+                return None
+            out[key] = copied
+        return out
 
 
 class _Snapshot:

@@ -36,6 +36,7 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import (
     DEFAULT_MAX_NODES,
     Deferred,
+    flat_dict,
     jsonable,
     reraise_interrupt,
     snapshot,
@@ -134,27 +135,40 @@ def _conversation(record: EpisodeRecord, messages: list[object]) -> list[dict[st
     """``as_messages(messages)`` sharing what the episode recorded of the same conversation."""
     held = record.conversation
     start = len(held.originals) if held is not None and _recorded_prefix(held, messages) else 0
-    rest = messages[start:] if start else messages
-    added = as_messages(rest)
-    if not isinstance(added, list):  # pragma: no cover - a list gives a list
-        return added
-    nodes = len(added) + sum(map(len, added))
+    # the messages added since: copied here when each is a plain dict of plain values (the
+    # common case, one C copy each), else by as_messages' full path
+    added: list[dict[str, object]] | None = []
+    nodes = len(messages) - start
+    for i in range(start, len(messages)):
+        m = messages[i]
+        if type(m) is not dict:
+            added = None
+            break
+        copied = flat_dict(m)
+        if copied is None:  # nested parts (content as a list of parts...): the full walk
+            copied = snapshot(m)
+            if type(copied) is not dict:
+                added = None
+                break
+        nodes += len(copied)
+        if nodes > DEFAULT_MAX_NODES:  # past snapshot's node budget: cut by the full path
+            added = None
+            break
+        added.append(copied)  # type: ignore[union-attr]
+    if added is None:
+        # something else than message dicts: the full copy, shared no further
+        record.conversation = None
+        return as_messages(messages)
     if start and held is not None:
         copies = held.copies + added
         nodes += held.nodes
     else:
         copies = added
-    # shared only while every message is exactly a dict (its copy compares to it with no user
-    # code but its values') and nothing was cut (snapshot's node budget)
-    if (len(added) != len(rest) or nodes > DEFAULT_MAX_NODES
-            or (rest and set(map(type, rest)) != _DICT_ONLY)):
+    if nodes > DEFAULT_MAX_NODES:  # past snapshot's node budget: cut by the full path
         record.conversation = None
-        return as_messages(messages) if start else copies
+        return as_messages(messages)
     record.conversation = Conversation(list(messages), copies, nodes)
     return list(copies)
-
-
-_DICT_ONLY = {dict}
 
 
 def _recorded_prefix(held: Conversation, messages: list[object]) -> bool:

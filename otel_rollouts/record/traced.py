@@ -23,13 +23,13 @@ from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import call_user, exception_text, snapshot, text
 from otel_rollouts._core.guard import report
 from otel_rollouts._core.spans import (
+    SPAN_KEY,
     SpanRecord,
     attach_context,
     current_context,
-    current_span,
     detach_context,
     exception_attributes,
-    with_span,
+    reset_context,
 )
 from otel_rollouts.record.episode import (
     _BAGGAGE,
@@ -55,24 +55,31 @@ class _Call:
     ``merged``: the entered ``turn.tool_call`` / ``turn.generation`` this call records into
     (see ``CallHandle``): its span is that block's, which fails or ends with the block."""
 
-    __slots__ = ("span", "episode", "sdk", "kind", "merged")
+    __slots__ = ("span", "episode", "sdk", "kind", "merged", "ctx")
 
     def __init__(self, span: Any, episode: Episode | None, sdk: bool, kind: str,
-                 merged: Any = None) -> None:
+                 merged: Any = None, ctx: Context | None = None) -> None:
         self.span = span
         self.episode = episode
         self.sdk = sdk
         self.kind = kind
         self.merged = merged
+        self.ctx = ctx  # the context the call started in: its first attach needs no other read
 
     def attach(self) -> Token[Context]:
         """Make the span current (``span_context``, in place): the same context object for
         a span of the episode the context names already, else the episode's identity added."""
         span = self.span
-        ctx = current_context()
+        ctx = self.ctx
+        if ctx is None:
+            ctx = current_context()
+        else:
+            self.ctx = None  # a generator resumed later reads the context of its resumption
         if self.sdk or getattr(ctx.get(_BAGGAGE), "episode", None) is not span.episode:
             ctx = with_identity(span, ctx)
-        return attach_context(with_span(span, ctx))
+        values = dict(ctx)  # with_span, in place
+        values[SPAN_KEY] = span
+        return attach_context(Context(values))
 
     def fail(self, exc: BaseException) -> None:
         try:
@@ -108,6 +115,10 @@ class _Call:
                 # caller's to copy), on a light span (an attribute of the library's own)
                 if span.episode.capture_content:
                     span.attributes[c.GEN_AI_OUTPUT_MESSAGES] = [{"role": "assistant", "content": value}]
+                return
+            if light and kind == c.KIND_TOOL:  # the other common case, in place: a tool's result
+                if span.episode.capture_content:
+                    span.attributes[c.GEN_AI_TOOL_CALL_RESULT] = snapshot(value)
                 return
             if kind == c.KIND_GENERATION and light and not isinstance(value, str):
                 response = read_response(value)
@@ -282,10 +293,37 @@ def _model_of(model: str | None, arguments: dict[str, Any], args: tuple[Any, ...
     return None
 
 
-def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: str | None,
-           binder: _Params, args: tuple[Any, ...], kwargs: dict[str, Any],
-           own: _runtime.Runtime | None = None) -> _Call | None:
-    current = current_span()
+class _Spec:
+    """What a traced callable's calls share, read once when it is decorated."""
+
+    __slots__ = ("fn_name", "name", "kind", "model", "binder", "own", "tool",
+                 "tool_span", "chat_span")
+
+    def __init__(self, fn: Callable[..., Any], name: str | None, kind: str, model: str | None,
+                 own: _runtime.Runtime | None) -> None:
+        self.binder = _Params(_signature(fn))
+        short_name: str = getattr(fn, "__name__", "call")
+        self.fn_name: str = getattr(fn, "__qualname__", short_name)
+        self.name, self.kind, self.model, self.own = name, kind, model, own
+        self.tool = name or short_name
+        self.tool_span = c.tool_span_name(self.tool)
+        self.chat_span = name or c.chat_span_name(model)  # the span name of a call naming no other model
+
+
+def _start(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
+    """The call's span, started (None: not recorded; never raises: the traced function runs
+    whatever happens here)."""
+    try:
+        return _started(spec, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - never break the traced function
+        report(f"traced: start: {exception_text(err)}", exc=err)
+        return None
+
+
+def _started(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:
+    fn_name, name, kind, model, own = spec.fn_name, spec.name, spec.kind, spec.model, spec.own
+    ctx = current_context()
+    current = ctx.get(SPAN_KEY)
     parent = current if isinstance(current, SpanRecord) and current.episode.state < 2 else None
     inside = parent.episode if parent is not None else None
     if inside is None or kind == c.KIND_EPISODE:
@@ -297,7 +335,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         # an episode's span in the context records its children, whatever is installed here: a
         # worker process records for its parent's episode without a runtime of its own
         capture = inside.capture_content
-    arguments = binder.bind(args, kwargs)
+    arguments = spec.binder.bind(args, kwargs)
     if kind == c.KIND_EPISODE:
         params = {k: arguments[k] for k in _EPISODE_ARGS if k in arguments}
         split = params.pop("split", "train")
@@ -314,8 +352,11 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
 
     attributes: dict[str, Any] = {}
     if kind == c.KIND_GENERATION:
-        model = _model_of(model, arguments, args)
-        span_name = name or c.chat_span_name(model)
+        if model:
+            span_name = spec.chat_span
+        else:
+            model = _model_of(model, arguments, args)
+            span_name = name or c.chat_span_name(model)
         if model:
             attributes[c.GEN_AI_REQUEST_MODEL] = model
         if capture and "messages" in arguments:
@@ -323,9 +364,8 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
         elif capture and arguments:
             attributes[c.INPUT_VALUE] = arguments
     elif kind == c.KIND_TOOL:
-        tool = name or short_name
-        span_name = c.tool_span_name(tool)
-        attributes[c.GEN_AI_TOOL_NAME] = tool
+        span_name = spec.tool_span
+        attributes[c.GEN_AI_TOOL_NAME] = spec.tool
         if capture and arguments:
             attributes[c.GEN_AI_TOOL_CALL_ARGUMENTS] = arguments
     elif kind == c.KIND_TURN:
@@ -340,12 +380,12 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
     if inside is not None:
         record = inside
         if kind in _MERGING_KINDS:
-            handle = current_context().get(OPEN_CALL)
+            handle = ctx.get(OPEN_CALL)
             target = (handle.take(kind, attributes.get(c.GEN_AI_TOOL_NAME))
                       if isinstance(handle, CallHandle) else None)
             if target is not None:
                 _merge(target, kind, attributes)
-                return _Call(target, None, False, kind, handle)
+                return _Call(target, None, False, kind, handle, ctx)
         if kind == c.KIND_TURN:
             attributes[c.RL_TURN_INDEX] = record.next_turn
             record.next_turn += 1
@@ -353,7 +393,7 @@ def _start(fn_name: str, short_name: str, name: str | None, kind: str, model: st
             if key in attributes:
                 attributes[key] = snapshot(attributes[key])
         child = stage_call(record, span_name, kind, parent, attributes)
-        return _Call(child, None, False, kind)
+        return _Call(child, None, False, kind, None, ctx)
 
     # outside any episode: an ordinary SDK span
     if rt.tracer is None:
@@ -386,25 +426,15 @@ def _merge(span: SpanRecord, kind: str, attributes: dict[str, Any]) -> None:
             span.name = c.chat_span_name(value)
 
 
-def _safe_start(*a: Any) -> _Call | None:
-    try:
-        return _start(*a)
-    except Exception as err:  # noqa: BLE001 - never break the traced function
-        report(f"traced: start: {exception_text(err)}", exc=err)
-        return None
-
-
 def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None,
           own: _runtime.Runtime | None = None) -> Callable[..., Any]:
-    binder = _Params(_signature(fn))
-    short_name = getattr(fn, "__name__", "call")
-    fn_name = getattr(fn, "__qualname__", short_name)
+    spec = _Spec(fn, name, kind, model, own)
 
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
         async def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
+            call = _start(spec, args, kwargs)
             agen = fn(*args, **kwargs)
             if call is None:
                 async for item in agen:
@@ -447,7 +477,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
+            call = _start(spec, args, kwargs)
             gen = fn(*args, **kwargs)
             if call is None:
                 return (yield from gen)
@@ -488,7 +518,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
         @functools.wraps(fn)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
+            call = _start(spec, args, kwargs)
             if call is None:
                 return await fn(*args, **kwargs)
             token = call.attach()
@@ -508,7 +538,7 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call = _safe_start(fn_name, short_name, name, kind, model, binder, args, kwargs, own)
+        call = _start(spec, args, kwargs)
         if call is None:
             return fn(*args, **kwargs)
         token = call.attach()
@@ -521,7 +551,10 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
             call.output(result)
             return result
         finally:
-            detach_context(token)
+            try:
+                reset_context(token)  # detach_context, in place
+            except Exception:  # noqa: BLE001 - a token of another context is let be
+                pass
             call.end()
 
     return wrapper
