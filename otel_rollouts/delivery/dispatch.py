@@ -81,11 +81,19 @@ _SCALARS = (int, float, bool, type(None))
 _SIZE_FROM = 2  # queued items from which a kept record is sized (see Delivery.episode)
 
 
-def _value_bytes(value: Any) -> int:
+_SHARED_TEXT = 256  # a string at least this long is counted once per record, however often held
+
+
+def _value_bytes(value: Any, seen: set[int] | None = None) -> int:
     """Memory held by one attribute value: strings at their real size (``sys.getsizeof``: a
     text with one non-Latin-1 character takes 2 or 4 bytes a character), containers walked (at
-    most ``_MAX_NODES`` nodes: a recorded value is a bounded snapshot already)."""
+    most ``_MAX_NODES`` nodes: a recorded value is a bounded snapshot already). ``seen``: the
+    ids of the containers and long strings counted already for the same record; an object held
+    twice (a conversation's message copies, shared by every generation that took them as input,
+    and the texts in them) holds its memory once, and is counted once."""
     size = sys.getsizeof
+    if seen is None:
+        seen = set()
     total = 0
     stack = [value]
     nodes = 0
@@ -94,12 +102,22 @@ def _value_bytes(value: Any) -> int:
         nodes += 1
         t = type(v)
         if t is str or t is bytes:
+            if len(v) >= _SHARED_TEXT:
+                if id(v) in seen:
+                    continue
+                seen.add(id(v))
             total += size(v)
         elif t is dict:
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
             total += 64 + 16 * len(v)
             stack.extend(v.keys())
             stack.extend(v.values())
         elif t is list or t is tuple:
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
             total += 56 + 8 * len(v)
             stack.extend(v)
         else:
@@ -108,16 +126,26 @@ def _value_bytes(value: Any) -> int:
 
 
 def record_bytes(record: EpisodeRecord) -> int:
-    """About how much memory a kept episode's record holds until it is rendered."""
+    """About how much memory a kept episode's record holds until it is rendered (each object
+    counted once, however many of its spans hold it)."""
     size = sys.getsizeof
+    seen: set[int] = set()
     total = 0
     for span in record.spans:
         total += _BASE_BYTES
         for key, value in span.attributes.items():
-            total += size(key) + (size(value) if type(value) is str else
-                                  32 if type(value) in _SCALARS else _value_bytes(value))
+            t = type(value)
+            if t is str:
+                if len(value) >= _SHARED_TEXT:
+                    if id(value) in seen:
+                        total += size(key)
+                        continue
+                    seen.add(id(value))
+                total += size(key) + size(value)
+            else:
+                total += size(key) + (32 if t in _SCALARS else _value_bytes(value, seen))
         for event in span.events or ():
-            total += _BASE_BYTES + _value_bytes(event[1])
+            total += _BASE_BYTES + _value_bytes(event[1], seen)
     return total + _BASE_BYTES * len(record.foreign)
 
 

@@ -541,6 +541,55 @@ def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(
     assert books["delivered"] == 41 - dropped
 
 
+def test_a_conversation_held_by_many_generations_is_counted_once_against_the_queue_bound(configured):
+    """A kept episode's generations share the conversation's copies (and its texts): the render
+    queue's byte bound counts what is held, once. 24 kept episodes, each a ~0.5 MB text in a
+    conversation taken by 8 traced generations, wait for a blocked render thread under an 8 MiB
+    bound: about 16 fit (counted once per generation, about one would), what is held stays
+    near the bound (tracemalloc), and the books balance."""
+    from otel_rollouts._core.content import Deferred
+
+    configured(100, "first", handle_signals=False, max_queue_bytes=8 * 1024 * 1024)
+    gate, rendering = threading.Event(), threading.Event()
+
+    def blocked() -> list:
+        rendering.set()
+        gate.wait(60)
+        return [{"role": "user", "content": "hello"}]
+
+    @otr.traced(kind="generation", model="policy")
+    def generate(messages: list) -> str:
+        return f"answer {len(messages)}"
+
+    with otr.episode(step=0) as first:
+        first.prompt(Deferred(blocked))
+        first.reward(1.0)
+    assert rendering.wait(30)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(24):
+            with otr.episode(step=0, sample_index=i) as ep:
+                messages = [{"role": "user", "content": f"{i} " + "€" * 250_000}]  # ~0.5 MB, new each time
+                ep.prompt(messages)
+                for _ in range(8):
+                    messages.append({"role": "assistant", "content": generate(messages)})
+                ep.reward(float(i))
+            del messages
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        gate.set()
+    otr.end_step(0)
+    assert otr.shutdown(timeout=60)
+    assert held < 16 * 1024 * 1024, f"{held / 2**20:.1f} MiB held for 24 x 0.5 MB episodes"
+    dropped = otr.stats()["totals"].get("lost.queue_full.InMemorySpanExporter", 0)
+    assert 24 - dropped >= 10, f"only {24 - dropped} of 24 queued: a shared conversation counted per span"
+    books = _assert_balanced("InMemorySpanExporter")
+    assert books["delivered"] == 25 - dropped
+
+
 # --- the property: random faults at every exporter boundary --------------------------------------
 
 HTTP_FAULTS = ["ok", "ok", 413, 400, 503, "reject_all", "reject_half", "hang"]
