@@ -24,6 +24,7 @@ untraced episodes did at least half their calibrated work.
     python benchmarks/bench_loop.py --prev 6ee8273 --markdown   # 8 steps per arm (~5 CPU minutes)
     python benchmarks/bench_loop.py --quick --kinds thread       # smoke
     python benchmarks/bench_loop.py --profile 1024               # where a traced episode's time goes
+    python benchmarks/bench_loop.py --segments 128 --steps 4     # the same, timed in the loop itself
 
 ``--mode steps`` (below): untraced and traced whole steps alternated, every variant and peer in
 a process of its own (the peers' table).
@@ -1226,6 +1227,108 @@ def episode_profile(episodes: int, top: int = 30) -> int:
     return 0
 
 
+SEGMENTS = ("enter", "prompt", "generations", "tool calls", "reward", "exit", "end_step")
+
+
+def episode_segments(episodes: int, steps: int, work_ms: float) -> int:
+    """Where the traced episode's extra CPU goes in the user's loop itself (real work between the
+    calls, so the tracing code runs as it does there: after the work, its caches cold): the
+    episode's segments timed in traced and untraced episodes alternated ABBA one by one, the
+    default configuration, cap 32; per segment the training-thread CPU per episode in each arm
+    and the difference. Checks: the untraced generations did at least half the calibrated work,
+    and every step kept min(32, n) episodes."""
+    import otel_rollouts as otr
+
+    overhead._guard_network()
+    iters, _ = calibrate(work_ms)
+    work = Work(iters)
+    exporter = noting_exporter(threading.get_ident())
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(CAP), run_id="bench-loop-segments",
+                  handle_signals=False)
+    clock = time.thread_time_ns
+    held: list[Any] = [None, None]
+
+    def generate(messages: list[dict[str, str]], k: int) -> str:
+        work()
+        return str(held[0][k])
+
+    def search(arguments: dict[str, Any]) -> str:
+        return str(held[1])
+
+    traced_generate = otr.traced(kind="generation", model="policy")(generate)
+    traced_search = otr.traced(kind="tool", name="search")(search)
+    spent: dict[tuple[bool, str], int] = dict.fromkeys(((t, s) for t in (False, True) for s in SEGMENTS), 0)
+
+    def run(traced: bool, step: int, i: int) -> None:
+        prompt, completions, args, result, reward = sample(i)
+        held[0], held[1] = completions, result
+        gen, tool = (traced_generate, traced_search) if traced else (generate, search)
+        ep = None
+        t = clock()
+        if traced:
+            ep = otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i % 8)
+            ep.__enter__()
+            t1 = clock()
+            spent[True, "enter"] += t1 - t
+            ep.prompt(prompt)
+            t = clock()
+            spent[True, "prompt"] += t - t1
+        messages = list(prompt)
+        for k in range(3):
+            t1 = clock()
+            out = gen(messages, k)
+            t2 = clock()
+            messages.append({"role": "assistant", "content": out})
+            t3 = clock()
+            answer = tool(args)
+            t4 = clock()
+            messages.append({"role": "tool", "content": answer})
+            spent[traced, "generations"] += t2 - t1
+            spent[traced, "tool calls"] += t4 - t3
+        if ep is not None:
+            t1 = clock()
+            ep.reward(reward)
+            t2 = clock()
+            ep.__exit__(None, None, None)
+            t3 = clock()
+            spent[True, "reward"] += t2 - t1
+            spent[True, "exit"] += t3 - t2
+
+    kept = []
+    for step in range(steps + 1):  # step 0 warms up
+        for i in range(0, episodes, 2):
+            for traced, j in ((False, i), (True, i), (True, i + 1), (False, i + 1)):
+                run(traced, step, j)
+        t = clock()
+        otr.end_step(step)
+        spent[True, "end_step"] += clock() - t
+        otr.flush()
+        kept.append(drain(exporter)[0])
+        if step == 0:
+            spent = dict.fromkeys(spent, 0)
+    otr.shutdown()
+    n = episodes * steps
+    print(f"bench_loop --segments: {episodes} traced + {episodes} untraced episodes per step alternated ABBA one by "
+          f"one, {steps} steps, {3 * per_call(work) * 1e3:.2f} ms of numpy CPU per episode; training-thread CPU "
+          f"per episode, load average {[round(x, 2) for x in os.getloadavg()]}")
+    print(f"  {'segment':12s} {'traced µs':>10s} {'untraced µs':>12s} {'tracing µs':>11s}")
+    total_on = total_off = 0.0
+    for seg in SEGMENTS:
+        on, off = spent[True, seg] / n / 1e3, spent[False, seg] / n / 1e3
+        total_on, total_off = total_on + on, total_off + off
+        print(f"  {seg:12s} {on:10.1f} {off:12.1f} {on - off:11.1f}")
+    print(f"  {'all':12s} {total_on:10.1f} {total_off:12.1f} {total_on - total_off:11.1f}   "
+          f"({100 * (total_on - total_off) / total_off:+.1f}% of the untraced episode's measured CPU)")
+    problems = []
+    if spent[False, "generations"] / n < 0.5 * 3 * per_call(work) * 1e9:
+        problems.append("the untraced generations did less than half the calibrated work")
+    if kept[1:] != [min(CAP, episodes)] * steps:
+        problems.append(f"kept per step {kept[1:]}, expected {min(CAP, episodes)}")
+    print("checked: the untraced generations did their calibrated work; every step kept min(32, n) episodes"
+          if not problems else "FAILED: " + "; ".join(problems))
+    return 1 if problems else 0
+
+
 def episode_main(args: argparse.Namespace) -> int:
     if args.quick:
         args.episodes, args.steps, args.rounds, args.work_ms = 32, 2, 1, 2.0
@@ -1302,6 +1405,9 @@ def main() -> int:
                                        "same process as otel_rollouts_prev")
     parser.add_argument("--profile", type=int, default=0, metavar="EPISODES",
                         help="episodes mode: profile this many traced episodes of the user's loop instead")
+    parser.add_argument("--segments", type=int, default=0, metavar="EPISODES",
+                        help="episodes mode: time the traced episode's segments in the loop itself instead "
+                             "(this many traced + untraced episodes per step, --steps steps)")
     parser.add_argument("--episode-child", help=argparse.SUPPRESS)
     parser.add_argument("--prev-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1319,6 +1425,11 @@ def main() -> int:
             return episode_report(loaded, args.markdown)
     if args.profile:
         return episode_profile(args.profile)
+    if args.segments:
+        if os.environ.get("OPENBLAS_NUM_THREADS") != "1":  # one BLAS thread, as in the children
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        return episode_segments(args.segments, args.steps, USER_WORK_MS if args.work_ms is None else args.work_ms)
     if args.mode == "episodes" and not args.from_json:
         args.work_ms = USER_WORK_MS if args.work_ms is None else args.work_ms
         args.rounds = 2 if args.rounds is None else args.rounds

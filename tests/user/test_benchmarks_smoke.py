@@ -65,6 +65,16 @@ def test_bench_loop_episodes_mode_checks_every_arm() -> None:
 
 
 @pytest.mark.slow
+def test_bench_loop_segments_attributes_the_traced_episode_in_the_loop() -> None:
+    proc = run_benchmark("bench_loop.py", "--segments", "8", "--steps", "1", "--work-ms", "1")
+    assert "checked: the untraced generations did their calibrated work; every step kept min(32, n)" in proc.stdout
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    assert {"enter", "prompt", "generations", "tool", "reward", "exit", "end_step", "all"} <= set(rows)
+    tracing = float(rows["all"].split()[3])
+    assert tracing > 0  # the traced episodes did the work and the tracing
+
+
+@pytest.mark.slow
 def test_bench_dropped_quick_checks_the_trees() -> None:
     proc = run_benchmark("bench_dropped.py", "--rounds", "2", "--per-step", "64", "--warmup", "300")
     assert "checked: every otr episode started and seen and dropped per the step stats" in proc.stdout
