@@ -226,6 +226,22 @@ def noting_exporter(training: int) -> Any:
     return LoopExporter()
 
 
+def count_jsonl(path: str, offset: int) -> tuple[int, int, int]:
+    """(root spans, spans, the file's new end) of the OTLP JSON lines written to ``path`` after
+    ``offset``."""
+    roots = spans = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    for line in data.splitlines():
+        for rs in json.loads(line).get("resourceSpans", []):
+            for ss in rs.get("scopeSpans", []):
+                for span in ss.get("spans", []):
+                    spans += 1
+                    roots += not span.get("parentSpanId")
+    return roots, spans, offset + len(data)
+
+
 def drain(exporter: Any) -> tuple[int, int]:
     """The step's (root spans, spans), then cleared as if shipped."""
     spans = exporter.get_finished_spans()
@@ -375,17 +391,7 @@ class OtrProcessLoop(OtrLoop):
                       handle_signals=False, render="process")
 
     def counts(self, step: int) -> tuple[int, int, int | None]:
-        roots = spans = 0
-        with open(self.path, "rb") as f:  # the lines written since the last step
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        for line in data.splitlines():
-            for rs in json.loads(line).get("resourceSpans", []):
-                for ss in rs.get("scopeSpans", []):
-                    for span in ss.get("spans", []):
-                        spans += 1
-                        roots += not span.get("parentSpanId")
+        roots, spans, self.offset = count_jsonl(self.path, self.offset)  # the lines written since the last step
         entry = self.otr.stats().get("steps", {}).get(f"{step}/train", {})
         delivered = entry.get(f"delivered.{type(self.exporter).__name__}")
         return roots, spans, delivered
@@ -998,17 +1004,7 @@ class EpisodeArm:
         if self.lib is None:
             return 0, 0, None
         if self.path:
-            roots = spans = 0
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-            self.offset += len(data)
-            for line in data.splitlines():
-                for rs in json.loads(line).get("resourceSpans", []):
-                    for ss in rs.get("scopeSpans", []):
-                        for span in ss.get("spans", []):
-                            spans += 1
-                            roots += not span.get("parentSpanId")
+            roots, spans, self.offset = count_jsonl(self.path, self.offset)
         else:
             roots, spans = drain(self.exporter)
         entry = self.lib.stats().get("steps", {}).get(f"{step}/train", {})

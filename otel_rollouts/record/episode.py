@@ -459,6 +459,10 @@ class BlockSpan(SpanRecord):
     __slots__ = ("_token", "_entered")
     _token: Token[Context] | None  # the context before the ``with`` block
     _entered: bool  # used as a ``with`` block (or owned by a traced call): the block ends it
+    # its index in EpisodeRecord.timing (STAGE_GENERATION, STAGE_TOOL) for a stage span, whose
+    # end adds its duration to the episode's stage sums; -1: a span of no stage (a turn)
+    stage: ClassVar[int] = -1
+    opens_call: ClassVar[bool] = False  # a traced call inside may record into it (CallHandle)
 
     def __enter__(self: _H) -> _H:
         self._entered = True
@@ -469,6 +473,8 @@ class BlockSpan(SpanRecord):
                 ctx = with_identity(self, ctx)
             values = dict(ctx)  # with_span, in place
             values[SPAN_KEY] = self
+            if self.opens_call:
+                values[OPEN_CALL] = self
             self._token = attach_context(Context(values))
         return self
 
@@ -489,11 +495,25 @@ class BlockSpan(SpanRecord):
             if exc is not None and self.status_code is not StatusCode.ERROR:
                 self.fail(exc)
             if self.end_ns is None:
-                if record.state < KEPT:
-                    # SpanRecord.end in place: a span of no stage, neither root nor reward
-                    self.end_ns = _time_ns()
-                else:
+                if record.state >= KEPT:
                     self.end()
+                    return
+                # SpanRecord.end in place: a span neither root nor reward
+                end = self.end_ns = _time_ns()
+                stage = self.stage
+                if stage >= 0:
+                    # stage_ended, in place: where this stage ends, the episode's running sums
+                    timing = record.timing
+                    if timing is None:
+                        timing = record.timing = [0, 0, 0, -1, -1, -1, -1, 0]
+                    start = self.start_ns
+                    if start < timing[3 + stage] or start < timing[6]:
+                        timing[7] = 1  # overlapping or out of order: the exact union instead
+                    timing[stage] += end - start
+                    if end > timing[3 + stage]:
+                        timing[3 + stage] = end
+                    if end > timing[6]:
+                        timing[6] = end
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
             contained(f"{type(self).__name__}.__exit__", err)
@@ -522,56 +542,7 @@ class CallHandle(BlockSpan):
     __slots__ = ("merged", "merged_error")
     merged: bool  # a traced call recorded into this span already
     merged_error: BaseException | None  # the exception it recorded, if any
-    stage: ClassVar[int]  # its index in EpisodeRecord.timing (STAGE_GENERATION, STAGE_TOOL)
-
-    def __enter__(self: _H) -> _H:
-        self._entered = True
-        record = self.episode
-        if record is not None:
-            ctx = current_context()
-            if getattr(ctx.get(_BAGGAGE), "episode", None) is not record:
-                ctx = with_identity(self, ctx)
-            values = dict(ctx)  # with_span, in place
-            values[SPAN_KEY] = self
-            values[OPEN_CALL] = self
-            self._token = attach_context(Context(values))
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        # never raises: the user's exception, if any, must leave this block as it came in
-        try:
-            token = self._token
-            if token is not None:
-                self._token = None
-                try:
-                    reset_context(token)  # detach_context, in place
-                except Exception:  # noqa: BLE001 - a token of another context is let be
-                    pass
-            record = self.episode
-            if record is None:
-                return
-            if exc is not None and self.status_code is not StatusCode.ERROR:
-                self.fail(exc)
-            if self.end_ns is None:
-                if record.state < KEPT:
-                    end = self.end_ns = _time_ns()
-                    # stage_ended, in place: where this stage ends, the episode's running sums
-                    timing = record.timing
-                    if timing is None:
-                        timing = record.timing = [0, 0, 0, -1, -1, -1, -1, 0]
-                    stage, start = self.stage, self.start_ns
-                    if start < timing[3 + stage] or start < timing[6]:
-                        timing[7] = 1  # overlapping or out of order: the exact union instead
-                    timing[stage] += end - start
-                    if end > timing[3 + stage]:
-                        timing[3 + stage] = end
-                    if end > timing[6]:
-                        timing[6] = end
-                else:
-                    self.end()
-        except Exception as err:  # noqa: BLE001 - containment is the point
-            contained(f"{type(self).__name__}.__exit__", err)
+    opens_call = True
 
     def end(self, end_time: int | None = None) -> None:
         """End the span (``SpanRecord.end``), its duration added to its episode's stage sums."""

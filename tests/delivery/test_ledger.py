@@ -16,7 +16,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
 import pytest
@@ -500,15 +500,11 @@ def test_kept_episodes_waiting_for_a_slow_exporter_are_bounded_in_bytes(otr_shut
     assert books["delivered"] >= 1 and books["delivered"] + books["dropped"] == 40
 
 
-def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(configured):
-    """The render thread held (a deferred prompt that blocks): 40 kept episodes of ~1 MB each
-    (distinct texts beyond Latin-1) are offered to the render queue; what it holds stays near
-    ``max_queue_bytes`` (8 MiB here), measured with tracemalloc, the rest is dropped under
-    ``queue_full``, counted, and the books balance (it held all 40, 1,024 items being the only
-    bound)."""
+def _hold_the_render_thread() -> threading.Event:
+    """A kept episode whose deferred prompt blocks the render thread until the returned event is
+    set: what is kept meanwhile waits in the render queue."""
     from otel_rollouts._core.content import Deferred
 
-    configured(100, "first", handle_signals=False, max_queue_bytes=8 * 1024 * 1024)
     gate, rendering = threading.Event(), threading.Event()
 
     def blocked() -> list:
@@ -520,19 +516,41 @@ def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(
         first.prompt(Deferred(blocked))
         first.reward(1.0)
     assert rendering.wait(30)
+    return gate
+
+
+def _held_by(record: Callable[[], None], gate: threading.Event) -> int:
+    """Bytes still allocated (tracemalloc) after ``record`` ran with the render thread held; the
+    render thread let go after, and the step ended."""
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        for i in range(40):
-            with otr.episode(step=0, sample_index=i) as ep:
-                ep.prompt(f"{i} " + "€" * 500_000)  # ~1 MB in memory, a new text each time
-                ep.reward(float(i))
+        record()
         held = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
         gate.set()
     otr.end_step(0)
+    return held
+
+
+def test_kept_episodes_waiting_for_a_blocked_render_thread_are_bounded_in_bytes(configured):
+    """The render thread held (a deferred prompt that blocks): 40 kept episodes of ~1 MB each
+    (distinct texts beyond Latin-1) are offered to the render queue; what it holds stays near
+    ``max_queue_bytes`` (8 MiB here), measured with tracemalloc, the rest is dropped under
+    ``queue_full``, counted, and the books balance (it held all 40, 1,024 items being the only
+    bound)."""
+    configured(100, "first", handle_signals=False, max_queue_bytes=8 * 1024 * 1024)
+    gate = _hold_the_render_thread()
+
+    def keep_40() -> None:
+        for i in range(40):
+            with otr.episode(step=0, sample_index=i) as ep:
+                ep.prompt(f"{i} " + "€" * 500_000)  # ~1 MB in memory, a new text each time
+                ep.reward(float(i))
+
+    held = _held_by(keep_40, gate)
     assert otr.shutdown(timeout=60)
     assert held < 16 * 1024 * 1024, f"{held / 2**20:.1f} MiB held for 40 x 1 MB episodes"
     dropped = otr.stats()["totals"]["lost.queue_full.InMemorySpanExporter"]
@@ -547,28 +565,14 @@ def test_a_conversation_held_by_many_generations_is_counted_once_against_the_que
     conversation taken by 8 traced generations, wait for a blocked render thread under an 8 MiB
     bound: about 16 fit (counted once per generation, about one would), what is held stays
     near the bound (tracemalloc), and the books balance."""
-    from otel_rollouts._core.content import Deferred
-
     configured(100, "first", handle_signals=False, max_queue_bytes=8 * 1024 * 1024)
-    gate, rendering = threading.Event(), threading.Event()
-
-    def blocked() -> list:
-        rendering.set()
-        gate.wait(60)
-        return [{"role": "user", "content": "hello"}]
+    gate = _hold_the_render_thread()
 
     @otr.traced(kind="generation", model="policy")
     def generate(messages: list) -> str:
         return f"answer {len(messages)}"
 
-    with otr.episode(step=0) as first:
-        first.prompt(Deferred(blocked))
-        first.reward(1.0)
-    assert rendering.wait(30)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
+    def keep_24() -> None:
         for i in range(24):
             with otr.episode(step=0, sample_index=i) as ep:
                 messages = [{"role": "user", "content": f"{i} " + "€" * 250_000}]  # ~0.5 MB, new each time
@@ -576,12 +580,8 @@ def test_a_conversation_held_by_many_generations_is_counted_once_against_the_que
                 for _ in range(8):
                     messages.append({"role": "assistant", "content": generate(messages)})
                 ep.reward(float(i))
-            del messages
-        held = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
-        gate.set()
-    otr.end_step(0)
+
+    held = _held_by(keep_24, gate)
     assert otr.shutdown(timeout=60)
     assert held < 16 * 1024 * 1024, f"{held / 2**20:.1f} MiB held for 24 x 0.5 MB episodes"
     dropped = otr.stats()["totals"].get("lost.queue_full.InMemorySpanExporter", 0)
