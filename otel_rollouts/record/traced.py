@@ -29,7 +29,6 @@ from otel_rollouts._core.spans import (
     current_context,
     detach_context,
     exception_attributes,
-    reset_context,
 )
 from otel_rollouts.record.episode import (
     _BAGGAGE,
@@ -551,10 +550,9 @@ def _wrap(fn: Callable[..., Any], name: str | None, kind: str, model: str | None
             call.output(result)
             return result
         finally:
-            try:
-                reset_context(token)  # detach_context, in place
-            except Exception:  # noqa: BLE001 - a token of another context is let be
-                pass
+            # a module function, not the ContextVar's bound reset: a traced function is pickled
+            # by value where Ray ships it, and a ContextVar cannot be
+            detach_context(token)
             call.end()
 
     return wrapper
