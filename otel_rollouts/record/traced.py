@@ -301,12 +301,21 @@ class _Spec:
     def __init__(self, fn: Callable[..., Any], name: str | None, kind: str, model: str | None,
                  own: _runtime.Runtime | None) -> None:
         self.binder = _Params(_signature(fn))
-        short_name: str = getattr(fn, "__name__", "call")
-        self.fn_name: str = getattr(fn, "__qualname__", short_name)
-        self.name, self.kind, self.model, self.own = name, kind, model, own
-        self.tool = name or short_name
+        short_name = _label(getattr(fn, "__name__", "call")) or "call"
+        self.fn_name = _label(getattr(fn, "__qualname__", short_name)) or short_name
+        # the names as text once, here (a user's object: its __str__ guarded, as every value's)
+        self.name, self.model = _label(name), _label(model)
+        self.kind, self.own = kind, own
+        self.tool = self.name or short_name
         self.tool_span = c.tool_span_name(self.tool)
-        self.chat_span = name or c.chat_span_name(model)  # the span name of a call naming no other model
+        self.chat_span = self.name or c.chat_span_name(self.model)  # a call naming no other model
+
+
+def _label(value: object) -> str | None:
+    """A name given to ``traced`` (or the function's own) as text; None for none or empty."""
+    if value is None:
+        return None
+    return (value if type(value) is str else text(value)) or None
 
 
 def _start(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call | None:

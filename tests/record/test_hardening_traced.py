@@ -119,3 +119,36 @@ def test_a_span_kind_generator_abandoned_still_ends_ok(memory):
     (spans,) = traces(memory).values()
     child = next(s for s in spans if s.parent is not None)
     assert child.status.status_code is not StatusCode.ERROR
+
+
+class _NoText:
+    """A name whose ``__str__`` and ``__bool__`` end the process if anything calls them unguarded."""
+
+    def __str__(self) -> str:
+        raise SystemExit(3)
+
+    def __bool__(self) -> bool:
+        raise SystemExit(4)
+
+
+def test_a_hostile_name_or_model_given_to_traced_never_reaches_the_user(memory):
+    # the names are made text once, when the function is decorated: guarded there, placeholders
+    # in the span names, every call recorded
+    @otr.traced(kind="tool", name=_NoText())
+    def search(query: str) -> str:
+        return "found"
+
+    @otr.traced(kind="generation", model=_NoText())
+    def generate(messages: list) -> str:
+        return "hi"
+
+    with otr.episode(step=5) as ep:
+        assert search("q") == "found"
+        assert generate([{"role": "user", "content": "q"}]) == "hi"
+        ep.reward(1.0)
+    otr.end_step(5)
+    assert otr.flush(10.0)
+    (spans,) = traces(memory).values()
+    names = sorted(s.name for s in spans)
+    assert names == ["chat <_NoText: str raised SystemExit>", "episode",
+                     "execute_tool <_NoText: str raised SystemExit>", "reward"]
