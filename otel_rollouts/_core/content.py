@@ -179,7 +179,7 @@ class _Shallow:
     __slots__ = ("memo", "left")
 
     def __init__(self, max_nodes: int) -> None:
-        self.memo: dict[int, dict[object, object]] = {}
+        self.memo: dict[int, Any] = {}
         self.left = max_nodes
 
     def child(self, item: dict[object, object]) -> dict[object, object] | None:
@@ -194,6 +194,9 @@ class _Shallow:
 
     def flat_list(self, items: list[object]) -> list[object] | None:
         """A plain list of atoms and flat dicts."""
+        done = self.memo.get(id(items))
+        if done is not None:
+            return done  # type: ignore[no-any-return]
         self.left -= len(items)
         if self.left < 0:
             return None
@@ -209,6 +212,7 @@ class _Shallow:
                 out.append(copied)
             else:
                 return None
+        self.memo[id(items)] = out
         return out
 
     def nested(self, value: dict[object, object]) -> dict[object, object] | None:
@@ -223,8 +227,8 @@ class _Shallow:
                 continue
             if kind is dict:
                 copied: object = self.child(item)  # type: ignore[arg-type]
-            elif kind is list:  # a list referred to twice: the full walk shares it
-                copied = self.flat_list(item) if len(value) == 1 else None  # type: ignore[arg-type]
+            elif kind is list:
+                copied = self.flat_list(item)  # type: ignore[arg-type]
             else:
                 return None
             if copied is None:

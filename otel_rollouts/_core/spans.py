@@ -302,7 +302,7 @@ def stage_ended(episode: EpisodeRecord, stage: int, start: int, end: int) -> Non
     O(1). Called where a stage span ends (a generation's or a tool call's exit, a reward), never
     for other spans: no lookup on every span end. A span that starts before the latest end of
     its stage, or of any stage (overlapping, nested, out of order), marks the sums inexact: the
-    exact union over the spans is computed instead. (Inlined in the exits of the handles.)"""
+    exact union over the spans is computed instead."""
     timing = episode.timing
     if timing is None:
         timing = episode.timing = [0, 0, 0, -1, -1, -1, -1, 0]

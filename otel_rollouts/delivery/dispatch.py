@@ -135,15 +135,8 @@ def record_bytes(record: EpisodeRecord) -> int:
         total += _BASE_BYTES
         for key, value in span.attributes.items():
             t = type(value)
-            if t is str:
-                if len(value) >= _SHARED_TEXT:
-                    if id(value) in seen:
-                        total += size(key)
-                        continue
-                    seen.add(id(value))
-                total += size(key) + size(value)
-            else:
-                total += size(key) + (32 if t in _SCALARS else _value_bytes(value, seen))
+            total += size(key) + (size(value) if t is str and len(value) < _SHARED_TEXT else
+                                  32 if t in _SCALARS else _value_bytes(value, seen))
         for event in span.events or ():
             total += _BASE_BYTES + _value_bytes(event[1], seen)
     return total + _BASE_BYTES * len(record.foreign)

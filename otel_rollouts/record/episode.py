@@ -138,7 +138,7 @@ def _conversation(record: EpisodeRecord, messages: list[object]) -> list[dict[st
     # the messages added since: copied here when each is a plain dict of plain values (the
     # common case, one C copy each), else by as_messages' full path
     added: list[dict[str, object]] | None = []
-    nodes = len(messages) - start
+    nodes = len(messages) - start + (held.nodes if start and held is not None else 0)
     for i in range(start, len(messages)):
         m = messages[i]
         if type(m) is not dict:
@@ -159,14 +159,7 @@ def _conversation(record: EpisodeRecord, messages: list[object]) -> list[dict[st
         # something else than message dicts: the full copy, shared no further
         record.conversation = None
         return as_messages(messages)
-    if start and held is not None:
-        copies = held.copies + added
-        nodes += held.nodes
-    else:
-        copies = added
-    if nodes > DEFAULT_MAX_NODES:  # past snapshot's node budget: cut by the full path
-        record.conversation = None
-        return as_messages(messages)
+    copies = held.copies + added if start and held is not None else added
     record.conversation = Conversation(list(messages), copies, nodes)
     return list(copies)
 
@@ -500,20 +493,8 @@ class BlockSpan(SpanRecord):
                     return
                 # SpanRecord.end in place: a span neither root nor reward
                 end = self.end_ns = _time_ns()
-                stage = self.stage
-                if stage >= 0:
-                    # stage_ended, in place: where this stage ends, the episode's running sums
-                    timing = record.timing
-                    if timing is None:
-                        timing = record.timing = [0, 0, 0, -1, -1, -1, -1, 0]
-                    start = self.start_ns
-                    if start < timing[3 + stage] or start < timing[6]:
-                        timing[7] = 1  # overlapping or out of order: the exact union instead
-                    timing[stage] += end - start
-                    if end > timing[3 + stage]:
-                        timing[3 + stage] = end
-                    if end > timing[6]:
-                        timing[6] = end
+                if self.stage >= 0:  # where this stage ends: the episode's running sums
+                    stage_ended(record, self.stage, self.start_ns, end)
         except Exception as err:  # noqa: BLE001 - containment is the point
             # (a SystemExit or KeyboardInterrupt here comes from a signal handler: it goes on)
             contained(f"{type(self).__name__}.__exit__", err)
@@ -529,7 +510,7 @@ class BlockSpan(SpanRecord):
 class CallHandle(BlockSpan):
     """A tool call or a generation, the two spans a ``@traced`` function may duplicate, and the
     two stage spans of an episode's time (their exit adds their duration to the episode's
-    running stage sums: ``stage_ended``, in place).
+    running stage sums: ``stage_ended``).
 
     People write ``with turn.tool_call("calculator", ...) as call: call.result(calculator(x))``
     with ``calculator`` itself ``@otr.traced(kind="tool")``. Two spans for one call would show
