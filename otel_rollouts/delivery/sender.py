@@ -315,6 +315,9 @@ class SpoolingSender(SpanExporter):
                     self.counts.dropped("sender_error", batch)
                 self._log_once(f"sender.{type_name(exc)}", f"delivery error: {exception_text(exc)}")
             finally:
+                # what was sent is let go before the sender says it is idle: a flush() that
+                # returns leaves no delivered span held here until the next batch
+                batch, batches = None, []
                 with self._cond:
                     self._busy = False
                     self._inflight = 0
