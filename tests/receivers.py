@@ -300,17 +300,37 @@ class PhoenixReceiver:
         with urllib.request.urlopen(url, timeout=30) as response:
             return json.load(response)
 
-    def projects(self) -> list[str]:
-        """Names of all projects."""
-        names: list[str] = []
+    def _project_ids(self) -> dict[str, str]:
+        """Every project's name and id, following the cursor (a page holds 100)."""
+        ids: dict[str, str] = {}
         cursor: str | None = None
         while True:
             params = [("limit", "100")] + ([("cursor", cursor)] if cursor else [])
             body = self._get_json("/v1/projects", params)
-            names.extend(p["name"] for p in body.get("data", []))
+            ids.update((p["name"], p["id"]) for p in body.get("data", []))
             cursor = body.get("next_cursor")
             if not cursor:
-                return names
+                return ids
+
+    def projects(self) -> list[str]:
+        """Names of all projects."""
+        return list(self._project_ids())
+
+    def project_id(self, project: str, timeout: float = 60.0, interval: float = 0.2) -> str:
+        """Phoenix's id of ``project`` (what its GraphQL ``node`` takes), polled for until it is
+        there: Phoenix makes a project as it inserts the project's first span, which it does
+        after answering the export that carried it (a test that asked at once failed on a
+        loaded machine, 2026-11)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self._project_ids().get(project)
+            if found is not None:
+                return found
+            if not self.is_running():
+                raise ReceiverError(f"Phoenix is not running.\n{self.log_tail()}")
+            if time.monotonic() >= deadline:
+                raise ReceiverError(f"no project {project!r} after {timeout:.0f} s.\n{self.log_tail()}")
+            time.sleep(interval)
 
     def spans(
         self, project: str, trace_id: str | Iterable[str] | None = None

@@ -69,11 +69,6 @@ def _tree_node(name: str) -> str:
     return f"//div[contains(@class,'span-node__heading')]/span[normalize-space(text())='{name}']"
 
 
-def _project_id(phoenix: PhoenixReceiver, project: str) -> str:
-    (found,) = [p["id"] for p in phoenix._get_json("/v1/projects")["data"] if p["name"] == project]
-    return found
-
-
 def test_phoenix_lists_each_episode_by_question_and_answer_and_renders_chat(
     phoenix: PhoenixReceiver, browser, tmp_path: Path
 ) -> None:
@@ -84,7 +79,7 @@ def test_phoenix_lists_each_episode_by_question_and_answer_and_renders_chat(
     phoenix.wait_for_spans(project, 8 * len(EPISODES), trace_ids=trace_ids)
 
     # the trace list: one row per episode, its question as input and its answer as output
-    browser.get(f"{phoenix.base_url}/projects/{_project_id(phoenix, project)}")
+    browser.get(f"{phoenix.base_url}/projects/{phoenix.project_id(project)}")
     texts = [t for question, answer, _ in EPISODES for t in (question, answer)]
     wait_for(browser, lambda d: all(t in d.find_element(By.TAG_NAME, "body").text for t in texts),
              "each episode's question and answer in Phoenix's list", tmp_path / "phoenix-list.png")
@@ -149,7 +144,7 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
     exporter = OTLPSpanExporter(endpoint=phoenix.http_endpoint, timeout=10)
     traces, _ = _record_groups(exporter, project, "run-b")
     wait_for_annotations(phoenix, project, len(GROUPS), 4)
-    project_id = _project_id(phoenix, project)
+    project_id = phoenix.project_id(project)
     step40 = sorted((k for k in GROUPS if k[0] == 40), key=lambda k: _reward(*k))
     worst = step40[0]
     assert worst == TRUNCATED

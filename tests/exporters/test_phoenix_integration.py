@@ -235,11 +235,6 @@ def _graphql(phoenix: PhoenixReceiver, query: str, **variables) -> dict:
     return body["data"]
 
 
-def _project_gid(phoenix: PhoenixReceiver, project: str) -> str:
-    (found,) = [p["id"] for p in phoenix._get_json("/v1/projects")["data"] if p["name"] == project]
-    return found
-
-
 _ROOTS = """query($id: ID!, $filter: String, $sort: SpanSort) { node(id: $id) { ... on Project {
   spans(first: 100, filterCondition: $filter, sort: $sort) { edges { node {
     context { traceId } metadata spanAnnotations { name score label annotatorKind } } } } } } }"""
@@ -247,7 +242,7 @@ _ROOTS = """query($id: ID!, $filter: String, $sort: SpanSort) { node(id: $id) { 
 
 def _roots(phoenix: PhoenixReceiver, project: str, filter: str, sort: dict | None = None) -> list[dict]:
     """Episode roots as Phoenix's span list gives them: (trace id, metadata, annotations)."""
-    data = _graphql(phoenix, _ROOTS, id=_project_gid(phoenix, project), filter=filter, sort=sort)
+    data = _graphql(phoenix, _ROOTS, id=phoenix.project_id(project), filter=filter, sort=sort)
     return [{"trace_id": e["node"]["context"]["traceId"], "metadata": json.loads(e["node"]["metadata"]),
              "annotations": {a["name"]: a for a in e["node"]["spanAnnotations"]}}
             for e in data["node"]["spans"]["edges"]]
@@ -260,7 +255,7 @@ def wait_for_annotations(phoenix: PhoenixReceiver, project: str, count: int, per
     deadline = time.monotonic() + timeout
     while True:
         # (Phoenix makes the project as it inserts its first span: not there yet, nothing yet)
-        known = any(p["name"] == project for p in phoenix._get_json("/v1/projects")["data"])
+        known = project in phoenix.projects()
         roots = _roots(phoenix, project, "parent_id is None") if known else []
         if len(roots) >= count and all(len(r["annotations"]) >= per_root for r in roots):
             return roots
@@ -278,7 +273,7 @@ def test_phoenix_sessions_hold_one_group_of_one_step(phoenix: PhoenixReceiver) -
     data = _graphql(phoenix, """query($id: ID!) { node(id: $id) { ... on Project {
         sessions(first: 100) { edges { node { sessionId numTraces
           traces(first: 100) { edges { node { traceId rootSpan { metadata } } } } } } } } } }""",
-                    id=_project_gid(phoenix, project))
+                    id=phoenix.project_id(project))
     sessions = {e["node"]["sessionId"]: e["node"] for e in data["node"]["sessions"]["edges"]}
     assert set(sessions) == {f"run-s/train/{step}/{group}" for step, group, _ in GROUPS}
     for session_id, session in sessions.items():

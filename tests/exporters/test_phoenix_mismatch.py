@@ -23,7 +23,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
     OTLPSpanExporter as HttpSpanExporter,
 )
 from receivers import PhoenixReceiver
-from test_phoenix_integration import _graphql, _project_gid
+from test_phoenix_integration import _graphql
 from test_trackio_mismatch import DIVERGING, batch, record
 from tokenizer_fixture import build_tokenizer
 
@@ -74,7 +74,7 @@ def recorded(phoenix: PhoenixReceiver) -> tuple[PhoenixReceiver, str, dict[str, 
     finally:
         otr.shutdown(60)
     phoenix.wait_for_spans(project, 5 * KEPT)  # episode, prompt, turn, chat, reward
-    gid = _project_gid(phoenix, project)
+    gid = phoenix.project_id(project)
     deadline = time.monotonic() + 60
     while len(roots := _spans(phoenix, gid, "parent_id is None")) < KEPT and time.monotonic() < deadline:
         time.sleep(0.5)
