@@ -1421,10 +1421,7 @@ def main() -> int:
             return episode_report(loaded, args.markdown)
     if args.profile:
         return episode_profile(args.profile)
-    if args.segments:
-        if os.environ.get("OPENBLAS_NUM_THREADS") != "1":  # one BLAS thread, as in the children
-            env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if args.segments:  # one BLAS thread, as every mode (set at import, before numpy loads)
         return episode_segments(args.segments, args.steps, USER_WORK_MS if args.work_ms is None else args.work_ms)
     if args.mode == "episodes" and not args.from_json:
         args.work_ms = USER_WORK_MS if args.work_ms is None else args.work_ms
