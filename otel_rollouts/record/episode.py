@@ -42,7 +42,7 @@ from otel_rollouts._core.content import (
     snapshot,
     text,
 )
-from otel_rollouts._core.guard import contained, failed, guarded, guarded_or, report
+from otel_rollouts._core.guard import contained, failed, guarded, report
 from otel_rollouts._core.logprobs import TokenView, Totals, read_tokens, totals_of
 from otel_rollouts._core.spans import (
     ATTRIBUTE_RESERVE,
@@ -50,6 +50,7 @@ from otel_rollouts._core.spans import (
     KEPT,
     MAX_KEY_CHARS,
     OFFERED,
+    OPEN,
     SPAN_KEY,
     STAGE_GENERATION,
     STAGE_REWARD,
@@ -597,7 +598,6 @@ class Generation(CallHandle):
             return
         record_usage(self, input_tokens, output_tokens)
 
-    @guarded
     def output(
         self,
         content: object = None,
@@ -620,37 +620,40 @@ class Generation(CallHandle):
         mismatch statistics (``rl.mismatch.*``); ``tokens`` (the tokens' texts or ids) and the
         worst tokens are rendered only if the episode is kept. ``mask``: 1 for the tokens that
         count (default all)."""
-        record = self.episode
-        if record is None:
-            return
-        attributes = self.attributes
-        if logprobs is not None and trainer_logprobs is not None:
-            record_logprobs(self, logprobs, trainer_logprobs, tokens, mask)
-        if model:
-            attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
-            self.name = c.chat_span_name(text(model))
-        if record.capture_content:
-            message: Deferred | dict[str, object]
-            if type(content) is str:  # the common case, first
-                message = {"role": "assistant", "content": content}
-            elif isinstance(content, Deferred):  # the whole message, rendered only if kept
-                message = content
-            elif isinstance(content, Mapping):
-                message = _message(snapshot(content), "assistant")
-                message.setdefault("role", "assistant")
-            else:
-                message = {"role": "assistant", "content": "" if content is None else content}
-                if not isinstance(message["content"], (str, list)):
-                    message["content"] = text(message["content"])
-            if tool_calls and isinstance(message, dict):
-                message["tool_calls"] = snapshot(tool_calls)
-            attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
-        if finish_reason is not None:
-            attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
-        if input_tokens is not None or output_tokens is not None:
-            record_usage(self, input_tokens, output_tokens)
-        if not self._entered:
-            self.end()
+        try:
+            record = self.episode
+            if record is None:
+                return
+            attributes = self.attributes
+            if logprobs is not None and trainer_logprobs is not None:
+                record_logprobs(self, logprobs, trainer_logprobs, tokens, mask)
+            if model:
+                attributes[c.GEN_AI_REQUEST_MODEL] = text(model)
+                self.name = c.chat_span_name(text(model))
+            if record.capture_content:
+                message: Deferred | dict[str, object]
+                if type(content) is str:  # the common case, first
+                    message = {"role": "assistant", "content": content}
+                elif isinstance(content, Deferred):  # the whole message, rendered only if kept
+                    message = content
+                elif isinstance(content, Mapping):
+                    message = _message(snapshot(content), "assistant")
+                    message.setdefault("role", "assistant")
+                else:
+                    message = {"role": "assistant", "content": "" if content is None else content}
+                    if not isinstance(message["content"], (str, list)):
+                        message["content"] = text(message["content"])
+                if tool_calls and isinstance(message, dict):
+                    message["tool_calls"] = snapshot(tool_calls)
+                attributes[c.GEN_AI_OUTPUT_MESSAGES] = [message]
+            if finish_reason is not None:
+                attributes[c.GEN_AI_RESPONSE_FINISH_REASONS] = [text(finish_reason)]
+            if input_tokens is not None or output_tokens is not None:
+                record_usage(self, input_tokens, output_tokens)
+            if not self._entered:
+                self.end()
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Generation.output", exc)
 
 
 # span names of the GenAI conventions, built in place for a name that is text (c.chat_span_name,
@@ -667,7 +670,6 @@ class Turn(BlockSpan):
     __slots__ = ("index",)
     index: int  # the turn's index in its episode (from 0; -1 for a handle that records nothing)
 
-    @guarded_or(lambda: blank_handle(Generation))
     def generation(self, model: str | None = None, *, messages: object = None,
                    provider: str | None = None) -> Generation:
         """Start a generation span (use as ``with``; call ``.output(...)`` inside).
@@ -677,21 +679,25 @@ class Turn(BlockSpan):
         from the episode's spans only if it is kept. ``provider``: ``gen_ai.provider.name``
         (e.g. ``"vllm"``, ``"openai"``) when known.
         """
-        record = self.episode
-        if record is None:
+        try:
+            record = self.episode
+            if record is None:
+                return blank_handle(Generation)
+            attrs: dict[str, object] = {}
+            if model:
+                attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
+            if provider:
+                attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
+            if messages is not None and record.capture_content:
+                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
+            name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
+            span = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
+            span._token = span.merged_error = None
+            span._entered = span.merged = False
+            return span
+        except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
+            failed("Turn.generation", exc)
             return blank_handle(Generation)
-        attrs: dict[str, object] = {}
-        if model:
-            attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
-        if provider:
-            attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
-        if messages is not None and record.capture_content:
-            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
-        name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
-        span = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
-        span._token = span.merged_error = None
-        span._entered = span.merged = False
-        return span
 
     def record_generation(self, content: object = None, *, model: str | None = None,
                           messages: object = None, provider: str | None = None, **output: object) -> Generation:
@@ -728,7 +734,7 @@ class Turn(BlockSpan):
                         record_usage(gen, input_tokens, output_tokens)
                 gen.end()
             else:
-                Generation.output.__wrapped__(gen, content, **output)  # type: ignore[attr-defined]
+                gen.output(content, **output)  # type: ignore[arg-type]
             return gen
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.record_generation", exc)
@@ -976,10 +982,22 @@ class Episode:
         }
         if rt.run_id:
             attrs[c.RL_RUN_ID] = rt.run_id
-        root = SpanRecord(record, name if type(name) is str else text(name),
-                          (bits >> 64) & _MASK64 or _runtime.new_id64(), None, c.KIND_EPISODE, attrs)
+        # the root span: SpanRecord.__init__ and EpisodeRecord.add in place (the first span of
+        # its episode: always within the span limit)
+        root = _new_span(SpanRecord)
+        root.episode = record
+        root.name = name if type(name) is str else text(name)
+        root.span_id = (bits >> 64) & _MASK64 or _runtime.new_id64()
+        root.parent_id = None
+        root.kind = c.KIND_EPISODE
+        root.start_ns = _time_ns()
+        root.end_ns = None
+        root.attributes = attrs
+        root.events = root.links = root.status_message = root._context = None
+        root.status_code = _UNSET
+        root.held = True
         record.root = root
-        record.add(root)
+        record.spans.append(root)
         # the identity the episode's baggage carries (BAGGAGE_KEYS), as text once, here, from
         # the values just made text: every context of the episode carries this one dict's entries
         run_id = rt.run_id
@@ -1039,7 +1057,15 @@ class Episode:
     def __enter__(self) -> Episode:
         if self._runtime is not None:
             self._bound = _runtime.slot().bound.set(self._runtime)
-        self.start()
+            self.start()
+        elif self._record is None:  # start(), in place for the installed instance
+            try:
+                rt = _runtime.current()
+                pipeline = rt.pipeline
+                if rt.enabled and pipeline is not None:
+                    pipeline.started(self._begin(rt, None))
+            except Exception as exc:  # noqa: BLE001 - containment (as in start)
+                failed("Episode.start", exc)
         record = self._record
         if record is not None and record.root is not None:
             # span_context in place: the root current and the episode's identity in the
@@ -1087,16 +1113,23 @@ class Episode:
         if record is None or record.root is None or record.root.end_ns is not None:
             return
         root = record.root
-        if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+        attrs = root.attributes
+        if exc is None:
+            pass
+        elif isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             # the process is exiting (sys.exit, Ctrl-C, SIGINT) or the episode was abandoned:
             # it did not fail, it was cut short
-            root.attributes[c.RL_STATUS] = c.STATUS_TRUNCATED
-            root.attributes.setdefault(c.RL_FINISH_REASON, type(exc).__name__)
-        elif exc is not None:
+            attrs[c.RL_STATUS] = c.STATUS_TRUNCATED
+            attrs.setdefault(c.RL_FINISH_REASON, type(exc).__name__)
+        else:
             root.fail(exc)
-            root.attributes[c.RL_STATUS] = c.STATUS_ERROR
-        root.attributes.setdefault(c.RL_STATUS, c.STATUS_OK)
-        root.end()
+            attrs[c.RL_STATUS] = c.STATUS_ERROR
+        attrs.setdefault(c.RL_STATUS, c.STATUS_OK)
+        if record.state == OPEN:  # SpanRecord.end in place: the root's end offers the episode
+            root.end_ns = _time_ns()
+            record.sink.part_ended(record)
+        else:
+            root.end()
 
     @guarded
     def end(self, status: str | None = None) -> None:
@@ -1184,12 +1217,43 @@ class Episode:
         """Record the reward (and its components, and the advantage): numbers, never text."""
         try:
             record = self._record
-            if record is None or record.root is None:
+            if record is None:
                 return
-            if record.state == DROPPED:
-                return  # the sampler already let this episode go: nothing of it is exported
             root = record.root
+            if root is None or record.state == DROPPED:
+                return  # (dropped: the sampler already let this episode go, nothing is exported)
             span = record.reward_span
+            if (span is None and record.state == OPEN and type(value) is float and value - value == 0.0
+                    and components is None and advantage is None and root.end_ns is None):
+                # the common case in place: a first finite float reward inside the episode's
+                # block. The reward span is made (child_span's work, with its one attribute),
+                # stage time added, its end recorded; the root's end offers the episode.
+                span = _new_span(SpanRecord)
+                span.episode = record
+                span.name = c.SPAN_REWARD
+                span.span_id = _getrandbits(64) or _runtime.new_id64()
+                span.parent_id = root.span_id
+                span.kind = c.KIND_REWARD
+                span.start_ns = start = _time_ns()
+                span.attributes = {c.RL_REWARD: value}
+                span.events = span.links = span.status_message = span._context = None
+                span.status_code = _UNSET
+                spans = record.spans
+                if len(spans) + len(record.foreign) < record.max_spans:
+                    spans.append(span)
+                    span.held = True
+                else:
+                    record.dropped_spans += 1
+                    span.held = False
+                record.reward_span = span
+                root.attributes[c.RL_REWARD] = value  # the library's own key: always room
+                span.end_ns = end = _time_ns()
+                timing = record.timing
+                if timing is None:
+                    record.timing = [0, 0, end - start, -1, -1, end, end, 0]
+                else:
+                    stage_ended(record, STAGE_REWARD, start, end)
+                return
             if span is None or record.state == KEPT:  # first reward, or a late one after the decision
                 span = child_span(record, c.SPAN_REWARD, c.KIND_REWARD, root)
                 if record.reward_span is None:

@@ -152,10 +152,15 @@ class Pipeline(SpanProcessor):
         gateway = self.gateway
         if gateway is not None:
             gateway.opened(record.trace_id)
-        self.stats.step((record.step, record.split), "started")
-        if self.steps.needs_lock(record.step, record.split):
+        step, split = record.step, record.split
+        self.stats.step((step, split), "started")
+        steps = self.steps
+        # the lock only when this step may close others: the newest of its split (the lag
+        # rule), or steps time out
+        newest = steps.newest.get(split)
+        if newest is None or step > newest or self._timeouts:
             with self._lock:
-                self._step_advanced(record.step, record.split)
+                self._step_advanced(step, split)
 
     def step_started(self, step: int, split: str, n: int) -> None:
         """``n`` episodes of (step, split) started: counted; the lag and timeout rules apply."""
@@ -203,7 +208,9 @@ class Pipeline(SpanProcessor):
                                                   or reward.end_ns <= root.end_ns):
             # once per episode, when its root ends (a reward span that ended after the root
             # was noted then): its duration goes to the hang watcher (an atomic append)
-            seconds = record.duration()
+            # (record.duration(), in place for the common case: no duration given by hand)
+            seconds = (max(root.end_ns - root.start_ns, 0) / 1e9
+                       if c.RL_DURATION_SECONDS not in root.attributes else record.duration())
             if seconds is not None:
                 hung.finished.append(((record.step, record.split), seconds))
         if reward is None or reward.end_ns is None:  # not complete (EpisodeRecord.complete)
@@ -285,7 +292,11 @@ class Pipeline(SpanProcessor):
         """The episode just offered to ``step`` was let go at once: dropped, counted by the
         step (``dropped.sampled_out`` reaches the stats when it closes)."""
         step.sampled_out += 1
-        self._discard(record)
+        if record.held_bytes or record.logs or self.gateway is not None:
+            self._discard(record)
+        else:  # _discard's common case in place: nothing held beside the record itself
+            record.state = DROPPED
+            self.live.pop(record.trace_id, None)
         observer = self.observer
         if observer is not None:
             self._observe_decided(record, SAMPLED_OUT_REASON)

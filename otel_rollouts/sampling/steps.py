@@ -76,8 +76,8 @@ class StepState:
 
 class StepBook:
     """Open steps, closed steps and each split's newest step, under the sampler's lag and
-    timeout rules. Not thread-safe: the pipeline calls it under its lock (``needs_lock`` and
-    ``is_closed`` excepted: single dictionary reads)."""
+    timeout rules. Not thread-safe: the pipeline calls it under its lock (``is_closed`` and the read of
+    ``newest`` when an episode starts excepted: single dictionary reads)."""
 
     __slots__ = ("_sampler", "open", "closed", "newest")
 
@@ -86,12 +86,6 @@ class StepBook:
         self.open: dict[Key, StepState] = {}
         self.closed: OrderedDict[Key, int] = OrderedDict()  # key -> episodes kept
         self.newest: OrderedDict[str, int] = OrderedDict()  # split -> newest step seen
-
-    def needs_lock(self, step: int, split: str) -> bool:
-        """Whether an episode of (step, split) starting may close steps: its step is the newest
-        of its split (the lag rule) or steps time out."""
-        previous = self.newest.get(split)
-        return previous is None or step > previous or self._sampler.step_timeout_s is not None
 
     def advance(self, step: int, split: str) -> int | None:
         """``step`` of ``split`` started. Returns the newest step of ``split`` the lag rule closes
