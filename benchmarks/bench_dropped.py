@@ -20,8 +20,9 @@ interleaved finely see the same mix of modes):
            OpenTelemetry context; the episode let go at its end. The least a recorder with this
            API can do.
   otr      otel_rollouts in its default configuration, every feature on (the default policy,
-           step stats, group health, stage times, hang watch, baggage, redaction), an in-memory
-           exporter, ``TailSampler(--cap)``: with the default ``--cap 0`` every episode is
+           step stats and the step scalars, group health, stage times, hang watch, baggage,
+           redaction), an in-memory exporter that takes the step scalars as Trackio's exporter
+           (the default one) does, ``TailSampler(--cap)``: with the default ``--cap 0`` every episode is
            recorded and dropped. Each step ends with ``otr.end_step`` on the training thread,
            timed, and its time shared among the step's otr episodes (step summaries are
            per-episode work done later).
@@ -203,7 +204,16 @@ def main() -> int:
 
     import otel_rollouts as otr
 
-    exporter = InMemorySpanExporter()
+    class ScalarsExporter(InMemorySpanExporter):
+        """Takes each closed step's scalars (``log_metrics``), as Trackio's exporter does: the
+        library then computes them, as in its default configuration."""
+
+        logged: list[int] = []
+
+        def log_metrics(self, step: int, values: dict[str, float]) -> None:
+            self.logged.append(int(values.get("rollouts/episodes_seen", -1)))
+
+    exporter = ScalarsExporter()
     otr.configure(exporters=[exporter], handle_signals=False, sampler=otr.TailSampler(args.cap),
                   run_id="bench-dropped")
     floors, _ = floor_trees()
@@ -261,6 +271,10 @@ def main() -> int:
                 problems.append(f"otr {t} step {step}: dropped {entry.get('dropped.sampled_out')} of {n}")
     wall = time.monotonic() - started
     exporter.clear()
+    otr.flush()  # the step scalars were computed for every measured step, every episode seen
+    measured = [seen for seen in exporter.logged if seen == args.per_step]
+    if len(measured) < args.rounds * len(trees):
+        problems.append(f"step scalars logged for {len(measured)} full steps, not {args.rounds * len(trees)}")
 
     # the tree functions record what they claim: the same calls, everything kept
     otr.shutdown()
@@ -280,7 +294,7 @@ def main() -> int:
     print(f"bench_dropped: python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.rounds} rounds x {args.per_step} otr "
           f"episodes per tree (+ as many floor and none), blocks of {args.block} in ABBA order; "
-          f"TailSampler({args.cap}), default configuration; training-thread CPU; {wall:.0f} s")
+          f"TailSampler({args.cap}), default configuration (step scalars taken); training-thread CPU; {wall:.0f} s")
     print(f"{'tree':<8} {'spans':>5} {'floor µs':>9} {'otr µs':>8} {'of it end_step':>14} "
           f"{'otr / floor: median (q1-q3)':>30}")
     for t in trees:
@@ -291,7 +305,7 @@ def main() -> int:
               f"{statistics.median(d['ratio']):>20.2f}x ({q1:.2f}-{q3:.2f})")
     if not problems:
         print(f"checked: every otr episode started and seen{' and dropped' if args.cap == 0 else ''} per the "
-              f"step stats; each tree exports its {', '.join(f'{t} {TREES[t]}' for t in trees)} spans "
+              f"step stats, the step scalars logged for every step; each tree exports its {', '.join(f'{t} {TREES[t]}' for t in trees)} spans "
               "when kept; the floor built the same trees")
     for p in problems:
         print(f"CHECK FAILED: {p}")

@@ -210,12 +210,19 @@ def calibrate(work_ms: float) -> tuple[int, float]:
 
 # --- an exporter that says which thread exported ----------------------------------------------
 def noting_exporter(training: int) -> Any:
-    """An in-memory exporter counting the export calls made on the training thread."""
+    """An in-memory exporter counting the export calls made on the training thread; it takes
+    the step scalars as Trackio's exporter (the default one) does, so that the library computes
+    them as in its default configuration."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     class LoopExporter(InMemorySpanExporter):
         on_training = 0
         calls = 0
+        steps_logged = 0
+
+        def log_metrics(self, step: int, values: dict[str, float]) -> None:
+            if values:
+                self.steps_logged += 1
 
         def export(self, spans: Sequence[Any]) -> Any:
             self.calls += 1
@@ -1080,6 +1087,9 @@ def episode_child(kind: str, episodes: int, steps: int, block: int, iters: int, 
     for arm in arms:
         if arm.lib is not None:
             arm.lib.shutdown()
+    # step scalars computed and taken (thread mode's exporter takes them, as Trackio's does)
+    out["step_summaries"] = {a.name: a.exporter.steps_logged for a in arms
+                             if a.lib is not None and hasattr(a.exporter, "steps_logged")}
     out["net_attempts"] = overhead.NET_ATTEMPTS[:5]
     return out
 
@@ -1109,6 +1119,9 @@ def episode_checks(results: list[dict[str, Any]], work_ms: float) -> list[str]:
             continue
         if res.get("exports_on_training_thread"):
             problems.append(f"{res['kind']}: {res['exports_on_training_thread']} exports ran on the training thread")
+        for name, logged in res.get("step_summaries", {}).items():
+            if logged < len([st for st in res["steps"] if st["arm"] == name]):
+                problems.append(f"{res['kind']}: {name} logged {logged} step summaries, fewer than its steps")
         if res.get("net_attempts"):
             problems.append(f"{res['kind']}: attempted network connections {res['net_attempts']}")
         for st in res["steps"]:

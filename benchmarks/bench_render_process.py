@@ -13,6 +13,9 @@ Variants, each in its own fresh Python process (``configure()`` installs global 
            ``InMemorySpanExporter`` (drained at the end of each step)
   thread   otel_rollouts, every episode kept, default redaction, ``render="thread"``
   process  the same with ``render="process"``
+  default  ``otr.configure()`` as a user calls it: no exporters given (the environment's default,
+           local Trackio in a temporary ``TRACKIO_DIR``), no ``render`` (``"auto"``: the renderer
+           process for the exporters the library made); checked to run a renderer process
 
 Workload: ``bench_overhead``'s tree (prompt, 3 turns each with a generation, 2 tool calls,
 reward; ~2 KB prompt, ~1 KB completions, ~0.5 KB tool arguments and results). Both otel_rollouts
@@ -54,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_overhead import sample  # noqa: E402
 
-VARIANTS = ("none", "raw_sdk", "thread", "process")
+VARIANTS = ("none", "raw_sdk", "thread", "process", "default")
 SPANS = 11
 
 
@@ -160,9 +163,13 @@ def run_variant(variant: str, episodes: int, steps: int, warmup: int) -> dict[st
 
         path = Path(tempfile.mkdtemp(prefix="otr-bench-render-")) / "spans.count"
         cpu0, wall0 = time.process_time(), time.monotonic()
-        rt = otr.configure(exporters=[Counting(str(path))], render=variant,
-                           sampler=otr.TailSampler(1_000_000, "top_bottom", step_lag=None), run_id="bench",
-                           max_queue=4 * episodes)
+        sampler = otr.TailSampler(1_000_000, "top_bottom", step_lag=None)
+        if variant == "default":  # what the user gets: the environment's exporters, render "auto"
+            os.environ["TRACKIO_DIR"] = str(path.parent / "trackio")
+            rt = otr.configure(sampler=sampler, run_id="bench", max_queue=4 * episodes)
+        else:
+            rt = otr.configure(exporters=[Counting(str(path))], render=variant, sampler=sampler, run_id="bench",
+                               max_queue=4 * episodes)
         out["configure_cpu_s"] = time.process_time() - cpu0
         delivery = rt.delivery
 
@@ -188,8 +195,11 @@ def run_variant(variant: str, episodes: int, steps: int, warmup: int) -> dict[st
                 out["startup_s"] = startup
             out["report"] = otr.stats()["delivery"]
             out["kept"] = otr.stats()["totals"].get("ledger.entered.CountingExporter", 0)
+            out["delivery"] = type(delivery).__name__
             otr.shutdown(60)
             out["exported_spans"] = int(path.read_text()) if path.exists() else 0
+            if variant == "default":  # Trackio's exporter confirms each episode stored (the ledger)
+                out["exported_spans"] = SPANS * out["report"].get("TrackioExporter", {}).get("delivered", 0)
             out["wall_configure_to_ready_s"] = startup if startup is not None else time.monotonic() - wall0
 
     run_step(-1, warmup)
@@ -249,7 +259,7 @@ def main() -> int:
         return float(res[v]["cpu_per_episode_s"] - res["none"]["cpu_per_episode_s"])
 
     print("\ntraining-process CPU per kept episode (minus `none`), median over rounds [min-max]:")
-    for v in ("raw_sdk", "thread", "process"):
+    for v in ("raw_sdk", "thread", "process", "default"):
         us = [1e6 * net(res, v) for res in rounds]
         ratios = [net(res, v) / net(res, "raw_sdk") for res in rounds]
         print(f"  {v:8s} {statistics.median(us):7.1f} us   {statistics.median(ratios):.2f}x raw SDK "
@@ -267,9 +277,12 @@ def main() -> int:
           f"(thread mode {statistics.median(conf_t):.0f} ms)")
     ok = True
     for res in rounds:
-        for v in ("thread", "process"):
+        if res["default"]["delivery"] != "ProcessDelivery":
+            print(f"SANITY CHECK FAILED: default: delivery {res['default']['delivery']}, not the renderer process")
+            ok = False
+        for v in ("thread", "process", "default"):
             r = res[v]
-            delivered = r["report"]["CountingExporter"]["delivered"]
+            delivered = r["report"]["CountingExporter" if v != "default" else "TrackioExporter"]["delivered"]
             if r["exported_spans"] == 0 or r["exported_spans"] != SPANS * r["episodes"] or delivered != r["episodes"] \
                     or r.get("flush_failed"):
                 print(f"SANITY CHECK FAILED: {v}: {r['exported_spans']} spans stored, {delivered} of "
@@ -278,7 +291,8 @@ def main() -> int:
         if res["raw_sdk"]["exported_spans"] != SPANS * res["raw_sdk"]["episodes"]:
             print(f"SANITY CHECK FAILED: raw_sdk exported {res['raw_sdk']['exported_spans']} spans")
             ok = False
-    print("sanity check: " + ("every kept span stored by the exporter (read back), every episode delivered"
+    print("sanity check: " + ("every kept span stored by the exporter (read back; default: Trackio's stores "
+                              "confirmed by the ledger), every episode delivered, default in a renderer process"
                               if ok else "FAILED"))
     return 0 if ok else 1
 

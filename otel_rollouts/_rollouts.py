@@ -33,6 +33,8 @@ from otel_rollouts._core.redaction import (
 from otel_rollouts._core.runtime import Redacting
 from otel_rollouts._core.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
+    RENDER_AUTO,
+    RENDER_THREAD,
     ContentSettings,
     DeliverySettings,
     LimitSettings,
@@ -162,8 +164,11 @@ class Rollouts(_runtime.Runtime):
             capture_content=content.capture_content,
         )
         queue_size = delivery_settings.max_queue or max(1024, 16 * sampler.max_traces_per_step)
+        render = delivery_settings.render
+        if render == RENDER_AUTO and s.exporters is not None:
+            render = RENDER_THREAD  # exporter objects the user gave stay in this process, theirs
         delivery = make_delivery(
-            delivery_settings.render,
+            render,
             exporters,
             materializer,
             stats,
@@ -535,10 +540,14 @@ def configure(
     * ``max_queue_bytes``: the bytes of kept episodes waiting to be rendered; past that a kept
       episode is lost, counted (``lost.queue_full.<exporter>``), never waited for.
     * ``render``: where kept episodes are rendered (redaction, views, encoding) and exported:
-      ``"thread"`` (default; a thread of this process) or ``"process"`` (a renderer process that
-      owns the exporters, off this process's GIL; see ``otel_rollouts.delivery.process``); env
-      ``OTEL_ROLLOUTS_RENDER``. Exporters that cannot be made in another process fall back to
-      ``"thread"`` with a warning (``render.process_fallback`` in ``stats()``).
+      ``"thread"`` (a thread of this process), ``"process"`` (a renderer process that owns the
+      exporters, off this process's GIL and CPU; see ``otel_rollouts.delivery.process``) or
+      ``"auto"`` (default): the renderer process for the exporters made from the environment
+      (``exporters`` not given: local Trackio, OTLP), a thread for exporter objects given here,
+      which stay in this process as they were given; env ``OTEL_ROLLOUTS_RENDER``. With
+      ``"process"``, exporters that cannot be made in another process fall back to ``"thread"``
+      with a warning (``render.process_fallback`` in ``stats()``); ``"auto"`` falls back
+      silently.
     * ``metric_readers``: OpenTelemetry metric readers for the rollout metrics (see
       ``otel_rollouts.correlate.metrics``; ``OTEL_METRICS_EXPORTER=otlp`` adds OTLP). Exporters with a
       ``log_metrics(step, values)`` method (``otel_rollouts.exporters.MetricsSink``: Trackio) get each closed step's summary.

@@ -55,7 +55,10 @@ T = TypeVar("T")
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024 - 64 * 1024  # gRPC's default receive limit, less headroom
 
-RENDER_THREAD, RENDER_PROCESS = "thread", "process"  # where kept episodes are rendered
+# where kept episodes are rendered: a thread of the training process, a renderer process, or
+# "auto": the renderer process for the exporters the library made itself (from the environment),
+# when they can be made there; a thread for exporter objects the user gave, which stay theirs
+RENDER_THREAD, RENDER_PROCESS, RENDER_AUTO = "thread", "process", "auto"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -296,9 +299,9 @@ class DeliverySettings:
     max_queue_bytes: int = 64 * 1024 * 1024
     handle_signals: bool = True
     exit_timeout: float = 10.0
-    # where kept episodes are rendered and exported: "thread" (a thread of the training process)
-    # or "process" (a renderer process: delivery.process)
-    render: str = RENDER_THREAD
+    # where kept episodes are rendered and exported: "thread" (a thread of the training process),
+    # "process" (a renderer process: delivery.process) or "auto" (RENDER_AUTO above)
+    render: str = RENDER_AUTO
 
 
 @dataclass(frozen=True)
@@ -382,8 +385,9 @@ ENV_VARIABLES: tuple[EnvOption, ...] = (
     EnvOption(c.ENV_SPAN_ATTRIBUTE_COUNT_LIMIT, "limits.max_attributes_per_span", _positive_int,
               f"{LimitSettings.max_attributes_per_span} attributes"),
     EnvOption(c.ENV_SPOOL_DIR, "delivery.spool_dir", _text, "the default spool directory"),
-    EnvOption(c.ENV_RENDER, "delivery.render", _one_of(RENDER_THREAD, RENDER_PROCESS),
-              f"{RENDER_THREAD} (kept episodes rendered on a thread of the training process)"),
+    EnvOption(c.ENV_RENDER, "delivery.render", _one_of(RENDER_AUTO, RENDER_THREAD, RENDER_PROCESS),
+              f"{RENDER_AUTO} (kept episodes rendered in a renderer process for the exporters made from "
+              f"the environment, on a thread of the training process for exporters given to configure)"),
     # the library's own, read elsewhere
     EnvOption(c.ENV_TRACE_UI_URL, "", _endpoint, "no trace link"),
     EnvOption(c.ENV_PHOENIX_ANNOTATIONS, "", phoenix_annotations,
@@ -498,8 +502,8 @@ def _validate(settings: Settings) -> None:
     if timeout is not None and not timeout > 0:
         raise ValueError(f"episode_timeout_s must be > 0 or None, got {timeout!r}")
     render = settings.delivery.render
-    if render not in (RENDER_THREAD, RENDER_PROCESS):
-        raise ValueError(f"render must be {RENDER_THREAD!r} or {RENDER_PROCESS!r}, got {render!r}")
+    if render not in (RENDER_AUTO, RENDER_THREAD, RENDER_PROCESS):
+        raise ValueError(f"render must be {RENDER_AUTO!r}, {RENDER_THREAD!r} or {RENDER_PROCESS!r}, got {render!r}")
     pending = settings.delivery.max_pending_bytes
     if not pending > 0:
         raise ValueError(f"max_pending_bytes must be > 0, got {pending!r}")

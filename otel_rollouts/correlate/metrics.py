@@ -85,6 +85,16 @@ _MAX_PENDING_STEPS = 4096
 # below it), and all open steps' reservoirs together at most _MAX_SAMPLES values (8 bytes each)
 _RESERVOIR = 1024
 _MAX_SAMPLES = 1 << 20
+# an episode's times wait in a series' pending column, this many at most, and enter its
+# reservoir together (``_Series.add_many``, vectorised): an append per value on the caller's
+# path instead of a reservoir step; pending values count against _MAX_SAMPLES like stored ones
+_PENDING = 512
+# a dropped episode's times as one row: its duration, then these stages' seconds
+_ROW_STAGES = (c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD, c.STAGE_WAITING)
+_ROW = 1 + len(_ROW_STAGES)
+_NAN = float("nan")
+# root attributes that make the times of an episode other than its spans' (a measure given)
+_GIVEN_TIMES = frozenset((c.RL_DURATION_SECONDS, *(c.stage_seconds(stage) for stage in c.STAGES)))
 # a custom policy's labels are its author's: past this many reasons in a step, "policy"
 _MAX_REASONS = 32
 _WAKE_S = 0.25  # the step-summary thread looks at its queue at least this often (_ScalarSender._run)
@@ -127,13 +137,25 @@ class _Series:
     """A step's values of one time series (episode duration, one stage): how many, the exact
     max, and a deterministic reservoir sample (Algorithm R) for p50/p95, as float64."""
 
-    __slots__ = ("count", "max", "values", "rng")
+    __slots__ = ("count", "max", "values", "rng", "pending", "gen")
 
     def __init__(self) -> None:
         self.count = 0
         self.max = float("-inf")
         self.values = array("d")
         self.rng = _SEED
+        self.pending = array("d")  # values counted by nothing yet (see _PENDING)
+        self.gen: Any = None  # add_many's generator, made once from the LCG's state when needed
+
+    def flush(self, room: int) -> int:
+        """The pending values into the sample (``add_many``); returns the slots they took."""
+        pending = self.pending
+        if not pending:
+            return 0
+        import numpy as np
+
+        self.pending = array("d")
+        return self.add_many(np.frombuffer(pending, dtype=np.float64), room)
 
     def add(self, value: float, room: bool) -> bool:
         """Count ``value``; True when it took a new slot (``room``: the global bound allows)."""
@@ -168,9 +190,12 @@ class _Series:
         if rest.size and values:
             # Algorithm R for the rest: value t (0-based, of all this series saw) replaces slot
             # j ~ U[0, t] when j falls inside the sample; a later value wins a slot drawn twice
-            self.rng = seed = (self.rng * _LCG_A + _LCG_C) & _MASK
+            gen = self.gen
+            if gen is None:  # made once per series (making one costs more than drawing 1,000)
+                self.rng = seed = (self.rng * _LCG_A + _LCG_C) & _MASK
+                gen = self.gen = np.random.Generator(np.random.PCG64(seed))
             seen = self.count + take + np.arange(1, rest.size + 1, dtype=np.int64)
-            slots = np.random.Generator(np.random.PCG64(seed)).integers(0, seen)
+            slots = gen.integers(0, seen)
             hit = slots < len(values)
             view = np.frombuffer(values, dtype=np.float64)
             view[slots[hit]] = rest[hit]
@@ -195,7 +220,7 @@ class _Step:
     __slots__ = ("seen", "kept", "dropped", "rewards", "reward_sum", "reward_min", "reward_max",
                  "durations", "duration_sum", "tokens_in", "tokens_out", "tokens_in_known",
                  "tokens_out_known", "tool_errors", "duration", "stages", "unmeasured",
-                 "by_status", "kept_by", "stored", "mismatch")
+                 "by_status", "kept_by", "stored", "mismatch", "rows")
 
     def __init__(self) -> None:
         self.seen = self.kept = self.dropped = 0
@@ -213,6 +238,36 @@ class _Step:
         self.kept_by: dict[str, int] = {}  # rl.sampling.reason -> kept
         self.stored = 0  # reservoir slots held (of the global _MAX_SAMPLES)
         self.mismatch: dict[str, _Series] = {}  # train–inference mismatch statistic -> its values
+        # dropped episodes' times not yet in their series, a row of _ROW values each (duration,
+        # then the _ROW_STAGES; NaN: absent), added to the series together (fold_rows)
+        self.rows = array("d")
+
+    def settle(self) -> None:
+        """Every value still waiting (rows, series' pending columns) into its series: what a
+        closed step does before its summary (its slots were given back when it closed)."""
+        self.fold_rows(_MAX_SAMPLES)
+        for series in (self.duration, *self.stages.values(), *self.mismatch.values()):
+            series.flush(_RESERVOIR)
+
+    def fold_rows(self, room: int) -> tuple[int, int]:
+        """The pending rows into their series (``add_many`` per column, absent values left
+        out); returns (the slots the rows were counted as, the slots they took)."""
+        rows = self.rows
+        if not rows:
+            return 0, 0
+        import numpy as np
+
+        self.rows = array("d")
+        table = np.frombuffer(rows, dtype=np.float64).reshape(-1, _ROW)
+        taken = 0
+        for j, name in enumerate((None, *_ROW_STAGES)):
+            column = table[:, j]
+            column = column[~np.isnan(column)]
+            if column.size:
+                series = self.duration if name is None else self.stage(name)
+                took = series.add_many(column, max(room - taken, 0))
+                taken += took
+        return len(rows), taken
 
     def series(self, stat: str) -> _Series:
         series = self.mismatch.get(stat)
@@ -245,6 +300,7 @@ class _Step:
         self.duration_sum += duration
 
     def summary(self, prefix: str, health: StepHealth | None = None) -> dict[str, float]:
+        self.settle()
         out: dict[str, float] = {
             prefix + "episodes_seen": self.seen,
             prefix + "episodes_kept": self.kept,
@@ -419,13 +475,26 @@ class RolloutMetrics:
         """One episode's measured duration and stage seconds into its step (under the lock)."""
         if duration is None:
             step.unmeasured += 1
-        elif step.duration.add(duration, self._samples < _MAX_SAMPLES):
-            step.stored += 1
-            self._samples += 1
+        else:
+            self._push(step, step.duration, duration)
         for stage, seconds in stages.items():
-            if step.stage(stage).add(seconds, self._samples < _MAX_SAMPLES):
-                step.stored += 1
-                self._samples += 1
+            self._push(step, step.stage(stage), seconds)
+
+    def _push(self, step: _Step, series: _Series, value: float) -> None:
+        """``value`` into ``series``: to its pending column while the global bound has room
+        (counted as a slot until it is flushed), else a reservoir step at once."""
+        if self._samples >= _MAX_SAMPLES:
+            series.add(value, False)
+            return
+        pending = series.pending
+        pending.append(value)
+        step.stored += 1
+        self._samples += 1
+        if len(pending) >= _PENDING:
+            n = len(pending)
+            taken = series.flush(max(_MAX_SAMPLES - self._samples + n, 0))
+            step.stored += taken - n
+            self._samples += taken - n
 
     def _time_column(self, step: _Step, series: _Series, values: np.ndarray) -> None:
         taken = series.add_many(values, max(_MAX_SAMPLES - self._samples, 0))
@@ -496,6 +565,8 @@ class RolloutMetrics:
     def decided(self, record: EpisodeRecord, reason: str | None) -> None:
         """``reason`` None: kept; else why it was dropped. Called before its spans are freed."""
         root = record.root
+        if reason is not None and root is not None and not self._instruments and self._dropped(record, root):
+            return
         reward = record.attribute(c.RL_REWARD)
         reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
         # measured time only: an episode recorded after the fact has none (never 0 s)
@@ -584,6 +655,76 @@ class RolloutMetrics:
             self.tokens.add(tokens_out, {**by_split, c.GEN_AI_TOKEN_TYPE: "output"}, context=ctx)
         if errors:
             self.tool_errors.add(errors, by_split, context=ctx)
+
+    def _dropped(self, record: EpisodeRecord, root: Any) -> bool:
+        """``decided`` for a dropped episode in the common case (no instruments, times from its
+        own spans, added up as they ended, no mismatch): what the step needs appended, its
+        times as one row (``_Step.rows``); False (nothing done) for any other case."""
+        attrs = root.attributes
+        end = root.end_ns
+        timing = record.timing
+        if (end is None or timing is None or timing[7] or timing[6] > end or not record.timed
+                or record.mismatch is not None or not _GIVEN_TIMES.isdisjoint(attrs)):
+            return False  # (no running sums: stage spans recorded another way, stage_totals' pass)
+        start = root.start_ns
+        total = end - start if end > start else 0
+        spent = (timing[0] if timing[3] >= 0 else 0) + (timing[1] if timing[4] >= 0 else 0) + (
+            timing[2] if timing[5] >= 0 else 0)
+        waiting = (total - spent) / 1e9
+        row = (total / 1e9, timing[0] / 1e9 if timing[3] >= 0 else _NAN,
+               timing[1] / 1e9 if timing[4] >= 0 else _NAN, timing[2] / 1e9 if timing[5] >= 0 else _NAN,
+               waiting if waiting > 0 else 0.0)
+        reward = attrs.get(c.RL_REWARD)
+        if type(reward) is not float:
+            reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+        status = attrs.get(c.RL_STATUS)
+        if status not in _STATUSES:
+            status = c.STATUS_OK
+        tokens_in = tokens_out = errors = 0
+        in_known = out_known = False
+        for span in record.spans:  # usage is a generation's; a failure counted is a tool's
+            kind = span.kind
+            if kind == c.KIND_GENERATION:
+                count = _count(span.attributes.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+                if count is not None:
+                    tokens_in += count
+                    in_known = True
+                count = _count(span.attributes.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+                if count is not None:
+                    tokens_out += count
+                    out_known = True
+            elif kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
+                errors += 1
+        split = self.label(record.split) if self.label is not None else record.split
+        with self._lock:
+            step = self._step((record.step, split))
+            step.seen += 1
+            step.dropped += 1
+            step.add_status(status, 1, 0)
+            if reward is not None:
+                step.add_reward(reward)
+            step.durations += 1
+            step.duration_sum += row[0]
+            rows = step.rows
+            if self._samples < _MAX_SAMPLES:  # counted as stored until folded into the series
+                rows.extend(row)
+                step.stored += _ROW
+                self._samples += _ROW
+                if len(rows) >= _PENDING * _ROW:
+                    counted, taken = step.fold_rows(_MAX_SAMPLES - self._samples + len(rows))
+                    step.stored += taken - counted
+                    self._samples += taken - counted
+            else:  # the bound reached: counted, no slot (as _Series.add without room)
+                step.duration.add(row[0], False)
+                for name, value in zip(_ROW_STAGES, row[1:], strict=True):
+                    if value == value:
+                        step.stage(name).add(value, False)
+            step.tokens_in += tokens_in
+            step.tokens_out += tokens_out
+            step.tokens_in_known = step.tokens_in_known or in_known
+            step.tokens_out_known = step.tokens_out_known or out_known
+            step.tool_errors += errors
+        return True
 
     def step_closed(self, key: tuple[int, str], health: StepHealth | None = None) -> None:
         """(step, split) closed: its summary goes to the scalar sinks, its group ``health``

@@ -73,9 +73,9 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.codec import PendingSpan
+from otel_rollouts._core.codec import PendingSpan, decode, encode
 from otel_rollouts._core.content import Deferred, jsonable, type_name
-from otel_rollouts._core.settings import RENDER_PROCESS, RENDER_THREAD
+from otel_rollouts._core.settings import RENDER_AUTO, RENDER_PROCESS, RENDER_THREAD
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stages import stage_totals
 from otel_rollouts._core.stats import Stats
@@ -85,7 +85,7 @@ from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.exporters.extras import MetricsSink, PendingViewer
 
-__all__ = ["ProcessDelivery", "RENDER_PROCESS", "RENDER_THREAD", "exporter_recipe", "make_delivery", "wire_record"]
+__all__ = ["ProcessDelivery", "RENDER_AUTO", "RENDER_PROCESS", "RENDER_THREAD", "exporter_recipe", "make_delivery", "wire_record"]
 
 logger = logging.getLogger("otel_rollouts")
 
@@ -227,7 +227,8 @@ class WireEpisode:
 
     def __init__(self, wire: tuple[Any, ...]) -> None:
         (self.trace_id, self.step, self.split, self.reason, self.notes, self.stages, self._duration, self.timed,
-         root, reward, spans, self.foreign) = wire
+         root, reward, spans, foreign) = wire
+        self.foreign = spans_back(foreign)
         self.spans = [WireSpan(self, s) for s in spans]
         self.root = self.spans[root] if root is not None else None
         self.reward_span = self.spans[reward] if reward is not None else None
@@ -273,6 +274,47 @@ def _span_wire(s: Any) -> tuple[Any, ...]:
             links, s.status_code, s.status_message)
 
 
+class EncodedSpans:
+    """Finished spans of other processes (a Ray task's or actor's SDK ``ReadableSpan``s, which
+    do not pickle: their attributes hold a lock) on their way to the renderer process, as one
+    OTLP protobuf encoding; ``spans_back`` turns them into SDK spans again there (same ids,
+    attributes, resource and scope)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __getstate__(self) -> bytes:
+        return self.data
+
+    def __setstate__(self, data: bytes) -> None:
+        self.data = data
+
+
+def picklable_spans(spans: Iterable[Any]) -> list[Any]:
+    """``spans`` (other processes' spans: gateway ``PendingSpan``s, SDK ``ReadableSpan``s) in a
+    form that pickles: the SDK spans encoded once, together (``EncodedSpans``)."""
+    out: list[Any] = []
+    readable: list[ReadableSpan] = []
+    for span in spans:
+        (readable if isinstance(span, ReadableSpan) else out).append(span)
+    if readable:
+        out.append(EncodedSpans(encode(readable)))
+    return out
+
+
+def spans_back(spans: Iterable[Any]) -> list[Any]:
+    """What ``picklable_spans`` made, as spans again (in the renderer process)."""
+    out: list[Any] = []
+    for span in spans:
+        if isinstance(span, EncodedSpans):
+            out.extend(decode(span.data))
+        else:
+            out.append(span)
+    return out
+
+
 def wire_record(record: EpisodeRecord) -> tuple[Any, ...]:
     """The picklable form of a kept episode (or a pending snapshot): its spans' fields with
     deferred values computed and expandable spans expanded (here: they may need a tokenizer),
@@ -291,7 +333,7 @@ def wire_record(record: EpisodeRecord) -> tuple[Any, ...]:
         stages = {}
     return (record.trace_id, record.step, record.split, record.reason, record.notes, stages,
             record.duration() if record.root is not None else None, record.timed, root, reward,
-            [_span_wire(s) for s in spans], list(record.foreign))
+            [_span_wire(s) for s in spans], picklable_spans(record.foreign))
 
 
 def _placeholder(value: Any) -> Any:
@@ -525,7 +567,7 @@ def _child(rfd: int, wfd: int) -> None:
                 wires, ended = payload
                 delivery.pending([cast(EpisodeRecord, WireEpisode(w)) for w in wires], ended)
             elif kind == "spans":
-                delivery.spans(payload)
+                delivery.spans(spans_back(payload))
             elif kind == "metrics":
                 index, step, values = payload
                 sink = exporters[index]
@@ -735,7 +777,7 @@ class ProcessDelivery(Delivery):
 
     def spans(self, spans: Sequence[ReadableSpan | PendingSpan]) -> None:
         try:
-            data = pickle.dumps(("spans", list(spans)), _PROTOCOL)
+            data = pickle.dumps(("spans", picklable_spans(spans)), _PROTOCOL)
         except Exception:  # noqa: BLE001
             self.stats.add(f"dropped.{UNPICKLABLE}_spans", len(spans))
             return
@@ -1069,8 +1111,10 @@ def make_delivery(render: str, exporters: Sequence[SpanExporter], materializer: 
                   max_queue: int = 1024, *, exit_timeout: float = 10.0, **options: Any) -> Delivery | ProcessDelivery:
     """The run's delivery: ``Delivery`` (the render thread) for ``render="thread"``; for
     ``"process"``, a ``ProcessDelivery`` when the materializer and every exporter can be made in
-    the renderer process, else ``Delivery`` with one warning (``render.process_fallback``)."""
-    if render == RENDER_PROCESS:
+    the renderer process, else ``Delivery`` with one warning (``render.process_fallback``). For
+    ``"auto"`` (which the caller passes only for exporters the library made itself), the same
+    without the warning: the renderer process when it can be, else the thread, as asked."""
+    if render == RENDER_PROCESS or (render == RENDER_AUTO and exporters):
         recipes = [exporter_recipe(e) for e in exporters]
         missing = [exporter_name(e) for e, r in zip(exporters, recipes, strict=True) if r is None]
         reason = f"exporters that cannot be made in another process: {', '.join(missing)}" if missing else ""
@@ -1083,6 +1127,8 @@ def make_delivery(render: str, exporters: Sequence[SpanExporter], materializer: 
         if pickled is not None:
             return ProcessDelivery(exporters, [r for r in recipes if r is not None], pickled, stats, max_queue,
                                    exit_timeout=exit_timeout, **options)
+        if render == RENDER_AUTO:  # not asked for: the thread, as the default always was
+            return Delivery(exporters, materializer, stats, max_queue, **options)
         stats.add("render.process_fallback")
         warn("otel_rollouts: render=\"process\": %s; rendering on a thread of this process instead", reason)
     return Delivery(exporters, materializer, stats, max_queue, **options)

@@ -203,6 +203,68 @@ def test_unpicklable_value_is_flagged_not_lost(tmp_path: Path) -> None:
     assert totals["delivered.OtlpJsonFileExporter"] == 1
 
 
+def test_other_processes_sdk_spans_reach_the_renderer_in_the_tree_and_late(tmp_path: Path) -> None:
+    """A Ray task's spans come back as SDK ``ReadableSpan``s, which do not pickle (their
+    attributes hold a lock): held with an undecided episode they go in its tree, arriving after
+    it was kept they go on their own, both stored by the renderer process with their resource."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    path = tmp_path / "out.jsonl"
+    rt = _run(path, "process")
+    worker = TracerProvider(resource=Resource.create({"service.name": "ray-worker"})).get_tracer("w")
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    def worker_span(name: str, trace_id: int, parent_id: int) -> Any:
+        parent = NonRecordingSpan(SpanContext(trace_id, parent_id, True, TraceFlags(1)))
+        span = worker.start_span(name, context=set_span_in_context(parent), attributes={"worker.n": 7})
+        span.end()
+        return span
+
+    with otr.episode(step=0, episode_id="e0") as ep:
+        trace_id, root_id = int(ep.trace_id or "0", 16), ep.root.span_id  # type: ignore[union-attr]
+        inside = worker_span("execute_tool step", trace_id, root_id)
+        rt.pipeline.foreign.adopt([inside])
+        ep.reward(1.0)
+    otr.end_step(0)
+    record = ep.root.episode  # type: ignore[union-attr]  # what a Ray call was started for
+    rt.pipeline.foreign.adopt([worker_span("execute_tool late", trace_id, root_id)], record)  # after the keep
+    assert otr.flush(30)
+    stored = {}
+    for request in read_requests(path):
+        for resource_spans in request.resource_spans:
+            service = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}.get("service.name")
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    stored[span.name] = (int.from_bytes(span.trace_id, "big"), service,
+                                         {kv.key: kv.value.int_value for kv in span.attributes})
+    for name in ("execute_tool step", "execute_tool late"):
+        assert stored[name] == (trace_id, "ray-worker", {"worker.n": 7}), name
+    assert "dropped.unpicklable_spans" not in otr.stats()["totals"]
+
+
+def test_render_auto_uses_the_renderer_process_for_the_exporters_the_library_makes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default, ``render="auto"``: the exporters made from the environment (here an OTLP
+    endpoint beside local Trackio) go to the renderer process; exporter objects the user gave
+    stay in this process, on the render thread, without a warning or a fallback counted."""
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
+    monkeypatch.delenv("OTEL_ROLLOUTS_RENDER", raising=False)
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    rt = otr.configure(run_id="auto", handle_signals=False)
+    delivery = _renderer(rt)
+    assert [type(e).__name__ for e in delivery.exporters] == ["TrackioExporter", "OTLPSpanExporter"]
+    otr.shutdown(timeout=10)
+    given = InMemorySpanExporter()
+    rt = otr.configure(exporters=[given], run_id="auto-given", handle_signals=False)
+    assert type(rt.delivery) is Delivery
+    _episodes(0, 2)
+    assert otr.flush(30)
+    assert len({s.context.trace_id for s in given.get_finished_spans()}) == 2  # the user's own object
+    assert "render.process_fallback" not in otr.stats()["totals"]
+
+
 def test_builtin_exporters_are_rebuilt_in_the_renderer_process(tmp_path: Path) -> None:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
         OTLPSpanExporter as GrpcExporter,

@@ -20,7 +20,13 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts._core.health import StepHealth
-from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
+from otel_rollouts._core.spans import (
+    STAGE_GENERATION,
+    STAGE_TOOL,
+    EpisodeRecord,
+    SpanRecord,
+    stage_ended,
+)
 from otel_rollouts._core.stages import stage_totals
 from otel_rollouts.correlate import metrics as metrics_module
 from otel_rollouts.correlate.metrics import RolloutMetrics
@@ -337,15 +343,24 @@ def test_kept_by_reason_and_group_health(direct):
 
 
 # --- bounds ---------------------------------------------------------------------------------
-def test_a_100k_episode_step_stays_within_the_reservoir_bound():
+@pytest.mark.parametrize("times", ["spans", "running_sums"])
+def test_a_100k_episode_step_stays_within_the_reservoir_bound(times):
+    """``spans``: stage times from a pass over the spans; ``running_sums``: added up as the
+    stage spans ended, as an episode recorded live has them (a dropped one's times wait as a
+    row, at most ``_PENDING`` rows, before they enter the reservoirs together)."""
     # no meter provider: what is measured is this module's own per-step memory
     sink = _Sink()
     metrics = RolloutMetrics(None, scalar_sinks=[sink])
     rng = np.random.default_rng(7)
     durations = rng.uniform(0, 10, 100_000)
-    record = _record((0, 1), [(c.KIND_GENERATION, 0, 1), (c.KIND_TOOL, 0, 1)])
+    record = _record((0, 1), [(c.KIND_GENERATION, 0, 1), (c.KIND_TOOL, 1, 2)])
+    if times == "running_sums":
+        stage_ended(record, STAGE_GENERATION, 0, MS)
+        stage_ended(record, STAGE_TOOL, MS, 2 * MS)
     root = record.root
     assert root is not None
+    # what may wait to enter the reservoirs: a pending column per series (4 here), or the rows
+    pending = (metrics_module._ROW if times == "running_sums" else 4) * metrics_module._PENDING * 8
 
     def decide(values: np.ndarray) -> None:
         for d in values.tolist():
@@ -362,12 +377,13 @@ def test_a_100k_episode_step_stays_within_the_reservoir_bound():
     finally:
         tracemalloc.stop()
     (step,) = metrics._steps.values()
+    step.settle()  # what the step's summary does first: every value waiting into its series
     series = [step.duration, *step.stages.values()]
     assert len(series) == 4  # duration, generation, tool, waiting
     assert all(len(s.values) == metrics_module._RESERVOIR and s.count == 100_000 for s in series)
     # the bound: 4 series x 1024 float64 = 32 KiB, whatever the number of episodes
     assert sum(len(s.values) * s.values.itemsize for s in series) <= 4 * 8 * 1024
-    assert grew < 4096, grew  # 20k more episodes: flat
+    assert grew < 4096 + pending, grew  # 20k more episodes: flat
     metrics.step_closed((0, "train"))
     assert metrics.flush(30)
     metrics.shutdown(10)
@@ -393,3 +409,36 @@ def test_all_open_steps_together_hold_at_most_the_global_sample_bound(direct, mo
     assert metrics._samples == 0
     # a step past the bound still says its count and exact max
     assert all(sink.logged[s]["rollouts/episode_duration_s_max"] == 2.0 for s in range(5))
+
+
+def test_a_dropped_episodes_times_as_a_row_sum_up_as_a_pass_over_its_spans_does():
+    """A dropped episode recorded live carries its stage sums (added as its stage spans ended):
+    its times go to the step as one row, folded into the series later. The step's summary is
+    the one the pass over the spans makes (the same records without the running sums)."""
+    shapes = [[(c.KIND_GENERATION, 1, 4), (c.KIND_TOOL, 4, 6), (c.KIND_REWARD, 7, 8)],
+              [(c.KIND_GENERATION, 0, 9)], [(c.KIND_REWARD, 2, 3)], [(c.KIND_TOOL, 1, 2), (c.KIND_TOOL, 3, 5)]]
+    index = {c.KIND_GENERATION: 0, c.KIND_TOOL: 1, c.KIND_REWARD: 2}
+    sinks = {}
+    for times in ("running_sums", "spans"):
+        sink = sinks[times] = _Sink()
+        metrics = RolloutMetrics(None, scalar_sinks=[sink])
+        rng = np.random.default_rng(3)  # the same episodes for both
+        for i in range(3 * metrics_module._PENDING + 7):  # some rows folded on the way, the rest at the close
+            spans = shapes[i % len(shapes)]
+            end = 10 + float(rng.uniform(0, 20))
+            record = _record((0, end), spans, attrs={c.RL_REWARD: float(i % 5), c.RL_STATUS: c.STATUS_OK})
+            if times == "running_sums":
+                for kind, start, stop in spans:
+                    stage_ended(record, index[kind], int(start * MS), int(stop * MS))
+            metrics.decided(record, "sampled_out")
+        if times == "running_sums":
+            (step,) = metrics._steps.values()
+            assert step.rows, "the dropped episodes' times wait as rows"
+        metrics.step_closed((0, "train"))
+        assert metrics.flush(30)
+        metrics.shutdown(10)
+    fast, slow = sinks["running_sums"].logged[0], sinks["spans"].logged[0]
+    assert fast.keys() == slow.keys()
+    assert any(k.startswith("rollouts/stage/waiting") for k in fast)
+    for key, value in slow.items():
+        assert fast[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
