@@ -585,22 +585,7 @@ class RolloutMetrics:
         if status not in _STATUSES:  # statuses are checked where they are set; None is ok
             status = c.STATUS_OK
         kept_by = record.reason if reason is None else None
-        tokens_in = tokens_out = errors = 0
-        in_known = out_known = False
-        for span in record.spans:  # usage is a generation's; a failure counted is a tool's
-            kind = span.kind
-            if kind == c.KIND_GENERATION:
-                attrs = span.attributes
-                count = _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
-                if count is not None:
-                    tokens_in += count
-                    in_known = True
-                count = _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
-                if count is not None:
-                    tokens_out += count
-                    out_known = True
-            elif kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
-                errors += 1
+        tokens_in, tokens_out, in_known, out_known, errors = _usage(record)
         split = self.label(record.split) if self.label is not None else record.split
         key = (record.step, split)
         with self._lock:
@@ -680,21 +665,7 @@ class RolloutMetrics:
         status = attrs.get(c.RL_STATUS)
         if status not in _STATUSES:
             status = c.STATUS_OK
-        tokens_in = tokens_out = errors = 0
-        in_known = out_known = False
-        for span in record.spans:  # usage is a generation's; a failure counted is a tool's
-            kind = span.kind
-            if kind == c.KIND_GENERATION:
-                count = _count(span.attributes.get(c.GEN_AI_USAGE_INPUT_TOKENS))
-                if count is not None:
-                    tokens_in += count
-                    in_known = True
-                count = _count(span.attributes.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
-                if count is not None:
-                    tokens_out += count
-                    out_known = True
-            elif kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
-                errors += 1
+        tokens_in, tokens_out, in_known, out_known, errors = _usage(record)
         split = self.label(record.split) if self.label is not None else record.split
         with self._lock:
             step = self._step((record.step, split))
@@ -832,3 +803,25 @@ def _finite(batch: RowBatch, name: str, rows: np.ndarray) -> np.ndarray | None:
 def _count(value: object) -> int | None:
     """A recorded token count, or None where none was recorded (absent is not 0)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _usage(record: EpisodeRecord) -> tuple[int, int, bool, bool, int]:
+    """An episode's token usage (input, output, and whether any generation reported each: absent
+    is not 0) and its failed tool calls: usage is a generation's, a failure counted a tool's."""
+    tokens_in = tokens_out = errors = 0
+    in_known = out_known = False
+    for span in record.spans:
+        kind = span.kind
+        if kind == c.KIND_GENERATION:
+            attrs = span.attributes
+            count = _count(attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
+            if count is not None:
+                tokens_in += count
+                in_known = True
+            count = _count(attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+            if count is not None:
+                tokens_out += count
+                out_known = True
+        elif kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
+            errors += 1
+    return tokens_in, tokens_out, in_known, out_known, errors

@@ -683,21 +683,27 @@ class Turn(BlockSpan):
             record = self.episode
             if record is None:
                 return blank_handle(Generation)
-            attrs: dict[str, object] = {}
-            if model:
-                attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
-            if provider:
-                attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
-            if messages is not None and record.capture_content:
-                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
-            name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
-            span = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
-            span._token = span.merged_error = None
-            span._entered = span.merged = False
-            return span
+            return self._generation(record, model, messages, provider)
         except Exception as exc:  # noqa: BLE001 - containment (guarded, inline: a per-span call)
             failed("Turn.generation", exc)
             return blank_handle(Generation)
+
+    def _generation(self, record: EpisodeRecord, model: str | None, messages: object,
+                    provider: str | None) -> Generation:
+        """A generation span of this turn, started (its handle fields set), not guarded: the
+        body of ``generation`` and the start of ``record_generation``."""
+        attrs: dict[str, object] = {}
+        if model:
+            attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
+        if provider:
+            attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
+        if messages is not None and record.capture_content:
+            attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
+        name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
+        span = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
+        span._token = span.merged_error = None
+        span._entered = span.merged = False
+        return span
 
     def record_generation(self, content: object = None, *, model: str | None = None,
                           messages: object = None, provider: str | None = None, **output: object) -> Generation:
@@ -706,22 +712,12 @@ class Turn(BlockSpan):
             record = self.episode
             if record is None:
                 return blank_handle(Generation)
-            # generation() and output() in one body, guarded once as a whole: a plain text
-            # answer (the common case) is recorded here, anything else by output()'s body
-            attrs: dict[str, object] = {}
-            if model:
-                attrs[c.GEN_AI_REQUEST_MODEL] = model if type(model) is str else text(model)
-            if provider:
-                attrs[c.GEN_AI_PROVIDER_NAME] = text(provider)
-            capture = record.capture_content
-            if messages is not None and capture:
-                attrs[c.GEN_AI_INPUT_MESSAGES] = as_messages(messages, "user", record)
-            name = _CHAT_PREFIX + model if type(model) is str and model else c.chat_span_name(model)
-            gen = child_span(record, name, c.KIND_GENERATION, self, attrs, Generation)
-            gen._token = gen.merged_error = None
-            gen._entered = gen.merged = False
+            # generation() and output() guarded once as a whole: a plain text answer (the
+            # common case) is recorded here, anything else by output()
+            gen = self._generation(record, model, messages, provider)
+            attrs = gen.attributes
             if type(content) is str and (not output or output.keys() <= _PLAIN_OUTPUT):
-                if capture:
+                if record.capture_content:
                     attrs[c.GEN_AI_OUTPUT_MESSAGES] = [{"role": "assistant", "content": content}]
                 if output:
                     finish_reason = output.get("finish_reason")
