@@ -237,7 +237,11 @@ class GatewayRollouts:
             service_name="rollout-actor",
             exporters=[OTLPSpanExporter(endpoint=sink_endpoint)],
             sampler=otr.TailSampler(cap, "top_bottom", distributed=False),
-            gateway=otr.GatewayOptions(http_port=http_port, grpc_port=grpc_port,
+            # the renderer waits up to 30 s (default 5) for a kept episode's server spans: the
+            # gateway runs at nice 10, and on a loaded machine a shorter wait renders an episode
+            # before its server span is pulled (it then goes out on its own, as designed, without
+            # lending its timings to the generation, which this test checks)
+            gateway=otr.GatewayOptions(http_port=http_port, grpc_port=grpc_port, pull_timeout_s=30.0,
                                        log_exporter=OTLPLogExporter(endpoint=logs_endpoint)),
             handle_signals=False,
         )

@@ -1107,6 +1107,13 @@ def _build_materializer(resource: tuple[dict[str, Any], str | None], scope: tupl
     return Materializer(Resource(resource[0], resource[1]), InstrumentationScope(*scope), **kwargs)
 
 
+def can_start_renderer() -> bool:
+    """Whether a renderer process can be started here: an interpreter to run (not a frozen
+    application, whose executable is not Python; not an embedded one without an executable)."""
+    executable = sys.executable
+    return bool(executable) and not getattr(sys, "frozen", False) and os.access(executable, os.X_OK)
+
+
 def make_delivery(render: str, exporters: Sequence[SpanExporter], materializer: Materializer, stats: Stats,
                   max_queue: int = 1024, *, exit_timeout: float = 10.0, **options: Any) -> Delivery | ProcessDelivery:
     """The run's delivery: ``Delivery`` (the render thread) for ``render="thread"``; for
@@ -1114,6 +1121,8 @@ def make_delivery(render: str, exporters: Sequence[SpanExporter], materializer: 
     the renderer process, else ``Delivery`` with one warning (``render.process_fallback``). For
     ``"auto"`` (which the caller passes only for exporters the library made itself), the same
     without the warning: the renderer process when it can be, else the thread, as asked."""
+    if render == RENDER_AUTO and not can_start_renderer():
+        render = RENDER_THREAD
     if render == RENDER_PROCESS or (render == RENDER_AUTO and exporters):
         recipes = [exporter_recipe(e) for e in exporters]
         missing = [exporter_name(e) for e, r in zip(exporters, recipes, strict=True) if r is None]

@@ -247,7 +247,8 @@ def test_render_auto_uses_the_renderer_process_for_the_exporters_the_library_mak
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default, ``render="auto"``: the exporters made from the environment (here an OTLP
     endpoint beside local Trackio) go to the renderer process; exporter objects the user gave
-    stay in this process, on the render thread, without a warning or a fallback counted."""
+    stay in this process, on the render thread, without a warning or a fallback counted; so do
+    the library's own where no Python can be started (a frozen application)."""
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
     monkeypatch.delenv("OTEL_ROLLOUTS_RENDER", raising=False)
@@ -263,6 +264,11 @@ def test_render_auto_uses_the_renderer_process_for_the_exporters_the_library_mak
     assert otr.flush(30)
     assert len({s.context.trace_id for s in given.get_finished_spans()}) == 2  # the user's own object
     assert "render.process_fallback" not in otr.stats()["totals"]
+    otr.shutdown(timeout=10)
+    # an application whose executable is not a Python (frozen): the thread, as asked
+    monkeypatch.setattr("sys.frozen", True, raising=False)
+    rt = otr.configure(run_id="auto-frozen", handle_signals=False)
+    assert type(rt.delivery) is Delivery
 
 
 def test_builtin_exporters_are_rebuilt_in_the_renderer_process(tmp_path: Path) -> None:
