@@ -35,6 +35,7 @@ __all__ = ["stage_totals"]
 _STAGE_OF = (c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD)
 _INDEX = {c.KIND_GENERATION: 0, c.KIND_TOOL: 1, c.KIND_REWARD: 2}
 _MEASURED = tuple((stage, c.stage_seconds(stage)) for stage in c.STAGES)
+_MEASURED_NAMES = frozenset(name for _, name in _MEASURED)
 
 
 def _seconds(value: Any) -> float | None:
@@ -82,10 +83,11 @@ def stage_totals(record: Any) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     attrs = root.attributes
-    for stage, name in _MEASURED:
-        value = _seconds(attrs.get(name))
-        if value is not None:
-            out[stage] = value
+    if not _MEASURED_NAMES.isdisjoint(attrs):  # a framework measured some (rare): read them
+        for stage, name in _MEASURED:
+            value = _seconds(attrs.get(name))
+            if value is not None:
+                out[stage] = value
     root_end = root.end_ns
     if not record.timed:
         record.stages = out

@@ -285,12 +285,6 @@ class EncodedSpans:
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def __getstate__(self) -> bytes:
-        return self.data
-
-    def __setstate__(self, data: bytes) -> None:
-        self.data = data
-
 
 def picklable_spans(spans: Iterable[Any]) -> list[Any]:
     """``spans`` (other processes' spans: gateway ``PendingSpan``s, SDK ``ReadableSpan``s) in a

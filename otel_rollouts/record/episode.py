@@ -1111,7 +1111,7 @@ class Episode:
         root = record.root
         attrs = root.attributes
         if exc is None:
-            pass
+            pass  # (the common case, first: no isinstance)
         elif isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             # the process is exiting (sys.exit, Ctrl-C, SIGINT) or the episode was abandoned:
             # it did not fail, it was cut short
