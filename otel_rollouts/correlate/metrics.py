@@ -57,6 +57,8 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import groupby
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -89,10 +91,12 @@ _MAX_SAMPLES = 1 << 20
 # reservoir together (``_Series.add_many``, vectorised): an append per value on the caller's
 # path instead of a reservoir step; pending values count against _MAX_SAMPLES like stored ones
 _PENDING = 512
-# a dropped episode's times as one row: its duration, then these stages' seconds
+# a dropped episode's stage times, in the order of EpisodeRecord.timing's running sums
 _ROW_STAGES = (c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD, c.STAGE_WAITING)
-_ROW = 1 + len(_ROW_STAGES)
-_NAN = float("nan")
+# an inbox entry's (step, split), and its token usage (see _dropped)
+_ENTRY_KEY = itemgetter(0, 1)
+_USAGE = itemgetter(11)
+_NO_USAGE = (0, 0, False, False, 0)
 # root attributes that make the times of an episode other than its spans' (a measure given)
 _GIVEN_TIMES = frozenset((c.RL_DURATION_SECONDS, *(c.stage_seconds(stage) for stage in c.STAGES)))
 # a custom policy's labels are its author's: past this many reasons in a step, "policy"
@@ -220,7 +224,7 @@ class _Step:
     __slots__ = ("seen", "kept", "dropped", "rewards", "reward_sum", "reward_min", "reward_max",
                  "durations", "duration_sum", "tokens_in", "tokens_out", "tokens_in_known",
                  "tokens_out_known", "tool_errors", "duration", "stages", "unmeasured",
-                 "by_status", "kept_by", "stored", "mismatch", "rows")
+                 "by_status", "kept_by", "stored", "mismatch")
 
     def __init__(self) -> None:
         self.seen = self.kept = self.dropped = 0
@@ -238,36 +242,12 @@ class _Step:
         self.kept_by: dict[str, int] = {}  # rl.sampling.reason -> kept
         self.stored = 0  # reservoir slots held (of the global _MAX_SAMPLES)
         self.mismatch: dict[str, _Series] = {}  # train–inference mismatch statistic -> its values
-        # dropped episodes' times not yet in their series, a row of _ROW values each (duration,
-        # then the _ROW_STAGES; NaN: absent), added to the series together (fold_rows)
-        self.rows = array("d")
 
     def settle(self) -> None:
-        """Every value still waiting (rows, series' pending columns) into its series: what a
-        closed step does before its summary (its slots were given back when it closed)."""
-        self.fold_rows(_MAX_SAMPLES)
+        """Every value still waiting (series' pending columns) into its series: what a closed
+        step does before its summary (its slots were given back when it closed)."""
         for series in (self.duration, *self.stages.values(), *self.mismatch.values()):
             series.flush(_RESERVOIR)
-
-    def fold_rows(self, room: int) -> tuple[int, int]:
-        """The pending rows into their series (``add_many`` per column, absent values left
-        out); returns (the slots the rows were counted as, the slots they took)."""
-        rows = self.rows
-        if not rows:
-            return 0, 0
-        import numpy as np
-
-        self.rows = array("d")
-        table = np.frombuffer(rows, dtype=np.float64).reshape(-1, _ROW)
-        taken = 0
-        for j, name in enumerate((None, *_ROW_STAGES)):
-            column = table[:, j]
-            column = column[~np.isnan(column)]
-            if column.size:
-                series = self.duration if name is None else self.stage(name)
-                took = series.add_many(column, max(room - taken, 0))
-                taken += took
-        return len(rows), taken
 
     def series(self, stat: str) -> _Series:
         series = self.mismatch.get(stat)
@@ -431,6 +411,8 @@ class RolloutMetrics:
         self._lock = threading.Lock()
         self._steps: dict[tuple[int, str], _Step] = {}
         self._samples = 0  # reservoir values held by all open steps (bounded by _MAX_SAMPLES)
+        # dropped episodes as read (``_dropped``), fewer than _PENDING, not yet in their steps
+        self._inbox: list[tuple[Any, ...]] = []
         self._sender = _ScalarSender(scalar_sinks, stats) if scalar_sinks else None
         self._instruments = provider is not None
         if provider is None:
@@ -643,64 +625,87 @@ class RolloutMetrics:
 
     def _dropped(self, record: EpisodeRecord, root: Any) -> bool:
         """``decided`` for a dropped episode in the common case (no instruments, times from its
-        own spans, added up as they ended, no mismatch): what the step needs appended, its
-        times as one row (``_Step.rows``); False (nothing done) for any other case."""
+        own spans, added up as they ended, no mismatch): what the step needs, as read, appended
+        to the inbox (one tuple, no lock, nothing computed) and added up ``_PENDING`` at a time
+        (``_fold``); False (nothing done) for any other case."""
         attrs = root.attributes
         end = root.end_ns
         timing = record.timing
         if (end is None or timing is None or timing[7] or timing[6] > end or not record.timed
                 or record.mismatch is not None or not _GIVEN_TIMES.isdisjoint(attrs)):
             return False  # (no running sums: stage spans recorded another way, stage_totals' pass)
-        start = root.start_ns
-        total = end - start if end > start else 0
-        spent = (timing[0] if timing[3] >= 0 else 0) + (timing[1] if timing[4] >= 0 else 0) + (
-            timing[2] if timing[5] >= 0 else 0)
-        waiting = (total - spent) / 1e9
-        row = (total / 1e9, timing[0] / 1e9 if timing[3] >= 0 else _NAN,
-               timing[1] / 1e9 if timing[4] >= 0 else _NAN, timing[2] / 1e9 if timing[5] >= 0 else _NAN,
-               waiting if waiting > 0 else 0.0)
-        reward = attrs.get(c.RL_REWARD)
-        if type(reward) is not float:
-            reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
-        status = attrs.get(c.RL_STATUS)
-        if status not in _STATUSES:
-            status = c.STATUS_OK
-        tokens_in, tokens_out, in_known, out_known, errors = _usage(record)
-        split = self.label(record.split) if self.label is not None else record.split
-        with self._lock:
-            step = self._step((record.step, split))
-            step.seen += 1
-            step.dropped += 1
-            step.add_status(status, 1, 0)
-            if reward is not None:
-                step.add_reward(reward)
-            step.durations += 1
-            step.duration_sum += row[0]
-            rows = step.rows
-            if self._samples < _MAX_SAMPLES:  # counted as stored until folded into the series
-                rows.extend(row)
-                step.stored += _ROW
-                self._samples += _ROW
-                if len(rows) >= _PENDING * _ROW:
-                    counted, taken = step.fold_rows(_MAX_SAMPLES - self._samples + len(rows))
-                    step.stored += taken - counted
-                    self._samples += taken - counted
-            else:  # the bound reached: counted, no slot (as _Series.add without room)
-                step.duration.add(row[0], False)
-                for name, value in zip(_ROW_STAGES, row[1:], strict=True):
-                    if value == value:
-                        step.stage(name).add(value, False)
-            step.tokens_in += tokens_in
-            step.tokens_out += tokens_out
-            step.tokens_in_known = step.tokens_in_known or in_known
-            step.tokens_out_known = step.tokens_out_known or out_known
-            step.tool_errors += errors
+        inbox = self._inbox
+        inbox.append((record.step, record.split, end - root.start_ns, timing[0], timing[1], timing[2],
+                      timing[3], timing[4], timing[5], attrs.get(c.RL_REWARD), attrs.get(c.RL_STATUS),
+                      _usage(record)))
+        if len(inbox) >= _PENDING:
+            with self._lock:
+                self._fold()
         return True
+
+    def _fold(self) -> None:
+        """The inbox's dropped episodes into their steps (under ``self._lock``): counts, status,
+        rewards, usage and times, a column at a time per step (numpy for the times)."""
+        inbox = self._inbox
+        n = len(inbox)
+        if not n:
+            return
+        entries = inbox[:n]
+        del inbox[:n]  # (appends made meanwhile stay: list operations are atomic)
+        import numpy as np
+
+        for (step_no, split), group in groupby(entries, _ENTRY_KEY):
+            rows = list(group)
+            m = len(rows)
+            columns = list(zip(*rows, strict=True))  # the entries as columns, in C
+            step = self._step((step_no, self.label(split) if self.label is not None else split))
+            step.seen += m
+            step.dropped += m
+            for status, count in Counter(columns[10]).items():
+                step.add_status(status if status in _STATUSES else c.STATUS_OK, count, 0)
+            rewards = columns[9]
+            if set(map(type, rewards)) == {float}:  # the common case: one array
+                values = np.array(rewards, dtype=np.float64)
+                step.rewards += m
+                step.reward_sum += float(values.sum())
+                step.reward_min = min(step.reward_min, float(values.min()))
+                step.reward_max = max(step.reward_max, float(values.max()))
+            else:
+                for reward in rewards:
+                    if type(reward) is not float:
+                        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+                            continue
+                        reward = float(reward)
+                    step.add_reward(reward)
+            usage = columns[11]
+            if usage.count(_NO_USAGE) != m:
+                for tokens_in, tokens_out, in_known, out_known, errors in usage:
+                    step.tokens_in += tokens_in
+                    step.tokens_out += tokens_out
+                    step.tokens_in_known = step.tokens_in_known or in_known
+                    step.tokens_out_known = step.tokens_out_known or out_known
+                    step.tool_errors += errors
+            # the times: duration (the root's span, never negative), each stage that ended (its
+            # running sum), and waiting (what no stage took)
+            table = np.array(columns[2:9], dtype=np.int64)
+            total = np.maximum(table[0], 0)
+            ended = table[4:7] >= 0
+            spent = np.where(ended, table[1:4], 0)
+            waiting = (total - spent.sum(axis=0)) / 1e9
+            duration = total / 1e9
+            step.durations += m
+            step.duration_sum += float(duration.sum())
+            self._time_column(step, step.duration, duration)
+            for j, name in enumerate(_ROW_STAGES[:3]):
+                if ended[j].any():
+                    self._time_column(step, step.stage(name), table[1 + j, ended[j]] / 1e9)
+            self._time_column(step, step.stage(c.STAGE_WAITING), np.maximum(waiting, 0.0))
 
     def step_closed(self, key: tuple[int, str], health: StepHealth | None = None) -> None:
         """(step, split) closed: its summary goes to the scalar sinks, its group ``health``
         (when the pipeline assessed it) to the ``rl.groups`` counter, and the step is freed."""
         with self._lock:
+            self._fold()
             step = self._steps.pop(key, None)
             if step is not None:
                 self._samples -= step.stored
@@ -824,4 +829,6 @@ def _usage(record: EpisodeRecord) -> tuple[int, int, bool, bool, int]:
                 out_known = True
         elif kind == c.KIND_TOOL and span.status_code is StatusCode.ERROR:
             errors += 1
+    if not (in_known or out_known or errors):
+        return _NO_USAGE  # (one tuple for the common case: an inbox entry holds no new one)
     return tokens_in, tokens_out, in_known, out_known, errors

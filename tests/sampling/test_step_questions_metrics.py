@@ -8,6 +8,7 @@ with explicit times where a test needs exact numbers, which the episode API cann
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
 import uuid
 from collections.abc import Iterator
@@ -346,8 +347,8 @@ def test_kept_by_reason_and_group_health(direct):
 @pytest.mark.parametrize("times", ["spans", "running_sums"])
 def test_a_100k_episode_step_stays_within_the_reservoir_bound(times):
     """``spans``: stage times from a pass over the spans; ``running_sums``: added up as the
-    stage spans ended, as an episode recorded live has them (a dropped one's times wait as a
-    row, at most ``_PENDING`` rows, before they enter the reservoirs together)."""
+    stage spans ended, as an episode recorded live has them (a dropped one waits in the inbox as
+    read, at most ``_PENDING`` of them, before they enter the reservoirs together)."""
     # no meter provider: what is measured is this module's own per-step memory
     sink = _Sink()
     metrics = RolloutMetrics(None, scalar_sinks=[sink])
@@ -359,8 +360,10 @@ def test_a_100k_episode_step_stays_within_the_reservoir_bound(times):
         stage_ended(record, STAGE_TOOL, MS, 2 * MS)
     root = record.root
     assert root is not None
-    # what may wait to enter the reservoirs: a pending column per series (4 here), or the rows
-    pending = (metrics_module._ROW if times == "running_sums" else 4) * metrics_module._PENDING * 8
+    # what may wait to enter the reservoirs: a pending column per series (4 here) of float64, or
+    # the inbox of dropped episodes as read (a 12-tuple each, with at most seven ints of its own)
+    pending = metrics_module._PENDING * (
+        sys.getsizeof((0,) * 12) + 7 * sys.getsizeof(2 ** 62) if times == "running_sums" else 4 * 8)
 
     def decide(values: np.ndarray) -> None:
         for d in values.tolist():
@@ -376,6 +379,8 @@ def test_a_100k_episode_step_stays_within_the_reservoir_bound(times):
         grew = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
+    with metrics._lock:
+        metrics._fold()  # what the step's close does first: the inbox into the step
     (step,) = metrics._steps.values()
     step.settle()  # what the step's summary does first: every value waiting into its series
     series = [step.duration, *step.stages.values()]
@@ -413,7 +418,7 @@ def test_all_open_steps_together_hold_at_most_the_global_sample_bound(direct, mo
 
 def test_a_dropped_episodes_times_as_a_row_sum_up_as_a_pass_over_its_spans_does():
     """A dropped episode recorded live carries its stage sums (added as its stage spans ended):
-    its times go to the step as one row, folded into the series later. The step's summary is
+    it waits in the inbox as read, added into its step and series later. The step's summary is
     the one the pass over the spans makes (the same records without the running sums)."""
     shapes = [[(c.KIND_GENERATION, 1, 4), (c.KIND_TOOL, 4, 6), (c.KIND_REWARD, 7, 8)],
               [(c.KIND_GENERATION, 0, 9)], [(c.KIND_REWARD, 2, 3)], [(c.KIND_TOOL, 1, 2), (c.KIND_TOOL, 3, 5)]]
@@ -432,8 +437,7 @@ def test_a_dropped_episodes_times_as_a_row_sum_up_as_a_pass_over_its_spans_does(
                     stage_ended(record, index[kind], int(start * MS), int(stop * MS))
             metrics.decided(record, "sampled_out")
         if times == "running_sums":
-            (step,) = metrics._steps.values()
-            assert step.rows, "the dropped episodes' times wait as rows"
+            assert metrics._inbox, "the dropped episodes wait in the inbox, as read"
         metrics.step_closed((0, "train"))
         assert metrics.flush(30)
         metrics.shutdown(10)
