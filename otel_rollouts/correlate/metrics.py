@@ -93,7 +93,7 @@ _MAX_SAMPLES = 1 << 20
 _PENDING = 512
 # a dropped episode's stage times, in the order of EpisodeRecord.timing's running sums
 _ROW_STAGES = (c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD, c.STAGE_WAITING)
-# an inbox entry's (step, split), and its token usage (see _dropped)
+# an inbox entry's (step, split), and its token usage (see _noted)
 _ENTRY_KEY = itemgetter(0, 1)
 _USAGE = itemgetter(11)
 _NO_USAGE = (0, 0, False, False, 0)
@@ -411,7 +411,7 @@ class RolloutMetrics:
         self._lock = threading.Lock()
         self._steps: dict[tuple[int, str], _Step] = {}
         self._samples = 0  # reservoir values held by all open steps (bounded by _MAX_SAMPLES)
-        # dropped episodes as read (``_dropped``), fewer than _PENDING, not yet in their steps
+        # decided episodes as read (``_noted``), fewer than _PENDING, not yet in their steps
         self._inbox: list[tuple[Any, ...]] = []
         self._sender = _ScalarSender(scalar_sinks, stats) if scalar_sinks else None
         self._instruments = provider is not None
@@ -547,7 +547,8 @@ class RolloutMetrics:
     def decided(self, record: EpisodeRecord, reason: str | None) -> None:
         """``reason`` None: kept; else why it was dropped. Called before its spans are freed."""
         root = record.root
-        if reason is not None and root is not None and not self._instruments and self._dropped(record, root):
+        if root is not None and not self._instruments and self._noted(
+                record, root, reason is None, record.reason if reason is None else None):
             return
         reward = record.attribute(c.RL_REWARD)
         reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
@@ -623,11 +624,11 @@ class RolloutMetrics:
         if errors:
             self.tool_errors.add(errors, by_split, context=ctx)
 
-    def _dropped(self, record: EpisodeRecord, root: Any) -> bool:
-        """``decided`` for a dropped episode in the common case (no instruments, times from its
-        own spans, added up as they ended, no mismatch): what the step needs, as read, appended
-        to the inbox (one tuple, no lock, nothing computed) and added up ``_PENDING`` at a time
-        (``_fold``); False (nothing done) for any other case."""
+    def _noted(self, record: EpisodeRecord, root: Any, kept: bool, kept_by: str | None) -> bool:
+        """``decided`` in the common case (no instruments, times from the episode's own spans,
+        added up as they ended, no mismatch): what the step needs, as read, appended to the inbox
+        (one tuple, no lock, nothing computed) and added up ``_PENDING`` at a time (``_fold``);
+        False (nothing done) for any other case."""
         attrs = root.attributes
         end = root.end_ns
         timing = record.timing
@@ -637,15 +638,15 @@ class RolloutMetrics:
         inbox = self._inbox
         inbox.append((record.step, record.split, end - root.start_ns, timing[0], timing[1], timing[2],
                       timing[3], timing[4], timing[5], attrs.get(c.RL_REWARD), attrs.get(c.RL_STATUS),
-                      _usage(record)))
+                      _usage(record), kept, kept_by))
         if len(inbox) >= _PENDING:
             with self._lock:
                 self._fold()
         return True
 
     def _fold(self) -> None:
-        """The inbox's dropped episodes into their steps (under ``self._lock``): counts, status,
-        rewards, usage and times, a column at a time per step (numpy for the times)."""
+        """The inbox's episodes into their steps (under ``self._lock``): counts, statuses, why
+        kept, rewards, usage and times, a column at a time per step (numpy for the times)."""
         inbox = self._inbox
         n = len(inbox)
         if not n:
@@ -660,9 +661,22 @@ class RolloutMetrics:
             columns = list(zip(*rows, strict=True))  # the entries as columns, in C
             step = self._step((step_no, self.label(split) if self.label is not None else split))
             step.seen += m
-            step.dropped += m
-            for status, count in Counter(columns[10]).items():
-                step.add_status(status if status in _STATUSES else c.STATUS_OK, count, 0)
+            kept = columns[12]
+            n_kept = kept.count(True)
+            step.kept += n_kept
+            step.dropped += m - n_kept
+            statuses = [status if status in _STATUSES else c.STATUS_OK for status in columns[10]]
+            if not n_kept:
+                for status, count in Counter(statuses).items():
+                    step.add_status(status, count, 0)
+            else:
+                for (status, was_kept), count in Counter(zip(statuses, kept, strict=True)).items():
+                    step.add_status(status, count, count if was_kept else 0)
+                for kept_by in columns[13]:
+                    if kept_by is not None:
+                        if kept_by not in step.kept_by and len(step.kept_by) >= _MAX_REASONS:
+                            kept_by = c.REASON_POLICY
+                        step.kept_by[kept_by] = step.kept_by.get(kept_by, 0) + 1
             rewards = columns[9]
             if set(map(type, rewards)) == {float}:  # the common case: one array
                 values = np.array(rewards, dtype=np.float64)

@@ -416,10 +416,11 @@ def test_all_open_steps_together_hold_at_most_the_global_sample_bound(direct, mo
     assert all(sink.logged[s]["rollouts/episode_duration_s_max"] == 2.0 for s in range(5))
 
 
-def test_a_dropped_episodes_times_as_a_row_sum_up_as_a_pass_over_its_spans_does():
-    """A dropped episode recorded live carries its stage sums (added as its stage spans ended):
-    it waits in the inbox as read, added into its step and series later. The step's summary is
-    the one the pass over the spans makes (the same records without the running sums)."""
+def test_decided_episodes_read_into_the_inbox_sum_up_as_a_pass_over_their_spans_does():
+    """An episode recorded live carries its stage sums (added as its stage spans ended): kept or
+    dropped, it waits in the inbox as read, added into its step and series later. The step's
+    summary is the one the pass over the spans makes (the same records without the running
+    sums): counts, kept by status and by reason, rewards, times."""
     shapes = [[(c.KIND_GENERATION, 1, 4), (c.KIND_TOOL, 4, 6), (c.KIND_REWARD, 7, 8)],
               [(c.KIND_GENERATION, 0, 9)], [(c.KIND_REWARD, 2, 3)], [(c.KIND_TOOL, 1, 2), (c.KIND_TOOL, 3, 5)]]
     index = {c.KIND_GENERATION: 0, c.KIND_TOOL: 1, c.KIND_REWARD: 2}
@@ -435,7 +436,11 @@ def test_a_dropped_episodes_times_as_a_row_sum_up_as_a_pass_over_its_spans_does(
             if times == "running_sums":
                 for kind, start, stop in spans:
                     stage_ended(record, index[kind], int(start * MS), int(stop * MS))
-            metrics.decided(record, "sampled_out")
+            if i % 7 == 3:  # some kept, by a reason or by none given (counted kept, no reason)
+                record.reason = (None, c.REASON_POLICY, "top")[i % 3]
+                metrics.decided(record, None)
+            else:
+                metrics.decided(record, "sampled_out")
         if times == "running_sums":
             assert metrics._inbox, "the dropped episodes wait in the inbox, as read"
         metrics.step_closed((0, "train"))
@@ -444,5 +449,7 @@ def test_a_dropped_episodes_times_as_a_row_sum_up_as_a_pass_over_its_spans_does(
     fast, slow = sinks["running_sums"].logged[0], sinks["spans"].logged[0]
     assert fast.keys() == slow.keys()
     assert any(k.startswith("rollouts/stage/waiting") for k in fast)
+    assert fast["rollouts/episodes_kept"] == sum(i % 7 == 3 for i in range(3 * metrics_module._PENDING + 7))
+    assert fast["rollouts/episodes_kept_by/top"] and fast["rollouts/episodes_kept_by/policy"]
     for key, value in slow.items():
         assert fast[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
