@@ -870,6 +870,10 @@ class Episode:
     until its step closes.
     """
 
+    # slotted: one object per episode handle, no instance dict beside it
+    __slots__ = ("_request", "_runtime", "_record", "_token", "_bound", "episode_id", "step", "split",
+                 "__weakref__")
+
     def __init__(
         self,
         step: int | None = None,
