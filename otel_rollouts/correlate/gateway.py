@@ -172,7 +172,8 @@ class SpanGateway:
     def _spawn(self) -> None:
         o = self.options
         config = {
-            "address": self.address, "host": o.host, "http_port": o.http_port, "grpc_port": o.grpc_port,
+            "address": self.address, "private": self.private, "host": o.host, "http_port": o.http_port,
+            "grpc_port": o.grpc_port,
             "hold_s": o.hold_s, "max_held_bytes": o.max_held_bytes, "unknown": o.unknown,
             "linger_s": 0.0 if self.private else o.linger_s, "span_recipes": self._span_recipes, "log_recipe": self._log_recipe,
             "limits": {"max_request_bytes": o.max_request_bytes, "max_connections": o.max_connections,

@@ -24,6 +24,7 @@ the ports bound, or why not.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -112,7 +113,21 @@ class Node:
 
     # --- start ---------------------------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
-        """Bind the ports, then the control socket; what was bound (or why not)."""
+        """Bind the ports, then the control socket; what was bound (or why not).
+
+        Under the node's lock for this address (``<address>.lock``, an exclusive ``flock``,
+        released when this returns): two processes that start a gateway for the same ports at
+        once bind one after the other. Without it each could win one of the two ports, both
+        serve, and the later control socket replace the earlier one: the node's clients split
+        between two gateways."""
+        fd = os.open(self.address + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (the lock file stays: removing it would race)
+            return self._start()
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _start(self) -> dict[str, Any]:
         host = self.config["host"]
         answer: dict[str, Any] = {"pid": os.getpid(), "http_port": None, "grpc_port": None, "errors": []}
         if self.config.get("http_port") is not None:
@@ -361,6 +376,8 @@ class Node:
             except OSError:
                 pass
             Path(self.address + ".key").unlink(missing_ok=True)
+        if self.config.get("private"):  # an address no other process uses: its lock file too
+            Path(self.address + ".lock").unlink(missing_ok=True)
 
 
 _NICE = 10  # below the trainer: on a busy node the training loop gets the CPU, the gateway waits
@@ -379,6 +396,8 @@ def main() -> None:
     sys.stdout.flush()
     sys.stdout.close()
     if node.listener is None:
+        if config.get("private"):
+            Path(node.address + ".lock").unlink(missing_ok=True)
         sys.exit(3)
     node.run()
 

@@ -30,6 +30,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, TraceFlags
 from otlp_sink import OtlpSink
+from receivers import free_ports
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -556,3 +557,54 @@ def test_a_request_made_outside_any_episode_passes_through_whole(sink: OtlpSink)
     totals = otr.stats()["totals"]
     assert totals.get("dropped.gateway_unknown.spans", 0) == 0
     assert totals["gateway.passed_through"] >= 2
+
+
+def test_two_gateways_starting_at_once_for_the_same_ports_leave_one_serving(tmp_path: Path) -> None:
+    """Two processes of a node start a gateway for the same ports at the same moment (two Ray
+    actors configuring together): one gateway serves both ports and the control socket, the
+    other binds nothing. The race, made certain: the first is held between its HTTP and its gRPC
+    bind while the second starts; without the node's lock the second took the gRPC port, the
+    first then served HTTP alone, and each made the control socket (the later one replacing
+    the other's): the node's clients split between two gateways."""
+    import threading
+
+    from otel_rollouts.correlate import gateway_node
+    from otel_rollouts.delivery.gateway_channel import gateway_dir
+
+    ports = free_ports(2)
+    config = {"address": str(gateway_dir() / f"gw-test-race-{os.getpid()}-{ports[0]}-{ports[1]}"),
+              "host": "127.0.0.1", "http_port": ports[0], "grpc_port": ports[1], "hold_s": 1.0,
+              "max_held_bytes": 1 << 20, "unknown": "drop", "linger_s": 0.0, "span_recipes": [],
+              "log_recipe": None, "limits": {}}
+    first, second = gateway_node.Node(dict(config)), gateway_node.Node(dict(config))
+    held, answers = threading.Event(), {}
+    start_grpc = first.receivers.start_grpc
+
+    def grpc_later(host: str, port: int) -> int:
+        held.wait(30)
+        return start_grpc(host, port)
+
+    first.receivers.start_grpc = grpc_later  # type: ignore[method-assign]
+    threads = [threading.Thread(target=lambda n=n, name=name: answers.__setitem__(name, n.start()))
+               for n, name in ((first, "first"), (second, "second"))]
+    try:
+        threads[0].start()
+        _wait(lambda: first.receivers.http_port is not None, "the first gateway's HTTP port", 30)
+        threads[1].start()
+        threads[1].join(2)  # with the lock it waits for the first one: not done yet
+        held.set()
+        for thread in threads:
+            thread.join(30)
+        serving = [name for name, node in (("first", first), ("second", second)) if node.listener is not None]
+        assert serving == ["first"], answers
+        assert answers["first"]["http_port"] == ports[0] and answers["first"]["grpc_port"] == ports[1]
+        assert answers["second"]["http_port"] is None and answers["second"]["grpc_port"] is None
+        assert len(answers["second"]["errors"]) == 2, answers["second"]  # both ports said busy
+    finally:
+        held.set()
+        for node in (first, second):
+            node.receivers.stop(1.0)
+            if node.listener is not None:
+                node.listener.close()
+        for suffix in (".key", ".lock"):
+            Path(config["address"] + suffix).unlink(missing_ok=True)
