@@ -93,7 +93,7 @@ _MAX_SAMPLES = 1 << 20
 _PENDING = 512
 # a dropped episode's stage times, in the order of EpisodeRecord.timing's running sums
 _ROW_STAGES = (c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD, c.STAGE_WAITING)
-# an inbox entry's (step, split), and its token usage (see _noted)
+# an inbox entry's (step, split), and its token usage (see decided)
 _ENTRY_KEY = itemgetter(0, 1)
 _USAGE = itemgetter(11)
 _NO_USAGE = (0, 0, False, False, 0)
@@ -411,7 +411,7 @@ class RolloutMetrics:
         self._lock = threading.Lock()
         self._steps: dict[tuple[int, str], _Step] = {}
         self._samples = 0  # reservoir values held by all open steps (bounded by _MAX_SAMPLES)
-        # decided episodes as read (``_noted``), fewer than _PENDING, not yet in their steps
+        # decided episodes as read (``decided``), fewer than _PENDING, not yet in their steps
         self._inbox: list[tuple[Any, ...]] = []
         self._sender = _ScalarSender(scalar_sinks, stats) if scalar_sinks else None
         self._instruments = provider is not None
@@ -545,11 +545,28 @@ class RolloutMetrics:
                 self.stage_duration.record(value, by_stage)
 
     def decided(self, record: EpisodeRecord, reason: str | None) -> None:
-        """``reason`` None: kept; else why it was dropped. Called before its spans are freed."""
+        """``reason`` None: kept; else why it was dropped. Called before its spans are freed.
+
+        The common case (no instruments, times from the episode's own spans, added up as they
+        ended, no mismatch) is read into the inbox as it is (one tuple, no lock, nothing
+        computed) and added up ``_PENDING`` at a time (``_fold``); any other, here at once."""
         root = record.root
-        if root is not None and not self._instruments and self._noted(
-                record, root, reason is None, record.reason if reason is None else None):
-            return
+        if root is not None and not self._instruments:
+            attrs = root.attributes
+            end = root.end_ns
+            timing = record.timing
+            if not (end is None or timing is None or timing[7] or timing[6] > end or not record.timed
+                    or record.mismatch is not None or not _GIVEN_TIMES.isdisjoint(attrs)):
+                # (else no running sums: stage spans recorded another way, stage_totals' pass)
+                inbox = self._inbox
+                inbox.append((record.step, record.split, end - root.start_ns, timing[0], timing[1],
+                              timing[2], timing[3], timing[4], timing[5], attrs.get(c.RL_REWARD),
+                              attrs.get(c.RL_STATUS), _usage(record), reason is None,
+                              record.reason if reason is None else None))
+                if len(inbox) >= _PENDING:
+                    with self._lock:
+                        self._fold()
+                return
         reward = record.attribute(c.RL_REWARD)
         reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
         # measured time only: an episode recorded after the fact has none (never 0 s)
@@ -623,26 +640,6 @@ class RolloutMetrics:
             self.tokens.add(tokens_out, {**by_split, c.GEN_AI_TOKEN_TYPE: "output"}, context=ctx)
         if errors:
             self.tool_errors.add(errors, by_split, context=ctx)
-
-    def _noted(self, record: EpisodeRecord, root: Any, kept: bool, kept_by: str | None) -> bool:
-        """``decided`` in the common case (no instruments, times from the episode's own spans,
-        added up as they ended, no mismatch): what the step needs, as read, appended to the inbox
-        (one tuple, no lock, nothing computed) and added up ``_PENDING`` at a time (``_fold``);
-        False (nothing done) for any other case."""
-        attrs = root.attributes
-        end = root.end_ns
-        timing = record.timing
-        if (end is None or timing is None or timing[7] or timing[6] > end or not record.timed
-                or record.mismatch is not None or not _GIVEN_TIMES.isdisjoint(attrs)):
-            return False  # (no running sums: stage spans recorded another way, stage_totals' pass)
-        inbox = self._inbox
-        inbox.append((record.step, record.split, end - root.start_ns, timing[0], timing[1], timing[2],
-                      timing[3], timing[4], timing[5], attrs.get(c.RL_REWARD), attrs.get(c.RL_STATUS),
-                      _usage(record), kept, kept_by))
-        if len(inbox) >= _PENDING:
-            with self._lock:
-                self._fold()
-        return True
 
     def _fold(self) -> None:
         """The inbox's episodes into their steps (under ``self._lock``): counts, statuses, why

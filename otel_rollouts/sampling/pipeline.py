@@ -298,8 +298,11 @@ class Pipeline(SpanProcessor):
             record.state = DROPPED
             self.live.pop(record.trace_id, None)
         observer = self.observer
-        if observer is not None:
-            self._observe_decided(record, SAMPLED_OUT_REASON)
+        if observer is not None:  # _observe_decided, in place
+            try:
+                observer.decided(record, SAMPLED_OUT_REASON)
+            except Exception:  # noqa: BLE001 - metrics never break the pipeline
+                self.stats.add("errors.metrics")
         record.release()
 
     def _late(self, record: EpisodeRecord, key: tuple[int, str]) -> None:
