@@ -424,3 +424,86 @@ def test_a_library_failure_inside_each_per_span_call_is_contained(otr_shutdown, 
                     with handle as h:
                         getattr(h, "result", getattr(h, "output", lambda *a: None))("value")
         assert otr.stats()["totals"].get("errors.library", 0) == before + 1, name
+
+
+# --- 3. hostile values under the names the library reads back ------------------------------------
+class _ExitInt(int):
+    """A reward whose every conversion and comparison raises ``SystemExit``."""
+
+    def __float__(self) -> float:
+        raise SystemExit("float")
+
+    def __hash__(self) -> int:
+        raise SystemExit("hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise SystemExit("eq")
+
+    def __repr__(self) -> str:
+        raise SystemExit("repr")
+
+    __str__ = __repr__
+
+
+class _ExitStr(str):
+    """A status that raises ``SystemExit`` when hashed or compared (a set lookup does both)."""
+
+    def __hash__(self) -> int:
+        raise SystemExit("hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise SystemExit("eq")
+
+
+class _Summaries(InMemorySpanExporter):
+    """An exporter that takes the step scalars, as Trackio's does: the step metrics run too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: dict[int, dict] = {}
+
+    def log_metrics(self, step, values) -> None:
+        self.logged.setdefault(step, {}).update(values)
+
+
+def test_hostile_values_set_under_the_librarys_own_names_are_recorded_plain_and_contained(otr_shutdown):
+    """``set_attribute`` with the reward, the status and the group id the sampler, the group
+    health and the step metrics read back: a subclass whose ``__float__``, ``__hash__`` or
+    ``__eq__`` raises ``SystemExit`` is recorded as the plain value it holds; another object
+    as its guarded text, flagged. Nothing reaches the user; every episode is seen."""
+    from opentelemetry import trace
+
+    exporter = _Summaries()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(4, "top_bottom"), handle_signals=False)
+    n = 40
+    for i in range(n):
+        with otr.episode(step=0, group_id=f"g{i // 8}", sample_index=i % 8, episode_id=f"e{i}") as ep:
+            ep.reward(float(i % 5))
+            if i == 3:  # the best reward of the step: kept
+                ep.set_attribute(c.RL_REWARD, _ExitInt(100))
+            if i == 4:  # through the OpenTelemetry API, on the current span (the root)
+                trace.get_current_span().set_attribute(c.RL_STATUS, _ExitStr(c.STATUS_OK))
+            if i == 5:
+                ep.set_attribute(c.RL_GROUP_ID, _Raising(SystemExit))
+    otr.end_step(0)
+    assert otr.flush(timeout=30)
+    assert exporter.logged[0]["rollouts/episodes_seen"] == n
+    assert exporter.logged[0]["rollouts/reward_max"] == 100.0
+    roots = _roots(exporter)
+    assert type(roots["e3"][c.RL_REWARD]) is int and roots["e3"][c.RL_REWARD] == 100
+    assert otr.stats()["steps"]["0/train"]["seen"] == n
+
+
+def test_set_attribute_on_a_handle_that_records_nothing_is_a_no_op():
+    """Unconfigured (or disabled), the handles record nothing: their ``set_attribute`` (a user's
+    key or one of the library's) does nothing and raises nothing."""
+    from opentelemetry import trace
+
+    otr.shutdown()
+    with otr.episode(step=0) as ep:
+        with ep.turn() as turn:
+            turn.set_attribute("user.key", 1)
+            turn.set_attribute(c.RL_REWARD, _Raising(SystemExit))
+            trace.get_current_span().set_attribute(c.RL_STATUS, _ExitStr("ok"))
+        ep.set_attribute("user.key", 2)
+    assert ep.root is None

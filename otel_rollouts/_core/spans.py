@@ -86,6 +86,10 @@ ATTRIBUTE_RESERVE = 64  # of those, kept for the library's own attributes (added
 _MAX_INVALID = 32  # rl.invalid notes per span: the flags themselves stay bounded
 # the library's own attribute names (conventions): never counted against the user's share
 _OWN_KEYS = frozenset(v for k, v in vars(c).items() if k.isupper() and isinstance(v, str))
+# those of them the sampling path reads back from a root as it decides (see own_value)
+_READ_BACK = frozenset((c.RL_REWARD, c.RL_STATUS, c.RL_GROUP_ID, c.RL_GROUP_EXPECTED_SIZE,
+                        c.RL_COMPANIONS_ID, c.RL_PROMPT_HASH, c.RL_DATASET_INDEX, c.RL_TIMED_OUT,
+                        c.RL_DURATION_SECONDS))
 
 # Episode record states
 OPEN = 0  # root not ended or reward pending: undecided
@@ -159,8 +163,12 @@ class SpanRecord(trace.Span):
         return self.end_ns is None
 
     def set_attribute(self, key: str, value: object) -> None:
+        # a user's call (a handle's, the OpenTelemetry API's on the current span): no user code
+        # runs here (keys and values made text guarded, numbers plain), nothing raises
+        if self.episode is None:
+            return  # a handle that records nothing (disabled, unconfigured): a no-op
         if type(key) is str and key in _OWN_KEYS:  # the library's own: bounded by design
-            self.attributes[key] = value
+            self.attributes[key] = own_value(self, key, value)
         else:
             put_attribute(self, key, value, "attributes")
 
@@ -233,8 +241,41 @@ def put_attribute(span: SpanRecord, key: object, value: object, field: str) -> b
     key = bounded_key(span, key, field)
     if not has_room(span, key, field):
         return False
-    span.attributes[key] = value
+    span.attributes[key] = own_value(span, key, value) if key in _OWN_KEYS else plain(value)
     return True
+
+
+def plain(value: object) -> object:
+    """``value``, a subclass of ``str``, ``int`` or ``float`` made the builtin value it holds
+    without running its code: what the library reads from an attribute (a reward, a status, a
+    group id, a policy's score) is then a plain value, whose ``__float__``, ``__hash__`` or
+    ``__eq__`` a user's subclass cannot make raise (anything, ``SystemExit`` included) inside
+    the sampler. Any other value is returned as it is (rendered, guarded, only if kept)."""
+    kind = type(value)
+    if kind is str or kind is float or kind is int or kind is bool or value is None:
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)  # (the base slots: an exact copy, no user code)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    return value
+
+
+def own_value(span: SpanRecord, key: str, value: object) -> object:
+    """A value set under one of the library's own names (``set_attribute``): ``plain``. Under a
+    name the sampling path reads back (``_READ_BACK``: compared, hashed, summed), an object that
+    is neither a string, a number, a bool nor a list, tuple or dict is recorded as its (guarded)
+    text and flagged in ``rl.invalid``; under the others (content) it stays, rendered if kept."""
+    value = plain(value)
+    kind = type(value)
+    if (kind is str or kind is float or kind is int or kind is bool or value is None
+            or kind is list or kind is tuple or kind is dict or key not in _READ_BACK):
+        return value
+    _note(span, f"attributes: {key} set to a {type_name(value)}, not a string, number, bool or list: "
+          "recorded as its text", "invalid.attribute_values", f"attributes: {key} set to ")
+    return text(value)
 
 
 def bounded_key(span: SpanRecord, key: object, field: str, *, prefix: str = "") -> str:
