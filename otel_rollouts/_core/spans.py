@@ -90,6 +90,8 @@ _OWN_KEYS = frozenset(v for k, v in vars(c).items() if k.isupper() and isinstanc
 _READ_BACK = frozenset((c.RL_REWARD, c.RL_STATUS, c.RL_GROUP_ID, c.RL_GROUP_EXPECTED_SIZE,
                         c.RL_COMPANIONS_ID, c.RL_PROMPT_HASH, c.RL_DATASET_INDEX, c.RL_TIMED_OUT,
                         c.RL_DURATION_SECONDS))
+_PLAIN = frozenset((str, int, float, bool, type(None)))  # values plain already (see plain)
+_READABLE = _PLAIN | {list, tuple, dict}  # values the sampling path reads safely (see own_value)
 
 # Episode record states
 OPEN = 0  # root not ended or reward pending: undecided
@@ -251,8 +253,7 @@ def plain(value: object) -> object:
     group id, a policy's score) is then a plain value, whose ``__float__``, ``__hash__`` or
     ``__eq__`` a user's subclass cannot make raise (anything, ``SystemExit`` included) inside
     the sampler. Any other value is returned as it is (rendered, guarded, only if kept)."""
-    kind = type(value)
-    if kind is str or kind is float or kind is int or kind is bool or value is None:
+    if type(value) in _PLAIN:
         return value
     if isinstance(value, str):
         return str.__str__(value)  # (the base slots: an exact copy, no user code)
@@ -269,9 +270,7 @@ def own_value(span: SpanRecord, key: str, value: object) -> object:
     is neither a string, a number, a bool nor a list, tuple or dict is recorded as its (guarded)
     text and flagged in ``rl.invalid``; under the others (content) it stays, rendered if kept."""
     value = plain(value)
-    kind = type(value)
-    if (kind is str or kind is float or kind is int or kind is bool or value is None
-            or kind is list or kind is tuple or kind is dict or key not in _READ_BACK):
+    if type(value) in _READABLE or key not in _READ_BACK:
         return value
     _note(span, f"attributes: {key} set to a {type_name(value)}, not a string, number, bool or list: "
           "recorded as its text", "invalid.attribute_values", f"attributes: {key} set to ")

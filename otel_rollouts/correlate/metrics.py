@@ -91,11 +91,10 @@ _MAX_SAMPLES = 1 << 20
 # reservoir together (``_Series.add_many``, vectorised): an append per value on the caller's
 # path instead of a reservoir step; pending values count against _MAX_SAMPLES like stored ones
 _PENDING = 512
-# a dropped episode's stage times, in the order of EpisodeRecord.timing's running sums
+# the stages of an episode's times, in the order of EpisodeRecord.timing's running sums
 _ROW_STAGES = (c.STAGE_GENERATION, c.STAGE_TOOL, c.STAGE_REWARD, c.STAGE_WAITING)
-# an inbox entry's (step, split), and its token usage (see decided)
+# an inbox entry's (step, split) (see decided)
 _ENTRY_KEY = itemgetter(0, 1)
-_USAGE = itemgetter(11)
 _NO_USAGE = (0, 0, False, False, 0)
 # root attributes that make the times of an episode other than its spans' (a measure given)
 _GIVEN_TIMES = frozenset((c.RL_DURATION_SECONDS, *(c.stage_seconds(stage) for stage in c.STAGES)))
@@ -268,6 +267,12 @@ class _Step:
         if series is None:
             series = self.stages[stage] = _Series()
         return series
+
+    def add_kept_by(self, reason: str) -> None:
+        """One episode kept for ``reason`` (past ``_MAX_REASONS`` reasons in a step: "policy")."""
+        if reason not in self.kept_by and len(self.kept_by) >= _MAX_REASONS:
+            reason = c.REASON_POLICY
+        self.kept_by[reason] = self.kept_by.get(reason, 0) + 1
 
     def add_reward(self, reward: float) -> None:
         self.rewards += 1
@@ -567,8 +572,7 @@ class RolloutMetrics:
                     with self._lock:
                         self._fold()
                 return
-        reward = record.attribute(c.RL_REWARD)
-        reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+        reward = _reward(record.attribute(c.RL_REWARD))
         # measured time only: an episode recorded after the fact has none (never 0 s)
         duration = record.duration()
         if duration is not None and not (math.isfinite(duration) and duration >= 0):
@@ -597,9 +601,7 @@ class RolloutMetrics:
                 step.dropped += 1
             step.add_status(status, 1, 1 if reason is None else 0)
             if kept_by is not None:
-                if kept_by not in step.kept_by and len(step.kept_by) >= _MAX_REASONS:
-                    kept_by = c.REASON_POLICY
-                step.kept_by[kept_by] = step.kept_by.get(kept_by, 0) + 1
+                step.add_kept_by(kept_by)
             if reward is not None:
                 step.add_reward(reward)
             if duration is not None:
@@ -671,9 +673,7 @@ class RolloutMetrics:
                     step.add_status(status, count, count if was_kept else 0)
                 for kept_by in columns[13]:
                     if kept_by is not None:
-                        if kept_by not in step.kept_by and len(step.kept_by) >= _MAX_REASONS:
-                            kept_by = c.REASON_POLICY
-                        step.kept_by[kept_by] = step.kept_by.get(kept_by, 0) + 1
+                        step.add_kept_by(kept_by)
             rewards = columns[9]
             if set(map(type, rewards)) == {float}:  # the common case: one array
                 values = np.array(rewards, dtype=np.float64)
@@ -682,12 +682,10 @@ class RolloutMetrics:
                 step.reward_min = min(step.reward_min, float(values.min()))
                 step.reward_max = max(step.reward_max, float(values.max()))
             else:
-                for reward in rewards:
-                    if type(reward) is not float:
-                        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-                            continue
-                        reward = float(reward)
-                    step.add_reward(reward)
+                for value in rewards:
+                    reward = _reward(value)
+                    if reward is not None:
+                        step.add_reward(reward)
             usage = columns[11]
             if usage.count(_NO_USAGE) != m:
                 for tokens_in, tokens_out, in_known, out_known, errors in usage:
@@ -814,6 +812,11 @@ def _finite(batch: RowBatch, name: str, rows: np.ndarray) -> np.ndarray | None:
 
     values = batch.scores(name)[rows]
     return values[np.isfinite(values)]
+
+
+def _reward(value: object) -> float | None:
+    """A recorded reward as a float (None: none, or not a number; a bool is not one)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _count(value: object) -> int | None:
