@@ -37,6 +37,7 @@ from otr_helpers import configure_memory, root, shrink_windows, traces
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.sampling.pipeline import READY_BATCH
 
 STEPS = 48
 PER_STEP = 4096
@@ -122,7 +123,7 @@ def test_peak_memory_is_flat_over_48_steps_of_4096_episodes() -> None:
     assert gained < 100, f"{gained} blocks gained: {list(enumerate(blocks))}"
 
 
-def test_what_a_dropped_episode_held_is_released_at_once(configured):
+def test_what_a_dropped_episode_held_is_released_before_its_step_closes(configured):
     exporter = configured(2, "top_bottom", sampler_options={"step_lag": None})
     handles = []
     for i in range(10):
@@ -130,13 +131,17 @@ def test_what_a_dropped_episode_held_is_released_at_once(configured):
             ep.prompt("a" * 10_000)
             ep.reward(float(i))
         handles.append(ep)
-    # before the step closes, the 8 episodes that can no longer be chosen are already let go
+    for i in range(10, 10 + READY_BATCH):  # the ready queue offered: at most 64 wait for it
+        with otr.episode(step=0) as ep:
+            ep.reward(float(i))
+    # before the step closes, the 9 large episodes that can no longer be chosen are let go
+    # (cap 2: top 1, bottom 1; the bottom is episode 0)
     records = [h._record for h in handles]
-    held = [r for r in records if r.spans]
-    assert len(held) == 2  # the current best and worst candidates (cap 2: top 1, bottom 1)
+    assert [i for i, r in enumerate(records) if r.spans] == [0]
     otr.end_step(0)
     otr.flush()
-    assert sorted(root(s).attributes[c.RL_REWARD] for s in traces(exporter).values()) == [0.0, 9.0]
+    assert sorted(root(s).attributes[c.RL_REWARD] for s in traces(exporter).values()) == [
+        0.0, float(9 + READY_BATCH)]
 
 
 def _full_episode(step: int, i: int) -> None:

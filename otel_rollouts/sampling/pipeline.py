@@ -27,7 +27,7 @@ import itertools
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -56,6 +56,10 @@ _SHUTDOWN_S = 30.0  # provider.shutdown() has no timeout argument: this bounds i
 _PENDING_LOCK_S = 0.25  # a stats read waits this long for the lock, then reads the counts without it
 SAMPLED_OUT_REASON = "sampled_out"
 _NO_ATTRIBUTES: dict[str, Any] = {}  # an episode without a root (never written to)
+# complete episodes wait in the ready queue until this many are there, or until the oldest of
+# them ended this long ago (ns), then are offered together (``Pipeline.part_ended``)
+READY_BATCH = 64
+READY_NS = 1_000_000_000
 
 
 def _score(value: object) -> float:
@@ -63,6 +67,15 @@ def _score(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return math.nan
     return float(value)
+
+def _ended(ready: deque[EpisodeRecord]) -> int:
+    """When the oldest episode of the ready queue ended (ns); now's if it was just taken."""
+    try:
+        root = ready[0].root
+    except IndexError:
+        return time.time_ns()
+    return root.end_ns if root is not None and root.end_ns is not None else time.time_ns()
+
 
 class Pipeline(SpanProcessor):
     """Thread-safe holder of the episodes in flight and the per-step sampler buckets."""
@@ -78,6 +91,9 @@ class Pipeline(SpanProcessor):
         self.stats = stats
         self._lock = threading.RLock()  # ``lock``
         self.live: dict[int, EpisodeRecord] = {}  # trace id → undecided episode
+        # complete episodes not offered yet, in the order they completed (``part_ended``); every
+        # path that closes a step or reads its counts offers them first (``_drain``)
+        self._ready: deque[EpisodeRecord] = deque()
         self.steps = StepBook(sampler)  # open and closed steps, the lag and timeout rules
         self.arrivals = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Member | None = None  # resolved lazily: torch.distributed may start later
@@ -218,7 +234,38 @@ class Pipeline(SpanProcessor):
             # since its root's end is set before this is called
             if not self.steps.is_closed((record.step, record.split)):
                 return
-        with self._lock:
+            with self._lock:
+                if record.state == OPEN:
+                    self._offer(record)
+            return
+        # complete. A step whose bucket decides only when the step closes (the built-in
+        # policies: its screen) takes it through the ready queue (an atomic append, no lock),
+        # offered with the others when enough wait or the oldest waited long enough: the
+        # sampler's code runs once for many episodes, while it is warm, not once per episode
+        # right after the user's own work (what a training step feels), and nothing is decided
+        # later than it would be. A step closing meanwhile offers every episode that ended
+        # (``_offer_waiting``): none is missed. Any other bucket may keep it at once: offered now
+        step = self.steps.open.get((record.step, record.split))  # a dict read: atomic
+        if step is None or step.screen is None:
+            with self._lock:
+                if record.state == OPEN:
+                    self._offer(record)
+            return
+        ready = self._ready
+        ready.append(record)
+        if len(ready) >= READY_BATCH or root.end_ns - _ended(ready) > READY_NS:
+            with self._lock:
+                self._drain()
+
+    def _drain(self) -> None:
+        """Offer the complete episodes of the ready queue, in the order they completed (under
+        the lock). One a step's close offered already is skipped."""
+        ready = self._ready
+        while ready:
+            try:
+                record = ready.popleft()
+            except IndexError:  # emptied by another thread meanwhile
+                return
             if record.state == OPEN:
                 self._offer(record)
 
@@ -485,8 +532,10 @@ class Pipeline(SpanProcessor):
         self.steps.trim()
 
     def _offer_waiting(self, match, deadline: float | None = None) -> bool:
-        """Episodes whose root ended but whose reward never came are offered as they are; with
-        ``deadline``, until it passes (False: some were left unoffered)."""
+        """The ready queue offered; then episodes whose root ended but whose reward never came
+        are offered as they are; with ``deadline``, until it passes (False: some were left
+        unoffered)."""
+        self._drain()
         waiting = [
             r
             for r in list(self.live.values())  # a copy: episodes start without the lock
@@ -527,6 +576,8 @@ class Pipeline(SpanProcessor):
         that, read without it)."""
         locked = self._lock.acquire(timeout=_PENDING_LOCK_S)
         try:
+            if locked:  # complete episodes are counted seen
+                self._drain()
             return [(key, name, n) for key, step in list(self.steps.open.items())
                     for name, n in step.counts()]
         finally:
@@ -582,6 +633,9 @@ class Pipeline(SpanProcessor):
         ``episode_timeout_s``, closes timed-out steps."""
         if self.episode_timeout_s is not None and self.live:
             self.end_stale(self.episode_timeout_s)
+        if self._ready:  # episodes that completed a while ago are offered (a slow loop)
+            with self._lock:
+                self._drain()
         if self.sampler.step_timeout_s is not None and self.steps.open:
             with self._lock:
                 self._expire()

@@ -22,6 +22,7 @@ from profiles import examples
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
+from otel_rollouts.sampling.pipeline import READY_BATCH
 
 
 class LastWins:
@@ -312,7 +313,7 @@ class _CountingLock:
         self.release()
 
 
-def test_an_episode_takes_the_pipeline_lock_once_and_no_stats_lock(otr_shutdown):
+def test_episodes_are_offered_many_per_lock_round_trip_and_take_no_stats_lock(otr_shutdown):
     rollouts = otr.configure(exporters=[InMemorySpanExporter()],
                              sampler=otr.TailSampler(2, "top_bottom", step_lag=None))
     pipeline = rollouts.pipeline
@@ -326,10 +327,13 @@ def test_an_episode_takes_the_pipeline_lock_once_and_no_stats_lock(otr_shutdown)
             with ep.turn() as turn:
                 turn.record_generation("x", model="m")
             ep.reward(float(i))
-    assert pipeline._lock.taken == 100  # one round-trip each: the offer to the sampler
+    # complete episodes wait in the ready queue and are offered READY_BATCH at a time: one
+    # lock round-trip for 64 of them (the other 36 wait for the next batch or the step's close)
+    assert pipeline._lock.taken == 100 // READY_BATCH
     assert stats_lock.taken <= 2  # ~300 step counts, appended without a lock, added up in bulk
-    step = otr.stats()["steps"]["0/train"]
+    step = otr.stats()["steps"]["0/train"]  # a read offers those waiting: every one is seen
     assert step["seen"] == step["started"] == 101
+    assert step["dropped.sampled_out"] == 101 - 2  # the two candidates wait for the close
 
 
 def test_a_kept_row_has_the_tree_its_record_callback_made(otr_shutdown):
