@@ -206,6 +206,25 @@ class _Series:
         self.count += n
         return take
 
+    def add_list(self, new: list[float], room: int) -> int:
+        """``add_many`` for a short list of values (an inbox's column): plain Python while they
+        fit in the sample (a numpy call on a few hundred values costs more than the loop, and
+        much more right after the user's own numpy work, its caches cold); else ``add_many``."""
+        n = len(new)
+        values = self.values
+        if not n:
+            return 0
+        if n > min(_RESERVOIR - len(values), room):
+            import numpy as np
+
+            return self.add_many(np.array(new, dtype=np.float64), room)
+        top = max(new)
+        if top > self.max:
+            self.max = top
+        values.extend(new)
+        self.count += n
+        return n
+
     def summary(self, out: dict[str, float], name: str) -> None:
         """``name_p50``, ``name_p95`` (linear interpolation over the sample) and ``name_max``."""
         if not self.count:
@@ -488,6 +507,11 @@ class RolloutMetrics:
         step.stored += taken
         self._samples += taken
 
+    def _time_list(self, step: _Step, series: _Series, values: list[float]) -> None:
+        taken = series.add_list(values, max(_MAX_SAMPLES - self._samples, 0))
+        step.stored += taken
+        self._samples += taken
+
     # --- called by the pipeline (under its lock) --------------------------------------------------
     def dropped_rows(self, batch: RowBatch, indices: Sequence[int], reason: str) -> None:
         """Rows of a batch (``sampling.batch.RowBatch``) dropped before their episodes were
@@ -645,15 +669,15 @@ class RolloutMetrics:
 
     def _fold(self) -> None:
         """The inbox's episodes into their steps (under ``self._lock``): counts, statuses, why
-        kept, rewards, usage and times, a column at a time per step (numpy for the times)."""
+        kept, rewards, usage and times, a column at a time per step, in plain Python (a few
+        hundred values: numpy's per-call cost is more than the loops', and it runs right after
+        the user's numpy work, where its first calls cost milliseconds)."""
         inbox = self._inbox
         n = len(inbox)
         if not n:
             return
         entries = inbox[:n]
         del inbox[:n]  # (appends made meanwhile stay: list operations are atomic)
-        import numpy as np
-
         for (step_no, split), group in groupby(entries, _ENTRY_KEY):
             rows = list(group)
             m = len(rows)
@@ -675,12 +699,11 @@ class RolloutMetrics:
                     if kept_by is not None:
                         step.add_kept_by(kept_by)
             rewards = columns[9]
-            if set(map(type, rewards)) == {float}:  # the common case: one array
-                values = np.array(rewards, dtype=np.float64)
+            if set(map(type, rewards)) == {float}:  # the common case: add_reward, a column at once
                 step.rewards += m
-                step.reward_sum += float(values.sum())
-                step.reward_min = min(step.reward_min, float(values.min()))
-                step.reward_max = max(step.reward_max, float(values.max()))
+                step.reward_sum = sum(rewards, step.reward_sum)
+                step.reward_min = min(step.reward_min, *rewards)  # (a NaN skipped, as one by one)
+                step.reward_max = max(step.reward_max, *rewards)
             else:
                 for value in rewards:
                     reward = _reward(value)
@@ -696,19 +719,20 @@ class RolloutMetrics:
                     step.tool_errors += errors
             # the times: duration (the root's span, never negative), each stage that ended (its
             # running sum), and waiting (what no stage took)
-            table = np.array(columns[2:9], dtype=np.int64)
-            total = np.maximum(table[0], 0)
-            ended = table[4:7] >= 0
-            spent = np.where(ended, table[1:4], 0)
-            waiting = (total - spent.sum(axis=0)) / 1e9
-            duration = total / 1e9
+            totals = [t if t > 0 else 0 for t in columns[2]]
+            durations = [t / 1e9 for t in totals]
             step.durations += m
-            step.duration_sum += float(duration.sum())
-            self._time_column(step, step.duration, duration)
+            step.duration_sum = sum(durations, step.duration_sum)
+            self._time_list(step, step.duration, durations)
+            spent = [0] * m
             for j, name in enumerate(_ROW_STAGES[:3]):
-                if ended[j].any():
-                    self._time_column(step, step.stage(name), table[1 + j, ended[j]] / 1e9)
-            self._time_column(step, step.stage(c.STAGE_WAITING), np.maximum(waiting, 0.0))
+                sums, ends = columns[3 + j], columns[6 + j]
+                if max(ends) >= 0:  # some episode's stage ended
+                    self._time_list(step, step.stage(name),
+                                    [t / 1e9 for t, end in zip(sums, ends, strict=True) if end >= 0])
+                    spent = [a + (t if end >= 0 else 0) for a, t, end in zip(spent, sums, ends, strict=True)]
+            self._time_list(step, step.stage(c.STAGE_WAITING),
+                            [max((t - a) / 1e9, 0.0) for t, a in zip(totals, spent, strict=True)])
 
     def step_closed(self, key: tuple[int, str], health: StepHealth | None = None) -> None:
         """(step, split) closed: its summary goes to the scalar sinks, its group ``health``
