@@ -14,7 +14,9 @@ processes joined to the held episodes); the last two hold a reference to the pip
 their own protocols (``BatchHost``, ``ForeignHost``), whose declared members (``lock``, ``live``,
 ``arrivals``, ``keep``, ``drop``, ...) are all they use of it.
 
-Per episode the offer does little: the numbers its step needs (group, reward, status) appended
+Complete episodes wait in a ready queue and are offered 64 at a time under the built-in
+policies, whose buckets decide only when the step closes (``part_ended``). Per episode the offer
+does little: the numbers its step needs (group, reward, status) appended
 to the step's columns (``health.StepGroups.note``: added up per group when the step's health is
 asked for), the step's counts kept as ints (they reach ``Stats`` when the step closes; a read
 before that adds them in, ``pending_counts``), and, for the built-in policies, a streaming
@@ -161,8 +163,8 @@ class Pipeline(SpanProcessor):
     # --- episodes ------------------------------------------------------------------------------
     def started(self, record: EpisodeRecord) -> None:
         """An episode began. No lock unless its step is newer than any of its split (the lag
-        rule may close older steps) or steps time out: the one lock round-trip of an episode is
-        its offer to the sampler."""
+        rule may close older steps) or steps time out: an episode's lock round-trip is its offer
+        to the sampler (one for 64 episodes under the built-in policies: ``part_ended``)."""
         record.seq = next(self.arrivals)
         self.live[record.trace_id] = record  # one dict store: atomic
         gateway = self.gateway
