@@ -70,6 +70,7 @@ def _score(value: object) -> float:
         return math.nan
     return float(value)
 
+
 def _ended(ready: deque[EpisodeRecord]) -> int:
     """When the oldest episode of the ready queue ended (ns); now's if it was just taken."""
     try:
@@ -244,8 +245,9 @@ class Pipeline(SpanProcessor):
         # policies: its screen) takes it through the ready queue (an atomic append, no lock),
         # offered with the others when enough wait or the oldest waited long enough: the
         # sampler's code runs once for many episodes, while it is warm, not once per episode
-        # right after the user's own work (what a training step feels), and nothing is decided
-        # later than it would be. A step closing meanwhile offers every episode that ended
+        # right after the user's own work (what a training step feels); none is kept later than
+        # it would be (the bucket keeps at the close), a dropped one is let go at most 64
+        # episodes or a second later. A step closing meanwhile offers every episode that ended
         # (``_offer_waiting``): none is missed. Any other bucket may keep it at once: offered now
         step = self.steps.open.get((record.step, record.split))  # a dict read: atomic
         if step is None or step.screen is None:

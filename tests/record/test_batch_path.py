@@ -328,8 +328,10 @@ def test_episodes_are_offered_many_per_lock_round_trip_and_take_no_stats_lock(ot
                 turn.record_generation("x", model="m")
             ep.reward(float(i))
     # complete episodes wait in the ready queue and are offered READY_BATCH at a time: one
-    # lock round-trip for 64 of them (the other 36 wait for the next batch or the step's close)
-    assert pipeline._lock.taken == 100 // READY_BATCH
+    # lock round-trip for 64 of them (the other 36 wait for the next batch or the step's close);
+    # the ticker thread (once a second) or a slow machine (the oldest waited a second) may
+    # offer them once more each, never once per episode
+    assert 100 // READY_BATCH <= pipeline._lock.taken <= 100 // READY_BATCH + 2
     assert stats_lock.taken <= 2  # ~300 step counts, appended without a lock, added up in bulk
     step = otr.stats()["steps"]["0/train"]  # a read offers those waiting: every one is seen
     assert step["seen"] == step["started"] == 101
