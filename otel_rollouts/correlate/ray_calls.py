@@ -61,6 +61,9 @@ __all__ = ["RaySpans", "TracedActorClass", "TracedActorHandle", "TracedRemoteFun
 MAX_PENDING = 100_000
 _PREFIX = "_otr_call__"  # the actor's carrier-taking twin of each public method
 _EXTENSION = "ray_spans"
+# how long a step's close waits for the spans of a call whose value is stored (they are stored
+# right after it: microseconds, unless the machine preempts Ray's thread between the two)
+_SPANS_AFTER_VALUE_S = 1.0
 _STOP_S = 1.0  # how long shutdown waits for the collector thread (one ray.wait of 0.2 s at most)
 
 
@@ -159,7 +162,7 @@ def _returned(refs: Any, n: int, carrier: dict[str, str], record: EpisodeRecord 
         try:
             collector = RaySpans.of_current()
             if collector is not None:
-                collector.track(refs[-1], record)
+                collector.track(refs[-1], record, refs[:-1])
         except Exception as exc:  # noqa: BLE001
             _report(f"ray spans: {exception_text(exc)}")
     return refs[0] if n == 1 else list(refs[:-1])
@@ -296,6 +299,9 @@ class RaySpans:
         self.adopting = threading.Lock()
         self.wake = threading.Event()
         self.pending: dict[Any, EpisodeRecord | None] = {}
+        # each pending spans ref's value refs (what the caller got): a call whose values are
+        # ready has finished, and its spans ref is stored right after them (``settle``)
+        self.values: dict[Any, tuple[Any, ...]] = {}
         self.thread: threading.Thread | None = None
         self.stopped = False  # the run shut down: the thread ends and none starts again
 
@@ -319,21 +325,48 @@ class RaySpans:
         if self.rt.counters is not None:
             self.rt.counters.add(name, n)
 
-    def track(self, ref: Any, record: EpisodeRecord | None) -> None:
+    def track(self, ref: Any, record: EpisodeRecord | None, values: Any = ()) -> None:
         with self.lock:
             if len(self.pending) >= self.limit:
                 self._count("dropped.ray_spans")
                 return
             self.pending[ref] = record
+            if values:
+                self.values[ref] = tuple(values)
             if self.thread is None and not self.stopped:
                 self.thread = threading.Thread(target=self._run, name="otel-rollouts-ray-spans", daemon=True)
                 self.thread.start()
         self.wake.set()
 
     def settle(self) -> None:
-        """Adopt the spans of every call whose task has finished (run before a step closes)."""
+        """Adopt the spans of every call whose task has finished (run before a step closes).
+
+        A call's returns are stored one after the other when its reply arrives: the caller may
+        hold its value while its spans ref is not stored yet (a loaded machine preempts Ray's
+        thread between the two). Such a call has finished: its spans are waited for (at most
+        ``_SPANS_AFTER_VALUE_S``), so a call whose value the trainer has is in its episode when
+        the step is decided."""
         with self.adopting:
-            self._adopt(self._take(self._finished(0)))
+            finished = self._finished(0)
+            following = self._values_ready(finished)
+            if following:
+                ready, _ = self.ray.wait(following, num_returns=len(following),
+                                         timeout=_SPANS_AFTER_VALUE_S, fetch_local=True)
+                finished += list(ready)
+            self._adopt(self._take(finished))
+
+    def _values_ready(self, finished: list[Any]) -> list[Any]:
+        """The pending spans refs not in ``finished`` whose call's values are all stored."""
+        done = set(finished)
+        with self.lock:
+            waiting = [(ref, values) for ref, values in self.values.items()
+                       if ref in self.pending and ref not in done]
+        refs = [v for _, values in waiting for v in values]
+        if not refs:
+            return []
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        stored = set(ready)
+        return [ref for ref, values in waiting if all(v in stored for v in values)]
 
     def stop(self, timeout: float = _STOP_S) -> None:
         """End the thread (at shutdown, after the last ``settle``), waiting for it at most
@@ -350,6 +383,7 @@ class RaySpans:
             if self.pending:
                 self._count("dropped.ray_spans", len(self.pending))
                 self.pending.clear()
+            self.values.clear()
 
     def _finished(self, timeout: float) -> list[Any]:
         """The pending calls whose task has finished (waiting up to ``timeout`` for one)."""
@@ -362,6 +396,8 @@ class RaySpans:
 
     def _take(self, refs: list[Any]) -> list[tuple[Any, EpisodeRecord | None]]:
         with self.lock:
+            for ref in refs:
+                self.values.pop(ref, None)
             return [(ref, self.pending.pop(ref)) for ref in refs if ref in self.pending]
 
     def _adopt(self, items: list[tuple[Any, EpisodeRecord | None]]) -> None:
@@ -393,5 +429,6 @@ class RaySpans:
                 with self.lock:
                     self._count("dropped.ray_spans", len(self.pending))
                     self.pending.clear()
+                    self.values.clear()
         with self.lock:
             self.thread = None
