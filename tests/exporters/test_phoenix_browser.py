@@ -158,14 +158,14 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
     for column in ("annotations-score-reward", "annotations-score-status", "metadata", "error", "userId",
                    "annotations", "startTime", "latencyMs", "cumulativeTokenCountTotal",
                    "cumulativeTokenCostTotal"):  # shown: reward, status, metadata; hidden: the rest
-        wait_for(browser, lambda d, col=column: d.find_element(
-            By.CSS_SELECTOR, f"li[data-column-id='{col}'] label"), f"the {column} column").click()
+        click_when_ready(browser, lambda d, col=column: d.find_element(
+            By.CSS_SELECTOR, f"li[data-column-id='{col}'] label"), f"the {column} column")
     browser.switch_to.active_element.send_keys(Keys.ESCAPE)
     browser.find_element(By.XPATH, "//button[@aria-label='Hide aside panel']").click()
     # 2. sorted by the reward column: the first click sorts descending, the second ascending
     header = "th[data-column-id='annotations-score-reward'] div.sort"
     expected = [_question(k) for k in step40]
-    wait_for(browser, lambda d: d.find_element(By.CSS_SELECTOR, header), "the reward column").click()
+    click_when_ready(browser, lambda d: d.find_element(By.CSS_SELECTOR, header), "the reward column")
     wait_for(browser, lambda d: order_any(d, step40) == expected[::-1], "best first", tmp_path / "phoenix-sorted.png")
     browser.find_element(By.CSS_SELECTOR, header).click()
     wait_for(browser, lambda d: order_any(d, step40) == expected, f"worst first: {expected}", tmp_path / "phoenix-sorted.png")
@@ -188,8 +188,8 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
 
     # 4. its session: the three episodes of its group at step 40, nothing of steps 38 and 39
     browser.get(f"{phoenix.base_url}/redirects/traces/{traces[worst]}")
-    wait_for(browser, lambda d: d.find_element(By.XPATH, "//a[normalize-space(.)='View Session']"),
-             "the trace's View Session button", tmp_path / "phoenix-trace.png").click()
+    click_when_ready(browser, lambda d: d.find_element(By.XPATH, "//a[normalize-space(.)='View Session']"),
+                     "the trace's View Session button", tmp_path / "phoenix-trace.png")
     group = [k for k in GROUPS if k[:2] == worst[:2]]
     others = [k for k in GROUPS if k[:2] != worst[:2]]
     def session(d) -> str:  # the session drawer (the sessions list stays behind it)
@@ -205,13 +205,12 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
 
     # 5. the reward span's evaluation events: each names its score and value
     browser.get(f"{phoenix.base_url}/redirects/traces/{traces[worst]}")
-    wait_for(browser, lambda d: d.find_element(
-        By.XPATH, _tree_node("reward")),
-        "the reward span in the trace tree", tmp_path / "phoenix-trace.png").click()
-    wait_for(browser, lambda d: d.find_element(
-        By.XPATH, "//*[@role='tab' and starts-with(normalize-space(.),'Events')]"), "the Events tab").click()
-    wait_for(browser, lambda d: d.find_element(
-        By.XPATH, "//*[normalize-space(text())='gen_ai.evaluation.result']"), "an evaluation event").click()
+    click_when_ready(browser, lambda d: d.find_element(By.XPATH, _tree_node("reward")),
+                     "the reward span in the trace tree", tmp_path / "phoenix-trace.png")
+    click_when_ready(browser, lambda d: d.find_element(
+        By.XPATH, "//*[@role='tab' and starts-with(normalize-space(.),'Events')]"), "the Events tab")
+    click_when_ready(browser, lambda d: d.find_element(
+        By.XPATH, "//*[normalize-space(text())='gen_ai.evaluation.result']"), "an evaluation event")
     wait_for(browser, lambda d: f"reward = {_reward(*worst)}" in body(d),
              "the expanded event saying which score it is", tmp_path / "phoenix-events.png")
     save_screenshot(browser, tmp_path / "phoenix-events.png")
