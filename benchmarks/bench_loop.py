@@ -13,7 +13,9 @@ episodes: ~0.45% per step). Per step: (traced episodes' training-thread CPU + ``
 (its other threads, the flush) and its child processes (the renderer of ``render="process"``,
 read at nanosecond resolution from schedstat); the median (quartiles) over ``--steps`` x
 ``--rounds`` steps. Arms, each a step of its own, in rotated order: ``aa`` (untraced against
-untraced: the A/A row, the same units), ``otr`` (this checkout) and, with ``--prev REV``, the
+untraced: the A/A row, the same units), ``floor`` (``FloorLib``: no library, the least a recorder
+of the same 9 spans with this API can do, in the same units: what no implementation goes
+below), ``otr`` (this checkout) and, with ``--prev REV``, the
 previous release (its package exported from git at REV, absolute imports rewritten, imported as
 ``otel_rollouts_prev`` in the same process); ``--kinds process`` runs ``aa`` and
 ``render="process"`` in a process of their own. The threads of a library not measured in a step
@@ -24,7 +26,8 @@ untraced episodes did at least half their calibrated work.
     python benchmarks/bench_loop.py --prev 6ee8273 --markdown   # 8 steps per arm (~5 CPU minutes)
     python benchmarks/bench_loop.py --quick --kinds thread       # smoke
     python benchmarks/bench_loop.py --profile 1024               # where a traced episode's time goes
-    python benchmarks/bench_loop.py --segments 128 --steps 4     # the same, timed in the loop itself
+    python benchmarks/bench_loop.py --segments 128 --steps 4     # the same, timed in the loop itself,
+                                                                 # against the floor
 
 ``--mode steps`` (below): untraced and traced whole steps alternated, every variant and peer in
 a process of its own (the peers' table).
@@ -850,9 +853,10 @@ def print_conditions(cond: dict[str, Any]) -> None:
 USER_SPANS = 9  # episode, prompt, 3 generations, 3 tool calls, reward
 USER_WORK_MS = 7.5
 LIBS = ("otel_rollouts_prev", "otel_rollouts")
-EPISODE_ARMS = {"thread": ["aa", "otr", "prev"], "process": ["aa", "otr_process"]}
+EPISODE_ARMS = {"thread": ["aa", "floor", "otr", "prev"], "process": ["aa", "otr_process"]}
 ARM_LABELS = {
     "aa": "A/A: untraced against untraced (the method's noise floor)",
+    "floor": "floor: no library, the least a recorder with this API can do (`FloorLib`)",
     "otr": "otel_rollouts (this checkout), cap 32, render thread",
     "prev": "previous release{rev}, cap 32, render thread",
     "otr_process": "otel_rollouts (this checkout), cap 32, render=\"process\"",
@@ -939,6 +943,85 @@ def export_prev(rev: str) -> str:
     return folder
 
 
+class FloorLib:
+    """The no-library floor of the loop's calls, the least a recorder with this API can do, with
+    the library's call shapes (``episode``, ``traced``; ``end_step``, ``flush``, ``shutdown`` do
+    nothing): per span one slotted object with a random 64-bit id and ``time_ns`` stamps; the
+    episode and each traced call a ``with`` block attached to and detached from the
+    OpenTelemetry context (nested instrumentation would join it); a traced call holds its
+    arguments and result by reference (no copy); the episode's spans let go at its end.
+    ``built``: the spans of each finished episode (a check that it recorded the tree)."""
+
+    def __init__(self) -> None:
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+
+        getrandbits, time_ns = random.getrandbits, time.time_ns
+        attach, detach, in_context, current = (otel_context.attach, otel_context.detach,
+                                               trace.set_span_in_context, otel_context.get_current)
+        span_key = next(iter(in_context(trace.INVALID_SPAN, otel_context.Context())))  # its key, public API
+        built = self.built = []
+
+        class S:
+            __slots__ = ("name", "trace_id", "span_id", "parent_id", "start", "end", "value", "token", "spans")
+
+            def __init__(self, name: str, trace_id: int, parent_id: int | None, value: Any = None) -> None:
+                self.name = name
+                self.trace_id = trace_id
+                self.span_id = getrandbits(64)
+                self.parent_id = parent_id
+                self.value = value
+                self.token: Any = None
+                self.spans: list[S] | None = None
+                self.start = time_ns()
+                self.end = 0
+
+            def __enter__(self) -> S:
+                self.token = attach(in_context(self))  # type: ignore[arg-type]
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                detach(self.token)
+                self.end = time_ns()
+                spans = self.spans
+                if spans is not None:  # the episode: let go
+                    built.append(len(spans))
+                    self.spans = None
+
+            def prompt(self, messages: Any) -> None:
+                self.spans.append(S("prompt", self.trace_id, self.span_id, messages))  # type: ignore[union-attr]
+
+            def reward(self, value: float) -> None:
+                self.spans.append(S("reward", self.trace_id, self.span_id, value))  # type: ignore[union-attr]
+
+        def episode(step: int, group_id: str, sample_index: int) -> S:
+            root = S("episode", getrandbits(128), None, (step, group_id, sample_index))
+            root.spans = [root]
+            return root
+
+        def traced(kind: str, **_: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+                def wrapper(*args: Any) -> Any:
+                    parent = current().get(span_key)
+                    with S(kind, parent.trace_id, parent.span_id, args) as span:  # type: ignore[union-attr]
+                        span.value = result = fn(*args)
+                    parent.spans.append(span)  # type: ignore[union-attr]
+                    return result
+                return wrapper
+            return decorate
+
+        self.episode, self.traced = episode, traced
+
+    def end_step(self, step: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
 class UserLoop:
     """The user's episode: a prompt, 3 generations (``@traced``, taking the growing
     conversation, doing the inference stand-in), 3 tool calls (``@traced``), a reward. ``lib``
@@ -991,7 +1074,7 @@ class EpisodeArm:
         self.path = ""
         self.offset = 0
         self.exporter: Any = None
-        if lib is None:
+        if lib is None or isinstance(lib, FloorLib):
             return
         if process:
             import tempfile
@@ -1008,7 +1091,7 @@ class EpisodeArm:
                           handle_signals=False)
 
     def counts(self, step: int) -> tuple[int, int, int | None]:
-        if self.lib is None:
+        if self.lib is None or isinstance(self.lib, FloorLib):
             return 0, 0, None
         if self.path:
             roots, spans, self.offset = count_jsonl(self.path, self.offset)
@@ -1032,6 +1115,8 @@ def episode_child(kind: str, episodes: int, steps: int, block: int, iters: int, 
     if kind == "process":
         arms.append(EpisodeArm("otr_process", otel_rollouts, work, training, True))
     else:
+        floor = FloorLib()
+        arms.append(EpisodeArm("floor", floor, work, training, False))
         arms.append(EpisodeArm("otr", otel_rollouts, work, training, False))
         if prev:
             sys.path.insert(0, prev)
@@ -1042,7 +1127,8 @@ def episode_child(kind: str, episodes: int, steps: int, block: int, iters: int, 
     clock = time.thread_time
 
     def measured(arm: EpisodeArm, step: int, n: int) -> dict[str, Any]:
-        own = LIBS[1] if arm.lib is otel_rollouts else LIBS[0] if arm.lib is not None else None
+        own = (LIBS[1] if arm.lib is otel_rollouts
+               else None if arm.lib is None or isinstance(arm.lib, FloorLib) else LIBS[0])
         idle = {lib for lib in LIBS if lib != own}
         on_episode, off_episode = arm.loop.episode, off.episode
         gc.collect()
@@ -1091,6 +1177,8 @@ def episode_child(kind: str, episodes: int, steps: int, block: int, iters: int, 
     out["step_summaries"] = {a.name: a.exporter.steps_logged for a in arms
                              if a.lib is not None and hasattr(a.exporter, "steps_logged")}
     out["net_attempts"] = overhead.NET_ATTEMPTS[:5]
+    if kind == "thread":
+        out["floor_built"] = sorted(set(floor.built))
     return out
 
 
@@ -1122,6 +1210,8 @@ def episode_checks(results: list[dict[str, Any]], work_ms: float) -> list[str]:
         for name, logged in res.get("step_summaries", {}).items():
             if logged < len([st for st in res["steps"] if st["arm"] == name]):
                 problems.append(f"{res['kind']}: {name} logged {logged} step summaries, fewer than its steps")
+        if res.get("kind") == "thread" and res.get("floor_built") != [USER_SPANS]:
+            problems.append(f"thread: the floor's episodes built {res.get('floor_built')} spans, not {USER_SPANS}")
         if res.get("net_attempts"):
             problems.append(f"{res['kind']}: attempted network connections {res['net_attempts']}")
         for st in res["steps"]:
@@ -1129,7 +1219,7 @@ def episode_checks(results: list[dict[str, Any]], work_ms: float) -> list[str]:
             if st["off"] < OFF_WORK_FLOOR * n * work_ms / 1e3:
                 problems.append(f"{arm} step {st['step']}: the untraced episodes took {st['off'] * 1e3:.0f} ms of "
                                 f"thread CPU, under {OFF_WORK_FLOOR:.0%} of the calibrated {n * work_ms:.0f} ms")
-            if arm == "aa":
+            if arm in ("aa", "floor"):
                 continue
             want = min(CAP, n)
             if st["episodes"] != want or st["spans"] != want * USER_SPANS or st["delivered"] != want:
@@ -1239,13 +1329,18 @@ def episode_profile(episodes: int, top: int = 30) -> int:
 SEGMENTS = ("enter", "prompt", "generations", "tool calls", "reward", "exit", "end_step")
 
 
+SEGMENT_ARMS = ("none", "floor", "otr")
+
+
 def episode_segments(episodes: int, steps: int, work_ms: float) -> int:
     """Where the traced episode's extra CPU goes in the user's loop itself (real work between the
     calls, so the tracing code runs as it does there: after the work, its caches cold): the
-    episode's segments timed in traced and untraced episodes alternated ABBA one by one, the
-    default configuration, cap 32; per segment the training-thread CPU per episode in each arm
-    and the difference. Checks: the untraced generations did at least half the calibrated work,
-    and every step kept min(32, n) episodes."""
+    episode's segments timed in untraced, floor (``floor_api``: the least any recorder with
+    this API costs) and traced episodes alternated one by one in the order none floor otr otr
+    floor none, the default configuration, cap 32; per segment the training-thread CPU per
+    episode in each arm and the floor's and otel_rollouts' extra over the untraced episode.
+    Checks: the untraced generations did at least half the calibrated work, every step kept
+    min(32, n) episodes, the floor's episodes built their 9 spans."""
     import otel_rollouts as otr
 
     overhead._guard_network()
@@ -1264,24 +1359,29 @@ def episode_segments(episodes: int, steps: int, work_ms: float) -> int:
     def search(arguments: dict[str, Any]) -> str:
         return str(held[1])
 
-    traced_generate = otr.traced(kind="generation", model="policy")(generate)
-    traced_search = otr.traced(kind="tool", name="search")(search)
-    spent: dict[tuple[bool, str], int] = dict.fromkeys(((t, s) for t in (False, True) for s in SEGMENTS), 0)
+    floor = FloorLib()
+    calls = {
+        "none": (generate, search, None),
+        "floor": (floor.traced(kind="generation")(generate), floor.traced(kind="tool")(search), floor.episode),
+        "otr": (otr.traced(kind="generation", model="policy")(generate),
+                otr.traced(kind="tool", name="search")(search), otr.episode),
+    }
+    spent: dict[tuple[str, str], int] = dict.fromkeys(((a, s) for a in SEGMENT_ARMS for s in SEGMENTS), 0)
 
-    def run(traced: bool, step: int, i: int) -> None:
+    def run(arm: str, step: int, i: int) -> None:
         prompt, completions, args, result, reward = sample(i)
         held[0], held[1] = completions, result
-        gen, tool = (traced_generate, traced_search) if traced else (generate, search)
+        gen, tool, begin = calls[arm]
         ep = None
         t = clock()
-        if traced:
-            ep = otr.episode(step=step, group_id=f"g{i // 8}", sample_index=i % 8)
+        if begin is not None:
+            ep = begin(step=step, group_id=f"g{i // 8}", sample_index=i % 8)
             ep.__enter__()
             t1 = clock()
-            spent[True, "enter"] += t1 - t
+            spent[arm, "enter"] += t1 - t
             ep.prompt(prompt)
             t = clock()
-            spent[True, "prompt"] += t - t1
+            spent[arm, "prompt"] += t - t1
         messages = list(prompt)
         for k in range(3):
             t1 = clock()
@@ -1292,49 +1392,56 @@ def episode_segments(episodes: int, steps: int, work_ms: float) -> int:
             answer = tool(args)
             t4 = clock()
             messages.append({"role": "tool", "content": answer})
-            spent[traced, "generations"] += t2 - t1
-            spent[traced, "tool calls"] += t4 - t3
+            spent[arm, "generations"] += t2 - t1
+            spent[arm, "tool calls"] += t4 - t3
         if ep is not None:
             t1 = clock()
             ep.reward(reward)
             t2 = clock()
             ep.__exit__(None, None, None)
             t3 = clock()
-            spent[True, "reward"] += t2 - t1
-            spent[True, "exit"] += t3 - t2
+            spent[arm, "reward"] += t2 - t1
+            spent[arm, "exit"] += t3 - t2
 
     kept = []
+    order = SEGMENT_ARMS + SEGMENT_ARMS[::-1]
     for step in range(steps + 1):  # step 0 warms up
         for i in range(0, episodes, 2):
-            for traced, j in ((False, i), (True, i), (True, i + 1), (False, i + 1)):
-                run(traced, step, j)
+            for j, arm in enumerate(order):
+                run(arm, step, i + j // 3)
         t = clock()
         otr.end_step(step)
-        spent[True, "end_step"] += clock() - t
+        spent["otr", "end_step"] += clock() - t
         otr.flush()
         kept.append(drain(exporter)[0])
         if step == 0:
             spent = dict.fromkeys(spent, 0)
     otr.shutdown()
     n = episodes * steps
-    print(f"bench_loop --segments: {episodes} traced + {episodes} untraced episodes per step alternated ABBA one by "
-          f"one, {steps} steps, {3 * per_call(work) * 1e3:.2f} ms of numpy CPU per episode; training-thread CPU "
-          f"per episode, load average {[round(x, 2) for x in os.getloadavg()]}")
-    print(f"  {'segment':12s} {'traced µs':>10s} {'untraced µs':>12s} {'tracing µs':>11s}")
-    total_on = total_off = 0.0
+    print(f"bench_loop --segments: {episodes} untraced, floor and traced episodes per step alternated one by one "
+          f"(none floor otr otr floor none), {steps} steps, {3 * per_call(work) * 1e3:.2f} ms of numpy CPU per "
+          f"episode; training-thread CPU per episode, load average {[round(x, 2) for x in os.getloadavg()]}")
+    print(f"  {'segment':12s} {'untraced µs':>12s} {'floor +µs':>10s} {'otr +µs':>9s} {'otr/floor':>10s}")
+    total = dict.fromkeys(SEGMENT_ARMS, 0.0)
     for seg in SEGMENTS:
-        on, off = spent[True, seg] / n / 1e3, spent[False, seg] / n / 1e3
-        total_on, total_off = total_on + on, total_off + off
-        print(f"  {seg:12s} {on:10.1f} {off:12.1f} {on - off:11.1f}")
-    print(f"  {'all':12s} {total_on:10.1f} {total_off:12.1f} {total_on - total_off:11.1f}   "
-          f"({100 * (total_on - total_off) / total_off:+.1f}% of the untraced episode's measured CPU)")
+        per = {a: spent[a, seg] / n / 1e3 for a in SEGMENT_ARMS}
+        for a in SEGMENT_ARMS:
+            total[a] += per[a]
+        f, o = per["floor"] - per["none"], per["otr"] - per["none"]
+        print(f"  {seg:12s} {per['none']:12.1f} {f:10.1f} {o:9.1f} {o / f if f > 0.05 else float('nan'):10.2f}")
+    f, o = total["floor"] - total["none"], total["otr"] - total["none"]
+    print(f"  {'all':12s} {total['none']:12.1f} {f:10.1f} {o:9.1f} {o / f:10.2f}")
+    print(f"  step overhead: floor {100 * f / total['none']:+.2f}%, otel_rollouts {100 * o / total['none']:+.2f}% "
+          "of the untraced episode's measured CPU")
     problems = []
-    if spent[False, "generations"] / n < 0.5 * 3 * per_call(work) * 1e9:
+    if spent["none", "generations"] / n < 0.5 * 3 * per_call(work) * 1e9:
         problems.append("the untraced generations did less than half the calibrated work")
     if kept[1:] != [min(CAP, episodes)] * steps:
         problems.append(f"kept per step {kept[1:]}, expected {min(CAP, episodes)}")
-    print("checked: the untraced generations did their calibrated work; every step kept min(32, n) episodes"
-          if not problems else "FAILED: " + "; ".join(problems))
+    if set(floor.built) != {USER_SPANS}:
+        problems.append(f"the floor's episodes built {sorted(set(floor.built))} spans, not {USER_SPANS}")
+    print("checked: the untraced generations did their calibrated work; every step kept min(32, n) episodes; "
+          "the floor built 9 spans an episode" if not problems else "FAILED: " + "; ".join(problems))
     return 1 if problems else 0
 
 

@@ -55,23 +55,27 @@ def test_bench_loop_quick_checks_every_variant() -> None:
 
 @pytest.mark.slow
 def test_bench_loop_episodes_mode_checks_every_arm() -> None:
-    # the default mode: traced and untraced episodes alternated in one process, the A/A arm and
-    # the previous release (here this checkout's HEAD, exported and imported as otel_rollouts_prev)
+    # the default mode: traced and untraced episodes alternated in one process, the A/A arm, the
+    # no-library floor and the previous release (here this checkout's HEAD, exported and imported
+    # as otel_rollouts_prev)
     proc = run_benchmark("bench_loop.py", "--quick", "--kinds", "thread", "--prev", "HEAD")
     assert "CHECK FAILED" not in proc.stdout
     assert "checked: every traced step exported min(32, episodes) episodes x 9 spans" in proc.stdout
-    arms = [line.split()[0] for line in proc.stdout.splitlines() if line.split()[:1] in (["aa"], ["otr"], ["prev"])]
-    assert arms == ["aa", "otr", "prev"]
+    arms = [line.split()[0] for line in proc.stdout.splitlines()
+            if line.split()[:1] in (["aa"], ["floor"], ["otr"], ["prev"])]
+    assert arms == ["aa", "floor", "otr", "prev"]  # (the floor's spans are among the checks)
 
 
 @pytest.mark.slow
 def test_bench_loop_segments_attributes_the_traced_episode_in_the_loop() -> None:
     proc = run_benchmark("bench_loop.py", "--segments", "8", "--steps", "1", "--work-ms", "1")
-    assert "checked: the untraced generations did their calibrated work; every step kept min(32, n)" in proc.stdout
+    assert ("checked: the untraced generations did their calibrated work; every step kept min(32, n) episodes; "
+            "the floor built 9 spans an episode") in proc.stdout
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
     assert {"enter", "prompt", "generations", "tool", "reward", "exit", "end_step", "all"} <= set(rows)
-    tracing = float(rows["all"].split()[3])
-    assert tracing > 0  # the traced episodes did the work and the tracing
+    _, untraced, floor, tracing, _ = rows["enter"].split()  # entering: untimed in the untraced arm
+    assert float(untraced) == 0 and float(floor) > 0 and float(tracing) > 0
+    assert "step overhead: floor +" in proc.stdout
 
 
 @pytest.mark.slow
