@@ -53,14 +53,15 @@ from typing import Any
 TREES = {"six": 6, "reward": 2, "eleven": 11}
 
 
-def floor_trees() -> tuple[dict[str, Callable[[int, int], int]], list[int]]:
-    """The floor's tree functions; each returns the spans it built."""
+def floor_span_class() -> type:
+    """The floor's span: one slotted object with a random 64-bit id (``getrandbits``) and
+    ``time_ns`` stamps, attached to and detached from the OpenTelemetry context as a ``with``
+    block (``close`` ends a leaf span). ``bench_loop.py``'s floor builds on it."""
     from opentelemetry import context as otel_context
     from opentelemetry import trace
 
     getrandbits, time_ns = random.getrandbits, time.time_ns
     attach, detach, in_context = otel_context.attach, otel_context.detach, trace.set_span_in_context
-    built = [0]
 
     class S:
         __slots__ = ("name", "trace_id", "span_id", "parent_id", "start", "end", "value", "token")
@@ -86,6 +87,15 @@ def floor_trees() -> tuple[dict[str, Callable[[int, int], int]], list[int]]:
         def __exit__(self, *exc: object) -> None:
             detach(self.token)
             self.end = time_ns()
+
+    return S
+
+
+def floor_trees() -> tuple[dict[str, Callable[[int, int], int]], list[int]]:
+    """The floor's tree functions; each returns the spans it built."""
+    getrandbits = random.getrandbits
+    built = [0]
+    S = floor_span_class()
 
     def six(i: int, step: int) -> int:
         tid = getrandbits(128)

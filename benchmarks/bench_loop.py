@@ -124,6 +124,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_overhead as overhead  # noqa: E402 - the content, the network guard, the checkout
+from bench_dropped import floor_span_class  # noqa: E402 - the floor's span
 
 VARIANTS = ["aa_control", "otr_cap32", "otr_traced_cap32", "otr_batch_cap32", "otr_keep_all",
             "otr_cap32_process", "otr_keep_all_process", "raw_sdk_all", "raw_sdk_head16", "logfire", "openinference", "langfuse"]
@@ -956,46 +957,30 @@ class FloorLib:
         from opentelemetry import context as otel_context
         from opentelemetry import trace
 
-        getrandbits, time_ns = random.getrandbits, time.time_ns
-        attach, detach, in_context, current = (otel_context.attach, otel_context.detach,
-                                               trace.set_span_in_context, otel_context.get_current)
+        getrandbits = random.getrandbits
+        current, in_context = otel_context.get_current, trace.set_span_in_context
         span_key = next(iter(in_context(trace.INVALID_SPAN, otel_context.Context())))  # its key, public API
         built = self.built = []
+        S = floor_span_class()
 
-        class S:
-            __slots__ = ("name", "trace_id", "span_id", "parent_id", "start", "end", "value", "token", "spans")
+        class Ep(S):  # type: ignore[misc, valid-type]
+            """The episode: a span holding its spans, let go at its end."""
 
-            def __init__(self, name: str, trace_id: int, parent_id: int | None, value: Any = None) -> None:
-                self.name = name
-                self.trace_id = trace_id
-                self.span_id = getrandbits(64)
-                self.parent_id = parent_id
-                self.value = value
-                self.token: Any = None
-                self.spans: list[S] | None = None
-                self.start = time_ns()
-                self.end = 0
-
-            def __enter__(self) -> S:
-                self.token = attach(in_context(self))  # type: ignore[arg-type]
-                return self
+            __slots__ = ("spans",)
 
             def __exit__(self, *exc: object) -> None:
-                detach(self.token)
-                self.end = time_ns()
-                spans = self.spans
-                if spans is not None:  # the episode: let go
-                    built.append(len(spans))
-                    self.spans = None
+                S.__exit__(self)
+                built.append(len(self.spans))
+                self.spans = None
 
             def prompt(self, messages: Any) -> None:
-                self.spans.append(S("prompt", self.trace_id, self.span_id, messages))  # type: ignore[union-attr]
+                self.spans.append(S("prompt", self.trace_id, self.span_id, messages).close())
 
             def reward(self, value: float) -> None:
-                self.spans.append(S("reward", self.trace_id, self.span_id, value))  # type: ignore[union-attr]
+                self.spans.append(S("reward", self.trace_id, self.span_id, value).close())
 
-        def episode(step: int, group_id: str, sample_index: int) -> S:
-            root = S("episode", getrandbits(128), None, (step, group_id, sample_index))
+        def episode(step: int, group_id: str, sample_index: int) -> Ep:
+            root = Ep("episode", getrandbits(128), None, (step, group_id, sample_index))
             root.spans = [root]
             return root
 
