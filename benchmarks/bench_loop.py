@@ -459,9 +459,9 @@ class RawSdkLoop(Loop):
                                     "gen_ai.tool.call.result": result}):
                                 pass
                 with tracer.start_as_current_span("reward", attributes={
-                        "rl.span.kind": "reward", "rl.reward": reward}):
+                        "rl.span.kind": "reward", "rl.reward.score": reward}):
                     pass
-                root.set_attribute("rl.reward", reward)
+                root.set_attribute("rl.reward.score", reward)
 
     def settle(self, step: int) -> None:
         self.provider.force_flush()

@@ -178,7 +178,7 @@ def check(variant: str, batch: dict[str, Any], tokenizer: Any, lp: dict[str, Any
     line = f"{variant}: {recorded} of {samples} rows became episodes, {len(roots)} kept with rl.mismatch.*"
     if kind == "diverge":
         chosen = sorted(r.attributes[c.RL_SAMPLE_INDEX] for r in roots
-                        if r.attributes[c.RL_SAMPLING_REASON] == c.REASON_MISMATCH)
+                        if r.attributes[c.RL_KEEP_REASON] == c.REASON_MISMATCH)
         diverging = lp["diverging_rows"]
         assert set(diverging) <= set(chosen), (variant, "diverging not kept", diverging, chosen)
         top = sorted(np.argsort(-kl, kind="stable")[: len(chosen)].tolist())

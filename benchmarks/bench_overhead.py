@@ -350,8 +350,8 @@ def make_floor_contract() -> tuple[RunStep, Close]:
 
     @guarded
     def reward(root: Span, spans: list[Span], value: float) -> None:
-        root.attributes["rl.reward"] = float(value)
-        span = Span(spans, "reward", root.trace_id, root.span_id, {"rl.span.kind": "reward", "rl.reward": float(value)})
+        root.attributes["rl.reward.score"] = float(value)
+        span = Span(spans, "reward", root.trace_id, root.span_id, {"rl.span.kind": "reward", "rl.reward.score": float(value)})
         span.end = time_ns()
 
     @guarded
@@ -434,9 +434,9 @@ def make_raw_sdk(traced: bool = False) -> tuple[RunStep, Close]:
                                 "gen_ai.tool.call.result": result}):
                                 pass
                 with tracer.start_as_current_span("reward", attributes={
-                        "rl.span.kind": "reward", "rl.reward": reward}):
+                        "rl.span.kind": "reward", "rl.reward.score": reward}):
                     pass
-                root.set_attribute("rl.reward", reward)
+                root.set_attribute("rl.reward.score", reward)
         return _drain(exporter)
 
     return run_step, provider.shutdown

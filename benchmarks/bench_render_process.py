@@ -144,9 +144,9 @@ def run_variant(variant: str, episodes: int, steps: int, warmup: int) -> dict[st
                                     "gen_ai.tool.call.result": result}):
                                     pass
                     with tracer.start_as_current_span("reward", attributes={
-                            "rl.span.kind": "reward", "rl.reward": reward}):
+                            "rl.span.kind": "reward", "rl.reward.score": reward}):
                         pass
-                    root.set_attribute("rl.reward", reward)
+                    root.set_attribute("rl.reward.score", reward)
             processor.force_flush()
             exported[0] += len(exporter.get_finished_spans())
             exporter.clear()

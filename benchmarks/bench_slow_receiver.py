@@ -119,7 +119,7 @@ def sdk_loop(endpoint: str, episodes: int) -> tuple[tuple[float, float], int]:
                         pass
                     with tracer.start_as_current_span("execute_tool calc", attributes={"gen_ai.tool.call.result": str(i)}):
                         pass
-                with tracer.start_as_current_span("reward", attributes={"rl.reward": i / PER_STEP}):
+                with tracer.start_as_current_span("reward", attributes={"rl.reward.score": i / PER_STEP}):
                     pass
         samples.append((time.perf_counter() - started) / PER_STEP)
         cpu.append((time.thread_time() - started_cpu) / PER_STEP)

@@ -35,8 +35,8 @@ def _label(span: ReadableSpan) -> str:
             value = attrs[key]
             parts.append(f"{key.split('.', 1)[1]}={value:g}" if isinstance(value, float) else f"{key.split('.', 1)[1]}={value}")
     for key, value in attrs.items():
-        if key.startswith(c.RL_REWARD_PREFIX) and isinstance(value, (int, float)):
-            parts.append(f"{key[len(c.RL_REWARD_PREFIX):]}={value:g}")
+        if key.startswith(c.RL_REWARD_COMPONENT_PREFIX) and isinstance(value, (int, float)):
+            parts.append(f"{key[len(c.RL_REWARD_COMPONENT_PREFIX):]}={value:g}")
     parts.append(f"({duration_ms(span):.1f} ms)")
     if is_error(span):
         parts.append(f"ERROR: {span.status.description}")

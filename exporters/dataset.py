@@ -75,7 +75,7 @@ __all__ = [
 
 logger = logging.getLogger("otel_rollouts")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT_MESSAGES, FORMAT_PAIRS, FORMAT_FLAT = "messages", "pairs", "flat"
 FORMATS = (FORMAT_MESSAGES, FORMAT_PAIRS, FORMAT_FLAT)
 # the Parquet file's key-value metadata (and the Hugging Face dataset's description)
@@ -138,7 +138,7 @@ def episode_from_spans(spans: Sequence[ReadableSpan]) -> Episode | str:
     root = root_of(spans)
     if root is None:
         return SKIP_FRAGMENT
-    attrs = root.attributes or {}
+    attrs = c.current_names(dict(root.attributes or {}))  # an earlier release's names, as today's
     values = {key: parse(value) for key, value in attrs.items()
               if key.startswith(c.RL_PREFIX) and key != c.RL_SPAN_KIND}
     episode = Episode(hex_id(root.context.trace_id, 32), values, episode_messages(spans))
@@ -158,8 +158,8 @@ def episode_from_spans(spans: Sequence[ReadableSpan]) -> Episode | str:
             episode.output_tokens = _add(episode.output_tokens, span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
         elif kind == c.KIND_REWARD and c.RL_REWARD not in values:
             # a reward recorded after the decision reaches the file as a late span only
-            for key, value in span_attrs.items():
-                if key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_PREFIX):
+            for key, value in c.current_names(dict(span_attrs)).items():
+                if key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_COMPONENT_PREFIX):
                     values.setdefault(key, value)
         if is_error(span):
             episode.failed_spans += 1
@@ -186,6 +186,7 @@ def episode_from_trackio(trace: Mapping[str, object]) -> Episode | str:
     metadata = trace.get("metadata")
     if not isinstance(metadata, Mapping):
         return SKIP_FOREIGN
+    metadata = c.current_names(dict(metadata))  # an earlier release's names, as today's
     if _is_snapshot(metadata):
         return SKIP_SNAPSHOT
     trace_id = metadata.get(META_TRACE_ID)
@@ -307,8 +308,8 @@ def full_row(episode: Episode, trace_url: str | None = None) -> dict[str, object
     prompt, completion = _split_conversation(messages)
     users = [m for m in prompt if m["role"] == "user"]
     answers = [m for m in completion if m["role"] == "assistant"]
-    components = {key[len(c.RL_REWARD_PREFIX):]: value for key, value in sorted(episode.values.items())
-                  if key.startswith(c.RL_REWARD_PREFIX)}
+    components = {key[len(c.RL_REWARD_COMPONENT_PREFIX):]: value for key, value in sorted(episode.values.items())
+                  if key.startswith(c.RL_REWARD_COMPONENT_PREFIX)}
     duration = read.float(c.RL_DURATION_SECONDS)
     if duration is None and episode.start_us is not None and episode.end_us is not None:
         duration = (episode.end_us - episode.start_us) / 1e6
@@ -323,7 +324,7 @@ def full_row(episode: Episode, trace_url: str | None = None) -> dict[str, object
         "link": trace_link(trace_url, int(episode.trace_id, 16)),
         "status": read.text(c.RL_STATUS),
         "finish_reason": read.text(c.RL_FINISH_REASON),
-        "sampling_reason": read.text(c.RL_SAMPLING_REASON),
+        "keep_reason": read.text(c.RL_KEEP_REASON),
         "reward": read.float(c.RL_REWARD),
         "reward_components": json.dumps(components, sort_keys=True, allow_nan=True) if components else None,
         "advantage": read.float(c.RL_ADVANTAGE),
@@ -371,7 +372,7 @@ def schema(fmt: str) -> Any:
                   ("chosen_link", text), ("rejected_link", text)]
     else:
         fields = [*identity, ("sample_index", integer), ("episode_id", text), ("trace_id", text),
-                  ("link", text), ("status", text), ("finish_reason", text), ("sampling_reason", text),
+                  ("link", text), ("status", text), ("finish_reason", text), ("keep_reason", text),
                   ("reward", number), ("reward_components", text), ("advantage", number),
                   ("policy_version", integer), ("dataset_name", text), ("dataset_index", text),
                   ("prompt_text", text), ("final_answer", text), ("turns", integer),
@@ -394,7 +395,7 @@ class Filters:
     steps: tuple[int | None, int | None] | None = None  # inclusive; either end open
     splits: frozenset[str] | None = None
     statuses: frozenset[str] | None = None
-    reasons: frozenset[str] | None = None  # the sampling reason (rl.sampling.reason)
+    reasons: frozenset[str] | None = None  # the sampling reason (rl.trace.keep_reason)
     reward_min: float | None = None
     reward_max: float | None = None
 
@@ -408,7 +409,7 @@ class Filters:
             return False
         if self.statuses is not None and row.get("status") not in self.statuses:
             return False
-        if self.reasons is not None and row.get("sampling_reason") not in self.reasons:
+        if self.reasons is not None and row.get("keep_reason") not in self.reasons:
             return False
         if self.reward_min is not None or self.reward_max is not None:
             reward = row.get("reward")

@@ -408,7 +408,7 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
             turns += 1
         input_tokens = _add_count(input_tokens, span_attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
         output_tokens = _add_count(output_tokens, span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
-    reason = attrs.get(c.RL_SAMPLING_REASON)
+    reason = attrs.get(c.RL_KEEP_REASON)
     values = (
         _readable(attrs.get(c.RL_REWARD)), _readable(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
         preview(attrs.get(c.INPUT_VALUE)), preview(attrs.get(c.OUTPUT_VALUE)),
@@ -481,7 +481,7 @@ def mismatch_rows(spans: Sequence[ReadableSpan], trace_url: str | None) -> list[
     root = root_of(spans)
     attrs = (root.attributes or {}) if root is not None else {}
     trace_id = hex_id(root.context.trace_id, 32) if root is not None else ""
-    reason = attrs.get(c.RL_SAMPLING_REASON)
+    reason = attrs.get(c.RL_KEEP_REASON)
     turns = {span.context.span_id: span.attributes.get(c.RL_TURN_INDEX) for span in spans
              if kind_of(span) == c.KIND_TURN and span.attributes}
     per_turn: dict[Any, int] = defaultdict(int)
@@ -626,7 +626,7 @@ def _fmt_seconds(value: object) -> str:
 
 def running_label(attrs: Mapping[str, object]) -> str:
     """A snapshot's status in the trace list: ``running <span it is stuck in> <its seconds>s``."""
-    span = attrs.get(c.RL_PENDING_SPAN)
+    span = attrs.get(c.RL_PENDING_SPAN_NAME)
     where = f" {as_text(span)}" if span else ""
     return f"{RUNNING_MARK}{where} {_fmt_seconds(attrs.get(c.RL_PENDING_SPAN_SECONDS))}"
 
@@ -634,7 +634,7 @@ def running_label(attrs: Mapping[str, object]) -> str:
 def running_row(attrs: Mapping[str, object], trace_id: int) -> dict[str, object]:
     """One row of the running table: episode id, how long it has been open, the span it is stuck
     in and for how long, the trace id."""
-    span = attrs.get(c.RL_PENDING_SPAN)
+    span = attrs.get(c.RL_PENDING_SPAN_NAME)
     stuck = f"{as_text(span)} ({_fmt_seconds(attrs.get(c.RL_PENDING_SPAN_SECONDS))})" if span else TABLE_ABSENT
     episode = attrs.get(c.RL_EPISODE_ID)
     return dict(zip(RUNNING_COLUMNS, (as_text(episode) if episode is not None else TABLE_ABSENT,
@@ -653,7 +653,7 @@ def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, object]]) 
     now = root.end_time or 0
     by_id = {span.context.span_id: span for span in spans}
     open_ids = {root.context.span_id}
-    stuck_name = attrs.get(c.RL_PENDING_SPAN)
+    stuck_name = attrs.get(c.RL_PENDING_SPAN_NAME)
     candidates = [span for span in spans if span.name == stuck_name and (span.end_time or 0) >= now - 1_000_000]
     if candidates:
         span: ReadableSpan | None = max(candidates, key=lambda s: s.start_time or 0)
@@ -971,7 +971,7 @@ def delete_trace_rows(db_path: Path, row_ids: Sequence[str]) -> int:
 
 def _is_snapshot(metadata: object) -> bool:
     """Whether a stored trace's metadata is a running episode's snapshot (``show_pending``)."""
-    return isinstance(metadata, dict) and metadata.get(c.RL_PENDING) is True
+    return isinstance(metadata, dict) and metadata.get(c.RL_PENDING_SNAPSHOT) is True
 
 
 def _worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
@@ -1419,7 +1419,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         """Show which episodes are still running, and stop showing those that ended.
 
         ``snapshots``: the spans of snapshots of episodes still running (their roots carry
-        ``rl.pending``, the span they are stuck in and for how long; open spans end "now");
+        ``rl.pending.snapshot``, the span they are stuck in and for how long; open spans end "now");
         ``ended``: OpenTelemetry trace ids of episodes shown running before that have ended
         (kept, dropped or given up). Called by the delivery thread, never the training thread.
 
@@ -1546,7 +1546,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         under ``keys`` (read back from the local database)."""
         found: dict[str, list[str]] = defaultdict(list)
         for row_id, key, metadata in _read_rows(self._db_path(), getattr(run, "id", None), run.name, since):
-            if key in keys and isinstance(metadata, dict) and metadata.get(c.RL_PENDING) is True:
+            if key in keys and isinstance(metadata, dict) and metadata.get(c.RL_PENDING_SNAPSHOT) is True:
                 trace_id = metadata.get(META_TRACE_ID)
                 if isinstance(trace_id, str):
                     found[trace_id].append(row_id)

@@ -18,21 +18,21 @@ RL_EPISODE_ID = "rl.episode.id"
 RL_GROUP_ID = "rl.group.id"
 RL_SAMPLE_INDEX = "rl.sample.index"
 RL_POLICY_VERSION = "rl.policy.version"
-RL_POLICY_VERSION_MIN = "rl.policy.version.min"
-RL_POLICY_VERSION_MAX = "rl.policy.version.max"
-RL_REWARD = "rl.reward"
+RL_POLICY_VERSION_MIN = "rl.policy.version_min"
+RL_POLICY_VERSION_MAX = "rl.policy.version_max"
+RL_REWARD = "rl.reward.score"
 RL_PREFIX = "rl."  # every attribute of this library's own namespace
-RL_REWARD_PREFIX = "rl.reward."  # rl.reward.<component>
+RL_REWARD_COMPONENT_PREFIX = "rl.reward.component."  # rl.reward.component.<component>
 RL_ADVANTAGE = "rl.advantage"
 RL_FINISH_REASON = "rl.finish_reason"
 RL_STATUS = "rl.status"
 RL_TURN_INDEX = "rl.turn.index"
 RL_DATASET_NAME = "rl.dataset.name"
 RL_DATASET_INDEX = "rl.dataset.index"
-RL_FRAMEWORK = "rl.framework"
+RL_SYSTEM_NAME = "rl.system.name"
 RL_RUN_ID = "rl.run.id"
 RL_METADATA_PREFIX = "rl.metadata."  # rl.metadata.<key> for user metadata
-RL_ALIGNMENT = "rl.alignment"
+RL_ALIGNMENT_KIND = "rl.alignment.kind"
 RL_ALIGNMENT_MISSING = "rl.alignment.missing"  # ragged columns that did not cover this sample
 # One definition for every adapter. rl.policy.version: how many optimizer updates the weights
 # that generated the sample had received (0 = the initial weights). rl.staleness: how many more
@@ -85,7 +85,7 @@ RL_PREFERENCE_PATTERN = "rl.preference.pattern"  # reward span: the tournament p
 RL_LINK_KIND = "rl.link.kind"  # a span link's attribute: LINK_OPPONENT | LINK_PLAYER
 LINK_OPPONENT = "preference.opponent"
 LINK_PLAYER = "game.player"
-RL_DISTILL_TEACHER = "rl.distill.teacher"  # reward span and root: the teacher's name
+RL_DISTILL_TEACHER_NAME = "rl.distill.teacher.name"  # reward span and root: the teacher's name
 RL_DISTILL_REVERSE_KL = "rl.distill.reverse_kl"  # mean(student − teacher logprob), answer tokens
 RL_DISTILL_TEACHER_LOGPROB = "rl.distill.teacher.logprob.mean"
 RL_DISTILL_STUDENT_LOGPROB = "rl.distill.student.logprob.mean"
@@ -94,7 +94,7 @@ RL_DISTILL_TEACHER_LOGPROBS = "rl.distill.teacher.logprobs"  # chat span: per an
 RL_DISTILL_STUDENT_LOGPROBS = "rl.distill.student.logprobs"  # chat span: per answer token
 COMPANION_LABEL_KEYS = (RL_COMPANIONS_ID, RL_COMPANIONS_KIND, RL_GAME_ID, RL_GAME_ROLE,
                         RL_GAME_OPPONENT, RL_GAME_TRACE_IDS, RL_PREFERENCE_OPPONENT_TRACE_IDS,
-                        RL_PREFERENCE_OPPONENT_EPISODE_IDS, RL_PREFERENCE_PATTERN, RL_DISTILL_TEACHER)
+                        RL_PREFERENCE_OPPONENT_EPISODE_IDS, RL_PREFERENCE_PATTERN, RL_DISTILL_TEACHER_NAME)
 
 # rl.status values
 STATUS_OK = "ok"
@@ -293,7 +293,7 @@ def kind_attributes(kind: str) -> dict[str, str]:
 # and its key named in rl.content.omitted. Numbers and booleans are kept everywhere.
 LABEL_KEYS = frozenset({
     RL_SPLIT, RL_EPISODE_ID, RL_GROUP_ID, RL_RUN_ID, RL_FINISH_REASON, RL_STATUS, RL_DATASET_NAME,
-    RL_DATASET_INDEX, RL_FRAMEWORK, RL_FEEDBACK_ROLE, RL_SPAN_KIND, RL_ALIGNMENT, RL_ALIGNMENT_MISSING,
+    RL_DATASET_INDEX, RL_SYSTEM_NAME, RL_FEEDBACK_ROLE, RL_SPAN_KIND, RL_ALIGNMENT_KIND, RL_ALIGNMENT_MISSING,
     RL_TRUNCATED_FIELDS, RL_REPLACED_FIELDS, RL_INVALID_FIELDS, RL_OMITTED_FIELDS,
     GEN_AI_OPERATION_NAME, GEN_AI_REQUEST_MODEL, GEN_AI_RESPONSE_FINISH_REASONS, GEN_AI_TOOL_NAME,
     GEN_AI_TOOL_CALL_ID, GEN_AI_CONVERSATION_ID, GEN_AI_AGENT_NAME, GEN_AI_PROVIDER_NAME, ERROR_TYPE,
@@ -354,7 +354,7 @@ ENV_LOGS_EXPORTER = "OTEL_LOGS_EXPORTER"
 METRIC_EPISODES_SEEN = "rl.episodes.seen"
 METRIC_EPISODES_KEPT = "rl.episodes.kept"
 METRIC_EPISODES_DROPPED = "rl.episodes.dropped"
-METRIC_REWARD = "rl.reward"
+METRIC_REWARD = "rl.episode.reward"
 METRIC_EPISODE_DURATION = "rl.episode.duration"
 METRIC_TOKENS = "rl.tokens"
 METRIC_TOOL_ERRORS = "rl.tool.errors"
@@ -372,7 +372,7 @@ ENV_TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 # --- what the tail sampler decided, on the root of every kept episode -------------------------
 # A shared Collector's tail_sampling keeps a trace when one of its spans says so (a
 # boolean_attribute policy on this key): a server's spans for a dropped episode never see it.
-RL_SAMPLING_KEPT = "rl.sampling.kept"
+RL_TRACE_KEPT = "rl.trace.kept"
 
 # --- span gateway: serving-engine timings --------------------------------------------------------
 # vLLM's and SGLang's request spans carry per-request timings (seconds) as ``gen_ai.latency.*``;
@@ -409,7 +409,7 @@ ENV_OTLP_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
 RL_DURATION_SECONDS = "rl.duration.seconds"
 # why the tail sampler kept this episode (on every kept root): one of the reasons below, or a
 # custom policy's own ``label``
-RL_SAMPLING_REASON = "rl.sampling.reason"
+RL_KEEP_REASON = "rl.trace.keep_reason"
 REASON_TOP = "top"
 REASON_BOTTOM = "bottom"
 REASON_ERROR = "error"
@@ -438,12 +438,12 @@ EVENT_DEGENERATE_GROUP = "rl.group.degenerate"  # span event on kept members' ro
 RL_PROMPT_HASH = "rl.prompt.hash"
 RL_WATCH_KEY = "rl.watch.key"
 # a snapshot of an episode still running after the hang threshold (never the finished episode)
-RL_PENDING = "rl.pending"  # true on a snapshot's root
-RL_PENDING_SPAN = "rl.pending.span"  # the innermost span still open (its name)
+RL_PENDING_SNAPSHOT = "rl.pending.snapshot"  # true on a snapshot's root
+RL_PENDING_SPAN_NAME = "rl.pending.span.name"  # the innermost span still open (its name)
 RL_PENDING_SPAN_SECONDS = "rl.pending.span.seconds"  # how long that span has been open
 RL_PENDING_SECONDS = "rl.pending.seconds"  # how long the episode has been open
-METRIC_STAGE_DURATION = "rl.stage.duration"  # histogram by rl.stage (s)
-RL_STAGE = "rl.stage"  # metric attribute: generation | tool | environment | reward | waiting
+METRIC_STAGE_DURATION = "rl.stage.duration"  # histogram by rl.stage.name (s)
+RL_STAGE_NAME = "rl.stage.name"  # metric attribute: generation | tool | environment | reward | waiting
 METRIC_GROUPS = "rl.groups"  # counter by rl.group.degenerate (none | all_equal | lost_members)
 METRIC_HUNG = "rl.episodes.hung"  # counter: episodes that never ended (after a snapshot)
 DEGENERATE_NONE = "none"  # rl.group.degenerate on the rl.groups counter: a healthy group
@@ -483,3 +483,39 @@ RL_MISMATCH_WORST_TRAINER = "rl.mismatch.worst.trainer_logprob"  # the trainer's
 REASON_MISMATCH = "mismatch"  # kept by the mismatch part (largest train–inference mismatch)
 # the per-episode statistics a step's summary gives p50/p95/max of (mismatch/<stat>_p50 ...)
 MISMATCH_STEP_STATS = ("kl", "abs_mean", "abs_max", "ratio_max", "tokens_outside")
+
+# --- names of earlier releases, read back from what they stored -------------------------------
+# Release 0.1.0 wrote these (each both an attribute and a namespace, or read as rollout sampling:
+# see docs/api/conventions.md); what reads stored traces back (datasets from OTLP/JSON files, the
+# spool, a Trackio project) maps them to today's names with ``current_names``.
+LEGACY_NAMES = {
+    "rl.reward": RL_REWARD,
+    "rl.sampling.kept": RL_TRACE_KEPT,
+    "rl.sampling.reason": RL_KEEP_REASON,
+    "rl.policy.version.min": RL_POLICY_VERSION_MIN,
+    "rl.policy.version.max": RL_POLICY_VERSION_MAX,
+    "rl.pending": RL_PENDING_SNAPSHOT,
+    "rl.pending.span": RL_PENDING_SPAN_NAME,
+    "rl.alignment": RL_ALIGNMENT_KIND,
+    "rl.distill.teacher": RL_DISTILL_TEACHER_NAME,
+    "rl.framework": RL_SYSTEM_NAME,
+    "rl.stage": RL_STAGE_NAME,
+}
+LEGACY_REWARD_COMPONENT_PREFIX = "rl.reward."  # 0.1.0: rl.reward.<component>
+
+
+def current_names(attributes: dict[str, object]) -> dict[str, object]:
+    """``attributes`` with the names an earlier release wrote (``LEGACY_NAMES``) as they are
+    named today; the same dict when it holds none of them (today's names are left as they are).
+    In a span written by 0.1.0, ``rl.reward.<name>`` was a reward component, ``rl.reward.score``
+    included (a component named ``score``): it becomes ``rl.reward.component.<name>``. A span
+    is told apart by its own keys: no name of today is a name of 0.1.0."""
+    if LEGACY_NAMES.keys().isdisjoint(attributes):
+        return attributes
+    out: dict[str, object] = {}
+    for key, value in attributes.items():
+        new = LEGACY_NAMES.get(key)
+        if new is None and key.startswith(LEGACY_REWARD_COMPONENT_PREFIX):
+            new = RL_REWARD_COMPONENT_PREFIX + key[len(LEGACY_REWARD_COMPONENT_PREFIX):]
+        out[new if new is not None else key] = value
+    return out

@@ -185,7 +185,7 @@ class Rollouts:
         return [s.attributes[otr.conventions.RL_REWARD] for s in self.exporter.get_finished_spans() if s.name == "episode"]
 
     def kept_reasons(self) -> list[str]:
-        return [s.attributes[otr.conventions.RL_SAMPLING_REASON] for s in self.exporter.get_finished_spans()
+        return [s.attributes[otr.conventions.RL_KEEP_REASON] for s in self.exporter.get_finished_spans()
                 if s.name == "episode"]
 
     def logged(self) -> list[str]:

@@ -207,14 +207,14 @@ def last_of(messages: Sequence[Message], role: str) -> Message | None:
 
 def _score_name(key: str) -> str:
     """The evaluation name of a score attribute: ``reward``, ``advantage``, a component's own
-    name (``rl.reward.correct`` -> ``correct``), or ``reward.<name>`` for a component whose name
-    is one of the others (a component named ``status`` must not pass for the status) or one
+    name (``rl.reward.component.correct`` -> ``correct``), or ``reward.component.<name>`` for a
+    component whose name is one of the others (a component named ``status`` must not pass for the status) or one
     Phoenix reserves (``note``: its annotation API refuses the whole request)."""
     if key == c.RL_REWARD:
         return c.EVALUATION_REWARD
     if key == c.RL_ADVANTAGE:
         return c.EVALUATION_ADVANTAGE
-    name = key.removeprefix(c.RL_REWARD_PREFIX)
+    name = key.removeprefix(c.RL_REWARD_COMPONENT_PREFIX)
     return key.removeprefix(c.RL_PREFIX) if name in _RESERVED_NAMES or not name else name
 
 
@@ -223,7 +223,7 @@ _RESERVED_NAMES = frozenset({c.EVALUATION_REWARD, c.EVALUATION_ADVANTAGE, c.EVAL
 
 
 def is_score(key: str, value: object) -> bool:
-    return ((key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_PREFIX))
+    return ((key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_COMPONENT_PREFIX))
             and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
 
 
@@ -233,7 +233,7 @@ def scores_of(attrs: Mapping[str, object]) -> dict[str, int | float]:
     found = {key: value for key, value in attrs.items()
              if is_score(key, value) and isinstance(value, (int, float))}  # is_score checked it already
     ordered = ([c.RL_REWARD] if c.RL_REWARD in found else []) + [
-        key for key in found if key.startswith(c.RL_REWARD_PREFIX)
+        key for key in found if key.startswith(c.RL_REWARD_COMPONENT_PREFIX)
     ] + ([c.RL_ADVANTAGE] if c.RL_ADVANTAGE in found else [])
     return {_score_name(key): found[key] for key in ordered}
 

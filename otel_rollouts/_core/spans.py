@@ -431,7 +431,7 @@ class EpisodeRecord:
         # whether its root's times are the episode's own (recorded while it ran), so that its
         # duration is measured; False for an episode recorded after the fact (an adapter, a batch)
         self.timed = True
-        self.reason: str | None = None  # why the sampler kept it (rl.sampling.reason)
+        self.reason: str | None = None  # why the sampler kept it (rl.trace.keep_reason)
         # root attributes the sampler adds when it keeps it: its group's health (rl.group.*), the
         # watch key it matched
         self.notes: dict[str, object] | None = None

@@ -543,10 +543,10 @@ def _distillation(episodes: list[Episode], trajectories: list[object], cols: Col
     name = field(teacher, "name")
     for t, (ep, trajectory) in enumerate(zip(episodes, trajectories, strict=True)):
         if name:
-            ep.set_attribute(c.RL_DISTILL_TEACHER, str(name))
+            ep.set_attribute(c.RL_DISTILL_TEACHER_NAME, str(name))
         span = _fill(ep, trajectory, t, cols, reader, model)
         if name:
-            _put(span, c.RL_DISTILL_TEACHER, str(name))
+            _put(span, c.RL_DISTILL_TEACHER_NAME, str(name))
         if kl_coef is not None:
             _put(span, c.RL_DISTILL_KL_COEF, kl_coef)
         scores = _teacher_scores(trajectory, teacher)

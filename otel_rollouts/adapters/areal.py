@@ -42,11 +42,11 @@ AReaL                             recorded as
                                   retry prompt is a ``user`` message, a ``<tool_response>`` a tool
                                   result) — decoded only for the episodes the sampler keeps
 ``attention_mask``                the real tokens (padding left out)
-``rewards[i]``                    ``rl.reward`` — the only reward term AReaL carries (in
+``rewards[i]``                    ``rl.reward.score`` — the only reward term AReaL carries (in
                                   ``MultiTurnWorkflow`` already discounted by ``turn_discount``)
 ``versions`` (per token, −1 on    ``rl.policy.version`` = newest version of the generated tokens
 non-generated tokens)             (``loss_mask == 1``; −1 placeholders and padding ignored);
-                                  ``rl.policy.version.min/max`` when a sample spans several versions
+                                  ``rl.policy.version_min/max`` when a sample spans several versions
 trainer version                   ``rl.staleness`` = ``trained_version − rl.policy.version``
                                   (``trained_version`` defaults to ``step`` for training, see below)
 number of mask-1 runs             ``rl.turn.count`` (AReaL's ``num_turns``: one per generation)
@@ -87,7 +87,7 @@ received ``global_step`` updates, the version an on-policy token carries. ``trai
 therefore defaults to ``step`` for training batches; evaluation samples are not trained on, so no
 staleness is recorded for them unless ``trained_version`` is given. A sample generated across a
 weight update (AReaL's interruptible generation) has tokens of several versions: staleness is
-measured from the newest; ``trained_version − rl.policy.version.min`` is the oldest token's.
+measured from the newest; ``trained_version − rl.policy.version_min`` is the oldest token's.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def _record_group(trajectory: object, index: int, offset: int, *, step: int, spl
             attrs[c.RL_TURN_COUNT] = turns[j]
         set_times(attrs, duration)
         if missing[j]:
-            attrs[c.RL_ALIGNMENT] = "partial"
+            attrs[c.RL_ALIGNMENT_KIND] = "partial"
             attrs[c.RL_ALIGNMENT_MISSING] = missing[j]
         attributes.append(attrs)
     count(COUNT_PARTIAL, sum(1 for m in missing if m), step=step, split=split)

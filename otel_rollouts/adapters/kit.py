@@ -33,7 +33,7 @@ What the frameworks' own rollout loggers got wrong in review (DESIGN.md §7) is 
 
 * ``field`` / ``items`` read dicts, dataclasses, TypedDicts and plain objects alike;
 * ``Columns`` aligns parallel per-sample arrays explicitly: a ragged array never raises
-  ``IndexError``; the samples it cannot cover are marked ``rl.alignment=partial`` and counted;
+  ``IndexError``; the samples it cannot cover are marked ``rl.alignment.kind=partial`` and counted;
 * ``to_cpu`` / ``host_lists`` move each tensor to the CPU once per batch, never per sample;
 * ``as_float`` / ``reward_total`` coerce rewards (numpy/torch scalars, legacy strings,
   token-level lists) to floats;
@@ -163,7 +163,7 @@ _MISSING = object()
 
 # stats counter names (totals and per (step, split)), as ``otr.stats()`` shows them
 COUNT_PARTIAL = "adapters.alignment_partial"
-"""``otr.stats()`` counter: samples recorded with ``rl.alignment=partial`` (a ragged column)."""
+"""``otr.stats()`` counter: samples recorded with ``rl.alignment.kind=partial`` (a ragged column)."""
 COUNT_DUPLICATE = "adapters.duplicates"
 """``otr.stats()`` counter: samples left out as duplicates of an episode already recorded."""
 COUNT_FILTERED = "adapters.filtered"
@@ -391,7 +391,7 @@ class Columns:
     column's entries are used for the samples it covers (the prefix), unless its name is in
     ``drop_if_ragged`` (values known to belong to other samples once a framework filtered the
     batch: then the whole column is ignored). ``missing(i)`` names the ragged columns that do not
-    cover sample ``i`` reliably; those samples are recorded with ``rl.alignment=partial``.
+    cover sample ``i`` reliably; those samples are recorded with ``rl.alignment.kind=partial``.
     """
 
     def __init__(self, n: int, *, drop_if_ragged: Iterable[str] = (), **columns: object) -> None:
@@ -444,7 +444,7 @@ class Sample:
     advantage: object = None
     finish_reason: object = None
     status: str | None = None
-    missing: Sequence[str] = ()  # ragged columns that do not cover it (rl.alignment=partial)
+    missing: Sequence[str] = ()  # ragged columns that do not cover it (rl.alignment.kind=partial)
     problems: Sequence[str] = ()  # values refused while reading it (rl.invalid)
     # what the framework measured: the episode's wall time and seconds per stage (absent: not
     # measured, never 0), written on the root (rl.duration.seconds, rl.stage.<stage>.seconds)
@@ -537,7 +537,7 @@ def _logprob_columns(samples: Sequence[Sample], tokenizer: object) -> _LogprobCo
 
 
 def _partial_attributes(ep: _AttributeTarget, missing: Sequence[str]) -> None:
-    ep.set_attribute(c.RL_ALIGNMENT, "partial")
+    ep.set_attribute(c.RL_ALIGNMENT_KIND, "partial")
     ep.set_attribute(c.RL_ALIGNMENT_MISSING, list(missing))
 
 
@@ -552,7 +552,7 @@ def _flag_invalid(ep: object, problem: str) -> bool:
 
 
 def mark_partial(ep: _AttributeTarget, missing: Sequence[str]) -> None:
-    """Record ``rl.alignment=partial`` (and which columns) on an episode, and count it."""
+    """Record ``rl.alignment.kind=partial`` (and which columns) on an episode, and count it."""
     if not missing:
         return
     _partial_attributes(ep, missing)

@@ -47,8 +47,8 @@ Field → attribute (one episode per sample ``i``):
 ==============================================  ==============================================
 Open-Instruct                                   recorded as
 ==============================================  ==============================================
-``batch.scores[i]``                             ``rl.reward`` (the verifiers' final reward)
-``request_info.rollout_states[i]["rewards"]``   ``rl.reward.env_step_<j>`` (per environment
+``batch.scores[i]``                             ``rl.reward.score`` (the verifiers' final reward)
+``request_info.rollout_states[i]["rewards"]``   ``rl.reward.component.env_step_<j>`` (per environment
                                                 step rewards: the only reward components)
 ``advantages[i]``                               ``rl.advantage``
 ``batch.model_steps[i]``                        ``rl.policy.version`` (−1 placeholders ignored)

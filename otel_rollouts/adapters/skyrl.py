@@ -39,8 +39,8 @@ that trains on the rollouts)
                                             its messages with their own role (``user`` for
                                             gsm8k's observations; ``environment`` only for text
                                             without any role marker) or the tool calls' results
-``rewards`` (float or per-token list)       ``rl.reward`` = the sum; with several turns,
-                                            ``rl.reward.turn_<k>`` = the reward of turn k (the
+``rewards`` (float or per-token list)       ``rl.reward.score`` = the sum; with several turns,
+                                            ``rl.reward.component.turn_<k>`` = the reward of turn k (the
                                             per-token rewards placed in that turn's tokens; in
                                             step-wise mode each row's reward)
 ``env_metrics[i]`` ``steps`` /              ``rl.turn.count`` (else the number of generations

@@ -33,15 +33,15 @@ tool calls of ``ac``                        ``execute_tool`` spans; the result i
 other messages the next observation adds    ``feedback`` spans with their real role
 ``ac.stop_reason``                          the ``chat`` span's finish reason
 ``ob.length`` / ``len(ac.tokens)``          ``gen_ai.usage.input_tokens`` / ``output_tokens``
-Σ ``transitions[k].reward`` + final reward  ``rl.reward`` (``TrajectoryGroup.get_total_rewards``)
-Σ ``transitions[k].reward``                 ``rl.reward.transitions``
-``final_rewards_G[i]``                      ``rl.reward.final`` (``compute_group_rewards``)
-``transitions[k].metrics[key]`` for the     ``rl.reward.<key>`` (``t<k>.<key>`` when several
+Σ ``transitions[k].reward`` + final reward  ``rl.reward.score`` (``TrajectoryGroup.get_total_rewards``)
+Σ ``transitions[k].reward``                 ``rl.reward.component.transitions``
+``final_rewards_G[i]``                      ``rl.reward.component.final`` (``compute_group_rewards``)
+``transitions[k].metrics[key]`` for the     ``rl.reward.component.<key>`` (``t<k>.<key>`` when several
 reward-term keys (``reward_metrics=``,      steps carry it). Default: ``format``/``correct``
 default ``REWARD_METRICS``)                 (``ProblemEnv``: reward = format_coef·(format−1) +
                                             correct) and ``rubric_score`` (rubric env)
 every other ``metrics`` entry (``stop/*``,  ``rl.metadata.steps[k].metrics`` — diagnostics,
-``parse_error``, ``max_turns``, timings…)   never ``rl.reward.*``
+``parse_error``, ``max_turns``, timings…)   never ``rl.reward.component.*``
 ``transitions[k].logs``, ``episode_done``   ``rl.metadata.steps[k]``
 ``metrics_G[i]``                            ``rl.metadata.trajectory_metrics``
 advantages (``advantages=``)                ``rl.advantage``
@@ -70,7 +70,7 @@ logprobs of ``ac.tokens``)                  ``ac.tokens``. The trainer's logprob
 in 0.6.1)                                   ``reward_data`` kept raw as
                                             ``rl.metadata.reward_data`` (it mixes terms with
                                             the total and coefficients such as
-                                            ``format_coef``: never ``rl.reward.*``)
+                                            ``format_coef``: never ``rl.reward.component.*``)
 =========================================== ==================================================
 
 Tool markers are parsed before special tokens are removed (a tokenizer may mark ``<tool_call>``
@@ -86,7 +86,7 @@ Not recorded: ``sequence_id``/``prompt_cache_hit_tokens``, images in observation
 Other things handled: steps that returned early (parse error, ``length``) still give an
 episode with ``rl.status``; failed rollouts give error episodes; dropped groups (``None``) are
 counted; ragged ``final_rewards_G`` / ``metrics_G`` / advantages never raise (the samples they
-miss carry ``rl.alignment=partial``); the cap of the tail sampler holds per (step, split).
+miss carry ``rl.alignment.kind=partial``); the cap of the tail sampler holds per (step, split).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ Field → attribute:
 =====================================  =========================================================
 torchforge                             recorded as
 =====================================  =========================================================
-``reward``                             ``rl.reward`` (forge: the mean of its reward functions)
-``reward_breakdown`` / the flattened   ``rl.reward.<reward function>`` — only when they are the
+``reward``                             ``rl.reward.score`` (forge: the mean of its reward functions)
+``reward_breakdown`` / the flattened   ``rl.reward.component.<reward function>`` — only when they are the
 breakdown columns                      reward's terms (the reward is their mean or sum); other
                                        numeric columns go to ``rl.metadata.<name>`` with a warning
 ``score``                              nothing (forge's copy of ``reward`` for the sample table)

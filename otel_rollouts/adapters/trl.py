@@ -30,8 +30,8 @@ TRL                                   recorded as
                                       ``tool_calls`` (or Hermes ``<tool_call>`` text) → ``execute_tool``
                                       spans, the ``tool`` messages after it → their results;
                                       ``rl.turn.count``
-``_logs["rewards"][name]``            ``rl.reward.<name>`` (a reward term; NaN = function returned None:
-                                      left out); ``rl.reward`` = Σ ``reward_weights`` × terms
+``_logs["rewards"][name]``            ``rl.reward.component.<name>`` (a reward term; NaN = function returned None:
+                                      left out); ``rl.reward.score`` = Σ ``reward_weights`` × terms
 ``_logs["advantages"]``               ``rl.advantage``
 ``_logs["extra"][col]`` (log_extra)   ``rl.metadata.<col>``
 ``len(prompt_ids)``                   ``gen_ai.usage.input_tokens`` (first generation; later turns: the

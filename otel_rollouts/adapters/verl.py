@@ -28,9 +28,9 @@ What lands where (verl field → attribute):
   the following tool tokens as their result (the template's ``<|im_start|>tool`` markup removed),
   other observations as feedback with their template role. Text is cleaned with the tokenizer's
   own template markers and special tokens.
-* ``token_level_scores`` (else ``token_level_rewards``, ``rm_scores``) summed → ``rl.reward``;
+* ``token_level_scores`` (else ``token_level_rewards``, ``rm_scores``) summed → ``rl.reward.score``;
   ``advantages`` averaged over generated tokens → ``rl.advantage``.
-* reward terms → ``rl.reward.<key>``: the keys in ``reward_extra_keys=``, else verl's own list
+* reward terms → ``rl.reward.component.<key>``: the keys in ``reward_extra_keys=``, else verl's own list
   ``meta_info["reward_extra_keys"]`` (written by the agent loop / reward loop with ``rm_scores``,
   read back by ``verl.trainer.ppo.reward.extract_reward`` as ``reward_extra_infos_dict``), else
   (older reward managers) the numeric columns that are not verl bookkeeping, with a warning.
@@ -46,7 +46,7 @@ What lands where (verl field → attribute):
   verl's LLM server client: the ``global_steps`` of the weights the rollout replica held, i.e.
   weight updates received, one per trainer step) → ``rl.policy.version``; with
   ``min_global_steps`` differing (a partial rollout resumed on newer weights) →
-  ``rl.policy.version.min/max``. ``rl.staleness`` = trained version − ``max_global_steps``, the
+  ``rl.policy.version_min/max``. ``rl.staleness`` = trained version − ``max_global_steps``, the
   trained version being ``trained_version=`` or, for training batches, ``step - 1`` (verl's
   trainer at ``global_steps`` k trains the weights published as k − 1; verl's own
   ``trajectory_staleness``). Fully async trainers pass ``trained_version=self.current_param_version``.

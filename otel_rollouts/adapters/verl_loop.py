@@ -233,7 +233,7 @@ def observe_session(worker: Any, output: Any, validate: object, sample: Mapping[
         tensors["rm_scores"] = rm_scores
     else:
         warn_unknown(_FRAMEWORK, "rm_scores", "the session has no reward (a colocated reward model scores "
-                     "it later, from TransferQueue): episodes carry no rl.reward")
+                     "it later, from TransferQueue): episodes carry no rl.reward.score")
     extra = dict(getattr(final, "extra_fields", None) or {})
     reward_info = extra.get("reward_extra_info") or {}
     columns: dict[str, Sequence[object]] = {"uid": [field(sample, "uid")], "index": [field(sample, "index")],
@@ -327,7 +327,7 @@ def observe(manager: object, prompts: object, output: object) -> int:
         batch_meta["reward_extra_keys"] = out_meta["reward_extra_keys"]
     if "rm_scores" not in tensors.keys():
         warn_unknown(_FRAMEWORK, "rm_scores", "the generated batch has no reward (a colocated reward model "
-                     "scores it later): episodes carry no rl.reward; the record_batch line records them")
+                     "scores it later): episodes carry no rl.reward.score; the record_batch line records them")
     names = [k for k in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "rm_scores",
                          "rollout_log_probs") if k in tensors.keys()]
     if len(keep) == size:

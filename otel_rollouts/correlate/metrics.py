@@ -5,7 +5,7 @@ observes; it never reaches back). From that it records, on the run's resource:
 
 * ``rl.episodes.seen`` / ``rl.episodes.kept`` / ``rl.episodes.dropped`` — counters with
   ``rl.split`` (and ``rl.drop.reason``) attributes;
-* ``rl.reward`` and ``rl.episode.duration`` (s) — histograms by ``rl.split``; exemplars of
+* ``rl.episode.reward`` and ``rl.episode.duration`` (s) — histograms by ``rl.split``; exemplars of
   kept episodes carry their trace id (the SDK's trace-based exemplar filter), so a bucket in
   Grafana links to a trace that exists;
 * ``rl.tokens`` (``gen_ai.token.type`` = input | output) and ``rl.tool.errors`` — counters.
@@ -25,7 +25,7 @@ sample of its values.
 Where time went and what was not kept (the questions a researcher opens a step for):
 
 * episode duration and time per stage (``_core.stages``: generation, tool, environment,
-  reward, waiting): the ``rl.stage.duration`` histogram (``rl.stage``, ``rl.split``), and per
+  reward, waiting): the ``rl.stage.duration`` histogram (``rl.stage.name``, ``rl.split``), and per
   step the Trackio scalars ``episode_duration_s_p50/_p95/_max`` and
   ``stage/<stage>_s_p50/_p95/_max``. Only measured durations count (``record.duration()``): an
   episode recorded after the fact with no measure is counted in ``episodes_unmeasured``, never
@@ -37,7 +37,7 @@ Where time went and what was not kept (the questions a researcher opens a step f
   ``episodes_seen/<status>``, ``episodes_kept/<status>``, ``episodes_dropped/<status>`` for each
   status the step saw (0 included: "3 errors seen, 0 kept" is said, not implied), and
   ``errors_unkept`` (error episodes seen but not kept) whenever the step saw an error.
-* why kept: ``episodes_kept_by/<reason>`` (``rl.sampling.reason`` of each kept episode).
+* why kept: ``episodes_kept_by/<reason>`` (``rl.trace.keep_reason`` of each kept episode).
 * group health (``_core.health.StepHealth``, told when the step closes): the scalars ``groups``,
   ``groups_all_equal``, ``groups_lost``, ``group_members_lost``, ``groups_degenerate`` and the
   ``rl.groups`` counter by ``rl.group.degenerate`` (none | all_equal | lost_members), each group
@@ -257,7 +257,7 @@ class _Step:
         self.stages: dict[str, _Series] = {}
         self.unmeasured = 0  # episodes with no measured duration
         self.by_status: dict[str, list[int]] = {}  # status -> [seen, kept]
-        self.kept_by: dict[str, int] = {}  # rl.sampling.reason -> kept
+        self.kept_by: dict[str, int] = {}  # rl.trace.keep_reason -> kept
         self.stored = 0  # reservoir slots held (of the global _MAX_SAMPLES)
         self.mismatch: dict[str, _Series] = {}  # train–inference mismatch statistic -> its values
 
@@ -569,7 +569,7 @@ class RolloutMetrics:
             for value in durations.tolist():
                 self.duration.record(value, by_split)
         for stage, values in stages.items():
-            by_stage = {**by_split, c.RL_STAGE: stage}
+            by_stage = {**by_split, c.RL_STAGE_NAME: stage}
             for value in values.tolist():
                 self.stage_duration.record(value, by_stage)
 
@@ -658,7 +658,7 @@ class RolloutMetrics:
         if duration is not None:
             self.duration.record(duration, by_split, context=ctx)
         for stage, seconds in stages.items():
-            self.stage_duration.record(seconds, {c.RL_SPLIT: split, c.RL_STAGE: stage},
+            self.stage_duration.record(seconds, {c.RL_SPLIT: split, c.RL_STAGE_NAME: stage},
                                        context=ctx)
         if tokens_in:
             self.tokens.add(tokens_in, {**by_split, c.GEN_AI_TOKEN_TYPE: "input"}, context=ctx)

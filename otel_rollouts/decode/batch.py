@@ -507,7 +507,7 @@ def record_token_batch(
     messages by the chat template's role markers), each 1-run an assistant turn, each later 0-run
     the feedback to the turn before it (a tool result when that turn made a parseable tool call).
     ``versions`` (per token, −1 on prompt tokens) gives ``rl.policy.version`` from generated
-    tokens only, with ``rl.policy.version.min/max`` when they differ. ``rewards``/``advantages``
+    tokens only, with ``rl.policy.version_min/max`` when they differ. ``rewards``/``advantages``
     are per sample, or per token (rewards summed, advantages averaged over generated tokens).
     ``finish_reasons`` default to ``stop`` (last generated token is an EOS) or ``length`` (the
     sample reached ``max_length``, or the right edge of a right-padded batch).
@@ -520,7 +520,7 @@ def record_token_batch(
     summarise); a kept sample's generations get their own statistics and worst tokens, at export.
 
     ``attributes``: per sample, extra attributes for the episode root (e.g. an adapter's
-    ``rl.alignment``: "partial"). Returns a ``TokenBatchSummary``. A sample whose masks do not match its ids is refused with a
+    ``rl.alignment.kind``: "partial"). Returns a ``TokenBatchSummary``. A sample whose masks do not match its ids is refused with a
     reason naming it (recorded as an error episode); the rest of the batch is still recorded.
 
     ``rollouts``: the instance to record into (``otr.configure(install=False)``); default: the

@@ -307,7 +307,7 @@ class Materializer:
             merged.update(sampling_notes(s.episode, merged))  # before the views: in Phoenix's metadata
             merged.update(self.views.root(merged))
             # only kept episodes are rendered: a shared Collector's tail_sampling keys on this
-            merged[c.RL_SAMPLING_KEPT] = True
+            merged[c.RL_TRACE_KEPT] = True
         if s.status_code is StatusCode.ERROR:
             merged[c.ERROR_TYPE] = error_type(s.events or ())
         return self._attributes(merged, redact=redact)
@@ -526,8 +526,8 @@ class Materializer:
     def pending(self, record: EpisodeRecord) -> list[ReadableSpan]:
         """A pending snapshot (``sampling.hung``: a copy of an episode still running, its open
         spans ended at the snapshot's time) rendered as a kept episode is (views, redaction,
-        limits), except that its root does not claim to be kept: no ``rl.sampling.kept`` or
-        ``rl.sampling.reason`` (a Collector's tail sampling keys on them), ``rl.pending`` true."""
+        limits), except that its root does not claim to be kept: no ``rl.trace.kept`` or
+        ``rl.trace.keep_reason`` (a Collector's tail sampling keys on them), ``rl.pending.snapshot`` true."""
         spans = self.episode(record)
         root = record.root
         if root is None:
@@ -538,8 +538,8 @@ class Materializer:
                 out.append(span)
                 continue
             attributes = {k: v for k, v in (span.attributes or {}).items()
-                          if k not in (c.RL_SAMPLING_KEPT, c.RL_SAMPLING_REASON)}
-            attributes[c.RL_PENDING] = True
+                          if k not in (c.RL_TRACE_KEPT, c.RL_KEEP_REASON)}
+            attributes[c.RL_PENDING_SNAPSHOT] = True
             out.append(ReadableSpan(
                 name=span.name, context=span.context, parent=span.parent, resource=span.resource,
                 attributes=attributes, events=span.events, links=span.links, kind=span.kind,
@@ -631,7 +631,7 @@ def sampling_notes(record: EpisodeRecord, attributes: Mapping[str, object]) -> d
     watch key it matched. Computed here, on the render thread, for kept episodes only."""
     out: dict[str, Any] = {}
     if record.reason:
-        out[c.RL_SAMPLING_REASON] = record.reason
+        out[c.RL_KEEP_REASON] = record.reason
     if c.RL_DURATION_SECONDS not in attributes:
         duration = record.duration()
         if duration is not None:

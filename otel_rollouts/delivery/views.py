@@ -559,9 +559,9 @@ def error_type(events: Iterable[tuple[str, Mapping[str, object], int]] | None) -
 
 def _metadata_keys(attrs: Mapping[str, object]) -> list[str]:
     """The root attributes its ``metadata`` JSON holds: the fixed ones, then each reward
-    component (so that ``metadata['reward.correct'] < 0.5`` filters in Phoenix)."""
+    component (so that ``metadata['reward.component.correct'] < 0.5`` filters in Phoenix)."""
     keys = [key for key in _METADATA_KEYS if attrs.get(key) is not None]
-    keys += [key for key, value in attrs.items() if key.startswith(c.RL_REWARD_PREFIX) and is_score(key, value)]
+    keys += [key for key, value in attrs.items() if key.startswith(c.RL_REWARD_COMPONENT_PREFIX) and is_score(key, value)]
     return keys
 
 
@@ -580,13 +580,13 @@ _METADATA_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_EPISODE_ID, c.RL_GROUP_ID, c.RL_SA
                   c.RL_REWARD, c.RL_ADVANTAGE, c.RL_FINISH_REASON, c.RL_POLICY_VERSION,
                   # what a researcher filters a step by in Phoenix: why kept, how slow, where the
                   # time went, how its group fared, which watched prompt
-                  c.RL_SAMPLING_REASON, c.RL_DURATION_SECONDS, *(c.stage_seconds(s) for s in c.STAGES),
+                  c.RL_KEEP_REASON, c.RL_DURATION_SECONDS, *(c.stage_seconds(s) for s in c.STAGES),
                   c.RL_GROUP_DEGENERATE, c.RL_GROUP_REWARD_SPREAD, c.RL_GROUP_LOST, c.RL_DATASET_INDEX,
                   c.RL_WATCH_KEY,
                   # how far the rollout policy was from the trained one
                   c.RL_MISMATCH_KL, c.RL_MISMATCH_ABS_MAX, c.RL_MISMATCH_RATIO_MIN, c.RL_MISMATCH_RATIO_MAX,
                   c.RL_MISMATCH_OUTSIDE)
-_TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS, c.RL_SAMPLING_REASON)
+_TAG_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_STATUS, c.RL_KEEP_REASON)
 
 
 def _count(value: object) -> int | None:

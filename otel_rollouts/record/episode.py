@@ -1020,7 +1020,7 @@ class Episode:
                 dataset_index if isinstance(dataset_index, str)
                 or (isinstance(dataset_index, int) and fits_int64(dataset_index)) else text(dataset_index))
         if framework is not None:
-            attrs[c.RL_FRAMEWORK] = text(framework)
+            attrs[c.RL_SYSTEM_NAME] = text(framework)
         if metadata:
             self._metadata(root, metadata)
         for problem in problems:
@@ -1268,7 +1268,7 @@ class Episode:
                     for key, comp in components.items():
                         number = _number(span, comp, f"reward.{key}")
                         if number is not None:
-                            values[c.RL_REWARD_PREFIX + text(key)] = number
+                            values[c.RL_REWARD_COMPONENT_PREFIX + text(key)] = number
                 else:
                     flag(span, f"components: expected a mapping, got {type(components).__name__}")
             if advantage is not None:

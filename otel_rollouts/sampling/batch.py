@@ -32,7 +32,7 @@ UNDECIDED, KEEP, DROP = 0, 1, 2
 
 class RowBatch:
     """One batch of a (step, split): ``n`` rows, each row's episode trace id, and the values a
-    policy reads (``rl.reward``, ``rl.status``, ``rl.group.id``...) as columns.
+    policy reads (``rl.reward.score``, ``rl.status``, ``rl.group.id``...) as columns.
 
     ``columns`` maps an attribute name to its per-row values, or to a function computing them
     (called at most once, when a policy reads that attribute: a dropped sample never pays for a
@@ -181,7 +181,7 @@ class BatchRow:
         self.record: EpisodeRecord | None = None
         self.decision = UNDECIDED  # decided before its record arrived
         self.built = False  # the caller tried to record it (record None: that failed)
-        self.reason: str | None = None  # why the sampler keeps it (rl.sampling.reason)
+        self.reason: str | None = None  # why the sampler keeps it (rl.trace.keep_reason)
         self.notes: dict[str, object] | None = None  # root attributes the sampler adds (EpisodeRecord.notes)
 
     def attribute(self, name: str) -> Any:

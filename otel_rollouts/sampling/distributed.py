@@ -138,7 +138,7 @@ class Coordinator(Member):
 
 
 Payload = dict[tuple[int, str], list[tuple[int, int, int, dict[str, Any]]]]
-Kept = list[tuple[int, str | None]]  # a member's kept candidates: (index, rl.sampling.reason)
+Kept = list[tuple[int, str | None]]  # a member's kept candidates: (index, rl.trace.keep_reason)
 
 
 def summaries(policy: Policy, candidates: dict[tuple[int, str], list[Any]]) -> Payload:

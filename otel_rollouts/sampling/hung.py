@@ -5,7 +5,7 @@ inference request stuck in a queue) nothing of it reaches any viewer until it en
 never. ``HungWatcher`` runs on the configuration's ticker thread (``Pipeline.tick``, once a
 second): it looks at the episodes still open, and one open longer than the hang threshold is
 sent to the exporters as a *pending snapshot*: its tree so far (ended spans as they are, open
-spans ended at "now" and marked ``rl.pending``), its root saying which span it is stuck in and
+spans ended at "now" and marked ``rl.pending.snapshot``), its root saying which span it is stuck in and
 for how long. When the episode ends (kept or dropped) the next notice names its trace id in
 ``ended``, so an exporter replaces or removes the snapshot; one that never ends (still open at
 shutdown, ended by ``episode_timeout_s``, or open after its step closed) is counted ``hung``.
@@ -377,10 +377,10 @@ class HungWatcher:
         stuck = min(leaves, key=lambda s: s.start_ns)
         for s in open_spans:
             s.end_ns = max(now, s.start_ns)
-            s.attributes[c.RL_PENDING] = True
+            s.attributes[c.RL_PENDING_SNAPSHOT] = True
             s.attributes[c.RL_PENDING_SPAN_SECONDS] = max(now - s.start_ns, 0) / 1e9
         attributes = root_copy.attributes
-        attributes[c.RL_PENDING_SPAN] = stuck.name
+        attributes[c.RL_PENDING_SPAN_NAME] = stuck.name
         attributes[c.RL_PENDING_SPAN_SECONDS] = max(now - stuck.start_ns, 0) / 1e9
         attributes[c.RL_PENDING_SECONDS] = max(now - root_copy.start_ns, 0) / 1e9
         snapshot.spans = copies

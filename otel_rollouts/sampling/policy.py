@@ -61,7 +61,7 @@ class Candidate(Protocol):
     The pipeline offers its episode records (``EpisodeRecord``), the rows of a batch recorded
     with ``otr.record_batch`` (``BatchRow``) and, under a distributed budget, light summaries of
     every rank's candidates: all three have these two members, and a policy must read nothing
-    else. A candidate usually also has a writable ``reason`` slot (``rl.sampling.reason`` of a
+    else. A candidate usually also has a writable ``reason`` slot (``rl.trace.keep_reason`` of a
     kept episode, set with ``label``); a policy must not count on it (``label`` skips records
     without one).
     """
@@ -72,7 +72,7 @@ class Candidate(Protocol):
         ...
 
     def attribute(self, name: str) -> Any:
-        """The episode root's attribute ``name`` (``rl.reward``, ``rl.status``, ...), None when
+        """The episode root's attribute ``name`` (``rl.reward.score``, ``rl.status``, ...), None when
         it has none."""
         ...
 
@@ -160,12 +160,12 @@ def budget_of(policy: Policy) -> int | None:
 
 class BasePolicy(Policy):
     """The built-in policies' base, for a custom policy that wants their defaults: a ``name``,
-    a ``label`` (the ``rl.sampling.reason`` of what it keeps), no attributes read and no
+    a ``label`` (the ``rl.trace.keep_reason`` of what it keeps), no attributes read and no
     ``budget`` of its own. Subclass it and implement ``bucket`` (and ``needs`` when the policy
     reads attributes); a plain class with ``bucket`` and ``needs`` is a ``Policy`` too."""
 
     name = "policy"
-    label = c.REASON_POLICY  # rl.sampling.reason of what it keeps
+    label = c.REASON_POLICY  # rl.trace.keep_reason of what it keeps
     streaming = False  # True when decisions need no comparison and can be exported at once
     budget: int | None = None  # its own share of the cap inside a ``Compose`` (None: what is left)
 
@@ -239,7 +239,7 @@ def _let_go(refs: dict[int, int], record: Candidate, out: list[Candidate]) -> No
 
 
 def label(records: Iterable[object], reason: str) -> None:
-    """Say why ``records`` are kept (``rl.sampling.reason``), unless a more specific part of the
+    """Say why ``records`` are kept (``rl.trace.keep_reason``), unless a more specific part of the
     policy said it already: a record carries its reason until the pipeline keeps it. Records
     of other kinds (without a ``reason`` slot) are left as they are."""
     for r in records:

@@ -21,7 +21,7 @@ class TailSampler:
     ``"errors+top_bottom+degenerate_groups"``) or a ``Policy`` object such as
     ``Compose(Errors(2), TopBottom(top=4, bottom=4), Uniform())``. The default keeps errors
     (failed, then truncated) within a quarter of the cap, then the best and worst by reward
-    (``default_policy``). Every kept root says why in ``rl.sampling.reason``.
+    (``default_policy``). Every kept root says why in ``rl.trace.keep_reason``.
 
     ``watch``: prompts followed across the run, by dataset index (``rl.dataset.index``, an int
     or a string) or prompt hash (``otr.prompt_hash(prompt)``, matched against what

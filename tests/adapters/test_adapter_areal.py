@@ -70,7 +70,7 @@ def test_trajectories_round_trip_through_trackio(otr_shutdown):
     assert sorted(eps) == ["eval-12-0-0", "train-12-0-0", "train-12-0-1", "train-12-1-rejected",
                            "train-12-2-0", "train-12-2-1"]
     tool = eps["train-12-0-0"]["root"]
-    assert tool[c.RL_GROUP_ID] == "0" and tool[c.RL_FRAMEWORK] == "areal"
+    assert tool[c.RL_GROUP_ID] == "0" and tool[c.RL_SYSTEM_NAME] == "areal"
     assert tool[c.RL_POLICY_VERSION] == 6 and tool[c.RL_POLICY_VERSION_MIN] == 5  # never -1
     assert eps["train-12-2-1"]["root"][c.RL_POLICY_VERSION] == 7
     assert eps["train-12-2-1"]["root"][c.RL_SAMPLE_INDEX] == 3  # rows counted across groups
@@ -83,7 +83,7 @@ def test_trajectories_round_trip_through_trackio(otr_shutdown):
     assert row["step"] == 12
     md = row["metadata"]
     assert md["rl.split"] == "train" and md["rl.group.id"] == "0" and md["rl.policy.version"] == 6
-    assert md["rl.reward"] == 1.0 and isinstance(md["rl.reward"], float)
+    assert md["rl.reward.score"] == 1.0 and isinstance(md["rl.reward.score"], float)
     msgs = row["messages"]
     assert msgs[0] == SYSTEM and msgs[1] == {"role": "user", "content": "What is 17 * 23?"}
     assert msgs[2]["role"] == "assistant"
@@ -138,11 +138,11 @@ def test_ragged_rewards_mark_the_uncovered_sample_partial(memory):
     eps = episodes(memory)
     assert len(eps) == 3
     last = eps["train-3-0-2"]["root"]
-    # on rl.alignment itself now (was only rl.metadata.alignment: record_token_batch then took
+    # on rl.alignment.kind itself now (was only rl.metadata.alignment: record_token_batch then took
     # no per-sample attributes)
-    assert last[c.RL_ALIGNMENT] == "partial" and c.RL_REWARD not in last
+    assert last[c.RL_ALIGNMENT_KIND] == "partial" and c.RL_REWARD not in last
     assert any("rewards" in m for m in last[c.RL_ALIGNMENT_MISSING])
-    assert c.RL_ALIGNMENT not in eps["train-3-0-1"]["root"]
+    assert c.RL_ALIGNMENT_KIND not in eps["train-3-0-1"]["root"]
     assert otr.stats()["steps"]["3/train"]["adapters.alignment_partial"] == 1
 
 

@@ -117,7 +117,7 @@ def test_a_kit_adapter_records_good_values_and_marks_bad_and_hostile_ones(memory
     assert good[c.RL_REWARD] == 0.5
     assert good[c.RL_POLICY_VERSION] == 3 and good[c.RL_STALENESS] == 2
     assert good[c.RL_DURATION_SECONDS] == 1.5 and good[c.stage_seconds(c.STAGE_GENERATION)] == 1.25
-    assert good[c.RL_SPLIT] == "train" and good[c.RL_FRAMEWORK] == FRAMEWORK
+    assert good[c.RL_SPLIT] == "train" and good[c.RL_SYSTEM_NAME] == FRAMEWORK
     assert good[c.RL_STATUS] == c.STATUS_OK and c.RL_INVALID_FIELDS not in good
 
     # refused, named, never guessed: no reward, no version, no duration
@@ -173,9 +173,9 @@ def test_a_kit_adapter_on_the_batch_path_marks_ragged_columns(otr_shutdown):
     assert set(got) == {"a", "b", "c"}
     a, b, cc = got["a"]["root"], got["b"]["root"], got["c"]["root"]
     assert a[c.RL_REWARD] == 1.0 and a[c.RL_SPLIT] == "eval"
-    assert c.RL_ALIGNMENT not in a  # a short column's prefix is used: it covers a and b
+    assert c.RL_ALIGNMENT_KIND not in a  # a short column's prefix is used: it covers a and b
     assert c.RL_REWARD not in b and "Hostile" in b[c.RL_INVALID_FIELDS][0]
-    assert c.RL_REWARD not in cc and cc[c.RL_ALIGNMENT] == "partial"
+    assert c.RL_REWARD not in cc and cc[c.RL_ALIGNMENT_KIND] == "partial"
     assert list(cc[c.RL_ALIGNMENT_MISSING]) == ["scores[2!=3]"]
     totals = otr.stats()["totals"]
     assert totals[kit.COUNT_PARTIAL] == 1 and totals[kit.COUNT_INVALID] == 1

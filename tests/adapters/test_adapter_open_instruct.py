@@ -113,14 +113,14 @@ def test_batch_round_trips_through_trackio_with_tools_and_numbers(otr_shutdown):
     eps = episodes(exporter)
     assert sorted(eps) == ["eval-7-0", "eval-7-1", "train-7-0", "train-7-1", "train-7-2", "train-7-3"]
     root = eps["train-7-1"]["root"]
-    assert root[c.RL_FRAMEWORK] == "open-instruct" and root[c.RL_GROUP_ID] == "100"
+    assert root[c.RL_SYSTEM_NAME] == "open-instruct" and root[c.RL_GROUP_ID] == "100"
     assert root[c.RL_POLICY_VERSION] == 6 and root[c.RL_STALENESS] == 1
     assert root[c.RL_DATASET_NAME] == "gsm8k" and root[c.RL_DATASET_INDEX] == 100
     assert root[c.RL_REWARD] == 0.0 and root[c.RL_ADVANTAGE] == pytest.approx(-0.5)
-    assert root["rl.reward.env_step_0"] == 1.0
+    assert root["rl.reward.component.env_step_0"] == 1.0
     assert eps["train-7-3"]["root"][c.RL_STATUS] == c.STATUS_TRUNCATED
     assert eps["train-7-2"]["root"][c.RL_GROUP_ID] == "101"
-    assert c.RL_ALIGNMENT not in root
+    assert c.RL_ALIGNMENT_KIND not in root
 
     rows = {r["metadata"]["rl.episode.id"]: r for r in trackio_rows(project)}
     assert len(rows) == 6 and {r["key"] for r in rows.values()} == {"rollouts", "eval/rollouts"}
@@ -128,8 +128,8 @@ def test_batch_round_trips_through_trackio_with_tools_and_numbers(otr_shutdown):
     assert row["step"] == 7
     md = row["metadata"]
     assert md["rl.split"] == "train" and md["rl.step"] == 7 and md["rl.group.id"] == "100"
-    assert md["rl.policy.version"] == 6 and isinstance(md["rl.reward"], float)
-    assert isinstance(md["rl.advantage"], float) and isinstance(md["rl.reward.env_step_0"], float)
+    assert md["rl.policy.version"] == 6 and isinstance(md["rl.reward.score"], float)
+    assert isinstance(md["rl.advantage"], float) and isinstance(md["rl.reward.component.env_step_0"], float)
     msgs = row["messages"]
     assert msgs[0] == {"role": "system", "content": "You are a helpful assistant."}
     assert msgs[1] == {"role": "user", "content": "What is 2 + 3?"}
@@ -151,10 +151,10 @@ def test_ragged_lists_record_every_sample_as_partial_instead_of_indexerror(memor
     assert otr.flush()
     eps = episodes(memory)
     assert len(eps) == 4
-    assert c.RL_ALIGNMENT not in eps["train-1-0"]["root"]
-    assert c.RL_ALIGNMENT not in eps["train-1-1"]["root"]
+    assert c.RL_ALIGNMENT_KIND not in eps["train-1-0"]["root"]
+    assert c.RL_ALIGNMENT_KIND not in eps["train-1-1"]["root"]
     third, fourth = eps["train-1-2"]["root"], eps["train-1-3"]["root"]
-    assert third[c.RL_ALIGNMENT] == "partial" and fourth[c.RL_ALIGNMENT] == "partial"
+    assert third[c.RL_ALIGNMENT_KIND] == "partial" and fourth[c.RL_ALIGNMENT_KIND] == "partial"
     assert any("datasets" in m for m in third[c.RL_ALIGNMENT_MISSING])
     assert third[c.RL_REWARD] == 1.0 and c.RL_REWARD not in fourth
     assert otr.stats()["steps"]["1/train"]["adapters.alignment_partial"] == 2
@@ -175,7 +175,7 @@ def test_truncation_filter_never_pairs_request_info_with_another_sample(memory):
     assert len(eps) == 3
     for ep in eps.values():
         assert not ep["by_kind"][c.KIND_TOOL]  # request_info[i] belongs to sample i+1 now
-        assert ep["root"][c.RL_ALIGNMENT] == "partial"
+        assert ep["root"][c.RL_ALIGNMENT_KIND] == "partial"
     assert eps["train-2-0"]["root"][c.RL_GROUP_ID] == "100"  # groups from dataset indices
 
 
@@ -306,8 +306,8 @@ def test_only_reward_terms_are_rl_reward(memory):
                                tokenizer=tokenizer())
     assert otr.flush()
     root = episodes(memory)["train-1-1"]["root"]
-    assert {k for k in root if k.startswith(c.RL_REWARD_PREFIX)} == {
-        c.RL_REWARD_PREFIX + "env_step_0", c.RL_REWARD_PREFIX + "env_step_1"}
+    assert {k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)} == {
+        c.RL_REWARD_COMPONENT_PREFIX + "env_step_0", c.RL_REWARD_COMPONENT_PREFIX + "env_step_1"}
     assert root[c.RL_REWARD] == 0.0 and root[c.RL_ADVANTAGE] == pytest.approx(-0.7)
     for name in ("num_calls", "tool_runtimes", "ground_truth"):
         assert c.RL_METADATA_PREFIX + name in root
@@ -341,7 +341,7 @@ def test_unknown_structures_warn_once_and_are_recorded_as_far_as_understood(capl
     assert c.RL_POLICY_VERSION not in first and c.RL_STALENESS not in first
     assert eps["train-2-2"]["root"][c.RL_POLICY_VERSION] == 6
     tool_sample = eps["train-2-1"]
-    assert not [k for k in tool_sample["root"] if k.startswith(c.RL_REWARD_PREFIX)]
+    assert not [k for k in tool_sample["root"] if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)]
     assert len(tool_sample["by_kind"][c.KIND_TOOL]) == 1
 
 

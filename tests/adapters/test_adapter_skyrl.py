@@ -102,11 +102,11 @@ def test_generation_round_trips_through_trackio(otr_shutdown):
     eps = episodes(exporter)
     assert sorted(eps) == ["e0_0", "e0_1", "q0_0", "q0_1", "q1_0", "q1_1"]
     root = eps["q1_0"]["root"]
-    assert root[c.RL_GROUP_ID] == "q1" and root[c.RL_FRAMEWORK] == "skyrl"
-    # env_metrics are not rewards (the old adapter wrote rl.reward.format / rl.reward.turns)
-    assert root[c.RL_REWARD] == 1.0 and "rl.reward.format" not in root and "rl.reward.turns" not in root
+    assert root[c.RL_GROUP_ID] == "q1" and root[c.RL_SYSTEM_NAME] == "skyrl"
+    # env_metrics are not rewards (the old adapter wrote rl.reward.component.format / rl.reward.component.turns)
+    assert root[c.RL_REWARD] == 1.0 and "rl.reward.component.format" not in root and "rl.reward.component.turns" not in root
     assert root["rl.metadata.env_metrics.format"] == 1.0 and root[c.RL_TURN_COUNT] == 2
-    assert root["rl.reward.turn_0"] == 0.0 and root["rl.reward.turn_1"] == 1.0  # token-level, per turn
+    assert root["rl.reward.component.turn_0"] == 0.0 and root["rl.reward.component.turn_1"] == 1.0  # token-level, per turn
     # global_step 3 = the step being worked on: 2 updates done (the old adapter said version 3)
     assert root[c.RL_POLICY_VERSION] == 2 and root[c.RL_STALENESS] == 0
     assert eps["e0_0"]["root"][c.RL_SPLIT] == "eval"
@@ -116,7 +116,7 @@ def test_generation_round_trips_through_trackio(otr_shutdown):
     assert row["step"] == 3 and row["key"] == "rollouts"
     md = row["metadata"]
     assert md["rl.split"] == "train" and md["rl.group.id"] == "q1" and md["rl.policy.version"] == 2
-    assert isinstance(md["rl.reward"], float) and "rl.reward.turns" not in md
+    assert isinstance(md["rl.reward.score"], float) and "rl.reward.component.turns" not in md
     assert row["messages"] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "what is 3 + 3 ?"},
@@ -174,8 +174,8 @@ def test_without_ids_blocked_groups_only_when_complete(memory):
     assert [eps[f"train-2-{i}"]["root"][c.RL_GROUP_ID] for i in range(4)] == ["0", "0", "1", "1"]
     assert all(c.RL_GROUP_ID not in eps[f"train-3-{i}"]["root"] for i in range(4))
     last = eps["train-3-3"]["root"]
-    assert last[c.RL_ALIGNMENT] == "partial" and c.RL_FINISH_REASON not in last
-    assert c.RL_ALIGNMENT not in eps["train-3-0"]["root"]
+    assert last[c.RL_ALIGNMENT_KIND] == "partial" and c.RL_FINISH_REASON not in last
+    assert c.RL_ALIGNMENT_KIND not in eps["train-3-0"]["root"]
     assert otr.stats()["steps"]["3/train"]["adapters.alignment_partial"] == 1
 
 
@@ -192,7 +192,7 @@ def test_step_wise_rows_of_one_trajectory_become_one_episode(memory):
     eps = episodes(memory)
     first = eps["s0_0"]
     assert len(first["by_kind"][c.KIND_TURN]) == 2
-    assert first["root"][c.RL_REWARD] == 1.0 and first["root"]["rl.reward.turn_1"] == 1.0
+    assert first["root"][c.RL_REWARD] == 1.0 and first["root"]["rl.reward.component.turn_1"] == 1.0
     assert eps["s0_1"]["root"][c.RL_STATUS] == c.STATUS_TRUNCATED
     assert [m["content"] for m in messages_of(memory)["s0_0"][2:]] == ["let me compute", "5 "]  # EOS removed
 
@@ -240,8 +240,8 @@ def test_structures_not_understood_are_warned_once_and_counted(memory, caplog):
     assert any("trajectory_ids" in m for m in warned)
     assert otr.stats()["totals"]["adapters.unknown_structure"] >= 4
     roots = [ep["root"] for ep in episodes(memory).values()]
-    rewards = {k for r in roots for k in r if k.startswith(c.RL_REWARD_PREFIX)}
-    assert rewards <= {"rl.reward.turn_0", "rl.reward.turn_1"}  # no env metric taken for a reward
+    rewards = {k for r in roots for k in r if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)}
+    assert rewards <= {"rl.reward.component.turn_0", "rl.reward.component.turn_1"}  # no env metric taken for a reward
     assert any(r.get(c.RL_TURN_COUNT) == 1 for r in roots)
 
 

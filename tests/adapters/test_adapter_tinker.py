@@ -145,15 +145,15 @@ def test_problem_env_groups_read_back_from_trackio(otr_shutdown):
     a = eps["0"]["root"]
     assert a[c.RL_STEP] == 5 and a[c.RL_SPLIT] == "train" and a[c.RL_GROUP_ID] == "train:5:0"
     assert a[c.RL_POLICY_VERSION] == 4 and a[c.RL_STALENESS] == 1 and a[c.RL_SAMPLE_INDEX] == 0
-    assert a[c.RL_FRAMEWORK] == "tinker-cookbook" and a[c.RL_STATUS] == "ok"
+    assert a[c.RL_SYSTEM_NAME] == "tinker-cookbook" and a[c.RL_STATUS] == "ok"
     # the reward terms are ProblemEnv's metrics (format, correct); reward_data mixes them with
-    # the total, a coefficient and the reference answer: none of those is an rl.reward.* term
+    # the total, a coefficient and the reference answer: none of those is an rl.reward.component.* term
     assert a[c.RL_REWARD] == 1.1
-    assert a[c.RL_REWARD_PREFIX + "correct"] == 1.0 and a[c.RL_REWARD_PREFIX + "format"] == 1.0
+    assert a[c.RL_REWARD_COMPONENT_PREFIX + "correct"] == 1.0 and a[c.RL_REWARD_COMPONENT_PREFIX + "format"] == 1.0
     for key in ("reward", "format_coef", "format_valid", "reference_answer"):
-        assert c.RL_REWARD_PREFIX + key not in a
+        assert c.RL_REWARD_COMPONENT_PREFIX + key not in a
     assert a[c.RL_ADVANTAGE] == 0.5 and eps["1"]["root"][c.RL_ADVANTAGE] == -0.5
-    assert eps["1"]["root"][c.RL_REWARD_PREFIX + "correct"] == 0.0
+    assert eps["1"]["root"][c.RL_REWARD_COMPONENT_PREFIX + "correct"] == 0.0
     assert tree(eps["0"]["spans"]) == [(0, "episode"), (1, "prompt"), (1, "turn"), (2, "chat"),
                                        (1, "reward")]
     chat = eps["0"]["by_kind"]["generation"][0].attributes
@@ -167,7 +167,7 @@ def test_problem_env_groups_read_back_from_trackio(otr_shutdown):
     assert row["messages"][1]["content"] == "what is 2 + 2 ?"
     assert row["messages"][2]["content"] == "the answer is 4"
     md = row["metadata"]
-    assert md[c.RL_REWARD] == 1.1 and isinstance(md[c.RL_REWARD_PREFIX + "correct"], float)
+    assert md[c.RL_REWARD] == 1.1 and isinstance(md[c.RL_REWARD_COMPONENT_PREFIX + "correct"], float)
     assert md[c.RL_POLICY_VERSION] == 4 and md[c.RL_GROUP_ID] == "train:5:0" and md[c.RL_SPLIT] == "train"
     assert md[c.RL_METADATA_PREFIX + "reward_data"][0]["reward"] == "1.100"  # raw text kept
     assert md[c.RL_METADATA_PREFIX + "tags"] == ["gsm8k"]
@@ -307,7 +307,7 @@ def test_preference_env_responses_backfilled_per_trajectory(memory):
     assert msgs["train:3:0:1"][-1]["content"] == "hello again"
     assert msgs["train:3:0:1"][1]["content"] == "what is 2 + 2 ?"
     eps = by_index(episodes(memory))
-    assert eps["0"]["root"][c.RL_REWARD_PREFIX + "final"] == 1.0 and eps["1"]["root"][c.RL_REWARD] == -1.0
+    assert eps["0"]["root"][c.RL_REWARD_COMPONENT_PREFIX + "final"] == 1.0 and eps["1"]["root"][c.RL_REWARD] == -1.0
 
 
 def test_ragged_group_lists_and_placeholder_version(memory):
@@ -318,9 +318,9 @@ def test_ragged_group_lists_and_placeholder_version(memory):
     otr.flush()
     eps = by_index(episodes(memory))
     assert len(eps) == 3
-    assert c.RL_ALIGNMENT not in eps["0"]["root"] and eps["0"]["root"][c.RL_REWARD] == 1.6
+    assert c.RL_ALIGNMENT_KIND not in eps["0"]["root"] and eps["0"]["root"][c.RL_REWARD] == 1.6
     last = eps["2"]["root"]
-    assert last[c.RL_ALIGNMENT] == "partial" and last[c.RL_REWARD] == 1.1  # no group reward
+    assert last[c.RL_ALIGNMENT_KIND] == "partial" and last[c.RL_REWARD] == 1.1  # no group reward
     missing = " ".join(last[c.RL_ALIGNMENT_MISSING])
     assert "final_rewards" in missing and "advantages" in missing and c.RL_ADVANTAGE not in last
     assert eps["1"]["root"][c.RL_ADVANTAGE] == 0.2

@@ -100,10 +100,10 @@ def test_episodes_read_back_from_trackio(otr_shutdown):
     eps = episodes(mem)
     a = eps["uuid-0"]["root"]
     assert a[c.RL_STEP] == 5 and a[c.RL_SPLIT] == "train" and a[c.RL_POLICY_VERSION] == 3
-    assert a[c.RL_STALENESS] == 2 and a[c.RL_FRAMEWORK] == "torchforge"
+    assert a[c.RL_STALENESS] == 2 and a[c.RL_SYSTEM_NAME] == "torchforge"
     assert a[c.RL_GROUP_ID] == eps["uuid-1"]["root"][c.RL_GROUP_ID]  # same request: same group
-    assert a[c.RL_REWARD] == 0.75 and a[c.RL_REWARD_PREFIX + "MathReward"] == 1.0
-    assert a[c.RL_REWARD_PREFIX + "ThinkingReward"] == 0.5
+    assert a[c.RL_REWARD] == 0.75 and a[c.RL_REWARD_COMPONENT_PREFIX + "MathReward"] == 1.0
+    assert a[c.RL_REWARD_COMPONENT_PREFIX + "ThinkingReward"] == 0.5
     assert abs(a[c.RL_ADVANTAGE] - 0.7) < 1e-6 and a[c.RL_STATUS] == "ok"
     chat = eps["uuid-1"]["by_kind"]["generation"][0].attributes
     # real token counts from the completion, not the padded request_len/response_len
@@ -117,7 +117,7 @@ def test_episodes_read_back_from_trackio(otr_shutdown):
     assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
     assert row["messages"][0]["content"] == REQUEST and row["messages"][1]["content"] == "the answer is 4"
     md = row["metadata"]
-    assert md[c.RL_REWARD_PREFIX + "MathReward"] == 1.0 and md[c.RL_POLICY_VERSION] == 3
+    assert md[c.RL_REWARD_COMPONENT_PREFIX + "MathReward"] == 1.0 and md[c.RL_POLICY_VERSION] == 3
     assert md[c.RL_METADATA_PREFIX + "padded_request_len"] == 512
     assert md[c.RL_METADATA_PREFIX + "completion.num_cached_tokens"] == 8
     assert md[c.RL_METADATA_PREFIX + "target"] == "4"
@@ -133,8 +133,8 @@ def test_sample_dicts_from_top_bottom_heaps_recorded_once(memory):
     otr.flush()
     eps = episodes(memory)
     assert sorted(eps) == ["uuid-0", "uuid-1"]
-    assert eps["uuid-0"]["root"][c.RL_REWARD_PREFIX + "MathReward"] == 1.0  # flattened column
-    assert c.RL_REWARD_PREFIX + "pad_id" not in eps["uuid-0"]["root"]
+    assert eps["uuid-0"]["root"][c.RL_REWARD_COMPONENT_PREFIX + "MathReward"] == 1.0  # flattened column
+    assert c.RL_REWARD_COMPONENT_PREFIX + "pad_id" not in eps["uuid-0"]["root"]
     assert otr.stats()["steps"]["2/train"]["adapters.duplicates"] == 3
 
 
@@ -154,11 +154,11 @@ def test_streamed_dict_string_rewards_placeholder_version_and_mutation(memory):
     eps = episodes(memory)
     a = eps["uuid-7"]["root"]
     assert a[c.RL_REWARD] == 0.75 and a[c.RL_ADVANTAGE] == 0.25
-    assert a[c.RL_REWARD_PREFIX + "MathReward"] == 1.0
+    assert a[c.RL_REWARD_COMPONENT_PREFIX + "MathReward"] == 1.0
     assert c.RL_POLICY_VERSION not in a and c.RL_STALENESS not in a  # -1 placeholder ignored
     assert messages_of(memory)["uuid-7"][1]["content"] == "the answer is 4"
     flagged = eps["uuid-8"]["root"]
-    assert c.RL_REWARD not in flagged and flagged[c.RL_REWARD_PREFIX + "ThinkingReward"] == 0.5
+    assert c.RL_REWARD not in flagged and flagged[c.RL_REWARD_COMPONENT_PREFIX + "ThinkingReward"] == 0.5
     assert any("uuid-8" in m and "reward" in m for m in flagged[c.RL_INVALID_FIELDS])
 
 
@@ -204,8 +204,8 @@ def test_only_reward_function_columns_are_reward_terms(caplog, memory):
     eps = episodes(memory)
     for eid in ("uuid-0", "uuid-1"):
         root = eps[eid]["root"]
-        assert {k for k in root if k.startswith(c.RL_REWARD_PREFIX)} == {
-            c.RL_REWARD_PREFIX + "MathReward", c.RL_REWARD_PREFIX + "ThinkingReward"}
+        assert {k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)} == {
+            c.RL_REWARD_COMPONENT_PREFIX + "MathReward", c.RL_REWARD_COMPONENT_PREFIX + "ThinkingReward"}
         assert root[c.RL_REWARD] == 0.75
     assert eps["uuid-1"]["root"][c.RL_METADATA_PREFIX + "num_turns"] == 3.0
     assert sum("num_turns" in r.getMessage() for r in caplog.records) == 1

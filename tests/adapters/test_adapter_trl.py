@@ -131,7 +131,7 @@ def test_grpo_trainer_two_steps_traced(tmp_path, otr_shutdown):
     evals = [ep["root"] for ep in eps.values() if ep["root"][c.RL_SPLIT] == "eval"]
     assert len(evals) == 2 and {a[c.RL_STEP] for a in evals} == {2}
     assert len({a[c.RL_GROUP_ID] for a in evals}) == 1
-    assert all(c.RL_REWARD_PREFIX + "format_reward" in a for a in evals)
+    assert all(c.RL_REWARD_COMPONENT_PREFIX + "format_reward" in a for a in evals)
     by_step = collections.defaultdict(list)
     for ep in eps.values():
         if ep["root"][c.RL_SPLIT] == "train":
@@ -145,18 +145,18 @@ def test_grpo_trainer_two_steps_traced(tmp_path, otr_shutdown):
             a = ep["root"]
             assert a[c.RL_POLICY_VERSION] == step - 1 and a[c.RL_SPLIT] == "train"
             assert a[c.RL_STALENESS] == 0  # on-policy (was 1: step end minus step begin)
-            assert a[c.RL_FRAMEWORK] == "trl"
+            assert a[c.RL_SYSTEM_NAME] == "trl"
             conv = msgs[a[c.RL_EPISODE_ID]]
             assert conv[0]["role"] == "user" and conv[0]["content"] in PROMPTS  # prompt included
             assert conv[-1]["role"] == "assistant"
             rewards = seen[conv[0]["content"], conv[-1]["content"]]  # this prompt, this completion
             # rewards per reward function as numbers, exactly what the functions returned
-            assert a[c.RL_REWARD_PREFIX + "length_reward"] == pytest.approx(rewards["length_reward"])
+            assert a[c.RL_REWARD_COMPONENT_PREFIX + "length_reward"] == pytest.approx(rewards["length_reward"])
             if rewards["format_reward"] is None:
-                assert c.RL_REWARD_PREFIX + "format_reward" not in a
+                assert c.RL_REWARD_COMPONENT_PREFIX + "format_reward" not in a
                 expected = rewards["length_reward"]
             else:
-                assert isinstance(a[c.RL_REWARD_PREFIX + "format_reward"], float)
+                assert isinstance(a[c.RL_REWARD_COMPONENT_PREFIX + "format_reward"], float)
                 expected = rewards["length_reward"] + 2.0 * rewards["format_reward"]
             assert a[c.RL_REWARD] == pytest.approx(expected)  # weighted as TRL optimises
             groups[a[c.RL_GROUP_ID]].append((conv[0]["content"], a[c.RL_REWARD], a[c.RL_ADVANTAGE]))
@@ -173,7 +173,7 @@ def test_grpo_trainer_two_steps_traced(tmp_path, otr_shutdown):
     row = rows[0]
     assert row["messages"][0]["role"] == "user" and row["messages"][0]["content"] in PROMPTS
     md = row["metadata"]
-    assert isinstance(md[c.RL_REWARD_PREFIX + "length_reward"], float)
+    assert isinstance(md[c.RL_REWARD_COMPONENT_PREFIX + "length_reward"], float)
     assert isinstance(md[c.RL_ADVANTAGE], float) and md[c.RL_POLICY_VERSION] == 0
     assert md[c.RL_GROUP_ID].startswith("train:1:") and md[c.RL_SPLIT] == "train"
 
@@ -251,6 +251,6 @@ def test_tool_calling_completions_ragged_buffers_and_reused_batches(memory):
     assert tool_ep["root"][c.RL_GROUP_ID] == eps["train:1:0:1"]["root"][c.RL_GROUP_ID]
     for eid in ("train:3:1:0", "train:3:1:1"):  # the short buffer is not paired with anything
         ragged = eps[eid]["root"]
-        assert ragged[c.RL_ALIGNMENT] == "partial" and c.RL_REWARD_PREFIX + "format" not in ragged
-        assert ragged[c.RL_REWARD_PREFIX + "accuracy"] == 1.0 and ragged[c.RL_REWARD] == 1.0
+        assert ragged[c.RL_ALIGNMENT_KIND] == "partial" and c.RL_REWARD_COMPONENT_PREFIX + "format" not in ragged
+        assert ragged[c.RL_REWARD_COMPONENT_PREFIX + "accuracy"] == 1.0 and ragged[c.RL_REWARD] == 1.0
         assert list(ragged[c.RL_ALIGNMENT_MISSING]) == ["rewards.format[3!=4]"]

@@ -118,9 +118,9 @@ def test_batch_round_trips_through_trackio(otr_shutdown):
     assert sorted(eps) == ["eval-5-uid-0-0", "eval-5-uid-0-1", "train-5-uid-0-0", "train-5-uid-0-1",
                            "train-5-uid-1-0", "train-5-uid-1-1"]
     root = eps["train-5-uid-0-0"]["root"]
-    assert root[c.RL_GROUP_ID] == "uid-0" and root[c.RL_FRAMEWORK] == "verl"
+    assert root[c.RL_GROUP_ID] == "uid-0" and root[c.RL_SYSTEM_NAME] == "verl"
     assert root[c.RL_POLICY_VERSION] == 4 and root[c.RL_DATASET_INDEX] == 10
-    assert root[c.RL_REWARD] == 1.0 and root["rl.reward.acc"] == 1.0
+    assert root[c.RL_REWARD] == 1.0 and root["rl.reward.component.acc"] == 1.0
     assert root[c.RL_ADVANTAGE] == pytest.approx(0.5)
     assert root["rl.metadata.rollout_n"] == 0 and root["rl.metadata.sample_index"] == 10
     assert eps["train-5-uid-1-1"]["root"][c.RL_STATUS] == c.STATUS_TRUNCATED
@@ -131,7 +131,7 @@ def test_batch_round_trips_through_trackio(otr_shutdown):
     assert row["step"] == 5 and row["key"] == "rollouts"
     md = row["metadata"]
     assert md["rl.split"] == "train" and md["rl.group.id"] == "uid-0" and md["rl.policy.version"] == 4
-    assert isinstance(md["rl.reward"], float) and isinstance(md["rl.reward.acc"], float)
+    assert isinstance(md["rl.reward.score"], float) and isinstance(md["rl.reward.component.acc"], float)
     assert md["rl.metadata.validate"] is False and md["rl.dataset.name"] == "openai/gsm8k"
     msgs = row["messages"]
     assert msgs[0] == SYSTEM and msgs[1] == {"role": "user", "content": "What is 17 * 23?"}
@@ -165,9 +165,9 @@ def test_ragged_non_tensor_columns_mark_uncovered_samples_partial(memory):
     eps = episodes(memory)
     assert len(eps) == 4
     last = eps["train-2-uid-1-1"]["root"]
-    assert last["rl.metadata.alignment"] == "partial" and "rl.reward.acc" not in last
+    assert last["rl.metadata.alignment"] == "partial" and "rl.reward.component.acc" not in last
     assert "rl.metadata.alignment" not in eps["train-2-uid-1-0"]["root"]
-    assert eps["train-2-uid-1-0"]["root"]["rl.reward.acc"] == 1.0
+    assert eps["train-2-uid-1-0"]["root"]["rl.reward.component.acc"] == 1.0
     assert otr.stats()["steps"]["2/train"]["adapters.alignment_partial"] == 1
 
 
@@ -201,7 +201,7 @@ def test_reward_extra_info_as_strings_becomes_numbers(memory):
     verl.record_batch(data, step=7, tokenizer=TOK, reward_extra_keys=["acc", "format"], policy_version=6)
     assert otr.flush()
     root = episodes(memory)["train-7-uid-0-1"]["root"]
-    assert root["rl.reward.format"] == 0.5 and type(root["rl.reward.acc"]) is float
+    assert root["rl.reward.component.format"] == 0.5 and type(root["rl.reward.component.acc"]) is float
     assert root[c.RL_POLICY_VERSION] == 6
 
 

@@ -43,7 +43,7 @@ def mismatch_keys(attributes) -> set[str]:
 def assert_diverged(ep, tokens: int, rollout_logprob=None) -> None:
     """Root and (last) generation of a sample whose every counted token has Δ = DELTA."""
     root = ep["root"]
-    assert root[c.RL_SAMPLING_REASON] == c.REASON_MISMATCH
+    assert root[c.RL_KEEP_REASON] == c.REASON_MISMATCH
     assert root[c.RL_MISMATCH_TOKENS] == tokens
     assert root[c.RL_MISMATCH_KL] == pytest.approx(KL, rel=1e-3)
     assert root[c.RL_MISMATCH_ABS_MEAN] == pytest.approx(-DELTA, rel=1e-3)

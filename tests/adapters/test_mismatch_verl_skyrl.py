@@ -51,7 +51,7 @@ def assert_diverged(episode: dict[str, Any], counted: int) -> None:
     """The root and a generation span of a diverging sample carry the statistics: |Δ| max = the
     shift, the worst tokens listed largest first, the kept reason ``mismatch``."""
     root = episode["root"]
-    assert root[c.RL_SAMPLING_REASON] == c.REASON_MISMATCH
+    assert root[c.RL_KEEP_REASON] == c.REASON_MISMATCH
     assert root[c.RL_MISMATCH_TOKENS] == counted
     assert root[c.RL_MISMATCH_ABS_MAX] == pytest.approx(abs(SHIFT), abs=1e-5)
     assert root[c.RL_MISMATCH_ABS_MEAN] == pytest.approx(abs(SHIFT) * SHIFTED_TOKENS / counted, abs=1e-5)
@@ -140,12 +140,12 @@ def test_verl_mismatch_composes_with_other_parts_and_agreeing_samples_have_zero_
     eps = episodes(exporter)
     assert len(eps) == len(batch)
     diverged = episode_id(batch, truth, 3)
-    assert eps[diverged]["root"][c.RL_SAMPLING_REASON] == c.REASON_MISMATCH
+    assert eps[diverged]["root"][c.RL_KEEP_REASON] == c.REASON_MISMATCH
     for key, ep in eps.items():
         root = ep["root"]
         assert root[c.RL_MISMATCH_TOKENS] > 0  # both logprob sets known on every sample
         if key != diverged:
-            assert root[c.RL_MISMATCH_ABS_MAX] == 0 and root[c.RL_SAMPLING_REASON] != c.REASON_MISMATCH
+            assert root[c.RL_MISMATCH_ABS_MAX] == 0 and root[c.RL_KEEP_REASON] != c.REASON_MISMATCH
 
 
 def test_verl_without_engine_logprobs_records_no_mismatch_and_no_error(tmp_path, verl_real, memory):

@@ -416,7 +416,7 @@ def test_a_text_environment_talking_to_the_user_role_is_user_feedback(memory):
         {"role": "assistant", "content": "I guess 50."}, {"role": "user", "content": "Too high. Try again."},
         {"role": "assistant", "content": "I guess 25."}, {"role": "user", "content": "Correct!"},
         {"role": "assistant", "content": "Done."}]
-    assert ep["root"]["rl.reward.env_step_1"] == 1.0
+    assert ep["root"]["rl.reward.component.env_step_1"] == 1.0
 
 
 # --- the other shapes the path produces -------------------------------------------------------
@@ -474,7 +474,7 @@ def test_truncation_filter_then_record_pairs_nothing_wrongly(memory):
     batch = batch[keep]
     eps, _ = record(memory, batch, result, adv[keep])
     assert all(not e["by_kind"][c.KIND_TOOL] for e in eps.values())
-    assert all(e["root"][c.RL_ALIGNMENT] == "partial" for e in eps.values())
+    assert all(e["root"][c.RL_ALIGNMENT_KIND] == "partial" for e in eps.values())
 
 
 # --- the docs name the real hook point and the real module ------------------------------------

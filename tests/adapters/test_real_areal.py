@@ -196,9 +196,9 @@ def test_rlvr_groups_from_the_workflow_executor(memory):
         # the rendered prompt split back into AReaL's data messages; no markup or EOS in any role
         assert conv == [SYSTEM, {"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         assert all(clean(m["content"]) for m in conv)
-        # rewards: AReaL's reward tensor, nothing else under rl.reward.*
+        # rewards: AReaL's reward tensor, nothing else under rl.reward.component.*
         assert root[c.RL_REWARD] == truth[(question, answer)]
-        assert [k for k in root if k.startswith(c.RL_REWARD_PREFIX)] == []
+        assert [k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)] == []
         assert {k for k in root if k.startswith(c.RL_METADATA_PREFIX)} == {
             c.RL_METADATA_PREFIX + "trajectory_index", c.RL_METADATA_PREFIX + "sample_index_in_group"}
         # version 3 generated, the actor at global_step 3 has received 3 updates: on-policy
@@ -349,7 +349,7 @@ def test_unknown_trajectory_keys_and_shapes_warn_once(caplog, memory, keep_loggi
     eps = episodes(memory)
     root = eps["train-0-0-0"]["root"]
     assert not any("my_custom_score" in k for k in root)
-    assert [k for k in root if k.startswith(c.RL_REWARD_PREFIX)] == []
+    assert [k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)] == []
     assert eps["train-0-0-unknown"]["root"][c.RL_STATUS] == c.STATUS_ERROR
 
 

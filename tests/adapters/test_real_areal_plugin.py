@@ -125,7 +125,7 @@ def test_trainer_loop_with_the_wrapper_records_every_sample_on_policy(otr_shutdo
         assert conv == [SYSTEM, {"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         assert all(clean(m["content"]) for m in conv)
         assert root[c.RL_REWARD] == truth[(step, question, answer)]
-        assert [k for k in root if k.startswith(c.RL_REWARD_PREFIX)] == []
+        assert [k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)] == []
         assert root[c.RL_SPLIT] == "train"
         assert root[c.RL_POLICY_VERSION] == step and root[c.RL_STALENESS] == 0
         assert root[c.RL_TURN_COUNT] == 1 and root[c.RL_STATUS] == c.STATUS_OK

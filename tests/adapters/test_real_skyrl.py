@@ -108,14 +108,14 @@ def test_gsm8k_env_metrics_are_not_rewards_and_steps_is_the_turn_count(memory):
     assert otr.flush()
     eps = episodes(memory)
     root = eps["q0_0"]["root"]
-    # regression: the old adapter recorded env_metrics as reward components (rl.reward.steps)
-    assert not any(k.startswith(c.RL_REWARD_PREFIX + "steps") for k in root)
+    # regression: the old adapter recorded env_metrics as reward components (rl.reward.component.steps)
+    assert not any(k.startswith(c.RL_REWARD_COMPONENT_PREFIX + "steps") for k in root)
     assert root[c.RL_TURN_COUNT] == 2 and eps["q0_1"]["root"][c.RL_TURN_COUNT] == 1
     # per-token rewards: format score 0.2 / max_turns on turn 0, 1.0 (correct) on turn 1
     assert root[c.RL_REWARD] == pytest.approx(0.2 / 3 + 1.0)
-    assert root[c.RL_REWARD_PREFIX + "turn_0"] == pytest.approx(0.2 / 3)
-    assert root[c.RL_REWARD_PREFIX + "turn_1"] == 1.0
-    assert {k for k in root if k.startswith(c.RL_REWARD_PREFIX)} == {"rl.reward.turn_0", "rl.reward.turn_1"}
+    assert root[c.RL_REWARD_COMPONENT_PREFIX + "turn_0"] == pytest.approx(0.2 / 3)
+    assert root[c.RL_REWARD_COMPONENT_PREFIX + "turn_1"] == 1.0
+    assert {k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)} == {"rl.reward.component.turn_0", "rl.reward.component.turn_1"}
     assert root[c.RL_GROUP_ID] == "q0" and root[c.RL_DATASET_NAME] == "gsm8k_multi_turn"
     assert len(eps["q0_0"]["by_kind"][c.KIND_TURN]) == 2
 
@@ -181,7 +181,7 @@ def test_step_wise_trajectories_are_one_episode_with_clean_turns(memory):
     eps = episodes(memory)
     root = eps["q0_0"]["root"]
     assert root[c.RL_TURN_COUNT] == 2 and root[c.RL_REWARD] == pytest.approx(0.2 / 3 + 1.0)
-    assert "rl.reward.steps" not in root
+    assert "rl.reward.component.steps" not in root
     assert [m["role"] for m in messages_of(memory)["q0_0"]] == ["system", "user", "assistant", "user", "assistant"]
     assert "<|im_" not in _texts(eps["q0_0"])
 

@@ -159,10 +159,10 @@ def test_problem_env_reward_terms_are_its_metrics_not_its_coefficients(tok, rend
     eps = episodes(memory)
     right, wrong = eps["train:0:0:0"]["root"], eps["train:0:0:1"]["root"]
     assert right[c.RL_REWARD] == 1.0 and wrong[c.RL_REWARD] == 0.0
-    assert right[c.RL_REWARD_PREFIX + "correct"] == 1.0 and wrong[c.RL_REWARD_PREFIX + "correct"] == 0.0
-    assert right[c.RL_REWARD_PREFIX + "format"] == 1.0
-    rewards = {k for k in right if k.startswith(c.RL_REWARD_PREFIX)}
-    assert rewards == {c.RL_REWARD_PREFIX + k for k in ("correct", "format", "transitions", "final")}
+    assert right[c.RL_REWARD_COMPONENT_PREFIX + "correct"] == 1.0 and wrong[c.RL_REWARD_COMPONENT_PREFIX + "correct"] == 0.0
+    assert right[c.RL_REWARD_COMPONENT_PREFIX + "format"] == 1.0
+    rewards = {k for k in right if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)}
+    assert rewards == {c.RL_REWARD_COMPONENT_PREFIX + k for k in ("correct", "format", "transitions", "final")}
     # the metrics stay readable as the step's diagnostics
     assert json.loads(right[c.RL_METADATA_PREFIX + "steps"])[0]["metrics"] == {"format": 1.0, "correct": 1.0}
     assert list(right[c.RL_METADATA_PREFIX + "tags"]) == ["arithmetic"] and right[c.RL_TURN_COUNT] == 1
@@ -177,8 +177,8 @@ def test_tool_env_diagnostic_metrics_are_not_rewards(tok, renderer, memory):
     otr.flush()
     (ep,) = episodes(memory).values()
     root = ep["root"]
-    assert root[c.RL_REWARD] == 1.0 and root[c.RL_REWARD_PREFIX + "correct"] == 1.0
-    assert not any("stop/" in k for k in root if k.startswith(c.RL_REWARD_PREFIX))
+    assert root[c.RL_REWARD] == 1.0 and root[c.RL_REWARD_COMPONENT_PREFIX + "correct"] == 1.0
+    assert not any("stop/" in k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX))
     assert root[c.RL_FINISH_REASON] == "completed" and root[c.RL_STATUS] == "ok"
     assert root[c.RL_TURN_COUNT] == 2
 
@@ -306,7 +306,7 @@ def test_rollout_summary_records_with_a_tokenizer_do_not_ask_for_one(tok, render
     (ep,) = episodes(memory).values()
     assert "pass tokenizer" not in repr(messages_of(memory))
     root = ep["root"]
-    assert root[c.RL_REWARD] == 1.0 and root[c.RL_REWARD_PREFIX + "correct"] == 1.0
+    assert root[c.RL_REWARD] == 1.0 and root[c.RL_REWARD_COMPONENT_PREFIX + "correct"] == 1.0
     assert root[c.RL_POLICY_VERSION] == 3 and root[c.RL_STALENESS] == 0
     chat = ep["by_kind"]["generation"][0].attributes
     assert chat[c.GEN_AI_USAGE_INPUT_TOKENS] == group.trajectories_G[0].transitions[0].ob.length

@@ -94,8 +94,8 @@ def test_preference_pair_is_linked_both_ways_with_verdicts(tok, renderer, memory
     assert [(x["position"], x["verdict"]) for x in comparisons] == [("B", 1.0), ("A", 1.0)]
     # the reward is the cookbook's, its terms the builder's metrics
     assert short["root"][c.RL_REWARD] == 1.0 and long["root"][c.RL_REWARD] == -1.0
-    assert short["root"][c.RL_REWARD_PREFIX + "win_minus_loss"] == 1.0
-    assert short["root"][c.RL_REWARD_PREFIX + "format"] == 1.0
+    assert short["root"][c.RL_REWARD_COMPONENT_PREFIX + "win_minus_loss"] == 1.0
+    assert short["root"][c.RL_REWARD_COMPONENT_PREFIX + "format"] == 1.0
     msgs = messages_of(memory)
     assert msgs["train:0:0:1"] == [{"role": "user", "content": "Name a colour."},
                                    {"role": "assistant", "content": "Blue"}]
@@ -240,7 +240,7 @@ def test_distillation_answer_carries_the_teachers_score(tok, renderer, memory): 
     for t, size in enumerate(sizes):
         ep = eps[f"train:0:0:{t}"]
         reward = ep["by_kind"]["reward"][0].attributes
-        assert reward[c.RL_DISTILL_TEACHER] == "teacher-8b" and reward[c.RL_DISTILL_KL_COEF] == 1.0
+        assert reward[c.RL_DISTILL_TEACHER_NAME] == "teacher-8b" and reward[c.RL_DISTILL_KL_COEF] == 1.0
         assert list(reward[c.RL_DISTILL_TEACHER_LOGPROBS]) == [-1.0] * size
         assert list(reward[c.RL_DISTILL_STUDENT_LOGPROBS]) == [-0.25] * size
         assert reward[c.RL_DISTILL_REVERSE_KL] == pytest.approx(0.75)  # −0.25 − (−1.0)
@@ -265,7 +265,7 @@ def test_distillation_without_the_teachers_logprobs_records_the_answer(tok, rend
     otr.flush()
     (ep,) = episodes(memory).values()
     reward = ep["by_kind"]["reward"][0].attributes
-    assert c.RL_DISTILL_REVERSE_KL not in reward and reward[c.RL_DISTILL_TEACHER] == "t"
+    assert c.RL_DISTILL_REVERSE_KL not in reward and reward[c.RL_DISTILL_TEACHER_NAME] == "t"
     assert ep["root"][c.RL_STATUS] == "ok"
 
 

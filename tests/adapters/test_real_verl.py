@@ -200,8 +200,8 @@ def test_only_reward_terms_are_rewards(tmp_path, memory):
     assert len(eps) == 2 * N
     for e in eps.values():
         root = e["root"]
-        rewards = {k for k in root if k.startswith(c.RL_REWARD_PREFIX)}
-        assert rewards == {"rl.reward.score", "rl.reward.acc", "rl.reward.format"}, rewards
+        rewards = {k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)}
+        assert rewards == {"rl.reward.component.score", "rl.reward.component.acc", "rl.reward.component.format"}, rewards
         assert root["rl.metadata.num_cached_tokens"] == 0
         assert root["rl.metadata.agent_name"] == "tool_agent"
     tool_runs = [e["root"] for e in eps.values() if e["root"][c.RL_DATASET_INDEX] == 10]
@@ -215,12 +215,12 @@ def test_reward_terms_without_verl_list_skip_bookkeeping_and_warn(tmp_path, memo
     with caplog.at_level(logging.WARNING, logger="otel_rollouts"):
         eps = record(memory, tok, batch)
     for e in eps.values():
-        assert {k for k in e["root"] if k.startswith(c.RL_REWARD_PREFIX)} == {
-            "rl.reward.score", "rl.reward.acc", "rl.reward.format"}
+        assert {k for k in e["root"] if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)} == {
+            "rl.reward.component.score", "rl.reward.component.acc", "rl.reward.component.format"}
     assert "reward_extra_keys" in caplog.text
     eps2 = record(memory, tok, batch, step=4, reward_extra_keys=["acc"])
     assert {k for k in next(iter(v for k, v in eps2.items() if k.startswith("train-4")))["root"]
-            if k.startswith(c.RL_REWARD_PREFIX)} == {"rl.reward.acc"}
+            if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)} == {"rl.reward.component.acc"}
 
 
 @pytest.mark.matrix

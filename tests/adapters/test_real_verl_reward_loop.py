@@ -258,8 +258,8 @@ def test_rollout_n_in_the_reward_loop_layout(tmp_path, actor_loop, memory, caplo
     check_rollouts(eps, batch, truth)
     for e in eps.values():
         root = e["root"]
-        assert {k for k in root if k.startswith(c.RL_REWARD_PREFIX)} == {"rl.reward.score", "rl.reward.acc",
-                                                                          "rl.reward.format"}
+        assert {k for k in root if k.startswith(c.RL_REWARD_COMPONENT_PREFIX)} == {"rl.reward.component.score", "rl.reward.component.acc",
+                                                                          "rl.reward.component.format"}
         assert c.RL_ADVANTAGE in root and root[c.RL_POLICY_VERSION] == 2 and root[c.RL_STALENESS] == 0
         assert root[c.RL_REWARD] == 1.0  # both answers right (the tool one via the calculator)
 
@@ -280,7 +280,7 @@ def test_plugin_records_each_generated_batch_with_one_config_entry(tmp_path, act
     for j, t in enumerate(truth):
         root = eps[f"train-3-{uids[j]}-{t['rollout_n']}"]["root"]
         assert root[c.RL_REWARD] == scores[j]
-        assert root["rl.reward.acc"] == batch.non_tensor_batch["acc"][j]
+        assert root["rl.reward.component.acc"] == batch.non_tensor_batch["acc"][j]
         assert root[c.RL_STEP] == 3 and root[c.RL_SPLIT] == "train"
         assert root[c.RL_POLICY_VERSION] == 2 and root[c.RL_STALENESS] == 0
         assert root[c.RL_TURN_COUNT] == batch.non_tensor_batch["__num_turns__"][j]

@@ -221,7 +221,7 @@ def test_default_trainer_records_each_session_with_the_config_entry(tmp_path, cl
             assert root[c.RL_GROUP_ID] == uid and root[c.RL_SAMPLE_INDEX] == int(session)
             assert root[c.RL_REWARD] == float(data_["rm_scores"][j].sum())
             extra = data_["extra_fields"][j]
-            assert root["rl.reward.acc"] == float(extra["reward_extra_info"]["acc"])
+            assert root["rl.reward.component.acc"] == float(extra["reward_extra_info"]["acc"])
             assert root[c.RL_STEP] == 3 and root[c.RL_SPLIT] == split
             assert root[c.RL_POLICY_VERSION] == extra["max_global_steps"] == 2
             assert root[c.RL_TURN_COUNT] == int(data_["num_turns"][j])

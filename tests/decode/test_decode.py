@@ -79,8 +79,8 @@ def test_right_padded_batch_read_back_from_trackio(tok, otr_shutdown):
     tool = rows[0]
     assert tool["messages"] == EXPECTED_TOOL_MESSAGES
     md = tool["metadata"]
-    assert md["rl.reward"] == 1.0 and md["rl.advantage"] == 0.5 and md["rl.group.id"] == "g0"
-    assert (md["rl.policy.version"], md["rl.policy.version.min"], md["rl.policy.version.max"]) == (4, 3, 4)
+    assert md["rl.reward.score"] == 1.0 and md["rl.advantage"] == 0.5 and md["rl.group.id"] == "g0"
+    assert (md["rl.policy.version"], md["rl.policy.version_min"], md["rl.policy.version_max"]) == (4, 3, 4)
     assert md["rl.finish_reason"] == "stop" and md["status"] == "ok"
     names = [s["name"] for s in tool["spans"]]
     assert names == ["episode", "prompt", "turn", "chat policy", "execute_tool calculator", "turn",
@@ -101,7 +101,7 @@ def test_right_padded_batch_read_back_from_trackio(tok, otr_shutdown):
                                    {"role": "user", "content": "Say hi in Japanese."},
                                    {"role": "assistant", "content": "こんにちは 🙂"}]
     assert unicode["metadata"]["rl.policy.version"] == 2
-    assert "rl.policy.version.min" not in unicode["metadata"]  # one version: no range
+    assert "rl.policy.version_min" not in unicode["metadata"]  # one version: no range
 
     retry = rows[2]
     assert [m["role"] for m in retry["messages"]] == ["system", "user", "assistant", "user", "assistant"]
@@ -396,13 +396,13 @@ def test_token_level_rewards_advantages_components_and_ids(tok, memory):
                     loss_mask=batch["loss_mask"], rewards=token_rewards, advantages=advantages,
                     reward_components={"format": [1.0, 0.0], "math": torch.tensor([0.0, 0.25])},
                     episode_ids=["ep-a", "ep-b"], sample_indices=[7, 9], framework="verl", dataset_name="gsm8k",
-                    dataset_indices=[3, 4], attributes=[None, {c.RL_ALIGNMENT: "partial"}])
+                    dataset_indices=[3, 4], attributes=[None, {c.RL_ALIGNMENT_KIND: "partial"}])
     a, b = got[7]["root"], got[9]["root"]
-    assert (a[c.RL_REWARD], a[c.RL_ADVANTAGE], a["rl.reward.format"], a["rl.reward.math"]) == (1.0, 0.5, 1.0, 0.0)
-    assert (b[c.RL_REWARD], b[c.RL_ADVANTAGE], b["rl.reward.format"], b["rl.reward.math"]) == (0.25, -0.5, 0.0, 0.25)
-    assert (a[c.RL_EPISODE_ID], a[c.RL_FRAMEWORK], a[c.RL_DATASET_NAME], a[c.RL_DATASET_INDEX]) == (
+    assert (a[c.RL_REWARD], a[c.RL_ADVANTAGE], a["rl.reward.component.format"], a["rl.reward.component.math"]) == (1.0, 0.5, 1.0, 0.0)
+    assert (b[c.RL_REWARD], b[c.RL_ADVANTAGE], b["rl.reward.component.format"], b["rl.reward.component.math"]) == (0.25, -0.5, 0.0, 0.25)
+    assert (a[c.RL_EPISODE_ID], a[c.RL_SYSTEM_NAME], a[c.RL_DATASET_NAME], a[c.RL_DATASET_INDEX]) == (
         "ep-a", "verl", "gsm8k", 3)
-    assert c.RL_ALIGNMENT not in a and b[c.RL_ALIGNMENT] == "partial"
+    assert c.RL_ALIGNMENT_KIND not in a and b[c.RL_ALIGNMENT_KIND] == "partial"
 
 
 def test_the_tokenizer_cache_is_weakly_keyed_and_bounded():

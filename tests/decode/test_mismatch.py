@@ -194,7 +194,7 @@ def test_record_token_batch_keeps_the_diverging_samples_with_their_statistics(ru
     kept = roots(exporter)
     assert set(kept) == {3, 6}
     for i, root in kept.items():
-        assert root.attributes[c.RL_SAMPLING_REASON] == c.REASON_MISMATCH
+        assert root.attributes[c.RL_KEEP_REASON] == c.REASON_MISMATCH
         assert_stats(root.attributes, expected(rollout[i], trainer[i], loss[i]), rel=1e-4)
     chats = {}
     for span in spans_by(exporter, "chat"):

@@ -82,7 +82,7 @@ def _kept(exporter: InMemorySpanExporter) -> dict[int, tuple[str, float | None]]
         if s.parent is None:
             i = s.attributes[c.RL_SAMPLE_INDEX]
             assert i not in out, i
-            out[i] = (s.attributes[c.RL_SAMPLING_REASON], s.attributes.get(c.RL_MISMATCH_KL))
+            out[i] = (s.attributes[c.RL_KEEP_REASON], s.attributes.get(c.RL_MISMATCH_KL))
     return out
 
 

@@ -175,11 +175,11 @@ def test_filters_by_step_status_reward_and_reason(run_dir) -> None:
     assert some == [r for r in all_rows if 1 <= r["step"] <= 2 and r["status"] == "ok"
                     and 0.25 <= r["reward"] <= 0.75]
     assert 0 < len(some) < len(all_rows) and result.tally.filtered == len(all_rows) - len(some)
-    reasons = {r["sampling_reason"] for r in all_rows}
+    reasons = {r["keep_reason"] for r in all_rows}
     one = sorted(reasons)[0]
     only = _rows(otr.build_dataset([file], tmp / "why", format="flat", hf=False, progress=False,
                                    filters=otr.DatasetFilters(reasons=frozenset({one}))).parquet)
-    assert only and all(r["sampling_reason"] == one for r in only)
+    assert only and all(r["keep_reason"] == one for r in only)
 
 
 def test_the_command_writes_each_format_and_reports_in_one_line(run_dir, capsys) -> None:
@@ -414,7 +414,7 @@ def test_pairs_of_two_runs_read_one_after_the_other_are_all_found() -> None:
             for k in range(3):
                 messages = [{"role": "user", "content": f"q{step}"}, {"role": "assistant", "content": f"a{k}"}]
                 values = {"rl.run.id": run, "rl.step": step, "rl.split": "train", "rl.group.id": f"g{step}",
-                          "rl.reward": float(k)}
+                          "rl.reward.score": float(k)}
                 rows += shaper.add(Episode(f"{run}{step}{k}".ljust(32, "0"), values, messages), "here")
     rows += shaper.finish()
     assert len(rows) == 20 and not shaper.tally.skipped
@@ -532,3 +532,48 @@ def test_a_disk_that_fills_leaves_neither_output_and_the_dataset_already_there_a
             assert len(_rows(out / "messages.parquet")) == len(datasets.load_from_disk(str(out / "hf"))) == STEPS * 8
     finally:
         umount(small)
+
+
+# An OTLP/JSON file with the attribute names of release 0.1.0 (``rl.reward``, the components as
+# ``rl.reward.<name>`` with one named ``score``, ``rl.sampling.kept``/``reason``,
+# ``rl.framework``): written by ``_two_episodes`` run under the package as it was before the
+# names changed (checkout de7471f, exported with ``git archive``), the file kept as it came out.
+V1_FILE = Path(__file__).parent / "data" / "otlp_json_names_0_1.jsonl"
+
+
+def _two_episodes(otr_module) -> None:
+    """The episodes of ``V1_FILE`` (the same calls, whichever release records them)."""
+    for i, (r, comps) in enumerate([(1.0, {"score": 0.5, "acc": 1.0}), (0.25, {"score": 0.125, "acc": 0.0})]):
+        with otr_module.episode(step=3, group_id="g0", sample_index=i, policy_version=7, framework="verl") as ep:
+            ep.prompt([{"role": "user", "content": f"What is {i} + 2?"}])
+            with ep.turn() as turn:
+                turn.record_generation(f"It is {i + 2}.", model="tiny-policy", input_tokens=12, output_tokens=5)
+                with turn.tool_call("calculator", {"expression": f"{i} + 2"}) as call:
+                    call.result(i + 2)
+            ep.reward(r, components=comps, advantage=r - 0.625)
+    otr_module.end_step(3)
+
+
+def test_a_file_with_the_names_of_release_0_1_gives_the_rows_of_today(tmp_path: Path) -> None:
+    assert '"rl.reward"' in V1_FILE.read_text() and '"rl.sampling.reason"' in V1_FILE.read_text()
+    now = tmp_path / "now.jsonl"
+    otr.configure(exporters=[OtlpJsonFileExporter(str(now))], handle_signals=False,
+                  sampler=otr.TailSampler(100, "first"), run_id="run-v1", render="thread")
+    try:
+        _two_episodes(otr)
+    finally:
+        otr.shutdown()
+    assert '"rl.reward.score"' in now.read_text() and '"rl.reward"' not in now.read_text()
+    old_rows = _rows(otr.build_dataset([V1_FILE], tmp_path / "old", format="flat", hf=False, progress=False).parquet)
+    new_rows = _rows(otr.build_dataset([now], tmp_path / "new", format="flat", hf=False, progress=False).parquet)
+    varies = {"trace_id", "episode_id", "link", "start_time", "duration_seconds", "generation_seconds",
+              "tool_seconds"}  # ids and clocks of each recording
+
+    def facts(rows: list[dict]) -> list[dict]:
+        return sorted(({k: v for k, v in r.items() if k not in varies} for r in rows), key=lambda r: r["sample_index"])
+
+    assert facts(old_rows) == facts(new_rows)
+    best = facts(old_rows)[0]
+    # the reward is the reward, a component named "score" stays a component, the reason is read
+    assert best["reward"] == 1.0 and json.loads(best["reward_components"]) == {"acc": 1.0, "score": 0.5}
+    assert best["keep_reason"] == "first" and best["policy_version"] == 7

@@ -90,7 +90,7 @@ def test_lines_are_otlp_json_one_kept_episode_each(recorded_file) -> None:
         assert "parentSpanId" not in root
         assert {s["parentSpanId"] for s in spans if s is not root} <= {s["spanId"] for s in spans}
         attrs = {kv["key"]: kv["value"] for kv in root["attributes"]}
-        assert set(attrs["rl.reward"]) == {"doubleValue"}
+        assert set(attrs["rl.reward.score"]) == {"doubleValue"}
         assert attrs["rl.step"] == {"intValue": "3"}
         failed = by_name["execute_tool search"]
         assert failed["status"]["code"] == 2  # STATUS_CODE_ERROR
@@ -132,7 +132,7 @@ def test_replayed_spans_equal_the_exported_ones(recorded_file) -> None:
         assert copy.instrumentation_scope.version == original.instrumentation_scope.version
     # numbers stay numbers of the same type
     root = next(s for s in replayed if s.name == "episode")
-    assert type(root.attributes["rl.reward"]) is float
+    assert type(root.attributes["rl.reward.score"]) is float
     assert type(root.attributes["rl.step"]) is int
 
 

@@ -142,9 +142,9 @@ def test_root_labels_group_session_metadata_tags_and_agent_name(otr_shutdown):
     assert attrs[c.OI_SESSION_ID] == f"{attrs[c.RL_RUN_ID]}/train/3/grp-7"
     # and why the sampler kept it: a tag Phoenix filters by
     assert set(attrs[c.OI_TAG_TAGS]) == {"step:3", "split:train", "status:ok",
-                                         f"sampling.reason:{attrs[c.RL_SAMPLING_REASON]}"}
+                                         f"trace.keep_reason:{attrs[c.RL_KEEP_REASON]}"}
     metadata = json.loads(attrs[c.OI_METADATA])
-    assert metadata["reward"] == 1.0 and metadata["advantage"] == 0.25 and metadata["status"] == "ok"
+    assert metadata["reward.score"] == 1.0 and metadata["advantage"] == 0.25 and metadata["status"] == "ok"
     otr.shutdown()
     assert root(_episode(agent_name="math-agent")).attributes[c.GEN_AI_AGENT_NAME] == "math-agent"
 
@@ -172,9 +172,9 @@ def test_content_off_leaves_no_content_view_anywhere(otr_shutdown, key):
             continue
         assert key not in attrs, (span.name, key)
         assert not any(k.startswith((c.OI_LLM_INPUT_MESSAGES, c.OI_LLM_OUTPUT_MESSAGES)) for k in attrs)
-    reason = root(spans).attributes[c.RL_SAMPLING_REASON]
+    reason = root(spans).attributes[c.RL_KEEP_REASON]
     assert set(root(spans).attributes[c.OI_TAG_TAGS]) == {"step:3", "split:train", "status:ok",
-                                                           f"sampling.reason:{reason}"}
+                                                           f"trace.keep_reason:{reason}"}
 
 
 def test_redaction_covers_every_view(otr_shutdown):

@@ -498,7 +498,7 @@ def test_tier2_keeps_what_otel_rollouts_kept_and_nothing_of_a_dropped_episode(
     policies = {p["name"]: p for p in tier2["processors"]["tail_sampling"]["policies"]}
     kept = [p for p in policies.values() if p["type"] == "boolean_attribute"]
     assert len(kept) == 1
-    assert kept[0]["boolean_attribute"] == {"key": c.RL_SAMPLING_KEPT, "value": True}
+    assert kept[0]["boolean_attribute"] == {"key": c.RL_TRACE_KEPT, "value": True}
     # Nothing that would keep a fragment of a dropped episode: no always_sample, probabilistic,
     # rate limiting or inverted matches. The only other policy keeps traces whose root span (a
     # dropped episode never exports its root) names no episode.
@@ -687,7 +687,7 @@ def test_otel_rollouts_marks_kept_episode_roots(configured) -> None:
     roots = [s for s in spans if s.parent is None]
     assert len(roots) == 2
     for root in roots:
-        assert (root.attributes or {}).get(c.RL_SAMPLING_KEPT) is True
+        assert (root.attributes or {}).get(c.RL_TRACE_KEPT) is True
     # only the root carries it (the decision is per trace); other spans stay as they were
-    assert all(c.RL_SAMPLING_KEPT not in (s.attributes or {}) for s in spans if s.parent)
+    assert all(c.RL_TRACE_KEPT not in (s.attributes or {}) for s in spans if s.parent)
     assert not exported & {trace_ids[0.5], trace_ids[0.4]}

@@ -313,7 +313,7 @@ def jaeger_document() -> dict[str, Any]:
             0,
             1500,
             rl__step=3,
-            rl__reward=0.75,
+            rl__reward__score=0.75,
             rl__split="train",
             rl__status="ok",
             gen_ai__operation__name="invoke_agent",
@@ -347,7 +347,7 @@ def jaeger_document() -> dict[str, Any]:
             "reward",
             1400,
             1600,
-            rl__reward=0.75,
+            rl__reward__score=0.75,
             rl__reward__format=1.0,
             rl__truncated=False,
             rl__tags=["a", "b"],
@@ -396,7 +396,7 @@ def test_reader_parses_otlp_json() -> None:
     root = spans["episode"]
     assert (root.trace_id, root.span_id, root.parent_span_id) == (TRACE_ID, ROOT, None)
     assert root.attributes["rl.step"] == 3 and isinstance(root.attributes["rl.step"], int)
-    assert root.attributes["rl.reward"] == 0.75
+    assert root.attributes["rl.reward.score"] == 0.75
     assert root.duration_ms == pytest.approx(1500.0)
     assert root.service == "trainer"
     assert spans["POST /v1/chat/completions"].service == "vllm"
@@ -439,7 +439,7 @@ def test_reader_formats_an_indented_tree() -> None:
     ]
     episode = lines[1]
     assert f"[{ROOT}]" in episode and "1500.0 ms" in episode
-    assert "rl.step=3" in episode and "rl.reward=0.75" in episode and "rl.split=train" in episode
+    assert "rl.step=3" in episode and "rl.reward.score=0.75" in episode and "rl.split=train" in episode
     chat = next(line for line in lines if "chat tiny-policy" in line)
     assert "gen_ai.request.model=tiny-policy" in chat and "gen_ai.usage.output_tokens=42" in chat
     assert "gen_ai.output.messages" not in chat  # content stays out of the tree
@@ -510,7 +510,7 @@ def test_reader_end_to_end_over_http(fake_jaeger: str) -> None:
     assert result.returncode == 0, result.stderr
     assert _FakeJaeger.requests == [f"/api/v3/traces/{TRACE_ID}"]
     assert [name for _, name in _names_with_depth(result.stdout)] == EXPECTED_TREE_NAMES
-    assert "rl.reward=0.75" in result.stdout
+    assert "rl.reward.score=0.75" in result.stdout
 
 
 def test_reader_reports_missing_trace_and_unreachable_jaeger(fake_jaeger: str) -> None:

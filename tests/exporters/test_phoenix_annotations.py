@@ -90,7 +90,7 @@ def test_root_has_a_session_per_run_step_and_group_evaluations_and_components_in
     assert attrs[c.oi_evaluation_key(0, c.OI_EVALUATION_SCORE)] == 0.25
     # the components are filterable metadata too
     metadata = json.loads(attrs[c.OI_METADATA])
-    assert metadata["reward.correct"] == 0.0 and metadata["reward.format"] == 1.0
+    assert metadata["reward.component.correct"] == 0.0 and metadata["reward.component.format"] == 1.0
     assert metadata["status"] == "truncated" and metadata["step"] == 40
     # each evaluation event of the reward span says which score it is and its value
     (reward,) = [s for s in spans if s.name == c.SPAN_REWARD]
@@ -120,7 +120,7 @@ def test_a_component_named_like_another_evaluation_keeps_its_own_name(configured
         ep.finish(status="ok")
     otr.shutdown()
     names = [e["name"] for e in read_evaluations(root(memory.get_finished_spans()).attributes)]
-    assert names == ["reward", "reward.status", "reward.note", "advantage", "status"]
+    assert names == ["reward", "reward.component.status", "reward.component.note", "advantage", "status"]
 
 
 def test_annotations_are_the_roots_evaluations_and_nothing_else(otr_shutdown):

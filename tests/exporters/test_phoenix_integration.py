@@ -119,12 +119,12 @@ def _assert_episode_shapes(received: list[dict], kept) -> None:
             assert parent["name"] == expected_parent, s["name"]
         assert sorted(s["attributes"]["rl.turn.index"] for s in spans if s["name"] == "turn") == [0, 1]
         attrs = root["attributes"]
-        assert attrs["rl.reward"] == pytest.approx(r.reward)
+        assert attrs["rl.reward.score"] == pytest.approx(r.reward)
         assert attrs["rl.step"] == r.step and attrs["rl.sample.index"] == r.sample_index
         assert attrs["rl.status"] == "ok"
         reward = next(s for s in spans if s["name"] == "reward")
         assert reward["span_kind"] == "EVALUATOR"
-        assert reward["attributes"]["rl.reward.math"] == pytest.approx(r.reward)
+        assert reward["attributes"]["rl.reward.component.math"] == pytest.approx(r.reward)
         assert reward["attributes"]["rl.advantage"] == pytest.approx(r.reward - 0.5)
         chat = next(s for s in spans if s["name"] == f"chat {MODEL}")
         assert chat["span_kind"] == "LLM"
@@ -311,7 +311,7 @@ def test_phoenix_sorts_and_filters_episodes_by_their_annotations(phoenix: Phoeni
         assert annotations["status"]["label"] == ("truncated" if key == TRUNCATED else "ok")
         assert annotations["status"]["score"] is None
         assert {a["annotatorKind"] for a in annotations.values()} == {"CODE"}
-        assert by_trace[trace_id]["metadata"]["reward.correct"] == float(_reward(*key) >= 0.5)
+        assert by_trace[trace_id]["metadata"]["reward.component.correct"] == float(_reward(*key) >= 0.5)
 
     # step 40, sorted by the reward annotation, worst first
     step40 = _roots(phoenix, project, "metadata['step'] == 40 and parent_id is None",
@@ -324,7 +324,7 @@ def test_phoenix_sorts_and_filters_episodes_by_their_annotations(phoenix: Phoeni
         traces[TRUNCATED]}
     low = _roots(phoenix, project, "evals['reward'].score < 0.55 and parent_id is None")
     assert {r["trace_id"] for r in low} == {traces[k] for k in GROUPS if _reward(*k) < 0.55} and len(low) == 6
-    wrong = _roots(phoenix, project, "metadata['reward.correct'] == 0 and parent_id is None")
+    wrong = _roots(phoenix, project, "metadata['reward.component.correct'] == 0 and parent_id is None")
     assert {r["trace_id"] for r in wrong} == {traces[k] for k in GROUPS if _reward(*k) < 0.5} and len(wrong) == 3
 
 

@@ -116,7 +116,7 @@ def test_the_readme_filters_find_the_diverging_episodes(recorded) -> None:
     # the episodes: by the root's metadata, or by the attribute's dotted path
     for condition in (f"metadata['{_meta(kl)}'] > 0.1", f"{kl} > 0.1 and parent_id is None",
                       f"metadata['{_meta(c.RL_MISMATCH_OUTSIDE)}'] > 0",
-                      f"metadata['{_meta(c.RL_SAMPLING_REASON)}'] == '{c.REASON_MISMATCH}'"
+                      f"metadata['{_meta(c.RL_KEEP_REASON)}'] == '{c.REASON_MISMATCH}'"
                       f" and metadata['{_meta(c.RL_MISMATCH_ABS_MAX)}'] > 1"):
         found = _spans(phoenix, gid, condition)
         assert {s["trace_id"] for s in found} == diverging, condition

@@ -1,5 +1,5 @@
 """The questions researchers ask of a step, answered in a real Phoenix by the filters the README
-gives: the stragglers (latency, ``sampling.reason``, stage seconds), degenerate groups, why an
+gives: the stragglers (latency, ``trace.keep_reason``, stage seconds), degenerate groups, why an
 episode was kept, a watched prompt across steps. Phoenix's span list runs the same filter
 condition over GraphQL as its filter box does."""
 
@@ -58,7 +58,7 @@ def test_phoenix_filters_answer_the_questions(phoenix: PhoenixReceiver) -> None:
         time.sleep(0.5)
         kept = _roots(phoenix, project, "parent_id is None")
     by_trace = {r["trace_id"]: r["metadata"] for r in kept}
-    assert all("sampling.reason" in m for m in by_trace.values())
+    assert all("trace.keep_reason" in m for m in by_trace.values())
 
     # 1. the stragglers of step 0: longest first, the slow tool's episode on top
     step0 = _roots(phoenix, project, "metadata['step'] == 0 and parent_id is None",
@@ -67,7 +67,7 @@ def test_phoenix_filters_answer_the_questions(phoenix: PhoenixReceiver) -> None:
     assert step0[0]["trace_id"] == slow
     assert step0[0]["metadata"]["stage.tool.seconds"] >= 0.25
     assert step0[0]["metadata"]["duration.seconds"] >= step0[0]["metadata"]["stage.tool.seconds"]
-    slowest = _roots(phoenix, project, "metadata['sampling.reason'] == 'slowest' and parent_id is None")
+    slowest = _roots(phoenix, project, "metadata['trace.keep_reason'] == 'slowest' and parent_id is None")
     assert slow in {r["trace_id"] for r in slowest}
     tool_heavy = _roots(phoenix, project, "metadata['stage.tool.seconds'] > 0.2 and parent_id is None")
     assert {r["trace_id"] for r in tool_heavy} == {slow}
@@ -78,11 +78,11 @@ def test_phoenix_filters_answer_the_questions(phoenix: PhoenixReceiver) -> None:
     assert all(r["metadata"]["group.reward_spread"] == 0 for r in equal)
 
     # 3. why kept: every reason is a filter
-    reasons = {m["sampling.reason"] for m in by_trace.values()}
+    reasons = {m["trace.keep_reason"] for m in by_trace.values()}
     assert {"slowest", "top", "bottom", "watch"} <= reasons
     for reason in reasons:
-        found = _roots(phoenix, project, f"metadata['sampling.reason'] == '{reason}' and parent_id is None")
-        assert found and {r["metadata"]["sampling.reason"] for r in found} == {reason}
+        found = _roots(phoenix, project, f"metadata['trace.keep_reason'] == '{reason}' and parent_id is None")
+        assert found and {r["metadata"]["trace.keep_reason"] for r in found} == {reason}
 
     # 4. the watched prompt, at each step it appeared
     watched = _roots(phoenix, project, f"metadata['watch.key'] == '{WATCHED}' and parent_id is None",

@@ -43,7 +43,7 @@ def _send_episode(phoenix: PhoenixReceiver, protocol: str, project: str) -> dict
             attributes={
                 "openinference.span.kind": "AGENT",
                 "rl.step": 3,
-                "rl.reward": 0.5,
+                "rl.reward.score": 0.5,
                 "rl.split": "train",
             },
         ) as episode:
@@ -88,8 +88,8 @@ def test_phoenix_receives_a_span_tree(phoenix: PhoenixReceiver, protocol: str) -
     assert "openinference.span.kind" not in episode["attributes"]
 
     # Numbers stay numbers end to end.
-    assert episode["attributes"]["rl.reward"] == 0.5
-    assert isinstance(episode["attributes"]["rl.reward"], float)
+    assert episode["attributes"]["rl.reward.score"] == 0.5
+    assert isinstance(episode["attributes"]["rl.reward.score"], float)
     assert episode["attributes"]["rl.step"] == 3
     assert isinstance(episode["attributes"]["rl.step"], int)
     assert chat["attributes"]["gen_ai.request.model"] == "tiny-policy"

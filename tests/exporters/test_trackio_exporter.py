@@ -164,10 +164,10 @@ def test_trackio_traces_read_back_from_sqlite(otr_shutdown):
     assert all(r["key"] == "rollouts" for r in rows)
     for row in rows:
         md = row["metadata"]
-        assert isinstance(md["rl.reward"], float) and md["rl.reward"] in (0.0, 1.0)
+        assert isinstance(md["rl.reward.score"], float) and md["rl.reward.score"] in (0.0, 1.0)
         assert isinstance(md["rl.step"], int) and md["rl.step"] == row["step"]
         assert md["rl.policy.version"] == row["step"] and md["rl.group.id"] == f"g{row['step']}"
-        assert isinstance(md["rl.reward.math"], float) and isinstance(md["rl.advantage"], float)
+        assert isinstance(md["rl.reward.component.math"], float) and isinstance(md["rl.advantage"], float)
         assert len(md["trace_id"]) == 32
         i = md["rl.sample.index"]
         msgs = row["messages"]
@@ -206,7 +206,7 @@ def test_trackio_traces_read_back_from_sqlite(otr_shutdown):
             assert "span_errors" not in md
             assert trackio_list_status(row) == md["status"] == "ok"
         assert md["rl.status"] == "ok"
-        assert by_name["reward"][0]["output"]["rl.reward"] == i / 4
+        assert by_name["reward"][0]["output"]["rl.reward.score"] == i / 4
 
 
 def test_eval_split_gets_its_own_key(otr_shutdown):

@@ -85,7 +85,7 @@ def test_metadata_carries_the_trace_id_and_a_jaeger_link(cases) -> None:
         # the metadata belongs to the trace it names: its root span has the same episode data
         root = next(s for s in trace["spans"] if "parent_id" not in s)
         assert root["name"] == "episode"
-        assert root["metadata"]["rl.reward"] == trace["metadata"]["rl.reward"]
+        assert root["metadata"]["rl.reward.score"] == trace["metadata"]["rl.reward.score"]
 
 
 def test_trace_ui_url_from_the_environment_as_a_template(cases) -> None:

@@ -3,8 +3,8 @@ per-step table's reason, time, per-stage and group-health columns, the ``slowest
 watched prompt's history table, and the episodes still running (``show_pending``).
 
 Episodes are built with the real OpenTelemetry SDK and handed to a real ``TrackioExporter``; the
-root attributes the delivery layer writes (``rl.sampling.reason``, ``rl.duration.seconds``,
-``rl.stage.*.seconds``, ``rl.group.*``, ``rl.watch.key``, ``rl.pending*``) are set on them here,
+root attributes the delivery layer writes (``rl.trace.keep_reason``, ``rl.duration.seconds``,
+``rl.stage.*.seconds``, ``rl.group.*``, ``rl.watch.key``, ``rl.pending.snapshot*``) are set on them here,
 as ``delivery/materialize.py`` sets them on kept roots. (Also used by
 ``test_trackio_questions_browser.py``, in a child process: keep it importable.)
 """
@@ -89,7 +89,7 @@ class Builder:
 
 def snapshot(spans: Sequence[Any], now_s: float, t0: int, extra: Mapping[str, Any]) -> list[ReadableSpan]:
     """What the delivery layer hands ``show_pending``: each span as it is now, open ones ending
-    "now" (``now_s``), the root with the ``rl.pending*`` attributes in ``extra``."""
+    "now" (``now_s``), the root with the ``rl.pending.snapshot*`` attributes in ``extra``."""
     out = []
     for span in spans:
         attrs = dict(span.attributes or {})
@@ -104,7 +104,7 @@ def snapshot(spans: Sequence[Any], now_s: float, t0: int, extra: Mapping[str, An
 
 
 def pending_attrs(span_name: str, span_seconds: float, episode_seconds: float) -> dict[str, Any]:
-    return {c.RL_PENDING: True, c.RL_PENDING_SPAN: span_name, c.RL_PENDING_SPAN_SECONDS: span_seconds,
+    return {c.RL_PENDING_SNAPSHOT: True, c.RL_PENDING_SPAN_NAME: span_name, c.RL_PENDING_SPAN_SECONDS: span_seconds,
             c.RL_PENDING_SECONDS: episode_seconds}
 
 
@@ -129,19 +129,19 @@ def fill_step(builder: Builder, step: int = 0) -> dict[str, list[ReadableSpan]]:
     recorded after the fact (no duration, no stages, no group)."""
     return {
         "straggler": builder.episode(step, reward=0.6, answer="Canberra.", seconds=46.0, stages=STRAGGLER,
-                                     attrs={c.RL_SAMPLING_REASON: c.REASON_SLOWEST, **group_attrs(8, spread=0.6)}),
+                                     attrs={c.RL_KEEP_REASON: c.REASON_SLOWEST, **group_attrs(8, spread=0.6)}),
         "degenerate": builder.episode(step, reward=1.0, answer="Canberra!", seconds=4.0,
                                       stages={c.STAGE_GENERATION: 3.0, c.STAGE_TOOL: 1.0},
-                                      attrs={c.RL_SAMPLING_REASON: c.REASON_DEGENERATE_GROUP,
+                                      attrs={c.RL_KEEP_REASON: c.REASON_DEGENERATE_GROUP,
                                              **group_attrs(8, spread=0.0, all_equal=True,
                                                            degenerate=c.DEGENERATE_ALL_EQUAL)}),
         "crashed": builder.episode(step, reward=0.0, answer="Sydney?", status=c.STATUS_ERROR, seconds=9.5,
                                    stages={c.STAGE_GENERATION: 2.0, c.STAGE_ENVIRONMENT: 7.5},
-                                   attrs={c.RL_SAMPLING_REASON: c.REASON_ERROR,
+                                   attrs={c.RL_KEEP_REASON: c.REASON_ERROR,
                                           **group_attrs(6, expected=8, lost=2, spread=0.4,
                                                         degenerate=c.DEGENERATE_LOST)}),
         "untimed": builder.episode(step, reward=0.3, answer="Melbourne", seconds=1.0, timed=False,
-                                   attrs={c.RL_SAMPLING_REASON: c.REASON_BOTTOM}),
+                                   attrs={c.RL_KEEP_REASON: c.REASON_BOTTOM}),
     }
 
 
@@ -222,7 +222,7 @@ def test_a_watched_prompts_table_grows_with_each_step_oldest_first():
     ids = []
     for step, answer in enumerate(answers):
         spans = builder.episode(step, reward=step / 2, answer=answer,
-                                attrs={c.RL_WATCH_KEY: WATCHED, c.RL_SAMPLING_REASON: c.REASON_WATCH})
+                                attrs={c.RL_WATCH_KEY: WATCHED, c.RL_KEEP_REASON: c.REASON_WATCH})
         other = builder.episode(step, reward=0.9, answer="unwatched")
         exporter.export(spans + other)
         ids.append(_trace_id(spans))
@@ -311,7 +311,7 @@ def test_a_running_episode_is_shown_then_replaced_by_the_finished_one():
 
     # it ends and is kept: the finished episode replaces the snapshot
     tool.end(end_time=builder.t0 + 140 * S)
-    root.set_attributes({c.RL_REWARD: 0.0, c.RL_STATUS: c.STATUS_OK, c.RL_SAMPLING_REASON: c.REASON_SLOWEST,
+    root.set_attributes({c.RL_REWARD: 0.0, c.RL_STATUS: c.STATUS_OK, c.RL_KEEP_REASON: c.REASON_SLOWEST,
                          c.RL_DURATION_SECONDS: 141.0})
     root.end(end_time=builder.t0 + 141 * S)
     assert exporter.export(builder.spans_of(root)).name == "SUCCESS"

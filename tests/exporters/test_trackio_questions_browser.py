@@ -41,7 +41,7 @@ for name, spans in fill_step(builder, 0).items():
     ids[name] = f"{{spans[0].context.trace_id:032x}}"
 for step, answer in enumerate({answers!r}):
     spans = builder.episode(step, reward=step / 2, answer=answer, attrs={{c.RL_WATCH_KEY: {watched!r},
-                            c.RL_SAMPLING_REASON: c.REASON_WATCH}})
+                            c.RL_KEEP_REASON: c.REASON_WATCH}})
     exporter.export(spans)
     ids[f"watch{{step}}"] = f"{{spans[0].context.trace_id:032x}}"
 exporter.force_flush()
@@ -54,7 +54,7 @@ ids["hung"] = f"{{root.get_span_context().trace_id:032x}}"
 print("READY " + json.dumps(ids), flush=True)
 sys.stdin.readline()
 tool.end(end_time=builder.t0 + 95 * S)
-root.set_attributes({{c.RL_REWARD: 0.0, c.RL_STATUS: c.STATUS_OK, c.RL_SAMPLING_REASON: c.REASON_SLOWEST,
+root.set_attributes({{c.RL_REWARD: 0.0, c.RL_STATUS: c.STATUS_OK, c.RL_KEEP_REASON: c.REASON_SLOWEST,
                      c.RL_DURATION_SECONDS: 96.0}})
 root.end(end_time=builder.t0 + 96 * S)
 exporter.export(builder.spans_of(root))

@@ -327,7 +327,7 @@ def test_the_episode_spans_metadata_shows_each_value_once(browser, study, tmp_pa
     views = [k for k in shown if k.startswith(("openinference.", "llm.")) or k.endswith("mime_type")
              or k in ("session.id", "metadata", "tag.tags", "gen_ai.conversation.id", "gen_ai.operation.name")]
     _expect(browser, not views, f"OpenInference/view keys in the episode's metadata: {views}")
-    for key in ("rl.step", "rl.reward", "rl.advantage", "rl.status", "rl.group.id", "rl.episode.id"):
+    for key in ("rl.step", "rl.reward.score", "rl.advantage", "rl.status", "rl.group.id", "rl.episode.id"):
         _expect(browser, key in shown, f"{key} missing from the episode's metadata {sorted(shown)}")
     repeated = [value for value in shown.values()
                 if not isinstance(value, (bool, int, float)) and list(shown.values()).count(value) > 1]

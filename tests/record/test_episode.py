@@ -57,7 +57,7 @@ def test_span_tree_names_parents_and_attributes(memory):
     assert a[c.RL_SAMPLE_INDEX] == 0 and a[c.RL_POLICY_VERSION] == 3
     assert a[c.RL_EPISODE_ID] == ep.episode_id == a[c.GEN_AI_CONVERSATION_ID]
     assert isinstance(a[c.RL_REWARD], float) and a[c.RL_REWARD] == 1.0
-    assert a[c.RL_REWARD_PREFIX + "math"] == 1.0 and a[c.RL_ADVANTAGE] == 0.5
+    assert a[c.RL_REWARD_COMPONENT_PREFIX + "math"] == 1.0 and a[c.RL_ADVANTAGE] == 0.5
     assert a[c.RL_STATUS] == "ok" and a[c.RL_FINISH_REASON] == "stop"
     assert a[c.RL_METADATA_PREFIX + "temperature"] == 0.7
     by_name = {s.name: s for s in spans}
@@ -181,7 +181,7 @@ def test_numbers_are_numbers_from_numpy_torch_and_strings(memory):
     assert a[c.RL_STEP] == 2 and type(a[c.RL_STEP]) is int
     assert a[c.RL_SAMPLE_INDEX] == 3 and type(a[c.RL_SAMPLE_INDEX]) is int
     assert type(a[c.RL_REWARD]) is float and a[c.RL_REWARD] == 0.5
-    assert a[c.RL_REWARD_PREFIX + "a"] == 0.25 and a[c.RL_REWARD_PREFIX + "b"] == 0.75
+    assert a[c.RL_REWARD_COMPONENT_PREFIX + "a"] == 0.25 and a[c.RL_REWARD_COMPONENT_PREFIX + "b"] == 0.75
     assert math.isclose(a[c.RL_ADVANTAGE], -0.1)
 
 
@@ -211,7 +211,7 @@ def test_bad_values_are_flagged_not_raised(memory):
     rinv = list(reward.attributes[c.RL_INVALID_FIELDS])
     assert "reward: not finite: nan" in rinv and "advantage: not finite: inf" in rinv
     assert any(m.startswith("reward.bad: not a number") for m in rinv)
-    assert c.RL_REWARD not in r.attributes and r.attributes[c.RL_REWARD_PREFIX + "ok"] == 1.0
+    assert c.RL_REWARD not in r.attributes and r.attributes[c.RL_REWARD_COMPONENT_PREFIX + "ok"] == 1.0
     chat = [s for s in spans if s.name == "chat m"][0]
     text = chat.attributes[c.GEN_AI_OUTPUT_MESSAGES]
     assert len(text) < 20_000 and "chars cut" in text and c.GEN_AI_OUTPUT_MESSAGES in chat.attributes[c.RL_TRUNCATED_FIELDS]

@@ -247,7 +247,7 @@ def test_the_fast_paths_render_what_the_general_paths_render(memory) -> None:
     # and each attribute recorded through the public API is there with its value
     r = rendered_fast["episode"]
     assert (r[c.RL_STEP], r[c.RL_GROUP_ID], r[c.RL_SAMPLE_INDEX], r[c.RL_POLICY_VERSION]) == (1, "g7", 3, 2)
-    assert (r[c.RL_REWARD], r[c.RL_REWARD_PREFIX + "math"], r[c.RL_ADVANTAGE]) == (1.0, 1.0, 0.25)
+    assert (r[c.RL_REWARD], r[c.RL_REWARD_COMPONENT_PREFIX + "math"], r[c.RL_ADVANTAGE]) == (1.0, 1.0, 0.25)
     assert r[c.RL_DATASET_NAME] == "gsm8k" and r[c.RL_METADATA_PREFIX + "temperature"] == 0.5
     assert r[c.RL_STATUS] == c.STATUS_OK and r[c.RL_FINISH_REASON] == "stop"
     chat = rendered_fast["chat policy"]

@@ -79,7 +79,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         otr.flush()
         kept = [
             {"trace_id": s.context.trace_id, "step": s.attributes[c.RL_STEP],
-             "reason": s.attributes.get(c.RL_SAMPLING_REASON)}
+             "reason": s.attributes.get(c.RL_KEEP_REASON)}
             for s in exporter.get_finished_spans()
             if s.parent is None
         ]
@@ -138,7 +138,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     result["phases"]["mismatch_batch"] = {
         "recorded": [{"kl": None if p is None else _kl(*p)} for p in pairs], "stats": otr.stats()["steps"],
         "kept": [{"trace_id": s.context.trace_id, "kl": s.attributes.get(c.RL_MISMATCH_KL),
-                  "reason": s.attributes.get(c.RL_SAMPLING_REASON)}
+                  "reason": s.attributes.get(c.RL_KEEP_REASON)}
                  for s in exporter.get_finished_spans() if s.parent is None]}
     otr.shutdown()
 

@@ -44,7 +44,7 @@ class ShowingExporter(InMemorySpanExporter):
         with self._calls_lock:
             calls = list(self.calls)
         return [s for spans, _, _ in calls for s in spans
-                if s.parent is None and (s.attributes or {}).get(c.RL_PENDING) is True]
+                if s.parent is None and (s.attributes or {}).get(c.RL_PENDING_SNAPSHOT) is True]
 
     def shown(self, trace_id: int) -> list[ReadableSpan]:
         return [s for s in self.snapshot_roots() if s.context.trace_id == trace_id]
@@ -122,20 +122,20 @@ def test_a_hanging_tool_is_shown_pending_then_ended(exporter: ShowingExporter) -
     assert exporter.get_finished_spans() == ()  # a snapshot is not a kept episode: never exported
     snapshot_root = shown[0]
     attrs = snapshot_root.attributes
-    assert attrs[c.RL_PENDING] is True
-    assert attrs[c.RL_PENDING_SPAN] == c.tool_span_name(TOOL)
+    assert attrs[c.RL_PENDING_SNAPSHOT] is True
+    assert attrs[c.RL_PENDING_SPAN_NAME] == c.tool_span_name(TOOL)
     assert attrs[c.RL_PENDING_SPAN_SECONDS] >= 0.3
     assert attrs[c.RL_PENDING_SECONDS] >= attrs[c.RL_PENDING_SPAN_SECONDS]
-    assert c.RL_SAMPLING_KEPT not in attrs and c.RL_SAMPLING_REASON not in attrs
+    assert c.RL_TRACE_KEPT not in attrs and c.RL_KEEP_REASON not in attrs
     assert c.RL_DURATION_SECONDS not in attrs  # it has not finished: no duration
     # the tree so far: the ended prompt as it is, the open turn and tool ended "now", marked
     spans = next(spans for spans, _, _ in exporter.calls if snapshot_root in spans)
     by_name = {s.name: s for s in spans}
     assert {c.SPAN_EPISODE, c.SPAN_PROMPT, c.SPAN_TURN, c.tool_span_name(TOOL)} <= set(by_name)
-    assert c.RL_PENDING not in (by_name[c.SPAN_PROMPT].attributes or {})
+    assert c.RL_PENDING_SNAPSHOT not in (by_name[c.SPAN_PROMPT].attributes or {})
     tool = by_name[c.tool_span_name(TOOL)]
-    assert tool.attributes[c.RL_PENDING] is True and tool.attributes[c.RL_PENDING_SPAN_SECONDS] >= 0.3
-    assert by_name[c.SPAN_TURN].attributes[c.RL_PENDING] is True
+    assert tool.attributes[c.RL_PENDING_SNAPSHOT] is True and tool.attributes[c.RL_PENDING_SPAN_SECONDS] >= 0.3
+    assert by_name[c.SPAN_TURN].attributes[c.RL_PENDING_SNAPSHOT] is True
     assert all(s.context.trace_id == tid for s in spans)
 
     release.set()
@@ -144,8 +144,8 @@ def test_a_hanging_tool_is_shown_pending_then_ended(exporter: ShowingExporter) -
     otr.flush()
     kept = [s for s in exporter.get_finished_spans() if s.context.trace_id == tid]
     kept_root = next(s for s in kept if s.parent is None)
-    assert kept_root.attributes.get(c.RL_PENDING) is None
-    assert kept_root.attributes[c.RL_SAMPLING_KEPT] is True
+    assert kept_root.attributes.get(c.RL_PENDING_SNAPSHOT) is None
+    assert kept_root.attributes[c.RL_TRACE_KEPT] is True
     # rendered and shown on the export thread, never on the training thread
     assert exporter.threads() == {EXPORT_THREAD}
     stats = otr.stats()
@@ -258,7 +258,7 @@ def test_a_hostile_value_and_a_changing_span_do_not_break_snapshots(exporter: Sh
                      and exporter.shown(rollout.trace_id or 0), "snapshots while the span changes")
     release.set()
     rollout.join()
-    assert shown[-1].attributes[c.RL_PENDING_SPAN] == c.tool_span_name(TOOL)
+    assert shown[-1].attributes[c.RL_PENDING_SPAN_NAME] == c.tool_span_name(TOOL)
     tool = next(s for spans, _, _ in exporter.calls for s in spans
                 if s.name == c.tool_span_name(TOOL) and "tool.handle" in (s.attributes or {}))
     assert isinstance(tool.attributes["tool.handle"], str)  # rendered as a placeholder

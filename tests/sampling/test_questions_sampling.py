@@ -1,5 +1,5 @@
 """The questions researchers ask of a step, answered by the sampler: why each episode was kept
-(rl.sampling.reason), the stragglers (slowest), degenerate groups, a watchlist, and errors that
+(rl.trace.keep_reason), the stragglers (slowest), degenerate groups, a watchlist, and errors that
 are never lost for want of a rule. Per episode, batched and across ranks (the merge)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _run(sampler: otr.TailSampler, episodes: list[dict], step: int = 0) -> list:
 def _by_reason(roots: list) -> dict[str, list]:
     out: dict[str, list] = {}
     for r in roots:
-        out.setdefault(r.attributes[c.RL_SAMPLING_REASON], []).append(r)
+        out.setdefault(r.attributes[c.RL_KEEP_REASON], []).append(r)
     return out
 
 
@@ -55,12 +55,12 @@ def test_default_policy_keeps_the_crash_tied_with_truncated_ones():
     episodes.insert(1, {"reward": 0.0, "status": "error"})
     episodes += [{"reward": 0.5 + i / 100} for i in range(20)]
     roots = _run(otr.TailSampler(4), episodes)
-    reasons = {(r.attributes[c.RL_STATUS], r.attributes[c.RL_SAMPLING_REASON]) for r in roots}
+    reasons = {(r.attributes[c.RL_STATUS], r.attributes[c.RL_KEEP_REASON]) for r in roots}
     assert ("error", "error") in reasons
     assert len(roots) == 4
     # errors stay within their share (a quarter of the cap): the rest is top and bottom
-    assert sum(1 for r in roots if r.attributes[c.RL_SAMPLING_REASON] in ("error", "truncated")) == 1
-    assert {"top", "bottom"} <= {r.attributes[c.RL_SAMPLING_REASON] for r in roots}
+    assert sum(1 for r in roots if r.attributes[c.RL_KEEP_REASON] in ("error", "truncated")) == 1
+    assert {"top", "bottom"} <= {r.attributes[c.RL_KEEP_REASON] for r in roots}
 
 
 def test_every_kept_root_says_why():
@@ -109,7 +109,7 @@ def test_degenerate_groups_keeps_whole_groups_and_no_healthy_one():
     roots = _run(otr.TailSampler(12, policy=otr.DegenerateGroups(groups=1)), episodes)
     assert {r.attributes[c.RL_GROUP_ID] for r in roots} == {"g1"}
     assert len(roots) == 4
-    assert {r.attributes[c.RL_SAMPLING_REASON] for r in roots} == {c.REASON_DEGENERATE_GROUP}
+    assert {r.attributes[c.RL_KEEP_REASON] for r in roots} == {c.REASON_DEGENERATE_GROUP}
 
 
 def test_lost_members_from_the_expected_group_size():
@@ -143,7 +143,7 @@ def test_slowest_ranks_measured_time_and_never_unmeasured():
         otr.shutdown(timeout=10)
     assert sorted(r.attributes[c.RL_DATASET_INDEX] for r in roots) == [1, 4]
     for r in roots:
-        assert r.attributes[c.RL_SAMPLING_REASON] == "slowest"
+        assert r.attributes[c.RL_KEEP_REASON] == "slowest"
         assert r.attributes[c.RL_DURATION_SECONDS] >= 0.03
         # where the time went: the tool stage, on the root, so a table can sort by it
         assert r.attributes[c.stage_seconds(c.STAGE_TOOL)] >= 0.03
@@ -160,7 +160,7 @@ def test_slowest_without_any_measure_keeps_nothing_and_writes_no_zero():
         roots = _roots(exporter)
     finally:
         otr.shutdown(timeout=10)
-    assert {r.attributes[c.RL_SAMPLING_REASON] for r in roots} == {"first"}
+    assert {r.attributes[c.RL_KEEP_REASON] for r in roots} == {"first"}
     for r in roots:
         assert c.RL_DURATION_SECONDS not in r.attributes
         assert not any(k.startswith(c.RL_STAGE_PREFIX) for k in r.attributes)
@@ -170,7 +170,7 @@ def test_watchlist_keeps_every_episode_of_a_watched_prompt_outside_the_cap():
     episodes = [{"index": i % 10, "reward": 0.5, "prompt": f"prompt {i % 10}"} for i in range(40)]
     sampler = otr.TailSampler(2, policy="first", watch=[3, otr.prompt_hash("prompt 7")], watch_per_step=6)
     roots = _run(sampler, episodes)
-    watched = [r for r in roots if r.attributes[c.RL_SAMPLING_REASON] == "watch"]
+    watched = [r for r in roots if r.attributes[c.RL_KEEP_REASON] == "watch"]
     # index 3 and prompt 7 appear 4 times each: 8 watched, cut at watch_per_step
     assert len(watched) == 6
     keys = {r.attributes[c.RL_WATCH_KEY] for r in watched}
@@ -179,7 +179,7 @@ def test_watchlist_keeps_every_episode_of_a_watched_prompt_outside_the_cap():
     assert all(r.attributes[c.RL_PROMPT_HASH] == otr.prompt_hash(f"prompt {r.attributes[c.RL_DATASET_INDEX]}")
                for r in watched)
     # the cap is untouched: two more by the policy, first come, none of them watched ones
-    others = [r for r in roots if r.attributes[c.RL_SAMPLING_REASON] != "watch"]
+    others = [r for r in roots if r.attributes[c.RL_KEEP_REASON] != "watch"]
     assert len(others) == 2 and {r.attributes[c.RL_DATASET_INDEX] for r in others} == {0, 1}
 
 
@@ -221,7 +221,7 @@ class _Unlabelled(_Labelled):
 def test_custom_policy_reasons(policy, reason):
     # a custom policy built on a built-in bucket gets the bucket's reason
     roots = _run(otr.TailSampler(2, policy=policy), [{"reward": 1.0} for _ in range(4)])
-    assert {r.attributes[c.RL_SAMPLING_REASON] for r in roots} == {reason}
+    assert {r.attributes[c.RL_KEEP_REASON] for r in roots} == {reason}
 
 
 def test_custom_bucket_without_reasons_gets_the_policy_label():
@@ -249,7 +249,7 @@ def test_custom_bucket_without_reasons_gets_the_policy_label():
             return set()
 
     roots = _run(otr.TailSampler(2, policy=Mine()), [{"reward": 1.0} for _ in range(3)])
-    assert [r.attributes[c.RL_SAMPLING_REASON] for r in roots] == ["by-hand"]
+    assert [r.attributes[c.RL_KEEP_REASON] for r in roots] == ["by-hand"]
 
 
 def test_late_episode_says_late():
@@ -261,7 +261,7 @@ def test_late_episode_says_late():
         with otr.episode(step=0) as ep:  # after its step closed
             ep.reward(0.0)
         otr.flush()
-        reasons = sorted(r.attributes[c.RL_SAMPLING_REASON] for r in _roots(exporter))
+        reasons = sorted(r.attributes[c.RL_KEEP_REASON] for r in _roots(exporter))
     finally:
         otr.shutdown(timeout=10)
     assert reasons == ["late", "top"]
@@ -303,12 +303,12 @@ def test_batched_path_keeps_the_same_episodes_for_the_same_reasons(policy):
 
     def seen(roots):
         return sorted((r.attributes[c.RL_DATASET_INDEX], r.attributes[c.RL_REWARD],
-                       r.attributes[c.RL_SAMPLING_REASON], r.attributes.get(c.RL_GROUP_DEGENERATE),
+                       r.attributes[c.RL_KEEP_REASON], r.attributes.get(c.RL_GROUP_DEGENERATE),
                        r.attributes.get(c.RL_GROUP_LOST), r.attributes.get(c.RL_DURATION_SECONDS))
                       for r in roots)
 
     assert seen(batched) == seen(one_by_one)
-    assert sum(1 for r in batched if r.attributes[c.RL_SAMPLING_REASON] == "watch") == 4
+    assert sum(1 for r in batched if r.attributes[c.RL_KEEP_REASON] == "watch") == 4
     assert stats["seen"] == 200 and stats["kept"] == len(batched)
 
 
@@ -424,7 +424,7 @@ def test_a_watched_episode_gets_the_advantage_and_group_health_recorded_after_it
         stats = otr.stats()
     finally:
         otr.shutdown(timeout=10)
-    watched = [r for r in _roots(memory) if r.attributes[c.RL_SAMPLING_REASON] == "watch"]
+    watched = [r for r in _roots(memory) if r.attributes[c.RL_KEEP_REASON] == "watch"]
     assert len(watched) == 8  # group p0 (dataset index 0), 4 per step, outside the cap of 2
     for root in watched:
         assert root.attributes[c.RL_ADVANTAGE] == root.attributes[c.RL_REWARD] - 0.5
@@ -435,7 +435,7 @@ def test_a_watched_episode_gets_the_advantage_and_group_health_recorded_after_it
                and s.context.trace_id in {r.context.trace_id for r in watched}]
     assert len(rewards) == 8 and all(c.RL_ADVANTAGE in s.attributes for s in rewards)
     stored = [row["metadata"] for row in trackio_rows(project)
-              if row["metadata"].get(c.RL_SAMPLING_REASON) == "watch"]
+              if row["metadata"].get(c.RL_KEEP_REASON) == "watch"]
     assert len(stored) == 8
     assert all(m[c.RL_ADVANTAGE] in (-0.5, 0.5) and m[c.RL_GROUP_SIZE] == 4 for m in stored)
     for step in range(2):

@@ -207,7 +207,7 @@ def test_duration_and_stage_percentiles_per_step_in_trackio_and_the_stage_histog
     assert "rollouts/stage/environment_s_max" not in s1
 
     stage_points = points[c.METRIC_STAGE_DURATION]
-    tool = [p for p in stage_points if p.attributes.get(c.RL_STAGE) == c.STAGE_TOOL]
+    tool = [p for p in stage_points if p.attributes.get(c.RL_STAGE_NAME) == c.STAGE_TOOL]
     assert sum(p.count for p in tool) == 103
     assert sum(p.sum for p in tool) == pytest.approx(expected.sum() / 10, rel=1e-3)
     assert {p.attributes[c.RL_SPLIT] for p in stage_points} == {"train"}

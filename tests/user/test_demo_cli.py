@@ -46,7 +46,7 @@ def test_demo_command_fills_trackio(tmp_path, monkeypatch, render):
         tool_errors += sum(1 for s in spans if s["kind"] == "tool" and s["status"].startswith("error"))
         statuses.add(row["metadata"]["rl.status"])
         assert row["messages"][0]["role"] == "system" and row["messages"][1]["role"] == "user"
-        assert isinstance(row["metadata"]["rl.reward"], float)
+        assert isinstance(row["metadata"]["rl.reward.score"], float)
         assert isinstance(row["metadata"]["rl.advantage"], float)
     assert {"episode", "prompt", "turn", "chat toy-policy-0.5b", "execute_tool calculator", "reward"} <= names
     assert tool_errors > 0

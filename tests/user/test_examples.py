@@ -87,7 +87,7 @@ def check_rows(rows: list[dict[str, Any]], count: int, steps: set[int], framewor
         md = row["metadata"]
         assert md[c.RL_STEP] == row["step"] and md[c.RL_SPLIT] == "train"
         assert names(row)[0] == c.SPAN_EPISODE and names(row).count(c.SPAN_EPISODE) == 1
-        assert md.get(c.RL_FRAMEWORK) == framework
+        assert md.get(c.RL_SYSTEM_NAME) == framework
         assert isinstance(md[c.RL_REWARD], float)
         assert all(m["role"] in ("user", "assistant", "tool") for m in row["messages"])
         assert row["messages"][0]["role"] == "user"
@@ -99,7 +99,7 @@ def check_traced_loop(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         assert names(row) == [c.SPAN_EPISODE, c.SPAN_PROMPT, c.SPAN_TURN, f"{c.SPAN_CHAT} tiny-policy",
                               f"{c.SPAN_EXECUTE_TOOL} calculator", c.SPAN_REWARD]
-        assert row["metadata"][c.RL_REWARD_PREFIX + "correct"] in (0.0, 1.0)
+        assert row["metadata"][c.RL_REWARD_COMPONENT_PREFIX + "correct"] in (0.0, 1.0)
         tool = row["messages"][2]
         assert tool["role"] == "tool" and tool["content"] in ("4", "391")
 
@@ -109,7 +109,7 @@ def check_trl(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         md = row["metadata"]
         assert md[c.RL_STALENESS] == 0 and isinstance(md[c.RL_ADVANTAGE], float)
-        assert md[c.RL_REWARD] == md[c.RL_REWARD_PREFIX + "length_reward"]
+        assert md[c.RL_REWARD] == md[c.RL_REWARD_COMPONENT_PREFIX + "length_reward"]
         assert row["messages"][0]["content"] in ("What is 2 + 2?", "What is 17 * 23?")
 
 
@@ -140,7 +140,7 @@ def check_areal(rows: list[dict[str, Any]]) -> None:
 
 def check_tinker(rows: list[dict[str, Any]]) -> None:
     check_rows(rows, 4, {0, 1}, "tinker-cookbook")
-    assert sorted(r["metadata"][c.RL_REWARD_PREFIX + "correct"] for r in rows) == [0.0, 0.0, 1.0, 1.0]
+    assert sorted(r["metadata"][c.RL_REWARD_COMPONENT_PREFIX + "correct"] for r in rows) == [0.0, 0.0, 1.0, 1.0]
 
 
 def check_open_instruct(rows: list[dict[str, Any]]) -> None:
@@ -154,7 +154,7 @@ def check_torchforge(rows: list[dict[str, Any]]) -> None:
     check_rows(rows, 4, {1, 2}, "torchforge")
     for row in rows:
         md = row["metadata"]
-        assert md[c.RL_REWARD_PREFIX + "MathReward"] in (0.0, 1.0) and isinstance(md[c.RL_ADVANTAGE], float)
+        assert md[c.RL_REWARD_COMPONENT_PREFIX + "MathReward"] in (0.0, 1.0) and isinstance(md[c.RL_ADVANTAGE], float)
 
 
 def check_ray(rows: list[dict[str, Any]]) -> None:

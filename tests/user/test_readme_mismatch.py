@@ -36,7 +36,7 @@ def test_the_readme_example_keeps_the_diverging_sample_with_its_worst_token(tmp_
         diverging = [r for r in kept if r["metadata"].get(c.RL_SAMPLE_INDEX) == 5]
         assert len(diverging) == 1, [r["metadata"].get(c.RL_SAMPLE_INDEX) for r in kept]
         row = diverging[0]
-        assert row["metadata"][c.RL_SAMPLING_REASON] == c.REASON_MISMATCH
+        assert row["metadata"][c.RL_KEEP_REASON] == c.REASON_MISMATCH
         assert row["metadata"][c.RL_MISMATCH_ABS_MAX] > 2.9
         chat = [s for s in row["spans"] if s["name"].startswith("chat")]
         (attrs,) = [s["metadata"] for s in chat]
