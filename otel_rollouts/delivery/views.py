@@ -298,7 +298,11 @@ class _Walk:
         self.last_assistant: Message | None = None
         self.prompt_messages: list[Message] = []
         self.root_id: int | None = None
+        self.root_attrs: Mapping[str, object] = {}
         self.reward_ids: list[int] = []
+        # a reward span's evaluation events, put on it only when the root does not carry them
+        # (a reward recorded after its episode was rendered reaches the exporters alone)
+        self.reward_events: dict[int, list[tuple[str, dict[str, str | float]]]] = {}
 
     def prompt(self, view: SpanView, attrs: Mapping[str, object]) -> None:
         main, derived = view.main, view.derived
@@ -383,16 +387,10 @@ class _Walk:
 
     def reward(self, span_id: int, view: SpanView, attrs: Mapping[str, object]) -> None:
         found = scores_of(attrs)
-        for name, value in found.items():
-            # the spec's event; its explanation names the score and its value, so that a viewer
-            # listing only an event's text reads which score this is
-            view.events.append((c.EVENT_GEN_AI_EVALUATION_RESULT, {
-                c.GEN_AI_EVALUATION_NAME: name,
-                c.GEN_AI_EVALUATION_SCORE_VALUE: float(value),
-                c.GEN_AI_EVALUATION_EXPLANATION: score_text(name, float(value)),
-            }))
         if found:
             _io(view.main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, found)
+            self.reward_events[span_id] = evaluation_events(
+                [{c.OI_EVALUATION_NAME: name, c.OI_EVALUATION_SCORE: value} for name, value in found.items()])
         self.reward_ids.append(span_id)
 
     def feedback(self, view: SpanView, attrs: Mapping[str, object]) -> None:
@@ -415,6 +413,16 @@ class _Walk:
             derived[c.OUTPUT_MIME_TYPE] = c.MIME_TEXT
         for reward_id in self.reward_ids:
             _io(out[reward_id].derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, answer)
+        # the evaluation events on the span evaluated, the episode's root (the GenAI spec: "SHOULD
+        # be parented to the GenAI operation span being evaluated"), from the scores it carries;
+        # on the reward span only when the root is not rendered with it or carries none
+        root_scored = False
+        if self.root_id is not None:
+            out[self.root_id].events.extend(evaluation_events(episode_evaluations(self.root_attrs)))
+            root_scored = bool(scores_of(self.root_attrs))
+        if not root_scored:
+            for reward_id, events in self.reward_events.items():
+                out[reward_id].events.extend(events)
         if self.root_id is not None:
             # the root's question and answer are what a trace list shows: rendered first
             main = out[self.root_id].main
@@ -425,6 +433,25 @@ class _Walk:
 
 def _text_or_none(message: Message | None) -> str | None:
     return text_of(message) or None
+
+
+def evaluation_events(evaluations: Sequence[Mapping[str, object]]) -> list[tuple[str, dict[str, str | float]]]:
+    """``gen_ai.evaluation.result`` events of ``evaluations`` (``episode_evaluations``' shape):
+    a score's value, a label's label, and an explanation naming the score and its value (a
+    viewer listing only an event's text still reads which score it is)."""
+    out: list[tuple[str, dict[str, str | float]]] = []
+    for evaluation in evaluations:
+        name = str(evaluation.get(c.OI_EVALUATION_NAME))
+        attrs: dict[str, str | float] = {c.GEN_AI_EVALUATION_NAME: name}
+        score, label = evaluation.get(c.OI_EVALUATION_SCORE), evaluation.get(c.OI_EVALUATION_LABEL)
+        if isinstance(score, (int, float)):
+            attrs[c.GEN_AI_EVALUATION_SCORE_VALUE] = float(score)
+            attrs[c.GEN_AI_EVALUATION_EXPLANATION] = score_text(name, float(score))
+        if isinstance(label, str):
+            attrs[c.GEN_AI_EVALUATION_SCORE_LABEL] = label
+            attrs[c.GEN_AI_EVALUATION_EXPLANATION] = f"{name} = {label}"
+        out.append((c.EVENT_GEN_AI_EVALUATION_RESULT, attrs))
+    return out
 
 
 def _usage(main: dict[str, object], attrs: Mapping[str, object]) -> None:
@@ -471,6 +498,7 @@ class EpisodeViews:
             view = walk.out[span_id] = SpanView()
             if kind == c.KIND_EPISODE:
                 walk.root_id = span_id
+                walk.root_attrs = attrs
             elif kind == c.KIND_PROMPT:
                 walk.prompt(view, attrs)
             elif kind == c.KIND_GENERATION:

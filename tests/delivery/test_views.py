@@ -152,9 +152,13 @@ def test_root_labels_group_session_metadata_tags_and_agent_name(otr_shutdown):
 def test_scores_are_evaluation_result_events_and_failures_have_an_error_type(otr_shutdown):
     spans = _episode()
     (reward,) = _named(spans, c.SPAN_REWARD)
-    results = {e.attributes[c.GEN_AI_EVALUATION_NAME]: e.attributes[c.GEN_AI_EVALUATION_SCORE_VALUE]
-               for e in reward.events if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT}
-    assert results == {c.EVALUATION_REWARD: 1.0, "correct": 1.0, c.EVALUATION_ADVANTAGE: 0.25}
+    # on the span evaluated, the episode's root (the spec: parented to the evaluated operation)
+    events = [e.attributes for e in root(spans).events if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT]
+    results = {e[c.GEN_AI_EVALUATION_NAME]: e.get(c.GEN_AI_EVALUATION_SCORE_VALUE, e.get(c.GEN_AI_EVALUATION_SCORE_LABEL))
+               for e in events}
+    assert results == {c.EVALUATION_REWARD: 1.0, "correct": 1.0, c.EVALUATION_ADVANTAGE: 0.25,
+                       c.EVALUATION_STATUS: c.STATUS_OK}
+    assert not [e for e in reward.events if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT]  # once, not twice
     assert reward.attributes[c.RL_REWARD] == 1.0  # the rl.* contract stays
     (lookup,) = _named(spans, c.tool_span_name("lookup"))
     assert lookup.attributes[c.ERROR_TYPE] == "TimeoutError"

@@ -92,13 +92,13 @@ def test_root_has_a_session_per_run_step_and_group_evaluations_and_components_in
     metadata = json.loads(attrs[c.OI_METADATA])
     assert metadata["reward.component.correct"] == 0.0 and metadata["reward.component.format"] == 1.0
     assert metadata["status"] == "truncated" and metadata["step"] == 40
-    # each evaluation event of the reward span says which score it is and its value
-    (reward,) = [s for s in spans if s.name == c.SPAN_REWARD]
-    events = [dict(e.attributes) for e in reward.events if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT]
+    # each evaluation event of the root (the span evaluated) says which score it is and its value
+    events = [dict(e.attributes) for e in root(spans).events if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT]
     assert [e[c.GEN_AI_EVALUATION_EXPLANATION] for e in events] == [
-        "reward = 0.25", "correct = 0.0", "format = 1.0", f"advantage = {0.25 - 0.3}"]
+        "reward = 0.25", "correct = 0.0", "format = 1.0", f"advantage = {0.25 - 0.3}", "status = truncated"]
     assert all(set(e) == {c.GEN_AI_EVALUATION_NAME, c.GEN_AI_EVALUATION_SCORE_VALUE,
-                          c.GEN_AI_EVALUATION_EXPLANATION} for e in events)  # the spec's attributes only
+                          c.GEN_AI_EVALUATION_EXPLANATION} for e in events[:4])  # the spec's attributes only
+    assert events[4][c.GEN_AI_EVALUATION_SCORE_LABEL] == "truncated"
 
 
 def test_sessions_of_repeating_group_ids_are_told_apart_across_steps_and_runs(otr_shutdown):

@@ -203,10 +203,10 @@ def test_phoenix_finds_step_40s_worst_episode_by_reward_status_and_session(
     assert "Turns\n3" in text and "truncated" in text
     save_screenshot(browser, tmp_path / "phoenix-session.png")
 
-    # 5. the reward span's evaluation events: each names its score and value
+    # 5. the root's evaluation events (on the span evaluated): each names its score and value
     browser.get(f"{phoenix.base_url}/redirects/traces/{traces[worst]}")
-    click_when_ready(browser, lambda d: d.find_element(By.XPATH, _tree_node("reward")),
-                     "the reward span in the trace tree", tmp_path / "phoenix-trace.png")
+    click_when_ready(browser, lambda d: d.find_element(By.XPATH, _tree_node("episode")),
+                     "the episode span in the trace tree", tmp_path / "phoenix-trace.png")
     click_when_ready(browser, lambda d: d.find_element(
         By.XPATH, "//*[@role='tab' and starts-with(normalize-space(.),'Events')]"), "the Events tab")
     click_when_ready(browser, lambda d: d.find_element(
