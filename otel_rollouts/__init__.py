@@ -31,6 +31,7 @@ from otel_rollouts._core.logprobs import MismatchOptions  # noqa: E402
 from otel_rollouts._rollouts import (  # noqa: E402
     Rollouts,
     configure,
+    describe_run,
     end_step,
     flush,
     gateway,
@@ -138,6 +139,7 @@ __all__ = [
     "copy_baggage_to_spans",
     "current_episode",
     "current_generation",
+    "describe_run",
     "end_step",
     "episode",
     "extract_context",

@@ -21,7 +21,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from otel_rollouts import conventions as c
 from otel_rollouts._core import exit as _exit
 from otel_rollouts._core import runtime as _runtime
-from otel_rollouts._core.content import exception_text
+from otel_rollouts._core.content import exception_text, text
 from otel_rollouts._core.guard import guarded
 from otel_rollouts._core.logprobs import MismatchOptions
 from otel_rollouts._core.redaction import (
@@ -133,6 +133,7 @@ class Rollouts(_runtime.Runtime):
         self._stop_lock = threading.Lock()
         self._stopped = False
         self.gateway: SpanGateway | None = None
+        self.described: dict[str, str] = {}  # the run's description so far (describe_run)
         if self.enabled:
             self._build()
 
@@ -353,6 +354,30 @@ class Rollouts(_runtime.Runtime):
     def set_step(self, step: int) -> None:
         """Set the step that episodes started without ``step=`` belong to."""
         self.current_step = int(step)
+
+    def describe_run(self, *, system: object = None, system_version: object = None, algorithm: object = None,
+                     model_name: object = None, environment_name: object = None) -> dict[str, str]:
+        """Describe the run as the RL conventions' resource attributes (``rl.system.name``,
+        ``rl.system.version``, ``rl.algorithm``, lower case, ``rl.model.name``,
+        ``rl.environment.name``): on the resource of every span rendered from now on (the
+        metrics' and logs' resources are the ones ``configure`` made). None: left as it is; a
+        value given again replaces the earlier one. Adapters call it with what the framework's
+        configuration says; a user may too. Returns the description so far."""
+        given = {c.RL_SYSTEM_NAME: system, c.RL_SYSTEM_VERSION: system_version, c.RL_ALGORITHM: algorithm,
+                 c.RL_MODEL_NAME: model_name, c.RL_ENVIRONMENT_NAME: environment_name}
+        changed: dict[str, str] = {}
+        for key, value in given.items():
+            if value is None:
+                continue
+            label = value if type(value) is str else text(value)
+            if key == c.RL_ALGORITHM:
+                label = label.lower()
+            if label and self.described.get(key) != label:
+                changed[key] = label
+        if changed and self.enabled and self.delivery is not None:
+            self.described.update(changed)
+            self.delivery.describe_run(changed)
+        return dict(self.described)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Close every open step and wait until kept episodes reached the exporters."""
@@ -643,6 +668,21 @@ def end_step(step: int, split: str | None = None) -> None:
     rt = _runtime.current()
     if isinstance(rt, Rollouts):
         rt.end_step(step, split)
+
+
+@guarded
+def describe_run(*, system: object = None, system_version: object = None, algorithm: object = None,
+                 model_name: object = None, environment_name: object = None) -> dict[str, str]:
+    """Describe the installed run: the framework (``rl.system.name``) and its version, the
+    algorithm (``rl.algorithm``, lower case), the policy model (``rl.model.name``) and the
+    environment (``rl.environment.name``), as resource attributes of every span exported from
+    now on (see ``Rollouts.describe_run``). The adapters call it with what the framework's
+    configuration says. Returns the description so far ({} before ``configure()``)."""
+    rt = _runtime.current()
+    if isinstance(rt, Rollouts):
+        return rt.describe_run(system=system, system_version=system_version, algorithm=algorithm,
+                               model_name=model_name, environment_name=environment_name)
+    return {}
 
 
 @guarded

@@ -29,7 +29,13 @@ RL_STATUS = "rl.status"
 RL_TURN_INDEX = "rl.turn.index"
 RL_DATASET_NAME = "rl.dataset.name"
 RL_DATASET_INDEX = "rl.dataset.index"
-RL_SYSTEM_NAME = "rl.system.name"
+RL_SYSTEM_NAME = "rl.system.name"  # root, and resource once described: the RL framework
+# the run as the RL proposals describe it (resource attributes, ``otr.describe_run``; #88 names
+# the framework ``rl.system``, which with its ``.version`` would be a name and a namespace)
+RL_SYSTEM_VERSION = "rl.system.version"  # resource: the framework's installed version
+RL_ALGORITHM = "rl.algorithm"  # resource: grpo, ppo, dapo... (lower case)
+RL_MODEL_NAME = "rl.model.name"  # resource: the policy being trained (a name or path)
+RL_ENVIRONMENT_NAME = "rl.environment.name"  # resource: the environment or task family
 RL_RUN_ID = "rl.run.id"
 RL_METADATA_PREFIX = "rl.metadata."  # rl.metadata.<key> for user metadata
 RL_ALIGNMENT_KIND = "rl.alignment.kind"

@@ -4,7 +4,7 @@
 Checked over every name ``conventions`` declares, and over every name an episode with every
 feature on emits: span, event and resource attributes, metric names and their attributes, of a
 kept episode with reward components, an advantage, a policy version, stage times, train-inference
-mismatch and companions, and of a hang snapshot. Attributes share one registry (spans, events,
+mismatch, companions and the run's description (``otr.describe_run``), and of a hang snapshot. Attributes share one registry (spans, events,
 logs and metrics' attributes); metric names are another.
 """
 
@@ -113,6 +113,8 @@ def test_no_emitted_name_is_both_with_every_feature_on(otr_shutdown) -> None:
     reader = InMemoryMetricReader()
     otr.configure(exporters=[exporter], sampler=otr.TailSampler(10, "first"), metric_readers=[reader],
                   hang=otr.HangOptions(after_s=0.2, refresh_s=3600), handle_signals=False, run_id="naming")
+    otr.describe_run(system="verl", system_version="0.9.1", algorithm="grpo", model_name="policy",
+                     environment_name="gsm8k")
     engine = np.log(np.linspace(0.2, 0.9, 8, dtype=np.float32))
     for i in range(2):  # a pair of companions, each with every per-episode feature
         with otr.episode(step=0, group_id="g", sample_index=i, policy_version=3) as ep:
@@ -166,5 +168,7 @@ def test_no_emitted_name_is_both_with_every_feature_on(otr_shutdown) -> None:
                 for point in metric.data.data_points:
                     attributes |= set(point.attributes or {})
     assert {c.METRIC_REWARD, c.METRIC_STAGE_DURATION} <= metric_names and c.RL_STAGE_NAME in attributes
+    assert {c.RL_SYSTEM_NAME, c.RL_SYSTEM_VERSION, c.RL_ALGORITHM, c.RL_MODEL_NAME, c.RL_ENVIRONMENT_NAME,
+            c.RL_RUN_ID} <= resource
     assert clashes(attributes | resource | declared()[0]) == []
     assert clashes(metric_names | declared()[1]) == []

@@ -30,7 +30,7 @@ PUBLIC_MODULES = ["otel_rollouts", "otel_rollouts.sampling", "otel_rollouts.expo
 # in ``_rollouts`` (the assembly of the stages), the guard's and log-prob options in ``_core``.
 PRIVATE_HOMES = {
     "otel_rollouts": {
-        "InvalidValue", "MismatchOptions", "Rollouts", "configure", "end_step", "flush",
+        "InvalidValue", "MismatchOptions", "Rollouts", "configure", "describe_run", "end_step", "flush",
         "gateway", "set_step", "shutdown", "stats", "tracer_provider",
     },
 }

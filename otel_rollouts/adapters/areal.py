@@ -111,6 +111,7 @@ from otel_rollouts.adapters.kit import (
     check_release,
     count,
     current_instance,
+    describe_framework,
     end_step,
     exception_text,
     field,
@@ -169,6 +170,7 @@ def record_trajectories(
     * ``trained_version``: updates the weights that train on these samples have received
       (``actor.get_version()``); defaults to ``step`` for training, none for evaluation.
     """
+    describe_framework(FRAMEWORK, "areal")
     check_release(FRAMEWORK, "areal", TESTED)
     split = split_name(split)
     if trained_version is None and split == "train":

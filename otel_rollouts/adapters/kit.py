@@ -112,6 +112,7 @@ __all__ = [
     "check_release",
     "count",
     "current_instance",
+    "describe_framework",
     "end_step",
     "exception_text",
     "field",
@@ -122,6 +123,7 @@ __all__ = [
     "guarded",
     "guarded_or",
     "host_lists",
+    "installed_version",
     "items",
     "lazy_text",
     "mark_invalid",
@@ -190,6 +192,36 @@ def current_instance() -> Rollouts | None:
     warns, never builds an instance and never rebuilds a forked child's.
     """
     return cast("Rollouts | None", _runtime.active())
+
+
+_VERSIONS: dict[str, str | None] = {}  # distribution -> its installed version, read once
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (``importlib.metadata``), read once; None when
+    it is not installed as a distribution (a framework run from its source tree)."""
+    if distribution not in _VERSIONS:
+        try:
+            from importlib.metadata import version
+
+            _VERSIONS[distribution] = version(distribution)
+        except Exception:  # noqa: BLE001 - not installed, or metadata unreadable
+            _VERSIONS[distribution] = None
+    return _VERSIONS[distribution]
+
+
+@guarded
+def describe_framework(system: str, distribution: str | None = None, *, algorithm: object = None,
+                       model_name: object = None, environment_name: object = None) -> None:
+    """Describe the active run as an adapter sees it (``otr.describe_run``): the framework
+    ``system`` and the installed version of ``distribution``, and what the framework's
+    configuration says of the algorithm, the policy model and the environment (None: not
+    known). Cheap to call at every entry point: only a changed value goes to the renderer."""
+    rollouts = current_instance()
+    if rollouts is None:
+        return
+    rollouts.describe_run(system=system, system_version=installed_version(distribution) if distribution else None,
+                          algorithm=algorithm, model_name=model_name, environment_name=environment_name)
 
 
 class _AttributeTarget(Protocol):

@@ -99,6 +99,7 @@ from otel_rollouts.adapters.kit import (
     Sample,
     as_float,
     captures_content,
+    describe_framework,
     group_ids,
     guarded,
     items,
@@ -171,6 +172,7 @@ def record_batch(
     * ``trained_version``: learner updates the weights that train on the batch have received;
       defaults to ``step`` for training (see the module docstring), none for evaluation.
     """
+    describe_framework(FRAMEWORK, "open-instruct")
     split = split_name(split)
     if trained_version is None and split == "train":
         trained_version = step

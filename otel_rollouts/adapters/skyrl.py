@@ -127,6 +127,7 @@ from otel_rollouts.adapters.kit import (
     as_float,
     check_release,
     count,
+    describe_framework,
     field,
     first_occurrences,
     group_ids,
@@ -203,6 +204,7 @@ def record_generator_output(
       ``[rows, max_response]``) or a sequence per row; with ``rollout_logprobs`` they give the
       ``rl.mismatch.*`` statistics.
     """
+    describe_framework(FRAMEWORK, "skyrl")
     check_release(FRAMEWORK, "skyrl", TESTED)
     meta = field(generator_input, "batch_metadata")
     phase = field(meta, "training_phase")

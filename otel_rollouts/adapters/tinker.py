@@ -115,6 +115,7 @@ from otel_rollouts.adapters.kit import (
     InvalidValue,
     check_release,
     count,
+    describe_framework,
     exception_text,
     guarded_or,
     report,
@@ -173,6 +174,7 @@ def record_trajectory_groups(
 
     Returns the episode ids recorded. Never raises (unless otel_rollouts runs in strict mode).
     """
+    describe_framework(FRAMEWORK, "tinker-cookbook")
     check_release(ADAPTER, FRAMEWORK, TESTED)
     if tokenizer is None and renderer is not None:
         tokenizer = getattr(renderer, "tokenizer", None)

@@ -90,6 +90,7 @@ from otel_rollouts.adapters.kit import (
     as_float,
     captures_content,
     count,
+    describe_framework,
     field,
     first_occurrences,
     guarded_or,
@@ -144,6 +145,7 @@ def record_episodes(
     Returns the episode ids recorded (each once). Never raises (unless otel_rollouts runs in
     strict mode).
     """
+    describe_framework(FRAMEWORK, "torchforge")
     samples = _as_samples(episodes)
     keys = [_episode_id(s) for s in samples]
     keep, duplicates = first_occurrences(keys)

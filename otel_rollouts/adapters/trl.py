@@ -92,6 +92,7 @@ from otel_rollouts.adapters.kit import (
     Sample,
     as_float,
     check_release,
+    describe_framework,
     end_step,
     exception_text,
     group_ids,
@@ -419,6 +420,7 @@ class RolloutTraceCallback(TrainerCallback):
         names = _reward_names(trainer, batch["columns"])
         weights = _reward_weights(trainer, len(names))
         model = self.model or _model_name(trainer)
+        describe_framework(FRAMEWORK, "trl", algorithm=_algorithm(trainer), model_name=model)
         tokenizer = _tokenizer(trainer)
         finish = _Finish(trainer)
         group_size = _group_size(args, trainer, split)
@@ -802,6 +804,12 @@ def _reward_weights(trainer: object, n: int) -> list[float]:
     except TypeError:
         values = []
     return values if len(values) == n else [1.0] * n
+
+
+def _algorithm(trainer: object) -> str | None:
+    """The algorithm a TRL trainer runs, from its class (``GRPOTrainer`` -> ``grpo``)."""
+    name = type(trainer).__name__
+    return name[: -len("Trainer")].lower() if name.endswith("Trainer") and len(name) > len("Trainer") else None
 
 
 def _model_name(trainer: object) -> str | None:

@@ -93,6 +93,7 @@ from otel_rollouts.adapters.kit import (
     COUNT_PARTIAL,
     check_release,
     count,
+    describe_framework,
     field,
     guarded,
     seconds,
@@ -222,6 +223,7 @@ def record_batch(
     * ``reward_extra_keys``: ``non_tensor_batch`` columns that are reward terms (default: verl's
       ``meta_info["reward_extra_keys"]``).
     """
+    describe_framework(FRAMEWORK, "verl")
     check_release(FRAMEWORK, "verl", TESTED)
     tensors = field(batch, "batch")
     if tensors is None:

@@ -55,6 +55,7 @@ from otel_rollouts.adapters import verl as _verl
 from otel_rollouts.adapters.kit import (
     check_release,
     current_instance,
+    describe_framework,
     field,
     guarded,
     to_list,
@@ -201,6 +202,7 @@ def observe_session(worker: Any, output: Any, validate: object, sample: Mapping[
     prompt's fields with ``session_id``. Returns how many episodes (0 or 1)."""
     check_release(_FRAMEWORK, "verl", _verl.TESTED)
     _ensure_configured()
+    _describe(getattr(worker, "config", None))
     outputs = list(output) if isinstance(output, (list, tuple)) else [output]
     if not outputs:
         return 0
@@ -298,6 +300,7 @@ def observe(manager: object, prompts: object, output: object) -> int:
     validate = field(meta, "validate") is True
     split = "eval" if validate else "train"
     config = getattr(manager, "config", None)
+    _describe(config)
     workers = len(getattr(manager, "agent_loop_workers", None) or []) or _config(
         config, "actor_rollout_ref", "rollout", "agent", "num_workers")
     index = _verl._dataset_index(inputs)
@@ -343,6 +346,21 @@ def observe(manager: object, prompts: object, output: object) -> int:
     _close_earlier_steps(manager, step, split)
     return _verl.record_batch({"batch": batch_tensors, "non_tensor_batch": non_tensor, "meta_info": batch_meta},
                               step=step, tokenizer=tokenizer, split=split) or 0
+
+
+# verl's advantage estimators that name another algorithm (GAE is PPO's)
+_ALGORITHM_OF = {"gae": "ppo"}
+
+
+def _describe(config: object) -> None:
+    """The run as verl's configuration describes it: the algorithm (``algorithm.adv_estimator``)
+    and the policy model (``actor_rollout_ref.model.path``)."""
+    estimator = _config(config, "algorithm", "adv_estimator")
+    if estimator is not None:
+        estimator = str(estimator).lower()
+        estimator = _ALGORITHM_OF.get(estimator, estimator)
+    describe_framework(_FRAMEWORK, "verl", algorithm=estimator,
+                       model_name=_config(config, "actor_rollout_ref", "model", "path"))
 
 
 def _config(config: object, *path: str) -> Any:

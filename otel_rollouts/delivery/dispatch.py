@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,11 @@ class Delivery:
         self._pull: Callable[[int], list[PendingSpan]] | None = None
         self._thread = threading.Thread(target=self._run, name="otel-rollouts-export", daemon=True)
         self._thread.start()
+
+    def describe_run(self, attributes: Mapping[str, str]) -> None:
+        """The run's description (``otr.describe_run``): on the resource of what is rendered
+        from now on."""
+        self.materializer.describe_run(attributes)
 
     def use_gateway(self, address: str, timeout: float) -> None:
         """Pull each kept episode's server spans from the gateway at ``address`` (waiting up to

@@ -76,6 +76,13 @@ class Materializer:
         # gen_ai.agent.name on each root: configured, else the service name
         self.views = EpisodeViews(agent_name or _service_name(resource), capture_content)
 
+    def describe_run(self, attributes: Mapping[str, str]) -> None:
+        """The run's description (``otr.describe_run``) added to the resource of every span
+        rendered from now on (redacted as the rest of the resource was)."""
+        redact = self.redact
+        values = {key: redact(value) if redact is not None else value for key, value in attributes.items()}
+        self.resource = self.resource.merge(Resource(values))
+
     def episode(self, record: EpisodeRecord) -> list[ReadableSpan]:
         # other processes' spans (a server's, through the span gateway) are decoded now that the
         # episode is kept; a server span under a generation lends it the engine's timings

@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -527,6 +527,8 @@ def _child(rfd: int, wfd: int) -> None:
         sender.idle_wait_s = _CHILD_WAKE_S
     if config.get("gateway"):
         delivery.use_gateway(*config["gateway"])
+    if config.get("run_attributes"):
+        delivery.describe_run(config["run_attributes"])
     stop = threading.Event()
 
     def report() -> None:
@@ -578,6 +580,8 @@ def _child(rfd: int, wfd: int) -> None:
             elif kind == "gateway":
                 address, timeout = payload
                 delivery.use_gateway(address, timeout)
+            elif kind == "describe":
+                delivery.describe_run(payload)
             elif kind == "stop":
                 delivery.shutdown(float(payload))
                 break
@@ -762,6 +766,12 @@ class ProcessDelivery(Delivery):
             self.stats.add("errors.render_pending")
             return False
         return self._enqueue("pending", data, len(data), None)
+
+    def describe_run(self, attributes: Mapping[str, str]) -> None:
+        """The run's description goes to the renderer process (and to a restarted one, with
+        its configuration)."""
+        self._config["run_attributes"] = {**self._config.get("run_attributes", {}), **attributes}
+        self._enqueue("describe", pickle.dumps(("describe", dict(attributes)), _PROTOCOL), 0, None, count=False)
 
     def use_gateway(self, address: str, timeout: float) -> None:
         """The renderer process pulls each kept episode's server spans from the node's gateway

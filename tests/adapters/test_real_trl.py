@@ -141,6 +141,14 @@ def test_real_grpo_finish_reason_usage_and_on_policy_staleness(tmp_path, otr_shu
     eps = episodes(mem)
     msgs = messages_of(mem)
     assert callback.recorded == len(eps) == 8
+    # the run as TRL's trainer describes it, on the resource of every span
+    from importlib.metadata import version
+
+    (resource,) = {s.resource for s in mem.get_finished_spans()}
+    assert {k: resource.attributes.get(k) for k in (c.RL_SYSTEM_NAME, c.RL_SYSTEM_VERSION, c.RL_ALGORITHM,
+                                                     c.RL_MODEL_NAME)} == {
+        c.RL_SYSTEM_NAME: "trl", c.RL_SYSTEM_VERSION: version("trl"), c.RL_ALGORITHM: "grpo",
+        c.RL_MODEL_NAME: "tiny-qwen2"}
     reasons = collections.Counter()
     by_step = collections.defaultdict(list)
     for eid, ep in eps.items():

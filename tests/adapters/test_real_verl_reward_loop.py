@@ -269,12 +269,21 @@ def test_plugin_records_each_generated_batch_with_one_config_entry(tmp_path, act
     require("verl")
     tok = tokenizer()
     cfg = config(tmp_path, tok, manager=PLUGIN)
+    cfg.algorithm.adv_estimator = "grpo"
     manager = build_manager(cfg, tok, lambda turn: 2, actor_loop)
     assert type(manager).__module__ == "otel_rollouts.adapters.verl_loop"
     batch, truth = fit_step(tmp_path, tok, cfg, manager, mark=False)  # verl's loop, no adapter line
     assert otr.flush()
     eps = episodes(memory)
     check_rollouts(eps, batch, truth)
+    # the run as verl's configuration describes it, on the resource of every span
+    from importlib.metadata import version
+
+    (resource,) = {s.resource for s in memory.get_finished_spans()}
+    assert {k: resource.attributes.get(k) for k in (c.RL_SYSTEM_NAME, c.RL_SYSTEM_VERSION, c.RL_ALGORITHM,
+                                                     c.RL_MODEL_NAME)} == {
+        c.RL_SYSTEM_NAME: "verl", c.RL_SYSTEM_VERSION: version("verl"), c.RL_ALGORITHM: "grpo",
+        c.RL_MODEL_NAME: cfg.actor_rollout_ref.model.path}
     scores = batch.batch["token_level_scores"].sum(-1).tolist()
     uids = batch.non_tensor_batch["uid"].tolist()
     for j, t in enumerate(truth):
