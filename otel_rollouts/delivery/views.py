@@ -340,24 +340,24 @@ class _Walk:
             derived[_LATER_FLAT_INPUT] = Expand(so_far.flattened)
             _io(derived, c.INPUT_VALUE, c.INPUT_MIME_TYPE, text_of(inputs[-1]))
         if outputs:
-            self._outputs(main, derived, outputs, reason)
+            self._outputs(main, derived, outputs)
+            if reason is None:  # the spec's finish reasons on the span (not in the messages)
+                main[c.GEN_AI_RESPONSE_FINISH_REASONS] = _Later(lambda: [_implied_finish(m) for m in outputs])
         _usage(main, attrs)
         if parent_id is not None and parent_id not in self.turn_io:
             self.turn_io[parent_id] = (inputs[-1] if inputs else None,
                                        self.last_assistant if outputs else None)
 
-    def _outputs(self, main: dict[str, object], derived: dict[str, object], outputs: list[Message],
-                 reason: str | None) -> None:
+    def _outputs(self, main: dict[str, object], derived: dict[str, object], outputs: list[Message]) -> None:
         for message in outputs:
             message.setdefault("role", "assistant")
         self.conversation.extend(outputs)  # the same dicts: tool calls found later join them
         last = self.last_assistant = outputs[-1]
         self.so_far_of.last_assistant(len(self.conversation) - 1)
         # (closures over this call's own locals: computed after the walk, when tool calls found
-        # later joined the messages)
-        main[c.GEN_AI_OUTPUT_MESSAGES] = _Later(lambda: [
-            {**to_parts(m), "finish_reason": reason or _implied_finish(m)} for m in outputs
-        ])
+        # later joined the messages). No finish_reason inside the messages: the GenAI conventions
+        # deprecated it for gen_ai.response.finish_reasons (semantic-conventions-genai #363)
+        main[c.GEN_AI_OUTPUT_MESSAGES] = _Later(lambda: [to_parts(m) for m in outputs])
         derived[_LATER_FLAT] = _Later(lambda: _flatten(c.OI_LLM_OUTPUT_MESSAGES, outputs))
         derived[c.OUTPUT_VALUE] = _Later(partial(_text_or_none, last))
         derived[c.OUTPUT_MIME_TYPE] = c.MIME_TEXT

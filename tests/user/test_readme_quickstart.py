@@ -88,7 +88,8 @@ def test_quickstart_shows_each_tool_call_once_in_phoenix(phoenix: PhoenixReceive
                if k.startswith(c.OI_LLM_OUTPUT_MESSAGES) and k.endswith(c.OI_TOOL_CALL_ID)}
         assert ids == {"c1"}
         (output,) = json.loads(chat["attributes"][c.GEN_AI_OUTPUT_MESSAGES])
-        assert output["finish_reason"] == c.FINISH_TOOL_CALL
+        assert "finish_reason" not in output  # deprecated there: the span's finish reasons say it
+        assert list(chat["attributes"][c.GEN_AI_RESPONSE_FINISH_REASONS]) == [c.FINISH_TOOL_CALL]
         # the Quickstart's generation gives no usage: no token count, not a count of 0
         assert not [k for k in chat["attributes"] if k.startswith("llm.token_count")]
 
