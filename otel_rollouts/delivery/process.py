@@ -770,7 +770,8 @@ class ProcessDelivery(Delivery):
     def describe_run(self, attributes: Mapping[str, str]) -> None:
         """The run's description goes to the renderer process (and to a restarted one, with
         its configuration)."""
-        self._config["run_attributes"] = {**self._config.get("run_attributes", {}), **attributes}
+        described = self._config.get("run_attributes")
+        self._config["run_attributes"] = {**(described if isinstance(described, dict) else {}), **attributes}
         self._enqueue("describe", pickle.dumps(("describe", dict(attributes)), _PROTOCOL), 0, None, count=False)
 
     def use_gateway(self, address: str, timeout: float) -> None:
