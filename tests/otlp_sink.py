@@ -291,6 +291,7 @@ def serve(port: int, out: Path, certfile: str | None, keyfile: str | None) -> No
                             "severity": record.severity_text,
                             "attributes": {kv.key: _value(kv.value) for kv in record.attributes},
                             "trace_id": record.trace_id.hex(),
+                            "event_name": record.event_name,
                             "resource": resource,
                         }))
             with lock:

@@ -76,6 +76,10 @@ class EpisodeSink(Protocol):
     def attach(self, recorded: list[tuple[Any, EpisodeRecord | None]]) -> None:
         """The episodes recorded for the rows ``offer_batch`` returned."""
 
+    def on_kept(self, hook: Callable[[EpisodeRecord], None] | None) -> None:
+        """Call ``hook`` with every episode kept from now on, after it went to delivery (the
+        logs integration's evaluation events); None: no more."""
+
 
 class Redacting(Protocol):
     """The run's redaction, as the recording side uses it (``_core.redaction.Redactor``)."""

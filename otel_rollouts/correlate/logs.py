@@ -50,7 +50,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import cut, exception_text, reraise_interrupt, text, type_name
 from otel_rollouts._core.redaction import Redactor
-from otel_rollouts._core.runtime import Redacting
+from otel_rollouts._core.runtime import EpisodeSink, Redacting
 from otel_rollouts._core.settings import check_environment
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 
@@ -416,6 +416,36 @@ class EpisodeLogProcessor(LogRecordProcessor):
             merged = self._merged[key] = resource.merge(self._resource)
         return merged
 
+    def evaluations(self, record: EpisodeRecord) -> None:
+        """A kept episode's evaluations (reward, each component, advantage, status) as
+        log-based ``gen_ai.evaluation.result`` events, the carrier the GenAI conventions name now
+        that span events are deprecated: parented to the span evaluated (the episode's root),
+        with the run's resource. The same events are on the root as span events."""
+        root = record.root
+        if root is None:
+            return
+        from opentelemetry._logs import LogRecord
+        from opentelemetry.sdk._logs import ReadWriteLogRecord
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+        from otel_rollouts._core.messages import episode_evaluations
+        from otel_rollouts.delivery.views import evaluation_events
+
+        at = root.end_ns or root.start_ns
+        scope = InstrumentationScope(c.SCOPE_NAME)
+        evaluated = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+            record.trace_id, root.span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))),
+            otel_context.Context())
+        records = [
+            ReadWriteLogRecord(LogRecord(timestamp=at, observed_timestamp=at, context=evaluated,
+                                         event_name=name, attributes=attrs),
+                               resource=self.resource, instrumentation_scope=scope)
+            for name, attrs in evaluation_events(episode_evaluations(root.attributes))
+        ]
+        if records:
+            self.forward(records)
+
     def shutdown(self) -> None:
         self.downstream.shutdown()
 
@@ -481,6 +511,16 @@ class LoggingIntegration:
         self.previous_factory = previous_factory
         self.handler = handler
         self.processor = processor
+        self._watched: EpisodeSink | None = None  # the pipeline told to hand over kept episodes
+
+    def watch(self, runtime: Any) -> None:
+        """Have the sampling pipeline of ``runtime`` (the installed run, when there is one)
+        hand each kept episode to the processor, whose evaluations go out as log records."""
+        pipeline = runtime.pipeline if runtime is not None else None
+        if pipeline is None or self.processor is None:
+            return
+        pipeline.on_kept(self.processor.evaluations)
+        self._watched = pipeline
 
     @property
     def logger_provider(self) -> Any:
@@ -493,6 +533,9 @@ class LoggingIntegration:
         return bool(self.handler.provider.force_flush(timeout_millis))
 
     def uninstall(self) -> None:
+        if self._watched is not None:
+            self._watched.on_kept(None)
+            self._watched = None
         if self.factory is not None and logging.getLogRecordFactory() is self.factory:
             logging.setLogRecordFactory(self.previous_factory)
         target = self.logger or logging.getLogger()
@@ -559,6 +602,8 @@ def instrument_logging(
             (target or logging.getLogger()).addHandler(handler)
         integration = LoggingIntegration(target, filter_, factory, previous, handler, processor)
         slot.logging_integration = integration
+        if processor is not None:  # each kept episode's evaluations go out as log-based events
+            integration.watch(_runtime.installed())
         return integration
 
 

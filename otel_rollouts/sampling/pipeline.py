@@ -101,6 +101,7 @@ class Pipeline(SpanProcessor):
         self.arrivals = itertools.count(1)  # arrival order; next() is atomic: no lock needed
         self._coordinator: Member | None = None  # resolved lazily: torch.distributed may start later
         self.observer: StepObserver | None = None  # metrics: told of each decision and each closed step
+        self._kept_hook: Callable[[EpisodeRecord], None] | None = None  # on_kept
         # deterministic trace ids given out lately (insertion order: the oldest forgotten first)
         self._claimed: OrderedDict[int, None] = OrderedDict()
         self._claim_lock = threading.Lock()
@@ -398,6 +399,16 @@ class Pipeline(SpanProcessor):
         if logs:
             for outlet, items, _ in logs:
                 self.foreign.send_logs(outlet, items)
+        hook = self._kept_hook
+        if hook is not None:
+            try:
+                hook(record)
+            except Exception:  # noqa: BLE001 - a log outlet never breaks the pipeline
+                self.stats.add("errors.evaluation_logs")
+
+    def on_kept(self, hook: Callable[[EpisodeRecord], None] | None) -> None:
+        """Call ``hook`` with every episode kept from now on (see ``EpisodeSink.on_kept``)."""
+        self._kept_hook = hook
 
     def drop(self, record: EpisodeRecord | BatchRow, reason: str | None) -> None:
         """``reason`` None: counted already (a row dropped before its record arrived)."""

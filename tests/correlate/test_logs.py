@@ -126,7 +126,7 @@ def test_records_exported_over_the_sdk_log_pipeline_with_the_run_resource(config
             trace_id, span_id = _ids()
         ep.reward(0.0)
     assert integration.flush()
-    (exported,) = exporter.get_finished_logs()
+    (exported,) = [r for r in exporter.get_finished_logs() if r.log_record.event_name is None]  # not the events
     log = exported.log_record
     assert (f"{log.trace_id:032x}", f"{log.span_id:016x}") == (trace_id, span_id)
     assert log.body == "generation failed: timeout"
@@ -158,3 +158,28 @@ def test_records_in_a_worker_process_carry_the_parent_episode(configured):
                 fields = otr.adopt(pool.apply(otr.with_context(_log_in_worker), ("from worker",)))
             ep.reward(1.0)
     assert fields == {"trace_id": trace_id, "span_id": span_id, "rl_step": 3, "rl_episode_id": "w3"}
+
+
+def test_a_kept_episodes_evaluations_go_out_as_log_based_events(configured, app_logger):
+    # the GenAI conventions' carrier for gen_ai.evaluation.result now that span events are
+    # deprecated: one log record per score (and the status), parented to the evaluated root
+    logger, _ = app_logger
+    exporter = InMemoryLogRecordExporter()
+    integration = otr.instrument_logging(logger, exporter=exporter)
+    with otr.episode(step=5, episode_id="kept") as ep:
+        ep.reward(0.75, components={"correct": 1.0}, advantage=0.25)
+    otr.end_step(5)
+    assert otr.flush() and integration.flush()
+    (root,) = [s for s in configured.get_finished_spans() if s.parent is None]
+    events = [r for r in exporter.get_finished_logs() if r.log_record.event_name == c.EVENT_GEN_AI_EVALUATION_RESULT]
+    by_name = {dict(r.log_record.attributes)[c.GEN_AI_EVALUATION_NAME]: r for r in events}
+    assert set(by_name) == {c.EVALUATION_REWARD, "correct", c.EVALUATION_ADVANTAGE, c.EVALUATION_STATUS}
+    assert dict(by_name[c.EVALUATION_REWARD].log_record.attributes)[c.GEN_AI_EVALUATION_SCORE_VALUE] == 0.75
+    assert dict(by_name[c.EVALUATION_STATUS].log_record.attributes)[c.GEN_AI_EVALUATION_SCORE_LABEL] == c.STATUS_OK
+    for r in events:
+        assert (r.log_record.trace_id, r.log_record.span_id) == (root.context.trace_id, root.context.span_id)
+        assert r.resource.attributes[c.RL_RUN_ID] == _runtime.installed().run_id
+    # the same events as span events on the root: one carrier for each kind of backend
+    span_events = {e.attributes[c.GEN_AI_EVALUATION_NAME] for e in root.events
+                   if e.name == c.EVENT_GEN_AI_EVALUATION_RESULT}
+    assert span_events == set(by_name)

@@ -97,7 +97,7 @@ def test_tracebacks_and_extra_fields_are_kept_and_redacted(configured_logs, app_
         ep.reward(1.0)
     otr.flush()
     assert integration.flush()
-    failed, extra = (r.log_record for r in exporter.get_finished_logs())
+    failed, extra = (r.log_record for r in exporter.get_finished_logs() if r.log_record.event_name is None)
     assert f"{failed.trace_id:032x}" == ep.trace_id
     attrs = dict(failed.attributes)
     assert attrs[c.EXCEPTION_TYPE] == "ValueError"
@@ -142,7 +142,7 @@ def test_hostile_values_are_flagged_not_raised(configured_logs):
         ep.reward(1.0)
     otr.flush()
     assert integration.flush()
-    message, extra = (r.log_record for r in exporter.get_finished_logs())
+    message, extra = (r.log_record for r in exporter.get_finished_logs() if r.log_record.event_name is None)
     assert message.body == "value %s [arguments not formatted: <_Hostile: str raised SystemExit>]"
     assert dict(extra.attributes)["value"] == "<_Hostile: str raised SystemExit>"
 
@@ -159,7 +159,7 @@ def test_content_off_keeps_the_exception_type_only(configured_logs, app_logger):
         ep.reward(0.0)
     otr.flush()
     assert integration.flush()
-    (log,) = (r.log_record for r in exporter.get_finished_logs())
+    (log,) = (r.log_record for r in exporter.get_finished_logs() if r.log_record.event_name is None)
     attrs = dict(log.attributes)
     assert attrs[c.EXCEPTION_TYPE] == "ValueError"  # as a span's exception event with content off
     assert c.EXCEPTION_MESSAGE not in attrs and c.EXCEPTION_STACKTRACE not in attrs
@@ -184,7 +184,10 @@ def test_only_kept_episodes_logs_reach_the_receiver(configured_logs, app_logger,
     assert integration.flush()
     kept = {f"{s.context.trace_id:032x}" for s in spans.get_finished_spans()}
     assert len(kept) == 2 and kept <= set(episodes)
-    received = _poll(sink.logs, lambda logs: len(logs) >= 6)
+    def lines() -> list[dict]:  # the app's log lines (not the evaluation events of kept episodes)
+        return [log for log in sink.logs() if not log["event_name"]]
+
+    received = _poll(lines, lambda logs: len(logs) >= 6)
     by_trace: dict[str, list[str]] = {}
     for log in received:
         by_trace.setdefault(log["trace_id"], []).append(log["body"])
@@ -321,7 +324,8 @@ def test_http_json_log_records_are_sent_as_json(configured_logs, app_logger, sin
     requests = sink.wait_for_json("/v1/logs", 1, timeout=10)
     records = [record for request in requests
                for rl in json.loads(request["body"])["resourceLogs"]
-               for sl in rl["scopeLogs"] for record in sl["logRecords"]]
+               for sl in rl["scopeLogs"] for record in sl["logRecords"]
+               if not record.get("eventName")]  # the app's lines, not the evaluation events
     assert [r["body"]["stringValue"] for r in records] == ["kept line"]
     assert records[0]["traceId"].lower() == kept.trace_id
     assert sink.logs() == []  # nothing went as protobuf
