@@ -354,7 +354,6 @@ RL_RANK = "rl.rank"  # resource: this process's rank (torch.distributed or env R
 RL_LOCAL_RANK = "rl.local_rank"
 RL_WORLD_SIZE = "rl.world_size"
 RL_DROP_REASON = "rl.drop.reason"  # metric attribute: why the sampler dropped an episode
-GEN_AI_TOKEN_TYPE = "gen_ai.token.type"  # metric attribute: input | output (GenAI conventions)
 ENV_METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
 ENV_LOGS_EXPORTER = "OTEL_LOGS_EXPORTER"
 METRIC_EPISODES_SEEN = "rl.episodes.seen"
@@ -362,7 +361,11 @@ METRIC_EPISODES_KEPT = "rl.episodes.kept"
 METRIC_EPISODES_DROPPED = "rl.episodes.dropped"
 METRIC_REWARD = "rl.episode.reward"
 METRIC_EPISODE_DURATION = "rl.episode.duration"
-METRIC_TOKENS = "rl.tokens"
+# tokens in (prompt) and out (generated), one counter per direction: the GenAI conventions
+# replaced their token histogram and the gen_ai.token.type attribute it was split by with
+# per-direction instruments (semantic-conventions-genai #374)
+METRIC_INPUT_TOKENS = "rl.tokens.input"
+METRIC_OUTPUT_TOKENS = "rl.tokens.output"
 METRIC_TOOL_ERRORS = "rl.tool.errors"
 # log record attributes (Python identifiers: LogRecord fields, usable in format strings)
 LOG_TRACE_ID = "trace_id"

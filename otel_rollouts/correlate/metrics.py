@@ -8,7 +8,7 @@ observes; it never reaches back). From that it records, on the run's resource:
 * ``rl.episode.reward`` and ``rl.episode.duration`` (s) — histograms by ``rl.split``; exemplars of
   kept episodes carry their trace id (the SDK's trace-based exemplar filter), so a bucket in
   Grafana links to a trace that exists;
-* ``rl.tokens`` (``gen_ai.token.type`` = input | output) and ``rl.tool.errors`` — counters.
+* ``rl.tokens.input``, ``rl.tokens.output`` and ``rl.tool.errors`` — counters.
 
 Metrics go to the readers given to ``configure(metric_readers=[...])``, or over OTLP when
 ``OTEL_METRICS_EXPORTER=otlp``. When an exporter has ``log_metrics(step, values)`` (the
@@ -453,8 +453,8 @@ class RolloutMetrics:
         self.duration = meter.create_histogram(
             c.METRIC_EPISODE_DURATION, "s", "Episode wall time (root span)",
             explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
-        self.tokens = meter.create_counter(c.METRIC_TOKENS, "{token}",
-                                           "Tokens in (prompt) and out (generated)")
+        self.input_tokens = meter.create_counter(c.METRIC_INPUT_TOKENS, "{token}", "Tokens in (prompts)")
+        self.output_tokens = meter.create_counter(c.METRIC_OUTPUT_TOKENS, "{token}", "Tokens out (generated)")
         self.tool_errors = meter.create_counter(c.METRIC_TOOL_ERRORS, "{call}",
                                                 "Tool calls that failed")
         self.hung_episodes = meter.create_counter(c.METRIC_HUNG, "{episode}",
@@ -661,9 +661,9 @@ class RolloutMetrics:
             self.stage_duration.record(seconds, {c.RL_SPLIT: split, c.RL_STAGE_NAME: stage},
                                        context=ctx)
         if tokens_in:
-            self.tokens.add(tokens_in, {**by_split, c.GEN_AI_TOKEN_TYPE: "input"}, context=ctx)
+            self.input_tokens.add(tokens_in, by_split, context=ctx)
         if tokens_out:
-            self.tokens.add(tokens_out, {**by_split, c.GEN_AI_TOKEN_TYPE: "output"}, context=ctx)
+            self.output_tokens.add(tokens_out, by_split, context=ctx)
         if errors:
             self.tool_errors.add(errors, by_split, context=ctx)
 

@@ -71,8 +71,8 @@ def test_episodes_seen_kept_dropped_reward_duration_tokens_tool_errors(reader):
     assert (reward.count, reward.sum, reward.min, reward.max) == (3, 1.5, 0.0, 1.0)
     (duration,) = metrics[c.METRIC_EPISODE_DURATION]
     assert duration.count == 3 and duration.sum > 0
-    assert total(c.METRIC_TOKENS, **{c.GEN_AI_TOKEN_TYPE: "input"}) == 30
-    assert total(c.METRIC_TOKENS, **{c.GEN_AI_TOKEN_TYPE: "output"}) == 15
+    assert total(c.METRIC_INPUT_TOKENS) == 30
+    assert total(c.METRIC_OUTPUT_TOKENS) == 15
     assert total(c.METRIC_TOOL_ERRORS) == 1
 
     # the same resource as the traces
@@ -189,5 +189,5 @@ def test_otlp_from_env_delivers_metrics_with_the_run_resource(monkeypatch):
             resource = {kv.key: kv.value for kv in rm.resource.attributes}
             for sm in rm.scope_metrics:
                 names.update(m.name for m in sm.metrics)
-    assert {c.METRIC_EPISODES_SEEN, c.METRIC_REWARD, c.METRIC_TOKENS} <= names
+    assert {c.METRIC_EPISODES_SEEN, c.METRIC_REWARD, c.METRIC_INPUT_TOKENS} <= names
     assert resource[c.RL_RUN_ID].string_value == "otlp-run"
