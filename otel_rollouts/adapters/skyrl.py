@@ -204,7 +204,6 @@ def record_generator_output(
       ``[rows, max_response]``) or a sequence per row; with ``rollout_logprobs`` they give the
       ``rl.mismatch.*`` statistics.
     """
-    describe_framework(FRAMEWORK, "skyrl")
     check_release(FRAMEWORK, "skyrl", TESTED)
     meta = field(generator_input, "batch_metadata")
     phase = field(meta, "training_phase")
@@ -269,6 +268,10 @@ def record_generator_output(
         except Exception as exc:  # noqa: BLE001 - recorded without text rather than not at all
             warn_unknown(FRAMEWORK, "tokenizer", f"unusable ({type(exc).__name__}): token counts only")
     env_classes, env_extras = field(generator_input, "env_classes"), field(generator_input, "env_extras")
+    # the run: SkyRL, the policy model given, the environment when the batch has one
+    classes = {str(e) for e in env_classes} if isinstance(env_classes, (list, tuple)) else set()
+    describe_framework(FRAMEWORK, "skyrl", model_name=model,
+                       environment_name=next(iter(classes)) if len(classes) == 1 else None)
 
     engine_rows = _logprob_rows(field(out, "rollout_logprobs"), n, "rollout_logprobs")
     trainer_rows = _logprob_rows(trainer_logprobs, n, "trainer_logprobs")

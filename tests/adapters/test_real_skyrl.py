@@ -104,10 +104,14 @@ GSM8K = {"q0_0": ["I think 2 + 2 = 5. #### 5", "#### 4"], "q0_1": ["The answer i
 def test_gsm8k_env_metrics_are_not_rewards_and_steps_is_the_turn_count(memory):
     gi, go = generate(GSM8K)
     assert go["env_metrics"] == [{"steps": 2}, {"steps": 1}]  # what skyrl-gym really reports
-    assert skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER) == 2
+    assert skyrl.record_generator_output(gi, go, step=1, tokenizer=TOKENIZER, model="tiny-policy") == 2
     assert otr.flush()
     eps = episodes(memory)
     root = eps["q0_0"]["root"]
+    # the run as SkyRL's batch describes it, on the resource: the environment every sample ran in
+    (resource,) = {s.resource for s in memory.get_finished_spans()}
+    assert {k: resource.attributes.get(k) for k in (c.RL_SYSTEM_NAME, c.RL_MODEL_NAME, c.RL_ENVIRONMENT_NAME)} == {
+        c.RL_SYSTEM_NAME: "skyrl", c.RL_MODEL_NAME: "tiny-policy", c.RL_ENVIRONMENT_NAME: "gsm8k_multi_turn"}
     # regression: the old adapter recorded env_metrics as reward components (rl.reward.component.steps)
     assert not any(k.startswith(c.RL_REWARD_COMPONENT_PREFIX + "steps") for k in root)
     assert root[c.RL_TURN_COUNT] == 2 and eps["q0_1"]["root"][c.RL_TURN_COUNT] == 1
