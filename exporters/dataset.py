@@ -138,7 +138,7 @@ def episode_from_spans(spans: Sequence[ReadableSpan]) -> Episode | str:
     root = root_of(spans)
     if root is None:
         return SKIP_FRAGMENT
-    attrs = c.current_names(dict(root.attributes or {}))  # an earlier release's names, as today's
+    attrs = c.current_names(root.attributes or {})  # an earlier release's names, as today's
     values = {key: parse(value) for key, value in attrs.items()
               if key.startswith(c.RL_PREFIX) and key != c.RL_SPAN_KIND}
     episode = Episode(hex_id(root.context.trace_id, 32), values, episode_messages(spans))
@@ -158,7 +158,7 @@ def episode_from_spans(spans: Sequence[ReadableSpan]) -> Episode | str:
             episode.output_tokens = _add(episode.output_tokens, span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
         elif kind == c.KIND_REWARD and c.RL_REWARD not in values:
             # a reward recorded after the decision reaches the file as a late span only
-            for key, value in c.current_names(dict(span_attrs)).items():
+            for key, value in c.current_names(span_attrs).items():
                 if key == c.RL_REWARD or key == c.RL_ADVANTAGE or key.startswith(c.RL_REWARD_COMPONENT_PREFIX):
                     values.setdefault(key, value)
         if is_error(span):
@@ -186,7 +186,7 @@ def episode_from_trackio(trace: Mapping[str, object]) -> Episode | str:
     metadata = trace.get("metadata")
     if not isinstance(metadata, Mapping):
         return SKIP_FOREIGN
-    metadata = c.current_names(dict(metadata))  # an earlier release's names, as today's
+    metadata = c.current_names(metadata)  # an earlier release's names, as today's
     if _is_snapshot(metadata):
         return SKIP_SNAPSHOT
     trace_id = metadata.get(META_TRACE_ID)
@@ -395,7 +395,7 @@ class Filters:
     steps: tuple[int | None, int | None] | None = None  # inclusive; either end open
     splits: frozenset[str] | None = None
     statuses: frozenset[str] | None = None
-    reasons: frozenset[str] | None = None  # the sampling reason (rl.trace.keep_reason)
+    reasons: frozenset[str] | None = None  # why the tail sampler kept it (rl.trace.keep_reason)
     reward_min: float | None = None
     reward_max: float | None = None
 

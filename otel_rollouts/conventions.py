@@ -11,6 +11,8 @@ No other module spells an attribute name as a string literal: import it from her
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # --- rl.* (ours) -----------------------------------------------------------------------
 RL_STEP = "rl.step"
 RL_SPLIT = "rl.split"
@@ -513,7 +515,7 @@ LEGACY_NAMES = {
 LEGACY_REWARD_COMPONENT_PREFIX = "rl.reward."  # 0.1.0: rl.reward.<component>
 
 
-def current_names(attributes: dict[str, object]) -> dict[str, object]:
+def current_names(attributes: Mapping[str, object]) -> Mapping[str, object]:
     """``attributes`` with the names an earlier release wrote (``LEGACY_NAMES``) as they are
     named today; the same dict when it holds none of them (today's names are left as they are).
     In a span written by 0.1.0, ``rl.reward.<name>`` was a reward component, ``rl.reward.score``

@@ -300,9 +300,9 @@ class _Walk:
         self.root_id: int | None = None
         self.root_attrs: Mapping[str, object] = {}
         self.reward_ids: list[int] = []
-        # a reward span's evaluation events, put on it only when the root does not carry them
-        # (a reward recorded after its episode was rendered reaches the exporters alone)
-        self.reward_events: dict[int, list[tuple[str, dict[str, str | float]]]] = {}
+        # each reward span's attributes: its evaluation events go on it only when the root does
+        # not carry the scores (a reward recorded after its episode was rendered comes alone)
+        self.reward_attrs: dict[int, Mapping[str, object]] = {}
 
     def prompt(self, view: SpanView, attrs: Mapping[str, object]) -> None:
         main, derived = view.main, view.derived
@@ -389,8 +389,7 @@ class _Walk:
         found = scores_of(attrs)
         if found:
             _io(view.main, c.OUTPUT_VALUE, c.OUTPUT_MIME_TYPE, found)
-            self.reward_events[span_id] = evaluation_events(
-                [{c.OI_EVALUATION_NAME: name, c.OI_EVALUATION_SCORE: value} for name, value in found.items()])
+            self.reward_attrs[span_id] = attrs
         self.reward_ids.append(span_id)
 
     def feedback(self, view: SpanView, attrs: Mapping[str, object]) -> None:
@@ -416,13 +415,13 @@ class _Walk:
         # the evaluation events on the span evaluated, the episode's root (the GenAI spec: "SHOULD
         # be parented to the GenAI operation span being evaluated"), from the scores it carries;
         # on the reward span only when the root is not rendered with it or carries none
-        root_scored = False
+        on_root: list[tuple[str, dict[str, str | float]]] = []
         if self.root_id is not None:
-            out[self.root_id].events.extend(evaluation_events(episode_evaluations(self.root_attrs)))
-            root_scored = bool(scores_of(self.root_attrs))
-        if not root_scored:
-            for reward_id, events in self.reward_events.items():
-                out[reward_id].events.extend(events)
+            on_root = evaluation_events(episode_evaluations(self.root_attrs))
+            out[self.root_id].events.extend(on_root)
+        if not any(c.GEN_AI_EVALUATION_SCORE_VALUE in attrs for _, attrs in on_root):
+            for reward_id, attrs in self.reward_attrs.items():
+                out[reward_id].events.extend(evaluation_events(episode_evaluations(attrs)))
         if self.root_id is not None:
             # the root's question and answer are what a trace list shows: rendered first
             main = out[self.root_id].main

@@ -1,13 +1,10 @@
 """``otr.describe_run``: the run as the RL conventions' resource attributes (``rl.system.name``,
 ``rl.system.version``, ``rl.algorithm``, ``rl.model.name``, ``rl.environment.name``) on what is
-exported from then on, in the render thread and in the renderer process (a restarted one too).
-Real parts: the real SDK's in-memory exporter, the real OTLP/JSON file exporter and the real
-renderer process, read back from the file."""
+exported from then on, in the render thread, with the real SDK's in-memory exporter (the
+renderer process and a restarted one: ``test_render_process.py``'s restart test)."""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +13,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.delivery.process import ProcessDelivery
-from otel_rollouts.exporters import OtlpJsonFileExporter
 from otel_rollouts.exporters.otlp_json import read_requests
 
 DESCRIBED = {c.RL_SYSTEM_NAME: "verl", c.RL_SYSTEM_VERSION: "0.9.1", c.RL_ALGORITHM: "grpo",
@@ -74,26 +69,3 @@ def test_the_description_is_on_the_resource_of_what_is_exported_next() -> None:
     # a value whose __str__ raises SystemExit: a placeholder, nothing raised into the caller
     described = otr.describe_run(model_name=Hostile())
     assert described[c.RL_MODEL_NAME].startswith("<Hostile")
-
-
-def test_the_renderer_process_and_a_restarted_one_carry_the_description(tmp_path: Path) -> None:
-    path = tmp_path / "spans.jsonl"
-    rt = otr.configure(exporters=[OtlpJsonFileExporter(path)], render="process", handle_signals=False,
-                       sampler=otr.TailSampler(10, "first"))
-    delivery = rt.delivery
-    assert isinstance(delivery, ProcessDelivery)
-    otr.describe_run(system="verl", system_version="0.9.1", algorithm="grpo", model_name="Qwen/Qwen3-0.6B",
-                     environment_name="gsm8k")
-    _episode(0)
-    assert otr.flush(30)
-    renderer = delivery._renderer
-    assert renderer is not None
-    os.kill(renderer.process.pid, signal.SIGKILL)  # the next episode starts a new renderer
-    assert renderer.dead.wait(30)
-    _episode(1)
-    assert otr.flush(30)
-    assert delivery.renderer_pid != renderer.process.pid
-    resources = _file_resources(path)
-    assert len(resources) == 2
-    for resource in resources:
-        assert {k: resource[k] for k in DESCRIBED} == DESCRIBED

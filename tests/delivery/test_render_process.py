@@ -111,10 +111,17 @@ def test_env_variable_selects_process_mode(tmp_path: Path, monkeypatch: pytest.M
     assert isinstance(rt.delivery, ProcessDelivery)
 
 
+DESCRIBED = {c.RL_SYSTEM_NAME: "verl", c.RL_SYSTEM_VERSION: "0.9.1", c.RL_ALGORITHM: "grpo",
+             c.RL_MODEL_NAME: "Qwen/Qwen3-0.6B", c.RL_ENVIRONMENT_NAME: "gsm8k"}
+
+
 def test_killed_renderer_counts_in_flight_and_restarts(tmp_path: Path) -> None:
     path = tmp_path / "out.jsonl"
     rt = _run(path, "process")
     delivery = _renderer(rt)
+    # the run's description (otr.describe_run) reaches the renderer, and the restarted one
+    otr.describe_run(system="verl", system_version="0.9.1", algorithm="GRPO", model_name="Qwen/Qwen3-0.6B",
+                     environment_name="gsm8k")
     _episodes(0, 2)
     assert otr.flush(30)
     renderer = delivery._renderer
@@ -134,6 +141,11 @@ def test_killed_renderer_counts_in_flight_and_restarts(tmp_path: Path) -> None:
     assert report["delivered"] == 2 + 4 and report["pending"] == 0
     assert otr.stats()["totals"]["render.process.restarts"] == 1
     assert len(_stored(path)) == (2 + 4) * SPANS
+    resources = [{a.key: a.value.string_value for a in rs.resource.attributes}
+                 for request in read_requests(path) for rs in request.resource_spans]
+    assert len(resources) >= 2  # a request from each renderer
+    for resource in resources:
+        assert {k: resource.get(k) for k in DESCRIBED} == DESCRIBED
 
 
 def test_shutdown_within_exit_timeout_and_child_gone(tmp_path: Path) -> None:
