@@ -460,7 +460,7 @@ class Pipeline(SpanProcessor):
         try:
             chosen = coordinator.choose(
                 self.sampler.policy,
-                self.sampler.max_traces_per_step,
+                self.sampler.cap,
                 {key: s.bucket.held() for key, s in closing.items()},
                 step=step,
             )
@@ -468,7 +468,7 @@ class Pipeline(SpanProcessor):
             # no agreement (ranks out of step, a dead peer): decide locally within this rank's
             # share so the job stays under the cap, then let the error be reported
             with self._lock:
-                share = coordinator.local_share(self.sampler.max_traces_per_step)
+                share = coordinator.local_share(self.sampler.cap)
                 for key, held in closing.items():
                     self._apply(key, held, held.bucket.decide(share))
             raise
@@ -572,7 +572,7 @@ class Pipeline(SpanProcessor):
             return
         coordinator = self.coordinator()
         limit = None if coordinator is None else coordinator.local_share(
-            self.sampler.max_traces_per_step
+            self.sampler.cap
         )
         self._apply(key, step, step.bucket.decide(limit))
 

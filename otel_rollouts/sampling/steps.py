@@ -131,7 +131,7 @@ class StepBook:
 
     def late_room(self, key: Key) -> int:
         """How many more late episodes the closed ``key`` may keep (the cap less those kept)."""
-        return max(self._sampler.max_traces_per_step - self.closed.get(key, 0), 0)
+        return max(self._sampler.cap - self.closed.get(key, 0), 0)
 
     def kept_late(self, key: Key, n: int = 1) -> None:
         """``n`` late episodes of ``key`` were kept."""

@@ -8,13 +8,14 @@ from typing import Any
 from otel_rollouts import conventions as c
 from otel_rollouts.sampling.companions import with_companions
 from otel_rollouts.sampling.compose import DEFAULT_POLICY, default_policy, make_policy
-from otel_rollouts.sampling.policy import Bucket, Candidate, Policy
+from otel_rollouts.sampling.policy import Bucket, Candidate, Policy, budget_of
 
 __all__ = ["MAX_WATCH", "TailSampler"]
 
 
 class TailSampler:
-    """Keeps at most ``max_traces_per_step`` whole episodes per (rl.step, rl.split).
+    """Keeps at most ``max_traces_per_step`` whole episodes per (rl.step, rl.split), fewer when
+    the policy is one part with its own ``n`` (``TailSampler(8, Slowest(3))`` keeps 3).
 
     ``policy`` is a name (``"first"``, ``"uniform"``, ``"top_bottom"``, ``"errors"``,
     ``"groups"``, or several joined by ``+``, e.g. ``"errors+slowest+top_bottom"`` or
@@ -83,6 +84,10 @@ class TailSampler:
         self.max_traces_per_step = max_traces_per_step
         self.policy = (default_policy(max_traces_per_step) if isinstance(policy, str) and policy == DEFAULT_POLICY
                        else make_policy(policy, seed))
+        # a policy of one part with its own ``n`` (``Slowest(3)``, ``Mismatch(2)``) keeps that
+        # many, not the cap: the part's budget is what its user asked for, alone or composed
+        budget = budget_of(self.policy)
+        self.cap = max_traces_per_step if budget is None else min(budget, max_traces_per_step)
         self.watch = _watch_keys(watch)
         if isinstance(watch_per_step, bool) or not isinstance(watch_per_step, int) or watch_per_step < 0:
             raise ValueError(f"watch_per_step must be a non-negative int, got {watch_per_step!r}")
@@ -97,8 +102,7 @@ class TailSampler:
         self.distributed = distributed
 
     def bucket(self, key: tuple[int, str], *, stream: bool = True) -> Bucket:
-        return with_companions(self.policy.bucket(self.max_traces_per_step, key, stream=stream),
-                               self.max_traces_per_step)
+        return with_companions(self.policy.bucket(self.cap, key, stream=stream), self.cap)
 
     def __repr__(self) -> str:
         return (

@@ -441,3 +441,27 @@ def test_a_watched_episode_gets_the_advantage_and_group_health_recorded_after_it
     for step in range(2):
         counts = stats["steps"][f"{step}/train"]
         assert counts["kept.watch"] == 4 and counts["kept"] == 4 + 2  # the watched, and the cap
+
+
+@pytest.mark.parametrize("policy, n", [(otr.Slowest(3), 3), (otr.Mismatch(2), 2), (otr.Slowest(20), 8)])
+def test_a_parts_n_holds_when_it_is_the_whole_policy(policy, n):
+    """``TailSampler(8, Slowest(3))`` keeps the 3 slowest, not 8 (the part's own ``n`` is what
+    its user asked for); an ``n`` over the cap is cut to the cap. The kept ones are the right
+    ones: the largest durations, or the largest mismatch KL."""
+    stat = c.MISMATCH_STATS["kl"]
+    exporter = InMemorySpanExporter()
+    otr.configure(exporters=[exporter], sampler=otr.TailSampler(8, policy))
+    try:
+        for i in range(12):
+            with otr.episode(step=0, dataset_index=i) as ep:
+                ep.set_attribute(c.RL_DURATION_SECONDS, float(i))
+                ep.set_attribute(stat, i / 100)
+                ep.reward(0.5)
+        otr.end_step(0)
+        otr.flush()
+        roots = _roots(exporter)
+    finally:
+        otr.shutdown()
+    kept = sorted(root.attributes[c.RL_DATASET_INDEX] for root in roots)
+    assert kept == list(range(12 - n, 12)), kept
+    assert {root.attributes[c.RL_KEEP_REASON] for root in roots} == {policy.label}
