@@ -44,6 +44,12 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.messages import as_text
 from otel_rollouts._core.values import fits_int64
+from otel_rollouts.exporters._trackio_rows import (
+    META_SPAN_ERRORS,
+    META_TRACE_ID,
+    episode_messages,
+    is_snapshot,
+)
 from otel_rollouts.exporters._tree import (
     by_trace,
     hex_id,
@@ -52,12 +58,6 @@ from otel_rollouts.exporters._tree import (
     parse,
     root_of,
     trace_link,
-)
-from otel_rollouts.exporters.trackio import (
-    META_SPAN_ERRORS,
-    META_TRACE_ID,
-    _is_snapshot,
-    episode_messages,
 )
 
 __all__ = [
@@ -187,7 +187,7 @@ def episode_from_trackio(trace: Mapping[str, object]) -> Episode | str:
     if not isinstance(metadata, Mapping):
         return SKIP_FOREIGN
     metadata = c.current_names(metadata)  # an earlier release's names, as today's
-    if _is_snapshot(metadata):
+    if is_snapshot(metadata):
         return SKIP_SNAPSHOT
     trace_id = metadata.get(META_TRACE_ID)
     values = {key: value for key, value in metadata.items() if isinstance(key, str) and key.startswith(c.RL_PREFIX)}

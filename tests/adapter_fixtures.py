@@ -77,7 +77,7 @@ def episodes(exporter) -> dict[str, dict[str, Any]]:
 
 def messages_of(exporter) -> dict[str, list[dict[str, Any]]]:
     """The conversation of each exported episode, as the Trackio exporter renders it."""
-    from otel_rollouts.exporters.trackio import episode_messages
+    from otel_rollouts.exporters._trackio_rows import episode_messages
 
     return {eid: episode_messages(ep["spans"]) for eid, ep in episodes(exporter).items()}
 

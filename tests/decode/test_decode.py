@@ -18,7 +18,7 @@ from tokenizer_fixture import DecodeLog, build_tokenizer, counting_tokenizer, te
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
-from otel_rollouts.exporters.trackio import episode_messages
+from otel_rollouts.exporters._trackio_rows import episode_messages
 
 
 @pytest.fixture(scope="module")

@@ -360,7 +360,7 @@ def test_no_table_when_turned_off(otr_shutdown):
 
 def test_a_tool_call_without_an_id_in_the_message_is_shown_once(configured):
 
-    from otel_rollouts.exporters.trackio import episode_messages
+    from otel_rollouts.exporters._trackio_rows import episode_messages
 
     memory = configured(10, "first", handle_signals=False)
     with otr.episode(step=0) as ep:
@@ -442,7 +442,7 @@ def test_span_metadata_shows_each_value_once_without_the_views(otr_shutdown):
 def test_token_counts_nobody_recorded_read_absent_and_partial_ones_sum(otr_shutdown):
     """``—`` when no generation recorded usage (never 0), the sum of those that did otherwise;
     the step's token scalars are left out when none was recorded (no point on the plot)."""
-    from otel_rollouts.exporters.trackio import TABLE_ABSENT
+    from otel_rollouts.exporters._trackio_rows import TABLE_ABSENT
 
     project = f"otr-test-tokens-{uuid.uuid4().hex[:6]}"
     _configure(project)
@@ -498,7 +498,7 @@ def test_log_metrics_leaves_out_values_nobody_recorded(monkeypatch):
 
 
 def test_table_previews_are_one_short_line():
-    from otel_rollouts.exporters.trackio import PREVIEW_CHARS, TABLE_ABSENT, preview
+    from otel_rollouts.exporters._trackio_rows import PREVIEW_CHARS, TABLE_ABSENT, preview
 
     assert preview("  What is\n 6*7? ") == "What is 6*7?"
     long = "word " * 40

@@ -23,7 +23,7 @@ from tokenizer_fixture import build_tokenizer
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
 from otel_rollouts.exporters import TrackioExporter
-from otel_rollouts.exporters import trackio as trackio_exporter
+from otel_rollouts.exporters import _trackio_rows as trackio_rows
 
 QUESTION = "What is 17 * 23?"
 ANSWERS = [
@@ -38,7 +38,7 @@ ANSWERS = [
 ]
 # (sample, response position, Δ added to the trainer's logprob): made to diverge on purpose
 DIVERGE = [(2, 3, -5.0), (5, 1, 3.0), (5, 6, -2.0)]
-DELTA = trackio_exporter.COLUMN_DELTA
+DELTA = trackio_rows.COLUMN_DELTA
 DIVERGING = sorted({sample for sample, _, _ in DIVERGE})
 NOISE = 1e-3  # every other token: the two sides agree to about this
 
@@ -132,7 +132,7 @@ def test_the_mismatch_table_shows_the_diverging_tokens_on_top(otr_shutdown):
     for row, (sample, position, text, rollout, trainer) in zip(top, expected, strict=True):
         delta = trainer - rollout
         assert row["sample"] == sample and row["position"] == position, (row, sample, position)
-        assert row["token"] == trackio_exporter.token_text(text)
+        assert row["token"] == trackio_rows.token_text(text)
         assert row["rollout logprob"] == _readable(rollout) and row["trainer logprob"] == _readable(trainer)
         assert row[DELTA] == _readable(delta) and row["ratio"] == _readable(math.exp(delta))
         assert (row["generation"], row["kept because"]) == ("turn 0", c.REASON_MISMATCH)
@@ -146,7 +146,7 @@ def test_the_mismatch_table_shows_the_diverging_tokens_on_top(otr_shutdown):
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["trace id"]] = counts.get(r["trace id"], 0) + 1
-    assert len(counts) == 3 and max(counts.values()) == trackio_exporter.MISMATCH_PER_GENERATION
+    assert len(counts) == 3 and max(counts.values()) == trackio_rows.MISMATCH_PER_GENERATION
     # the step table: the episodes' statistics, next to why they were kept
     ((_, table),) = trackio_tables(project)
     by_sample = {r["sample"]: r for r in table}
@@ -205,17 +205,17 @@ def test_the_mismatch_table_is_bounded(otr_shutdown):
     otr.end_step(0)
     assert otr.flush(60)
     ((_, rows),) = trackio_tables(project, "rollouts/mismatch")
-    assert len(rows) == trackio_exporter.MISMATCH_MAX_ROWS
+    assert len(rows) == trackio_rows.MISMATCH_MAX_ROWS
     per_episode: dict[str, int] = {}
     for r in rows:
         per_episode[r["trace id"]] = per_episode.get(r["trace id"], 0) + 1
-    assert max(per_episode.values()) == trackio_exporter.MISMATCH_PER_GENERATION
+    assert max(per_episode.values()) == trackio_rows.MISMATCH_PER_GENERATION
     deltas = [abs(r[DELTA]) for r in rows]
     assert deltas == sorted(deltas, reverse=True) and deltas[0] > 6  # part 4's position 11: ~6.1
 
 
 def test_token_text_makes_whitespace_visible():
-    text = trackio_exporter.token_text
+    text = trackio_rows.token_text
     assert text(" the") == "\u2423the"
     assert text("\n\n") == "\\n\\n" and text("\t") == "\\t" and text("a\\b") == "a\\\\b"
     assert text("    ") == "\u2423" * 4 and text("") == "''"
@@ -223,4 +223,4 @@ def test_token_text_makes_whitespace_visible():
     assert text("caf\u00e9") == "caf\u00e9" and text("\U0001f642") == "\U0001f642"
     assert text(1234) == "1234"
     long = text("x" * 100)
-    assert len(long) == trackio_exporter.TOKEN_CHARS and long.endswith("\u2026")
+    assert len(long) == trackio_rows.TOKEN_CHARS and long.endswith("\u2026")

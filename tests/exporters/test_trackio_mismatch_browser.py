@@ -26,13 +26,13 @@ PROJECT = "otr-mismatch-browser"
 _CHILD = """
 import json, math
 import otel_rollouts as otr
-from otel_rollouts.exporters import trackio as trackio_exporter
+from otel_rollouts.exporters import _trackio_rows as trackio_rows
 from test_trackio_mismatch import run_diverging
 
 exporter, data = run_diverging({project!r})
 otr.shutdown(60)
 tokens = sorted(((s, *e) for s, found in data["expected"].items() for e in found), key=lambda e: -abs(e[4] - e[3]))
-print("READY " + json.dumps([{{"sample": s, "position": p, "token": trackio_exporter.token_text(t),
+print("READY " + json.dumps([{{"sample": s, "position": p, "token": trackio_rows.token_text(t),
                                "delta": f"{{tr - r:.4g}}", "rollout": f"{{r:.4g}}", "trainer": f"{{tr:.4g}}"}}
                               for s, p, t, r, tr in tokens]), flush=True)
 """

@@ -26,6 +26,7 @@ from test_trackio_exporter import trackio_tables
 
 from otel_rollouts import conventions as c
 from otel_rollouts.exporters import TrackioExporter
+from otel_rollouts.exporters import _trackio_rows as row_builders
 from otel_rollouts.exporters import trackio as trackio_exporter
 
 S = 1_000_000_000  # ns per second
@@ -200,7 +201,7 @@ def test_slowest_table_lists_the_steps_timed_episodes_slowest_first_with_where_t
 
 
 def test_group_health_cells():
-    health = trackio_exporter.group_health
+    health = row_builders.group_health
     assert health(group_attrs(8)) == "ok 8"
     assert health(group_attrs(6, expected=8)) == "ok 6/8"
     assert health(group_attrs(8, all_equal=True, spread=0.0)) == "all equal \u00d78"
@@ -275,7 +276,7 @@ def test_watch_history_is_bounded(monkeypatch):
 
 
 def test_watch_keys_become_safe_trackio_keys():
-    key = trackio_exporter.watch_key
+    key = row_builders.watch_key
     assert key("idx/17") == "idx_17" and key(17) == "17" and key("sha256:ab12") == "sha256_ab12"
     assert key(None) is None and key("///") is None and len(key("x" * 500) or "") == 64
 
