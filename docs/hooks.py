@@ -4,12 +4,19 @@
 OpenTelemetry SDK on its behalf) reads, from ``ENV_VARIABLES`` in ``otel_rollouts._core.settings``
 (the one table ``check_environment`` validates); ``<!-- configure-signature -->`` becomes
 ``otr.configure``'s signature as ``inspect`` reads it. Registered in mkdocs.yml (``hooks:``).
+
+``PublicSurface`` is a Griffe extension (mkdocs.yml, mkdocstrings' ``extensions:``): it drops
+from the API reference the members of public classes that only the library calls (listed, with
+who calls them, in mkdocs.yml), so that the reference shows what a user calls or implements.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
+
+from griffe import Extension
 
 ENV_MARKER = "<!-- env-table -->"
 SIGNATURE_MARKER = "<!-- configure-signature -->"
@@ -64,3 +71,31 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     if SIGNATURE_MARKER in markdown:
         markdown = markdown.replace(SIGNATURE_MARKER, configure_signature())
     return markdown
+
+
+class PublicSurface(Extension):
+    """Drop the members ``internal`` names (``package.Class.member``, as the public path or where
+    it is defined) from the loaded API: methods the library calls that a user must not. A name
+    that matches nothing is a warning, which fails ``mkdocs build --strict``: the list cannot
+    outlive what it hides."""
+
+    def __init__(self, internal: list[str] | None = None) -> None:
+        super().__init__()
+        self.internal = list(internal or ())
+
+    def on_package(self, *, pkg: Any, **_: Any) -> None:
+        log = logging.getLogger("mkdocs.hooks.public_surface")
+        for path in self.internal:
+            owner_path, _, member = path.rpartition(".")
+            if owner_path.split(".", 1)[0] != pkg.name:
+                continue
+            try:
+                owner = pkg.modules_collection[owner_path]
+                owner = owner.final_target if owner.is_alias else owner
+            except (KeyError, AttributeError) as error:
+                log.warning("PublicSurface: %s: %s not found (%s)", path, owner_path, error)
+                continue
+            if member in owner.members:
+                owner.del_member(member)
+            else:
+                log.warning("PublicSurface: %s has no member %s (mkdocs.yml lists it)", owner_path, member)

@@ -110,3 +110,102 @@ def test_every_example_the_docs_name_exists() -> None:
     assert len(named) >= 10, named
     missing = sorted(n for n in named if not (ROOT / n).is_file())
     assert not missing, missing
+
+
+# --- the API reference: the public surface only ------------------------------------------------
+# Members of public classes that only the library calls (mkdocs.yml's PublicSurface list): never
+# in the reference. Named here, not read from mkdocs.yml, so that emptying that list fails.
+INTERNAL = {
+    "index": ["Episode.begin_offered", "SpanGateway.start", "SpanGateway.stop", "TailSampler.watched",
+              "RayBudget.coordinator", "Compose.shares", "Compose.reserved", "Compose.limits",
+              "TopBottom.split", "MismatchOptions.of", "HangOptions.of", "CountingExporter.send",
+              "DeliveryCounts.stored", "DeliveryCounts.failure", "DeliveryCounts.refused",
+              "DeliveryCounts.error", "DeliveryCounts.dropped", "DeliveryCounts.adopt",
+              "DeliveryCounts.dropped_traces", "SpoolingSender.pending_bytes", "SpoolingSender.wait_idle",
+              "SpoolingSender.stop", "SpoolingSender.leftover", "SpoolingSender.spooled_traces",
+              # a custom policy implements these; the tail sampler calls them (api/sampling.md)
+              "Bucket.offer", "Bucket.decide", "Bucket.held", "Policy.bucket", "Policy.needs"],
+    "sampling": ["TailSampler.watched", "Compose.shares", "Compose.reserved", "Compose.limits",
+                 "TopBottom.split"],
+    "exporters": ["TrackioExporter.take_not_stored", "TrackioExporter.show_pending",
+                  "TrackioExporter.log_metrics", "TrackioExporter.table_key", "TrackioExporter.trace_url"],
+}
+# what a user calls, or implements for a policy of their own: stays
+PUBLIC_MEMBERS = {
+    "index": ["Episode.start", "Episode.end", "Episode.reward", "Episode.turn", "Episode.trace_id",
+              "Rollouts.install", "Rollouts.activate", "SpanGateway.grpc_endpoint",
+              "SpoolingSender.force_flush", "DeliveryCounts.dropped_episodes", "ToolCall.error"],
+    "sampling": ["Bucket.offer", "Bucket.decide", "Bucket.held", "Policy.bucket", "Policy.needs",
+                 "Candidate.attribute", "BatchBucket.candidates", "WholeBatchBucket.offer_batch",
+                 "StepObserver.decided"],
+    "exporters": ["TrackioExporter.run", "TrackioExporter.export", "TrackioExporter.force_flush"],
+}
+
+
+def _documented(site: Path, page: str) -> set[str]:
+    """The objects a reference page documents, as ``Class.member`` / ``name`` (from the ids of
+    mkdocstrings' headings, their module prefix dropped) plus the names its headings show."""
+    path = site / "api" / "index.html" if page == "index" else site / "api" / page / "index.html"
+    text = path.read_text(encoding="utf-8")
+    ids = re.findall(r'<h\d id="([\w.]+)" class="doc doc-heading"', text)
+    prefix = re.compile(r"^(?:otel_rollouts\.(?:sampling\.|adapters\.kit\.|conventions\.)?|exporters\.\w+\.)")
+    shown = re.findall(r'class="doc doc-heading">\s*(?:<[^>]+>\s*)*([\w.]+)', text)
+    return {prefix.sub("", i) for i in ids} | {s.rsplit(".", 1)[-1] for s in shown}
+
+
+def test_api_reference_shows_the_public_surface_only(site: Path) -> None:
+    import otel_rollouts as otr
+    from otel_rollouts import sampling
+    from otel_rollouts.adapters import kit
+
+    for page, module in (("index", otr), ("sampling", sampling), ("adapters-kit", kit)):
+        documented = _documented(site, page)
+        exported = {n for n in module.__all__ if not n.startswith("_") and not isinstance(
+            getattr(module, n), type(sys))}  # the submodules have pages of their own
+        assert exported - documented == set(), (page, sorted(exported - documented))
+    exporters = _documented(site, "exporters")
+    for name in ("TrackioExporter", "ConsoleExporter", "OtlpJsonFileExporter", "DatasetExporter"):
+        assert name in exporters, name
+    for page, names in INTERNAL.items():
+        leaked = sorted(set(names) & _documented(site, page))
+        assert not leaked, (page, leaked)
+    for page, names in PUBLIC_MEMBERS.items():
+        missing = sorted(set(names) - _documented(site, page))
+        assert not missing, (page, missing)
+
+
+# --- every code block fits its page's column ---------------------------------------------------
+# every block of the page (collapsed details opened first): [its text, client width, scroll
+# width] of those that scroll sideways
+_OVERFLOWING = """
+document.querySelectorAll('details').forEach((d) => { d.open = true; });
+const out = [];
+for (const pre of document.querySelectorAll('article pre')) {
+  for (const el of [pre, ...pre.querySelectorAll(':scope > code')]) {
+    if (el.scrollWidth > el.clientWidth) {
+      out.push([el.innerText, el.clientWidth, el.scrollWidth]);
+      break;
+    }
+  }
+}
+return [out, document.querySelectorAll('article pre').length];
+"""
+
+
+def test_no_code_block_is_wider_than_its_column(site: Path, browser) -> None:
+    """At the suite's desktop window (1600 px wide), no ``pre`` block of any built page scrolls
+    sideways: the column holds 88 characters of code (docs/stylesheets/extra.css) and the docs'
+    code lines are wrapped to that."""
+    pages = sorted(p for p in site.rglob("*.html") if p.name != "404.html")
+    assert len(pages) >= 30
+    found, blocks = [], 0
+    for page in pages:
+        browser.get(page.as_uri())
+        wide, count = browser.execute_script(_OVERFLOWING)
+        blocks += count
+        name = page.parent.relative_to(site).as_posix()
+        for code, client, scroll in wide:
+            lines = [line.strip() for line in code.splitlines() if line.strip()]
+            found.append(f"{name}: {lines[0][:80]!r}... is {scroll - client} px too wide")
+    assert blocks >= 300, blocks  # the blocks were found (an empty page would pass)
+    assert not found, "\n".join(found)

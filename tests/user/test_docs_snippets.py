@@ -108,7 +108,7 @@ otr.configure()
 step, gid = 0, "q0"
 body = {"model": "policy", "messages": [{"role": "user", "content": "2+2?"}]}
 """,
-    ("correlate.md", "fut = otr.submit(process_pool, score, completion)                            # ThreadPool / ProcessPool"): """
+    ("correlate.md", "fut = otr.submit(process_pool, score, completion)  # a ThreadPool / ProcessPool"): """
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
@@ -121,7 +121,7 @@ with ProcessPoolExecutor(2) as process_pool, multiprocessing.Pool(2) as pool, ot
 {body}
     assert fut.result() == score(completion) and vals == [score(i) for i in items], (fut.result(), vals)
 """,
-    ("exporters.md", 'TrackioExporter("my-run", trace_ui_url="http://localhost:16686")                 # Jaeger: /trace/<id>'):
+    ("exporters.md", 'TrackioExporter("my-run", trace_ui_url="http://localhost:16686")  # Jaeger: /trace/<id>'):
         "from otel_rollouts.exporters import TrackioExporter\n",
     ("exporters.md", "from otel_rollouts.exporters import OtlpJsonFileExporter, TrackioExporter"): "",
 }

@@ -47,7 +47,8 @@ def test_the_readme_dataset_commands_and_code_run_as_written(tmp_path: Path) -> 
     hinted = subprocess.run([*_cli(), *shlex.split(hint)[1:], "--no-hf"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert hinted.returncode == 0 and (tmp_path / "otel-rollouts-demo-dataset" / "messages.parquet").exists()
-    commands = [line for line in _block("bash").splitlines() if line.strip()]
+    # one command a line; a line ending in `\` goes on on the next, as a shell reads it
+    commands = [line for line in _block("bash").replace("\\\n", " ").splitlines() if line.strip()]
     assert len(commands) == 3
     for line in commands:
         argv = shlex.split(line)
