@@ -7,20 +7,22 @@
 
 OTLP to a collector uses the stock ``opentelemetry-exporter-otlp`` exporters.
 
-What an exporter may offer beyond ``SpanExporter`` (step summaries, episodes it took but did not
-store, running episodes shown as they hang) are the protocols of ``otel_rollouts.exporters.extras``:
-``MetricsSink``, ``NotStoredReporter`` and ``PendingViewer``.
+What an exporter may offer beyond ``SpanExporter`` (step summaries, a step's groups, episodes it
+took but did not store, running episodes shown as they hang) are the protocols of
+``otel_rollouts.exporters.extras``: ``MetricsSink``, ``GroupsSink``, ``NotStoredReporter`` and
+``PendingViewer``.
 """
 
 from otel_rollouts.exporters.console import ConsoleExporter
 from otel_rollouts.exporters.dataset import DatasetExporter
-from otel_rollouts.exporters.extras import MetricsSink, NotStoredReporter, PendingViewer
+from otel_rollouts.exporters.extras import GroupsSink, MetricsSink, NotStoredReporter, PendingViewer
 from otel_rollouts.exporters.otlp_json import OtlpJsonFileExporter
 from otel_rollouts.exporters.trackio import TrackioExporter
 
 __all__ = [
     "ConsoleExporter",
     "DatasetExporter",
+    "GroupsSink",
     "MetricsSink",
     "NotStoredReporter",
     "OtlpJsonFileExporter",

@@ -18,7 +18,10 @@ from typing import Protocol, runtime_checkable
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-__all__ = ["MetricsSink", "NotStoredReporter", "PendingViewer"]
+# a row of ``GroupsSink.log_groups``, defined in ``_core`` (the sampler makes it; exporters read it)
+from otel_rollouts._core.health import GroupRow
+
+__all__ = ["GroupsSink", "MetricsSink", "NotStoredReporter", "PendingViewer"]
 
 
 @runtime_checkable
@@ -30,6 +33,26 @@ class MetricsSink(Protocol):
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log ``values`` (metric name -> number: ``rollouts/reward/mean``, ...) at ``step``."""
+        ...
+
+
+@runtime_checkable
+class GroupsSink(Protocol):
+    """An exporter that takes each closed step's GRPO groups as a table (Trackio: a groups table
+    beside the step's scalars): every group the step saw, kept or not.
+
+    Called on the same background thread as ``MetricsSink.log_metrics`` (never the training
+    thread), in step order, once per closed (step, split) that saw groups (``rl.group.id``), right
+    after that step's ``log_metrics`` when the exporter is also a ``MetricsSink``. With
+    ``configure(process=True)`` the call is made on the exporter's copy in the renderer process
+    (the rows travel pickled, as step summaries do)."""
+
+    def log_groups(self, step: int, split: str, rows: Sequence[GroupRow]) -> None:
+        """Show ``rows`` (``otel_rollouts._core.health.GroupRow``: group id as text, members
+        seen, expected size (0: unknown), reward spread (None: no rewards), all-equal, members
+        truncated, members lost, members kept) for (``step``, ``split``). At most 256 rows, the
+        degenerate groups (all-equal or lost members) first, then by group id; groups past that
+        are counted in the step's scalar ``groups_unlisted``, not listed."""
         ...
 
 

@@ -15,7 +15,7 @@ The sampling names at the root (``otr.TailSampler``, ``otr.Policy``, ``otr.Bucke
 ``otr.Groups``, ...) are the objects of ``otel_rollouts.sampling`` (``otr.sampling``), their
 canonical home, which also holds ``Candidate``, ``Decision``, ``BasePolicy`` and ``make_policy``:
 import from there in a library, use the root in a script. The exporters and their optional extras
-(``MetricsSink``, ``NotStoredReporter``, ``PendingViewer``) are in ``otel_rollouts.exporters``.
+(``MetricsSink``, ``GroupsSink``, ``NotStoredReporter``, ``PendingViewer``) are in ``otel_rollouts.exporters``.
 """
 
 # Before anything imports the OpenTelemetry SDK: it reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT & co at

@@ -52,7 +52,7 @@ from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.delivery.process import exporter_recipe, is_otlp, make_delivery
-from otel_rollouts.exporters.extras import MetricsSink
+from otel_rollouts.exporters.extras import GroupsSink, MetricsSink
 from otel_rollouts.record.episode import Episode
 from otel_rollouts.sampling.hung import HangOptions, HungWatcher
 from otel_rollouts.sampling.pipeline import Pipeline
@@ -633,7 +633,7 @@ def _metrics(resource: Resource, readers: Sequence[Any] | None, exporters: Seque
     from otel_rollouts.correlate.metrics import meter_provider
 
     provider = meter_provider(resource, readers)
-    sinks = [e for e in exporters if isinstance(e, MetricsSink)]
+    sinks = [e for e in exporters if isinstance(e, (MetricsSink, GroupsSink))]
     if provider is None and not sinks:
         return None
     label = redactor.name if redactor is not None else None

@@ -439,11 +439,14 @@ RL_GROUP_SIZE = "rl.group.size"  # members seen in the step
 RL_GROUP_EXPECTED_SIZE = "rl.group.expected_size"  # members the framework sampled (when known)
 RL_GROUP_REWARD_SPREAD = "rl.group.reward_spread"  # max - min reward of its members
 RL_GROUP_ALL_EQUAL = "rl.group.all_equal"  # every member the same reward: zero advantage
-RL_GROUP_LOST = "rl.group.lost"  # members lost: missing, filtered, failed or truncated
-# why the group is degenerate (absent when it is not): all_equal | lost_members
+RL_GROUP_LOST = "rl.group.lost"  # members lost: missing from the expected size, filtered or failed
+RL_GROUP_TRUNCATED = "rl.group.truncated"  # members cut short (still scored: not lost)
+# why the group is degenerate (absent when it is not): all_equal | lost_members, or both joined
+# by a comma when both hold (a filter that *contains* one of them finds every such group)
 RL_GROUP_DEGENERATE = "rl.group.degenerate"
 DEGENERATE_ALL_EQUAL = "all_equal"
 DEGENERATE_LOST = "lost_members"
+DEGENERATE_ALL_EQUAL_LOST = "all_equal,lost_members"  # both: every reward equal and members lost
 EVENT_DEGENERATE_GROUP = "rl.group.degenerate"  # span event on kept members' roots
 # a prompt followed across the run (TailSampler(watch=...)): its hash, and the watch key matched
 RL_PROMPT_HASH = "rl.prompt.hash"
@@ -455,7 +458,7 @@ RL_PENDING_SPAN_SECONDS = "rl.pending.span.seconds"  # how long that span has be
 RL_PENDING_SECONDS = "rl.pending.seconds"  # how long the episode has been open
 METRIC_STAGE_DURATION = "rl.stage.duration"  # histogram by rl.stage.name (s)
 RL_STAGE_NAME = "rl.stage.name"  # metric attribute: generation | tool | environment | reward | waiting
-METRIC_GROUPS = "rl.groups"  # counter by rl.group.degenerate (none | all_equal | lost_members)
+METRIC_GROUPS = "rl.groups"  # counter by rl.group.degenerate (none | all_equal | lost_members | all_equal,lost_members)
 METRIC_HUNG = "rl.episodes.hung"  # counter: episodes that never ended (after a snapshot)
 DEGENERATE_NONE = "none"  # rl.group.degenerate on the rl.groups counter: a healthy group
 

@@ -39,10 +39,15 @@ Where time went and what was not kept (the questions a researcher opens a step f
   ``errors_unkept`` (error episodes seen but not kept) whenever the step saw an error.
 * why kept: ``episodes_kept_by/<reason>`` (``rl.trace.keep_reason`` of each kept episode).
 * group health (``_core.health.StepHealth``, told when the step closes): the scalars ``groups``,
-  ``groups_all_equal``, ``groups_lost``, ``group_members_lost``, ``groups_degenerate`` and the
-  ``rl.groups`` counter by ``rl.group.degenerate`` (none | all_equal | lost_members), each group
-  counted once: a group that lost members *and* is all-equal counts as ``lost_members`` (what
-  it lost is the first thing to fix; its equal rewards may only be the survivors').
+  ``groups_all_equal``, ``groups_lost``, ``group_members_lost``, ``groups_degenerate``,
+  ``groups_truncated`` and ``group_members_truncated`` (a truncated member is scored, not lost:
+  counted apart), and the ``rl.groups`` counter by ``rl.group.degenerate`` (none | all_equal |
+  lost_members | all_equal,lost_members), each group counted once: a group that lost members
+  *and* is all-equal counts under both words joined, so that neither question misses it.
+* the step's groups as a table (``StepHealth.rows``: every group seen, kept or not, at most
+  ``sampling.health.MAX_ROWS``; ``groups_unlisted`` counts the rest) go to the exporters that
+  take them (``exporters.extras.GroupsSink.log_groups``) on the same thread, right after the
+  step's ``log_metrics``.
 """
 
 from __future__ import annotations
@@ -66,8 +71,10 @@ from opentelemetry.trace import NonRecordingSpan
 from opentelemetry.trace.status import StatusCode
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.health import GroupRow
 from otel_rollouts._core.spans import EpisodeRecord
 from otel_rollouts._core.stages import stage_totals
+from otel_rollouts.exporters.extras import GroupsSink, MetricsSink
 
 if TYPE_CHECKING:
     import numpy as np
@@ -346,16 +353,29 @@ class _Step:
             out[prefix + "groups_lost"] = health.lost
             out[prefix + "group_members_lost"] = health.lost_members
             out[prefix + "groups_degenerate"] = health.degenerate
+            out[prefix + "groups_truncated"] = health.truncated
+            out[prefix + "group_members_truncated"] = health.truncated_members
             if health.untracked:
                 out[prefix + "groups_untracked"] = health.untracked
+            if health.rows_left_out:
+                out[prefix + "groups_unlisted"] = health.rows_left_out
         return out
 
 
+# a closed step's groups for ``log_groups``: its split and its rows (or what makes them, on the
+# metrics thread)
+_Groups = tuple[str, "Sequence[GroupRow] | Callable[[], Sequence[GroupRow]]"]
+
+
 class _ScalarSender:
-    """A bounded queue and one lazily started thread: step summaries to ``log_metrics``."""
+    """A bounded queue and one lazily started thread: step summaries to ``log_metrics``, then
+    the step's groups to ``log_groups`` (the sinks that are a ``GroupsSink``)."""
 
     def __init__(self, sinks: Sequence[Any], stats) -> None:
         self.sinks = list(sinks)
+        # what each sink takes, told once (a runtime protocol check is a few attribute reads)
+        self.metric_sinks = {id(s) for s in self.sinks if isinstance(s, MetricsSink)}
+        self.group_sinks = {id(s) for s in self.sinks if isinstance(s, GroupsSink)}
         self.stats = stats
         self._queue: queue.Queue = queue.Queue(maxsize=1024)
         self._thread: threading.Thread | None = None
@@ -363,14 +383,21 @@ class _ScalarSender:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
 
-    def send(self, step: int, values: dict[str, float] | Callable[[], dict[str, float]]) -> None:
+    def send(self, step: int, values: dict[str, float] | Callable[[], dict[str, float]] | None,
+             groups: _Groups | None = None) -> None:
+        """Queue a step's ``values`` for ``log_metrics`` (None: none) and its ``groups`` for
+        ``log_groups`` (None: none); past the queue's bound, counted dropped."""
+        if groups is not None and not self.group_sinks:
+            groups = None
+        if values is None and groups is None:
+            return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="otel-rollouts-metrics",
                                                 daemon=True)
                 self._thread.start()
             try:
-                self._queue.put_nowait((step, values))
+                self._queue.put_nowait((step, values, groups))
                 self._pending += 1
             except queue.Full:
                 if self.stats is not None:
@@ -386,7 +413,7 @@ class _ScalarSender:
                 continue
             if item is None:  # stop(): the run is over
                 return
-            step, values = item
+            step, values, groups = item
             if callable(values):  # a closed step's summary, computed here, off the pipeline's lock
                 try:
                     values = values()
@@ -394,16 +421,32 @@ class _ScalarSender:
                     if self.stats is not None:
                         self.stats.add("errors.step_summary")
                     values = {}
-            for sink in self.sinks:
+            split, rows = groups if groups is not None else ("", ())
+            if callable(rows):  # the rows' group ids redacted here, off the pipeline's lock
                 try:
-                    sink.log_metrics(step, values)
-                except BaseException as exc:  # noqa: BLE001 - an exporter bug (even SystemExit) never stops this thread
+                    rows = rows()
+                except Exception:  # noqa: BLE001 - never stops this thread
                     if self.stats is not None:
-                        self.stats.add(f"errors.log_metrics.{type(sink).__name__}")
-                    logger.debug("otel_rollouts: log_metrics failed: %s", type(exc).__name__)
+                        self.stats.add("errors.step_groups")
+                    rows = ()
+            for sink in self.sinks:
+                if values is not None and id(sink) in self.metric_sinks:
+                    self._call(sink, "log_metrics", step, values)
+                if rows and id(sink) in self.group_sinks:
+                    self._call(sink, "log_groups", step, split, rows)
             with self._lock:
                 self._pending -= 1
                 self._idle.notify_all()
+
+    def _call(self, sink: Any, method: str, *args: Any) -> None:
+        """``sink.<method>(*args)``, contained: whatever it raises (an exporter bug, even
+        ``SystemExit``) is counted as ``errors.<method>.<exporter>`` and never stops this thread."""
+        try:
+            getattr(sink, method)(*args)
+        except BaseException as exc:  # noqa: BLE001 - an exporter bug (even SystemExit) never stops this thread
+            if self.stats is not None:
+                self.stats.add(f"errors.{method}.{type(sink).__name__}")
+            logger.debug("otel_rollouts: %s failed: %s", method, type(exc).__name__)
 
     def flush(self, timeout: float) -> bool:
         with self._lock:
@@ -735,26 +778,34 @@ class RolloutMetrics:
                             [max((t - a) / 1e9, 0.0) for t, a in zip(totals, spent, strict=True)])
 
     def step_closed(self, key: tuple[int, str], health: StepHealth | None = None) -> None:
-        """(step, split) closed: its summary goes to the scalar sinks, its group ``health``
-        (when the pipeline assessed it) to the ``rl.groups`` counter, and the step is freed."""
+        """(step, split) closed: its summary goes to the scalar sinks, then its groups' rows
+        (``health.rows``) to the sinks that take them (``log_groups``), its group ``health``
+        (when the pipeline assessed it) to the ``rl.groups`` counter, and the step is freed.
+        The split is labelled (redacted) as ``decided`` labels it: the step is found by it."""
+        split = self.label(key[1]) if self.label is not None else key[1]
         with self._lock:
             self._fold()
-            step = self._steps.pop(key, None)
+            step = self._steps.pop((key[0], split), None)
             if step is not None:
                 self._samples -= step.stored
-        if step is not None and self._sender is not None:
-            split = key[1]
+        if self._sender is not None:
+            groups: _Groups | None = None
+            if health is not None and health.rows:
+                label = self.label
+                # a group id is the user's text: it leaves redacted like a name (on the metrics thread)
+                groups = (split, health.rows if label is None else partial(_labelled, label, health.rows))
             # percentiles sort each series: done on the metrics thread, not the caller's
-            self._sender.send(key[0], partial(step.summary, step_summary_names(split), health))
+            values = partial(step.summary, step_summary_names(split), health) if step is not None else None
+            self._sender.send(key[0], values, groups)
         if health is None or not health.groups or not self._instruments:
             return
-        split = key[1]
-        # each group once: lost members first (a group both lost and all-equal is "lost")
-        lost = health.lost
-        all_equal = max(health.degenerate - lost, 0)
+        # each group once; a group both all-equal and short of members under both words joined
+        both = health.all_equal_and_lost
+        lost = max(health.lost - both, 0)
+        all_equal = max(health.all_equal - both, 0)
         healthy = max(health.groups - health.degenerate, 0)
         for kind, count in ((c.DEGENERATE_LOST, lost), (c.DEGENERATE_ALL_EQUAL, all_equal),
-                            (c.DEGENERATE_NONE, healthy)):
+                            (c.DEGENERATE_ALL_EQUAL_LOST, both), (c.DEGENERATE_NONE, healthy)):
             if count:
                 self.groups.add(count, {c.RL_SPLIT: split, c.RL_GROUP_DEGENERATE: kind})
 
@@ -786,6 +837,11 @@ class RolloutMetrics:
             self._sender.stop(max(deadline - time.monotonic(), 0.0))
         if self.provider is not None:
             self.provider.shutdown(timeout_millis=max(deadline - time.monotonic(), 0.0) * 1000)
+
+
+def _labelled(label: Callable[[str], str], rows: Sequence[GroupRow]) -> list[GroupRow]:
+    """``rows`` with each group id as ``label`` (the run's redactor) says it."""
+    return [row._replace(group=label(row.group)) for row in rows]
 
 
 def _status_counts(batch: RowBatch, rows: np.ndarray) -> dict[str, int]:

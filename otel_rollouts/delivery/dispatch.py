@@ -65,7 +65,7 @@ from otel_rollouts.delivery.layers import (
 from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
 from otel_rollouts.delivery.sender import SpoolingSender
-from otel_rollouts.exporters.extras import MetricsSink, PendingViewer
+from otel_rollouts.exporters.extras import GroupsSink, MetricsSink, PendingViewer
 
 __all__ = ["Delivery"]
 
@@ -267,11 +267,11 @@ class Delivery:
     def late_span(self, record: EpisodeRecord, span: SpanRecord) -> None:
         self._put(("late", (record.trace_id, span), 0), "spans", 0)
 
-    def metric_sinks(self) -> list[MetricsSink]:
-        """Where step summaries go (the exporters that are a ``MetricsSink``): the exporters
-        themselves here; the renderer process's copies, through the channel, in
-        ``render="process"`` mode."""
-        return [e for e in self.exporters if isinstance(e, MetricsSink)]
+    def metric_sinks(self) -> list[MetricsSink | GroupsSink]:
+        """Where step summaries and step groups go (the exporters that are a ``MetricsSink`` or
+        a ``GroupsSink``): the exporters themselves here; the renderer process's copies,
+        through the channel, in ``render="process"`` mode."""
+        return [e for e in self.exporters if isinstance(e, (MetricsSink, GroupsSink))]
 
     @property
     def shows_pending(self) -> bool:

@@ -83,7 +83,7 @@ from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.layers import DeliveryCounts, Warner, exporter_name, warn
 from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
-from otel_rollouts.exporters.extras import MetricsSink, PendingViewer
+from otel_rollouts.exporters.extras import GroupRow, GroupsSink, MetricsSink, PendingViewer
 
 __all__ = ["ProcessDelivery", "RENDER_AUTO", "RENDER_PROCESS", "RENDER_THREAD", "exporter_recipe", "make_delivery", "wire_record"]
 
@@ -572,6 +572,14 @@ def _child(rfd: int, wfd: int) -> None:
                         sink.log_metrics(step, values)
                 except BaseException:  # noqa: BLE001 - an exporter bug never stops the renderer
                     stats.add(f"errors.log_metrics.{type(sink).__name__}")
+            elif kind == "groups":
+                index, step, split, rows = payload
+                sink = exporters[index]
+                try:
+                    if isinstance(sink, GroupsSink):
+                        sink.log_groups(step, split, [GroupRow._make(row) for row in rows])
+                except BaseException:  # noqa: BLE001 - an exporter bug never stops the renderer
+                    stats.add(f"errors.log_groups.{type(sink).__name__}")
             elif kind == "flush":
                 marker, timeout, through = payload
                 ok = delivery.flush(timeout, through_outage=through)
@@ -610,14 +618,24 @@ class _Ref:
 
 
 class _RemoteMetrics:
-    """A metric sink standing for exporter ``index`` of the renderer process."""
+    """A metric sink (and groups sink) standing for exporter ``index`` of the renderer process:
+    it sends only what that exporter takes (``metrics``: it is a ``MetricsSink``; ``groups``: a
+    ``GroupsSink``)."""
 
-    def __init__(self, delivery: ProcessDelivery, index: int) -> None:
+    def __init__(self, delivery: ProcessDelivery, index: int, *, metrics: bool = True,
+                 groups: bool = False) -> None:
         self.delivery = delivery
         self.index = index
+        self.metrics = metrics
+        self.groups = groups
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        self.delivery._log_metrics(self.index, step, values)
+        if self.metrics:
+            self.delivery._log_metrics(self.index, step, values)
+
+    def log_groups(self, step: int, split: str, rows: Sequence[GroupRow]) -> None:
+        if self.groups:
+            self.delivery._log_groups(self.index, step, split, rows)
 
 
 class _Renderer:
@@ -740,12 +758,13 @@ class ProcessDelivery(Delivery):
     def shows_pending(self) -> bool:
         return self._shows_pending
 
-    def metric_sinks(self) -> list[MetricsSink]:
-        """Step summaries for the exporters that take them (``log_metrics``: Trackio) go to
-        their copies in the renderer process, after the spans sent before them: the exporter
-        objects given to ``configure()`` stay unused in this process (a second Trackio run)."""
-        return [_RemoteMetrics(self, i) for i, e in enumerate(self.exporters)
-                if isinstance(e, MetricsSink)]
+    def metric_sinks(self) -> list[MetricsSink | GroupsSink]:
+        """Step summaries and step groups for the exporters that take them (``log_metrics``,
+        ``log_groups``: Trackio) go to their copies in the renderer process, after the spans
+        sent before them: the exporter objects given to ``configure()`` stay unused in this
+        process (a second Trackio run)."""
+        return [_RemoteMetrics(self, i, metrics=isinstance(e, MetricsSink), groups=isinstance(e, GroupsSink))
+                for i, e in enumerate(self.exporters) if isinstance(e, (MetricsSink, GroupsSink))]
 
     def _log_metrics(self, index: int, step: int, values: dict[str, float]) -> None:
         try:
@@ -754,6 +773,16 @@ class ProcessDelivery(Delivery):
             self.stats.add("dropped.step_metrics")
             return
         self._enqueue("metrics", data, len(data), None)  # (a full channel counts dropped.queue_full.metrics)
+
+    def _log_groups(self, index: int, step: int, split: str, rows: Sequence[GroupRow]) -> None:
+        """A closed step's groups for exporter ``index`` of the renderer process: the rows as
+        plain tuples (``GroupRow._make`` there), after the step's summary."""
+        try:
+            data = pickle.dumps(("groups", (index, step, split, [tuple(r) for r in rows])), _PROTOCOL)
+        except Exception:  # noqa: BLE001
+            self.stats.add("dropped.step_groups")
+            return
+        self._enqueue("groups", data, len(data), None)  # (a full channel counts dropped.queue_full.groups)
 
     def pending(self, snapshots: Sequence[EpisodeRecord], ended: Sequence[int]) -> bool:
         """Pending snapshots go to the renderer process, which shows them (see ``Delivery.pending``)."""

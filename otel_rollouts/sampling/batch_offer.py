@@ -127,6 +127,7 @@ class BatchOffer:
                         host.drop(r, "sampled_out")
                 for r in keep_now:
                     step.kept += 1
+                    step.groups.count_kept(r.attribute(c.RL_GROUP_ID))  # its group's row says it was kept
                     kept_now.append(r)
             held = [r for r in bucket.held() if isinstance(r, BatchRow) and r.batch is batch]
             survivors = held + kept_now + list(watched.values())

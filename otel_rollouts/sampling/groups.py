@@ -70,14 +70,19 @@ class Groups(BasePolicy):
         return f"Groups({self.budget}, rule={self.rule!r}, score={self.score!r})"
 
 
-LOST_STATUSES = frozenset((c.STATUS_FILTERED, c.STATUS_ERROR, c.STATUS_TRUNCATED))
+# the statuses of a member a group lost: it never counts towards the advantage of the rest. A
+# truncated member is not lost (it was sampled from the policy and scored, only cut short): the
+# group health counts it apart (rl.group.truncated), and it never makes a group degenerate.
+LOST_STATUSES = frozenset((c.STATUS_FILTERED, c.STATUS_ERROR))
 
 
 class DegenerateGroups(Groups):
     """Up to ``groups`` whole *degenerate* groups (default 2): groups of two or more members
     that all got the same score (zero GRPO advantage: they teach nothing) or that lost members
-    (a member filtered, failed or truncated, or fewer members than ``rl.group.expected_size``:
-    the advantage of the rest is biased). First come first. A part for a composition, e.g.
+    (a member filtered or failed, or fewer members than ``rl.group.expected_size``: the
+    advantage of the rest is biased). A truncated member is not lost (it was scored, only cut
+    short): a group whose truncated members scored apart is healthy, as its ``rl.group.*``
+    health says. First come first. A part for a composition, e.g.
     ``"errors+top_bottom+degenerate_groups"``; each kept member says ``degenerate_group``."""
 
     name = "degenerate_groups"
@@ -104,7 +109,7 @@ class _Group:
         self.members: list[Any] = []  # records, or a batch's row indices until made
         self.lo = math.inf
         self.hi = -math.inf
-        self.lost = 0  # members filtered, failed or truncated
+        self.lost = 0  # members filtered or failed (LOST_STATUSES; truncated ones are not lost)
         self.expected = 0  # the largest expected size a member gave (0: unknown)
 
     def degenerate(self) -> bool:

@@ -336,8 +336,9 @@ class Pipeline(SpanProcessor):
                 self._sampled_out(record, step)
             else:
                 self.drop(r, SAMPLED_OUT_REASON)
-        for r in keep_now:
+        for r in keep_now:  # (a streaming policy: kept before its group's health is known)
             step.kept += 1
+            step.groups.count_kept(r.attribute(c.RL_GROUP_ID))  # its group's row says it was kept
             self.keep(r)
 
     def _sampled_out(self, record: EpisodeRecord, step: StepState) -> None:
@@ -613,7 +614,8 @@ class Pipeline(SpanProcessor):
             self.stats.step(key, "kept.watch", len(watching))
         for record in itertools.chain(watching, chosen):
             if groups.groups or groups.pending():  # each kept member says how its group fared
-                health = groups.attributes(record.attribute(c.RL_GROUP_ID))
+                # (and its group's row counts it kept: StepGroups.keep)
+                health = groups.keep(record.attribute(c.RL_GROUP_ID))
                 if health is not None:
                     record.notes = {**(record.notes or {}), **health}
             self.keep(record)

@@ -325,7 +325,8 @@ def test_kept_by_reason_and_group_health(direct):
         metrics.decided(record, None)
     metrics.decided(_record((0, 10), []), "sampled_out")
     # 10 groups: 3 all-equal (one of them also lost members), 2 more lost members
-    health = StepHealth(groups=10, all_equal=3, lost=3, lost_members=4, degenerate=5)
+    health = StepHealth(groups=10, all_equal=3, lost=3, lost_members=4, degenerate=5, truncated=2,
+                        truncated_members=3)
     metrics.step_closed((0, "train"), health)
     metrics.step_closed((1, "train"))  # one argument still works (no health told)
     assert metrics.flush(30)
@@ -336,10 +337,14 @@ def test_kept_by_reason_and_group_health(direct):
     assert sum(v for k, v in s0.items() if "/episodes_kept_by/" in k) == s0["rollouts/episodes_kept"]
     assert (s0["rollouts/groups"], s0["rollouts/groups_all_equal"], s0["rollouts/groups_lost"],
             s0["rollouts/group_members_lost"], s0["rollouts/groups_degenerate"]) == (10, 3, 3, 4, 5)
+    assert (s0["rollouts/groups_truncated"], s0["rollouts/group_members_truncated"]) == (2, 3)
     groups = _points(reader)[c.METRIC_GROUPS]
     by_kind = {p.attributes[c.RL_GROUP_DEGENERATE]: p.value for p in groups}
-    # each group once; the one both all-equal and lost counts as lost
-    assert by_kind == {c.DEGENERATE_NONE: 5, c.DEGENERATE_LOST: 3, c.DEGENERATE_ALL_EQUAL: 2}
+    # each group once; the one both all-equal and lost under both words, found by either
+    assert by_kind == {c.DEGENERATE_NONE: 5, c.DEGENERATE_LOST: 2, c.DEGENERATE_ALL_EQUAL: 2,
+                       c.DEGENERATE_ALL_EQUAL_LOST: 1}
+    assert sum(v for k, v in by_kind.items() if c.DEGENERATE_ALL_EQUAL in k) == health.all_equal
+    assert sum(v for k, v in by_kind.items() if c.DEGENERATE_LOST in k) == health.lost
     assert sum(by_kind.values()) == health.groups
 
 
