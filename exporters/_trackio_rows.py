@@ -50,7 +50,8 @@ from typing import Any, NamedTuple, cast
 from opentelemetry.sdk.trace import ReadableSpan
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.messages import as_text, attach_tool_call, to_openai
+from otel_rollouts._core.health import GroupRow
+from otel_rollouts._core.messages import as_text, attach_tool_call, scores_of, to_openai
 from otel_rollouts.exporters._tree import (
     duration_ms,
     hex_id,
@@ -87,21 +88,28 @@ TABLE_SUFFIX = "table"
 COLUMN_REASON = "kept because"
 COLUMN_SECONDS = "seconds"
 COLUMN_GROUP_HEALTH = "group health"
+COLUMN_PARTS = "reward parts"  # the reward's components, as the reward function named them
+COLUMN_FAILED = "failed tools"  # the tool calls that failed, and what each said
+COLUMN_MOST_TIME = "most time in"  # the stage with the most seconds, its share, its longest span
 # one column per stage of c.STAGES (rl.stage.<stage>.seconds), in that order
 STAGE_COLUMNS = {c.STAGE_GENERATION: "gen s", c.STAGE_TOOL: "tool s", c.STAGE_ENVIRONMENT: "env s",
                  c.STAGE_REWARD: "reward s", c.STAGE_WAITING: "wait s"}
-TABLE_COLUMNS = ("reward", "advantage", "status", "question", "answer", "turns", "input tokens",
-                 "output tokens", COLUMN_REASON, COLUMN_GROUP_HEALTH, COLUMN_SECONDS, *STAGE_COLUMNS.values(),
-                 "trace id", "group", "sample", "episode")
+# the span kind whose spans make up a stage (environment and waiting have none)
+STAGE_KINDS = {c.STAGE_GENERATION: c.KIND_GENERATION, c.STAGE_TOOL: c.KIND_TOOL, c.STAGE_REWARD: c.KIND_REWARD}
+TABLE_COLUMNS = ("reward", COLUMN_PARTS, "advantage", "status", COLUMN_FAILED, "question", "answer", "turns",
+                 "input tokens", "output tokens", COLUMN_REASON, COLUMN_GROUP_HEALTH, COLUMN_SECONDS,
+                 COLUMN_MOST_TIME, *STAGE_COLUMNS.values(), "trace id", "group", "sample", "episode")
+# the inference engine's own timings of the episode's generations (``rl.server.*``, summed), shown
+# in the slowest table when a kept episode of the step has them
+ENGINE_COLUMNS = {c.RL_SERVER_QUEUE_SECONDS: "engine queue s", c.RL_SERVER_TTFT_SECONDS: "ttft s"}
 # the step's kept episodes again, slowest first: which rollouts held the step back, and where
 # their time went (``most time in``: the stage with the most seconds, and its share)
 SLOWEST_SUFFIX = "slowest"
-COLUMN_MOST_TIME = "most time in"
 SLOWEST_COLUMNS = (COLUMN_SECONDS, COLUMN_MOST_TIME, *STAGE_COLUMNS.values(), COLUMN_REASON, "status", "reward",
-                   COLUMN_GROUP_HEALTH, "trace id", "question", "episode")
+                   COLUMN_FAILED, COLUMN_GROUP_HEALTH, "trace id", "question", "episode")
 # a watched prompt's history (rl.watch.key): one row per kept episode of it, oldest step first
 WATCH_SUFFIX = "watch"
-WATCH_COLUMNS = ("step", "reward", "status", "answer", "trace id")
+WATCH_COLUMNS = ("step", "reward", "status", "question", "answer", "trace id")
 WATCH_MAX_KEYS = 64  # watch keys followed at once: the one updated longest ago is forgotten first
 WATCH_MAX_ROWS = 200  # rows per watch key: the oldest is dropped first
 WATCH_KEY_CHARS = 64  # a watch key in a Trackio key: at most this many characters of [A-Za-z0-9_.-]
@@ -109,6 +117,8 @@ WATCH_KEY_CHARS = 64  # a watch key in a Trackio key: at most this many characte
 RUNNING_SUFFIX = "running"
 RUNNING_COLUMNS = ("episode", "open for", "stuck in", "trace id")
 RUNNING_MARK = "running"  # a snapshot's status, and its open spans' (no glyph: fonts lack ⏳)
+HUNG_MARK = "hung"  # what the span a snapshot is stuck in says
+RUNNING_NOW = "running_now"  # the scalar of how many episodes run past the hang threshold now
 RUNNING_NONE = "nothing running"  # the one row of a running table when every episode ended
 RUNNING_MAX = 256  # episodes shown running at once (beyond: the earliest shown is forgotten, its row kept)
 # train–inference mismatch: the episode's statistics as step-table columns (only in a step where a
@@ -119,7 +129,7 @@ MISMATCH_SUFFIX = "mismatch"
 COLUMN_TOKEN = "token"
 COLUMN_DELTA = "\u0394 (trainer\u2212rollout)"  # Δ = trainer logprob − rollout logprob
 MISMATCH_TOKEN_COLUMNS = (COLUMN_DELTA, "ratio", COLUMN_TOKEN, "rollout logprob", "trainer logprob", "position",
-                          "generation", COLUMN_REASON, "sample", "trace id")
+                          "generation", COLUMN_REASON, "question", "group", "sample", "trace id")
 MISMATCH_PER_GENERATION = 8  # a generation's worst tokens shown (its span carries up to top_tokens)
 MISMATCH_MAX_ROWS = 64  # rows of a step's mismatch table (a page shows every step's)
 TOKEN_CHARS = 40  # a token's shown text, "…" included
@@ -127,6 +137,8 @@ _VISIBLE = {" ": "\u2423", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\"} 
 TABLE_LINK = "link"
 TABLE_ABSENT = "\u2014"  # —: what the table shows for a value nobody recorded (never 0)
 PREVIEW_CHARS = 80  # the table's question and answer previews, "…" included
+FAILED_CHARS = 120  # the failed tools' cell
+MISMATCH_QUESTION_CHARS = 48  # the question in a mismatch table's row (one per token: kept short)
 # attributes a span's Trackio metadata leaves out: views of other attributes written for other
 # viewers (Phoenix's OpenInference keys, GenAI's operation name, the root's session/metadata/tags)
 _VIEW_KEYS = frozenset({
@@ -360,27 +372,55 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
     The question and the answer are the episode span's input and output, cut to
     ``PREVIEW_CHARS``. A token count is the sum of those the generations recorded, and ``—``
     when none did: Trackio prints a table cell as text (``None`` as an empty cell), so absent
-    reads as absent, never as 0."""
+    reads as absent, never as 0. ``reward parts``: the reward's components (``math 0 · format
+    0.25``); ``failed tools``: each tool call that failed, with what it said; ``most time in``:
+    the stage with the most seconds, its share, and its longest span. The inference engine's
+    timings (``ENGINE_COLUMNS``) and the mismatch statistics are added when the episode has them
+    (``step_rows``/``slowest_rows`` give every row of a table the same columns)."""
     root = root_of(spans)
     attrs = (root.attributes or {}) if root is not None else {}
     turns = 0
     input_tokens: int | None = None
     output_tokens: int | None = None
+    failed: list[str] = []
+    longest: dict[str, tuple[float, str]] = {}  # stage -> (seconds, name) of its longest span
+    engine: dict[str, float] = {}
+    kinds = {kind: stage for stage, kind in STAGE_KINDS.items()}
     for span in spans:
         span_attrs = span.attributes or {}
-        if kind_of(span) == c.KIND_TURN:
+        kind = kind_of(span)
+        if kind == c.KIND_TURN:
             turns += 1
         input_tokens = _add_count(input_tokens, span_attrs.get(c.GEN_AI_USAGE_INPUT_TOKENS))
         output_tokens = _add_count(output_tokens, span_attrs.get(c.GEN_AI_USAGE_OUTPUT_TOKENS))
+        if kind == c.KIND_TOOL and is_error(span):
+            name = span_attrs.get(c.GEN_AI_TOOL_NAME) or span.name
+            failed.append(f"{as_text(name)}: {error_text(span)}")
+        stage = kinds.get(kind) if kind is not None else None
+        if stage is not None and span.end_time is not None and span.start_time is not None:
+            seconds = (span.end_time - span.start_time) / 1e9
+            if seconds > longest.get(stage, (-1.0, ""))[0]:
+                longest[stage] = (seconds, span.name)
+        if kind == c.KIND_GENERATION:
+            for key in ENGINE_COLUMNS:
+                value = _number(span_attrs.get(key))
+                if value is not None and math.isfinite(value) and value >= 0:
+                    engine[key] = engine.get(key, 0.0) + value
     reason = attrs.get(c.RL_KEEP_REASON)
+    parts = [f"{name} {value:.4g}" for name, value in scores_of(attrs).items()
+             if name not in (c.EVALUATION_REWARD, c.EVALUATION_ADVANTAGE)]
+    stages = {stage: _seconds(attrs.get(c.stage_seconds(stage))) for stage in STAGE_COLUMNS}
+    seconds = _seconds(attrs.get(c.RL_DURATION_SECONDS))
     values = (
-        _readable(attrs.get(c.RL_REWARD)), _readable(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
+        _readable(attrs.get(c.RL_REWARD)), " \u00b7 ".join(parts) if parts else TABLE_ABSENT,
+        _readable(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
+        preview("; ".join(failed), FAILED_CHARS) if failed else TABLE_ABSENT,
         preview(attrs.get(c.INPUT_VALUE)), preview(attrs.get(c.OUTPUT_VALUE)),
         turns, TABLE_ABSENT if input_tokens is None else input_tokens,
         TABLE_ABSENT if output_tokens is None else output_tokens,
         reason if isinstance(reason, str) and reason else TABLE_ABSENT, group_health(attrs),
-        _seconds(attrs.get(c.RL_DURATION_SECONDS)),
-        *(_seconds(attrs.get(c.stage_seconds(stage))) for stage in STAGE_COLUMNS),
+        seconds, most_time_in(stages, seconds, longest),
+        *stages.values(),
         hex_id(root.context.trace_id, 32) if root is not None else None,
         None if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID)),
         attrs.get(c.RL_SAMPLE_INDEX), attrs.get(c.RL_EPISODE_ID),
@@ -388,27 +428,34 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
     row: dict[str, object] = dict(zip(TABLE_COLUMNS, values, strict=True))
     if any(attrs.get(key) is not None for key in MISMATCH_COLUMNS):  # train–inference mismatch measured
         row.update((column, _stat(attrs.get(key))) for key, column in MISMATCH_COLUMNS.items())
+    row.update((ENGINE_COLUMNS[key], _seconds(value)) for key, value in engine.items())
     if trace_url is not None:
         row[TABLE_LINK] = trace_url
     return row
 
 
-def step_rows(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
-    """A step table's rows with the same columns, in order: when some episode of the step has
-    train–inference mismatch statistics, every row gets their columns (``MISMATCH_COLUMNS``,
-    right after ``kept because``, in sight beside it; ``—`` where an episode has none);
-    otherwise the rows as they are."""
-    if not any(column in row for row in rows for column in MISMATCH_COLUMNS.values()):
-        return [dict(row) for row in rows]
-    at = TABLE_COLUMNS.index(COLUMN_REASON) + 1
-    columns = (*TABLE_COLUMNS[:at], *MISMATCH_COLUMNS.values(), *TABLE_COLUMNS[at:])
+def _same_columns(rows: Sequence[Mapping[str, object]], columns: Sequence[str],
+                  optional: Sequence[str], after: str) -> list[dict[str, object]]:
+    """``rows`` with the same columns, in order: ``columns``, with those of ``optional`` that some
+    row has inserted right after ``after`` (``—`` where a row has none), and ``link`` last when
+    the row has one (Trackio takes a table's columns from its first row)."""
+    extra = [column for column in optional if any(column in row for row in rows)]
+    at = list(columns).index(after) + 1
+    ordered = (*columns[:at], *extra, *columns[at:])
     out = []
     for row in rows:
-        item = {column: row.get(column, TABLE_ABSENT) for column in columns}
+        item = {column: row.get(column, TABLE_ABSENT) for column in ordered}
         if TABLE_LINK in row:
             item[TABLE_LINK] = row[TABLE_LINK]
         out.append(item)
     return out
+
+
+def step_rows(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
+    """A step table's rows with the same columns, in order: when some episode of the step has
+    train–inference mismatch statistics, every row gets their columns (``MISMATCH_COLUMNS``,
+    right after ``kept because``, in sight beside it; ``—`` where an episode has none)."""
+    return _same_columns(rows, TABLE_COLUMNS, tuple(MISMATCH_COLUMNS.values()), COLUMN_REASON)
 
 
 def _stat(value: object) -> float | int | str:
@@ -446,6 +493,8 @@ def mismatch_rows(spans: Sequence[ReadableSpan], trace_url: str | None) -> list[
     attrs = (root.attributes or {}) if root is not None else {}
     trace_id = hex_id(root.context.trace_id, 32) if root is not None else ""
     reason = attrs.get(c.RL_KEEP_REASON)
+    question = preview(attrs.get(c.INPUT_VALUE), MISMATCH_QUESTION_CHARS)
+    group = TABLE_ABSENT if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID))
     turns = {span.context.span_id: span.attributes.get(c.RL_TURN_INDEX) for span in spans
              if kind_of(span) == c.KIND_TURN and span.attributes}
     per_turn: dict[Any, int] = defaultdict(int)
@@ -477,7 +526,7 @@ def mismatch_rows(spans: Sequence[ReadableSpan], trace_url: str | None) -> list[
             shown += 1
             values = (_readable(delta, 4), _ratio(delta), token_text(token), _readable(rollout, 4),
                       _readable(trainer, 4), position, label,
-                      reason if isinstance(reason, str) and reason else TABLE_ABSENT,
+                      reason if isinstance(reason, str) and reason else TABLE_ABSENT, question, group,
                       attrs.get(c.RL_SAMPLE_INDEX), trace_id)
             row = dict(zip(MISMATCH_TOKEN_COLUMNS, values, strict=True))
             if trace_url is not None:
@@ -512,17 +561,18 @@ def _seconds(value: object) -> float | str:
 
 def group_health(attrs: Mapping[str, object]) -> str:
     """An episode's GRPO group in one cell, from the ``rl.group.*`` attributes on its root:
-    ``all equal ×8`` (every member the same reward: zero advantage, no learning signal),
-    ``lost 2/8`` (members lost of those expected, or of those seen when the expected size is
-    unknown), both joined by ``, ``, else ``ok 8`` (``ok 6/8`` when fewer were seen than
-    expected); ``—`` for an episode without a group's health."""
+    ``all equal ×8`` (every member the same reward: zero advantage, no learning signal) and
+    ``lost 2/8`` (members lost, failed or filtered or missing, of those expected, or of those seen
+    when the expected size is unknown), each said apart (both joined by ``, ``), else ``ok 8``
+    (``ok 6/8`` when fewer were seen than expected); a group with members cut short adds
+    ``truncated 1/8`` (scored, so not lost: said, not counted as degenerate); ``—`` for an
+    episode without a group's health."""
     size = attrs.get(c.RL_GROUP_SIZE)
     if not isinstance(size, int) or isinstance(size, bool):
         return TABLE_ABSENT
     expected = attrs.get(c.RL_GROUP_EXPECTED_SIZE)
     expected = expected if isinstance(expected, int) and not isinstance(expected, bool) and expected > 0 else None
-    lost = attrs.get(c.RL_GROUP_LOST)
-    lost = lost if isinstance(lost, int) and not isinstance(lost, bool) and lost > 0 else 0
+    lost, truncated = (_positive(attrs.get(key)) for key in (c.RL_GROUP_LOST, c.RL_GROUP_TRUNCATED))
     parts = []
     if attrs.get(c.RL_GROUP_ALL_EQUAL) is True:
         parts.append(f"all equal \u00d7{size}")
@@ -531,37 +581,41 @@ def group_health(attrs: Mapping[str, object]) -> str:
     if not parts:
         degenerate = attrs.get(c.RL_GROUP_DEGENERATE)
         if isinstance(degenerate, str) and degenerate:
-            return degenerate.replace("_", " ")  # a reason this version has no words for
-        return f"ok {size}" if expected is None or expected == size else f"ok {size}/{expected}"
+            parts.append(degenerate.replace("_", " "))  # a reason this version has no words for
+        else:
+            parts.append(f"ok {size}" if expected is None or expected == size else f"ok {size}/{expected}")
+    if truncated:
+        parts.append(f"truncated {truncated}/{expected or size}")
     return ", ".join(parts)
 
 
-def most_time_in(row: Mapping[str, object]) -> str:
-    """The stage a table row's episode spent the most seconds in, with its share of the
-    episode's duration (``tool 41.2 s (83%)``); ``—`` when no stage was measured."""
-    stages = [(value, stage) for stage, column in STAGE_COLUMNS.items()
-              if isinstance(value := row.get(column), (int, float))]
-    if not stages:
+def _positive(value: object) -> int:
+    """A count attribute as a positive int, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def most_time_in(stages: Mapping[str, object], total: object,
+                 longest: Mapping[str, tuple[float, str]]) -> str:
+    """The stage an episode spent the most seconds in, with its share of the episode's duration
+    and, for a stage made of spans, the longest of them (``tool 41.2 s (83%): execute_tool
+    search 40.1 s``); ``—`` when no stage was measured."""
+    measured = [(value, stage) for stage, value in stages.items() if isinstance(value, (int, float))]
+    if not measured:
         return TABLE_ABSENT
-    value, stage = max(stages)
-    total = row.get(COLUMN_SECONDS)
+    value, stage = max(measured)
     share = f" ({100 * value / total:.0f}%)" if isinstance(total, (int, float)) and total > 0 else ""
-    return f"{stage} {value:g} s{share}"
+    span = longest.get(stage)
+    where = f": {span[1]} {_seconds(span[0])} s" if span is not None else ""
+    return f"{stage} {value:g} s{share}{where}"
 
 
 def slowest_rows(rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
-    """A step table's rows with a measured duration, slowest first, as ``SLOWEST_COLUMNS`` (the
-    ``link`` kept when there is one); empty when no episode of the step was timed."""
+    """A step table's rows with a measured duration, slowest first, as ``SLOWEST_COLUMNS`` (with
+    the engine's timings after the stages when some episode has them, the ``link`` kept when
+    there is one); empty when no episode of the step was timed."""
     timed = [row for row in rows if isinstance(row.get(COLUMN_SECONDS), (int, float))]
     timed.sort(key=lambda row: -cast(float, row[COLUMN_SECONDS]))  # a number: checked above
-    out = []
-    for row in timed:
-        item = {column: most_time_in(row) if column == COLUMN_MOST_TIME else row.get(column)
-                for column in SLOWEST_COLUMNS}
-        if TABLE_LINK in row:
-            item[TABLE_LINK] = row[TABLE_LINK]
-        out.append(item)
-    return out
+    return _same_columns(timed, SLOWEST_COLUMNS, tuple(ENGINE_COLUMNS.values()), STAGE_COLUMNS[c.STAGE_WAITING])
 
 
 def watch_key(value: object) -> str | None:
@@ -575,9 +629,11 @@ def watch_key(value: object) -> str | None:
 
 
 def watch_row(step: int, attrs: Mapping[str, object], trace_id: int) -> dict[str, object]:
-    """One row of a watched prompt's history: step, reward, status, the answer's head, trace id."""
+    """One row of a watched prompt's history: step, reward, status, the question's and the
+    answer's heads, trace id."""
     return dict(zip(WATCH_COLUMNS, (step, _readable(attrs.get(c.RL_REWARD)), attrs.get(c.RL_STATUS),
-                                    preview(attrs.get(c.OUTPUT_VALUE)), hex_id(trace_id, 32)), strict=True))
+                                    preview(attrs.get(c.INPUT_VALUE)), preview(attrs.get(c.OUTPUT_VALUE)),
+                                    hex_id(trace_id, 32)), strict=True))
 
 
 def _fmt_seconds(value: object) -> str:
@@ -609,7 +665,10 @@ def running_row(attrs: Mapping[str, object], trace_id: int) -> dict[str, object]
 def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, object]]) -> None:
     """Mark a snapshot's open spans in its Trackio tree (``tree``, from ``episode_spans``) as
     ``running``: the root, the span it is stuck in (the latest started one of that name among
-    those still open: their end is the snapshot's "now") and the spans between them."""
+    those still open: their end is the snapshot's "now") and the spans between them. The span it
+    is stuck in reads as a hang, not as work going on: status ``error`` with ``hung: open for
+    <seconds>, no end yet`` (Trackio has two pill colours, green for any text and red for
+    ``error``: a snapshot is sent only past the hang threshold, and green would say all is well)."""
     root = root_of(spans)
     if root is None:
         return
@@ -619,14 +678,20 @@ def running_spans(spans: Sequence[ReadableSpan], tree: list[dict[str, object]]) 
     open_ids = {root.context.span_id}
     stuck_name = attrs.get(c.RL_PENDING_SPAN_NAME)
     candidates = [span for span in spans if span.name == stuck_name and (span.end_time or 0) >= now - 1_000_000]
+    stuck_id: str | None = None
     if candidates:
         span: ReadableSpan | None = max(candidates, key=lambda s: s.start_time or 0)
+        if span is not None:
+            stuck_id = hex_id(span.context.span_id)
         while span is not None and span.context.span_id not in open_ids:
             open_ids.add(span.context.span_id)
             span = by_id.get(span.parent.span_id) if span.parent is not None else None
     marked = {hex_id(span_id) for span_id in open_ids}
     for item in tree:
-        if item.get("id") in marked and item.get("status") != TRACKIO_ERROR:
+        if item.get("id") == stuck_id:
+            item["status"] = TRACKIO_ERROR
+            item["error"] = f"{HUNG_MARK}: open for {_fmt_seconds(attrs.get(c.RL_PENDING_SPAN_SECONDS))}, no end yet"
+        elif item.get("id") in marked and item.get("status") != TRACKIO_ERROR:
             item["status"] = RUNNING_MARK
 
 
@@ -702,5 +767,76 @@ def is_snapshot(metadata: object) -> bool:
 
 def worst_first(row: Mapping[str, Any]) -> tuple[bool, float, float]:
     """Lowest reward first (then lowest advantage); episodes without a reward last."""
-    reward, advantage = row.get(TABLE_COLUMNS[0]), row.get(TABLE_COLUMNS[1])
+    reward, advantage = row.get("reward"), row.get("advantage")
     return (reward is None, reward if reward is not None else 0.0, advantage if advantage is not None else 0.0)
+
+
+# a closed step's summary (the scalars ``correlate.metrics`` hands to ``log_metrics``: names under
+# the split's prefix, ``rollouts/`` for train), as one table: what the plots say, read at a glance
+SUMMARY_SUFFIX = "summary"
+SUMMARY_COLUMNS = ("episodes", "seen", "kept", "dropped")
+_SEEN, _KEPT, _DROPPED, _KEPT_BY = "episodes_seen", "episodes_kept", "episodes_dropped", "episodes_kept_by/"
+_GROUP_COUNTS = (("groups", "groups"), ("groups_all_equal", "groups all equal"),
+                 ("groups_lost", "groups that lost members"), ("groups_truncated", "groups with a truncated member"))
+
+
+def summary_prefix(values: Mapping[str, object]) -> str | None:
+    """The scalars' prefix (``rollouts/``, ``eval/rollouts/``) when ``values`` is a closed step's
+    summary, else None (a lone scalar, e.g. the step's hung episodes)."""
+    for key in values:
+        if key.endswith(_SEEN) and "/" not in key[len(key) - len(_SEEN):]:
+            return key[: -len(_SEEN)]
+    return None
+
+
+def summary_rows(values: Mapping[str, object], prefix: str) -> list[dict[str, object]]:
+    """A closed step in one table: every episode (seen, kept, dropped), then by status, then why
+    the kept ones were kept, then its groups (how many seen, degenerate each way); ``—`` where a
+    column does not apply."""
+    def count(name: str) -> object:
+        value = values.get(prefix + name)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else TABLE_ABSENT
+
+    rows = [dict(zip(SUMMARY_COLUMNS, ("all", count(_SEEN), count(_KEPT), count(_DROPPED)), strict=True))]
+    status_prefix = f"{prefix}{_SEEN}/"
+    for key in values:
+        if key.startswith(status_prefix):
+            status = key[len(status_prefix):]
+            rows.append(dict(zip(SUMMARY_COLUMNS, (f"status {status}", count(f"{_SEEN}/{status}"),
+                                                   count(f"{_KEPT}/{status}"), count(f"{_DROPPED}/{status}")),
+                                 strict=True)))
+    reason_prefix = prefix + _KEPT_BY
+    for key in values:
+        if key.startswith(reason_prefix):
+            reason = key[len(reason_prefix):]
+            rows.append(dict(zip(SUMMARY_COLUMNS, (f"kept because {reason}", TABLE_ABSENT,
+                                                   count(_KEPT_BY + reason), TABLE_ABSENT), strict=True)))
+    for name, label in _GROUP_COUNTS:
+        if prefix + name in values:
+            rows.append(dict(zip(SUMMARY_COLUMNS, (label, count(name), TABLE_ABSENT, TABLE_ABSENT), strict=True)))
+    return rows
+
+
+# every GRPO group a closed step saw (``GroupsSink.log_groups``), degenerate ones first
+GROUPS_SUFFIX = "groups"
+GROUPS_COLUMNS = ("group", "members", "reward spread", "all equal", "lost", "truncated", "kept", "health")
+
+
+def groups_rows(rows: Sequence[GroupRow]) -> list[dict[str, object]]:
+    """A closed step's groups as table rows: members (``3/4`` when fewer than expected were
+    seen), the reward spread (``—`` without rewards), all-equal (``yes``/``no``), members lost and
+    truncated (apart: a truncated member was scored), members kept, and the cell the step table
+    shows (``group_health``); in the order given (degenerate first)."""
+    out = []
+    for row in rows:
+        members = f"{row.size}/{row.expected_size}" if row.expected_size and row.expected_size != row.size \
+            else str(row.size)
+        attrs: dict[str, object] = {c.RL_GROUP_SIZE: row.size, c.RL_GROUP_ALL_EQUAL: row.all_equal,
+                                    c.RL_GROUP_LOST: row.lost, c.RL_GROUP_TRUNCATED: row.truncated}
+        if row.expected_size:
+            attrs[c.RL_GROUP_EXPECTED_SIZE] = row.expected_size
+        spread = TABLE_ABSENT if row.reward_spread is None else _readable(row.reward_spread, 4)
+        out.append(dict(zip(GROUPS_COLUMNS, (row.group, members, spread, "yes" if row.all_equal else "no",
+                                             row.lost, row.truncated, row.kept, group_health(attrs)),
+                            strict=True)))
+    return out

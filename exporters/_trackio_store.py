@@ -367,3 +367,46 @@ class TrackioStore:
     def persist_failures(run: object) -> list[str]:
         """The writes a finished run reported as failed (``_persist_failures``)."""
         return _persist_failures(run)
+
+    def forget_logged(self, run: Any, key: str, step: int) -> int:
+        """Take the values this run logged under ``key`` at ``step`` out of the metrics table (a
+        row left with nothing else is deleted): a view of *now* (what runs) replaced in place
+        instead of piling up one table per refresh. Returns how many rows changed."""
+        return self._under_run_lock(run, lambda: forget_metric(self.db_path(), getattr(run, "id", None),
+                                                                run.name, key, step))
+
+
+def forget_metric(db_path: Path, run_id: object, run_name: str, key: str, step: int) -> int:
+    """Remove ``key`` from the run's metrics rows at ``step`` (Trackio stores each ``log`` call
+    as one row whose ``metrics`` column is a JSON object); a row left with only Trackio's own
+    underscore keys is deleted. Returns how many rows changed."""
+    if not db_path.exists():
+        return 0
+    conn = sqlite3.connect(str(db_path), timeout=5.0)
+    try:
+        column, value = ("run_id", run_id) if isinstance(run_id, str) and run_id else ("run_name", run_name)
+        rows = conn.execute(f"SELECT id, metrics FROM metrics WHERE {column} = ? AND step = ? "  # noqa: S608 - a fixed column name
+                            "AND instr(CAST(metrics AS TEXT), ?) > 0", (value, step, json.dumps(key))).fetchall()
+        deletes, updates = [], []
+        for row_id, raw in rows:
+            try:
+                metrics = json.loads(raw)
+            except (TypeError, ValueError):
+                continue
+            if not isinstance(metrics, dict) or key not in metrics:
+                continue
+            del metrics[key]
+            if all(name.startswith("_") for name in metrics):
+                deletes.append((row_id,))
+            else:
+                updates.append((json.dumps(metrics), row_id))
+        with conn:
+            conn.executemany("DELETE FROM metrics WHERE id = ?", deletes)
+            conn.executemany("UPDATE metrics SET metrics = ? WHERE id = ?", updates)
+        return len(deletes) + len(updates)
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return 0
+        raise
+    finally:
+        conn.close()

@@ -30,16 +30,20 @@ if TYPE_CHECKING:
     from trackio.run import Run
 
 from otel_rollouts import conventions as c
+from otel_rollouts._core.health import GroupRow
 from otel_rollouts._core.redaction import Redactor
 from otel_rollouts._core.values import fits_int64
 from otel_rollouts.exporters._trackio_rows import (
+    GROUPS_SUFFIX,
     META_STATUS,
     MISMATCH_SUFFIX,
     RUNNING_COLUMNS,
     RUNNING_MAX,
     RUNNING_NONE,
+    RUNNING_NOW,
     RUNNING_SUFFIX,
     SLOWEST_SUFFIX,
+    SUMMARY_SUFFIX,
     TABLE_ABSENT,
     TABLE_SUFFIX,
     WATCH_MAX_KEYS,
@@ -49,6 +53,7 @@ from otel_rollouts.exporters._trackio_rows import (
     episode_messages,
     episode_metadata,
     episode_spans,
+    groups_rows,
     iso_utc,
     mismatch_rows,
     running_label,
@@ -56,6 +61,8 @@ from otel_rollouts.exporters._trackio_rows import (
     running_spans,
     slowest_rows,
     step_rows,
+    summary_prefix,
+    summary_rows,
     table_row,
     watch_key,
     watch_row,
@@ -71,7 +78,7 @@ from otel_rollouts.exporters._trackio_store import (
     WriteProblem,
 )
 from otel_rollouts.exporters._tree import broken_root, by_trace, hex_id, root_of, trace_link
-from otel_rollouts.exporters.extras import MetricsSink, NotStoredReporter, PendingViewer
+from otel_rollouts.exporters.extras import GroupsSink, MetricsSink, NotStoredReporter, PendingViewer
 
 __all__ = ["TrackioExporter"]
 
@@ -102,7 +109,7 @@ class _Running(NamedTuple):
     row_ids: tuple[str, ...]  # the Trackio rows of its snapshot (local storage only)
 
 
-class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewer):
+class TrackioExporter(SpanExporter, MetricsSink, GroupsSink, NotStoredReporter, PendingViewer):
     """Writes each kept episode as a ``trackio.Trace`` at ``step=rl.step``, and per step a table.
 
     ``project``/``run``/``space_id`` are Trackio's (a ``space_id`` syncs to a Hugging Face
@@ -122,7 +129,13 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
 
     With train–inference mismatch measured (``rl.mismatch.*``), the step table gains ``mismatch
     kl``, ``max |Δ|`` and ``tokens outside band``, and a ``"{trace_key}/mismatch"`` table lists
-    the step's worst tokens (``mismatch_rows``), largest |Δ| first.
+    the step's worst tokens (``mismatch_rows``), largest |Δ| first, with their question and group.
+
+    Per step also: ``slowest`` (the timed episodes slowest first, the stage and span their time
+    went to, the engine's queue and first-token times), ``watch/<key>`` (a watched prompt's
+    history), ``summary`` and ``groups`` when the step closes (``log_metrics``, ``log_groups``:
+    seen/kept/dropped by status and reason; every group seen), and while episodes hang the
+    ``running`` traces, ``running/table`` (replaced in place) and the scalar ``running_now``.
     """
 
     def __init__(
@@ -173,6 +186,7 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
         self._watch_due: set[tuple[int, str]] = set()
         # episodes shown running (show_pending), earliest shown first
         self._running: OrderedDict[int, _Running] = OrderedDict()
+        self._running_tables: dict[str, int] = {}  # running table key -> the step it was last logged at
         self.pending_failures = 0  # show_pending calls (or replacements) that failed or were skipped
         self._import_lock = threading.Lock()
         self._imported = False
@@ -607,9 +621,11 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                                type(exc).__name__, exc)
 
     def _log_running_tables(self, touched: Mapping[str, int]) -> None:
-        """For each running key in ``touched`` (key -> step), the table of what runs now."""
-        if not self.table:
-            return
+        """For each running key in ``touched`` (key -> step), what runs now: the scalar
+        ``running_now`` (``<split>_running_now``: how many episodes are hung now, on the metrics page) and the table of them,
+        which replaces the one logged before (local storage): a page shows one table of now, not
+        one per refresh."""
+        run = self._trackio_run()
         for key, step in sorted(touched.items()):
             running = [r for r in self._running.values() if r.key == key]
             rows = [r.row for r in sorted(running, key=lambda r: r.step)]
@@ -618,11 +634,30 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                                  strict=True))]
             else:
                 step = max(r.step for r in running)
-            self._log_table(f"{key}/{TABLE_SUFFIX}", step, rows)
+            # no "/" in its name: Trackio puts it in the first section of the metrics page
+            split = "" if key.startswith(f"{self.trace_key}/") else key.split("/", 1)[0] + "_"
+            run.log({split + RUNNING_NOW: len(running)}, step=step)
+            if not self.table:
+                continue
+            table_key = f"{key}/{TABLE_SUFFIX}"
+            before = self._running_tables.get(table_key)
+            if before is not None and self.store.local(run):
+                try:  # (written already: every running table is written at once, see _show_pending)
+                    self.store.forget_logged(run, table_key, before)
+                except Exception as exc:  # noqa: BLE001 - a view: an extra table is no loss
+                    self.pending_failures += 1
+                    if self.pending_failures == 1:
+                        logger.warning("otel_rollouts: TrackioExporter could not replace the running table: %s: %s",
+                                       type(exc).__name__, exc)
+            if self._log_table(table_key, step, rows):
+                self._running_tables[table_key] = step
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
-        as its traces). Handed down by the pipeline's metrics when the step closes."""
+        as its traces), and a closed step's summary as a table too (``<prefix>summary``: seen,
+        kept, dropped, by status, why kept, its groups): a one-point series draws as an empty
+        chart, and the counts of one step read best side by side. Handed down by the pipeline's
+        metrics when the step closes."""
         self._import_trackio()
         # a value nobody recorded is no point on its plot, never a 0 (None, NaN: left out)
         values = {key: value for key, value in values.items()
@@ -637,7 +672,31 @@ class TrackioExporter(SpanExporter, MetricsSink, NotStoredReporter, PendingViewe
                     logger.warning("otel_rollouts: TrackioExporter: step %d scalars not logged (%s)",
                                    step, problem.detail)
                 return
-            self._trackio_run().log(dict(values), step=int(step))
+            prefix = summary_prefix(values)
+            scalars = dict(values)
+            if prefix is not None and self.trace_key and prefix.endswith(f"{self.trace_key}/"):
+                # what runs past the hang threshold, at every closed step too: a line, not one point
+                key = f"{prefix}{RUNNING_SUFFIX}"
+                split = "" if key == f"{self.trace_key}/{RUNNING_SUFFIX}" else key.split("/", 1)[0] + "_"
+                scalars[split + RUNNING_NOW] = sum(1 for r in self._running.values() if r.key == key)
+            self._trackio_run().log(scalars, step=int(step))
+            if prefix is not None and self.table:  # a closed step's summary: also as one table
+                self._log_table(f"{prefix}{SUMMARY_SUFFIX}", int(step), summary_rows(values, prefix))
+
+    def log_groups(self, step: int, split: str, rows: Sequence[GroupRow]) -> None:
+        """Log a closed step's groups, every one it saw (kept or not), as the table
+        ``rollouts/groups`` (``<split>/rollouts/groups``) at ``step``: members, reward spread,
+        all-equal, lost and truncated apart, kept, degenerate first. A view: a failure is counted
+        (``table_failures``), never raised."""
+        if not self.table or not rows or not fits_int64(int(step)):
+            return
+        self._import_trackio()
+        key = self.trace_key if split == "train" else f"{split}/{self.trace_key}"
+        with self._lock:
+            if self._cannot_write() is not None:  # a view of the step: skipped like its scalars
+                self.metrics_skipped += 1
+                return
+            self._log_table(f"{key}/{GROUPS_SUFFIX}", int(step), groups_rows(rows))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Make everything logged so far durable (Trackio writes on ``finish``), step tables

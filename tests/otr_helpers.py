@@ -107,16 +107,16 @@ def trackio_rows(project: str) -> list[dict[str, Any]]:
     ]
 
 
-def wait_ready(stream) -> str:
-    """Read a child's stdout up to its ``READY`` line and return that line. Other lines may come
-    first, or be written into the same line: Trackio prints from its own thread ("* Trackio
+def wait_ready(stream, word: str = "READY") -> str:
+    """Read a child's stdout up to its line with ``word`` and return that line. Other lines may
+    come first, or be written into the same line: Trackio prints from its own thread ("* Trackio
     project initialized") while the child prints READY. Fails if the child exits first."""
     seen = []
     while line := stream.readline():
-        if "READY" in line:
+        if word in line:
             return line
         seen.append(line)
-    raise AssertionError(f"the child ended without READY; it printed {seen!r}")
+    raise AssertionError(f"the child ended without {word}; it printed {seen!r}")
 
 
 def shrink_windows(monkeypatch, steps: int, splits: int) -> None:

@@ -368,8 +368,9 @@ def test_step_table_lists_the_kept_episodes_worst_first(browser, outcomes, tmp_p
         _expect(browser, shown == [(e["trace_id"], e["reward"], e["status"]) for e in kept],
                 f"step {step}'s table shows {shown}")
         _expect(browser, all(r["link"] == f"{TRACE_UI}/trace/{r['trace id']}" for r in rows), rows)
-        _expect(browser, list(rows[0])[:8] == ["reward", "advantage", "status", "question", "answer", "turns",
-                                               "input tokens", "output tokens"], f"columns {list(rows[0])}")
+        _expect(browser, list(rows[0])[:10] == ["reward", "reward parts", "advantage", "status", "failed tools",
+                                                "question", "answer", "turns", "input tokens", "output tokens"],
+                f"columns {list(rows[0])}")
     save_screenshot(browser, tmp_path / "trackio-table.png")
 
 

@@ -337,10 +337,10 @@ def test_one_table_per_step_lists_its_kept_episodes_worst_first(otr_shutdown):
         assert [r["advantage"] for r in rows] == [e["advantage"] for e in kept]
         assert [r["status"] for r in rows] == [e["status"] for e in kept]
         assert [r["link"] for r in rows] == [f"{TRACE_UI}/trace/{e['trace_id']}" for e in kept]
-        assert list(rows[0]) == ["reward", "advantage", "status", "question", "answer", "turns", "input tokens",
-                                 "output tokens", "kept because", "group health", "seconds", "gen s",
-                                 "tool s", "env s", "reward s", "wait s", "trace id", "group", "sample",
-                                 "episode", "link"]
+        assert list(rows[0]) == ["reward", "reward parts", "advantage", "status", "failed tools", "question",
+                                 "answer", "turns", "input tokens", "output tokens", "kept because",
+                                 "group health", "seconds", "most time in", "gen s", "tool s", "env s",
+                                 "reward s", "wait s", "trace id", "group", "sample", "episode", "link"]
         assert [(r["question"], r["answer"]) for r in rows] == [(e["question"], e["answer"]) for e in kept]
     by_trace = {r["trace id"]: r for r in tables[0][1]}
     retried = by_trace[recorded["retried"]["trace_id"]]
@@ -494,7 +494,9 @@ def test_log_metrics_leaves_out_values_nobody_recorded(monkeypatch):
     exporter.log_metrics(3, {"rollouts/tokens_input": None, "rollouts/reward_mean": float("nan"),
                              "rollouts/episodes_seen": 2, "rollouts/flag": True})
     exporter.log_metrics(4, {"rollouts/tokens_input": None})
-    assert logged == [(3, {"rollouts/episodes_seen": 2})]
+    scalars = [(step, values) for step, values in logged if "rollouts/summary" not in values]
+    # (with the episodes hung now, 0: a closed step's point on the running_now line)
+    assert scalars == [(3, {"rollouts/episodes_seen": 2, "running_now": 0})]
 
 
 def test_table_previews_are_one_short_line():

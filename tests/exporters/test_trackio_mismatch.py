@@ -125,7 +125,7 @@ def test_the_mismatch_table_shows_the_diverging_tokens_on_top(otr_shutdown):
     ((step, rows),) = trackio_tables(project, "rollouts/mismatch")
     assert step == 0
     assert list(rows[0]) == [DELTA, "ratio", "token", "rollout logprob", "trainer logprob", "position",
-                             "generation", "kept because", "sample", "trace id"]
+                             "generation", "kept because", "question", "group", "sample", "trace id"]
     expected = sorted(((s, *e) for s, tokens in data["expected"].items() for e in tokens),
                       key=lambda e: -abs(e[4] - e[3]))
     top = rows[:len(expected)]

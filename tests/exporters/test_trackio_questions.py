@@ -163,9 +163,10 @@ def test_step_table_says_why_kept_how_long_where_and_the_groups_health():
     exporter.force_flush()
     ((step, rows),) = trackio_tables(project)
     assert step == 0
-    assert list(rows[0]) == ["reward", "advantage", "status", "question", "answer", "turns", "input tokens",
-                             "output tokens", "kept because", "group health", "seconds", "gen s", "tool s", "env s",
-                             "reward s", "wait s", "trace id", "group", "sample", "episode"]
+    assert list(rows[0]) == ["reward", "reward parts", "advantage", "status", "failed tools", "question", "answer",
+                             "turns", "input tokens", "output tokens", "kept because", "group health", "seconds",
+                             "most time in", "gen s", "tool s", "env s", "reward s", "wait s", "trace id", "group",
+                             "sample", "episode"]
     by_id = {r["trace id"]: r for r in rows}
     shown = {name: by_id[_trace_id(spans)] for name, spans in episodes.items()}
     assert [r["trace id"] for r in rows] == [_trace_id(episodes[n]) for n in
@@ -195,8 +196,11 @@ def test_slowest_table_lists_the_steps_timed_episodes_slowest_first_with_where_t
     assert step == 0
     assert [r["trace id"] for r in rows] == [_trace_id(episodes[n]) for n in ("straggler", "crashed", "degenerate")]
     assert list(rows[0])[:3] == ["seconds", "most time in", "gen s"]
-    assert [(r["seconds"], r["most time in"]) for r in rows] == [
+    # the stage, its share, and for a stage made of spans its longest span (environment has none)
+    assert [(r["seconds"], r["most time in"].split(": ")[0]) for r in rows] == [
         (46.0, "tool 41 s (89%)"), (9.5, "environment 7.5 s (79%)"), (4.0, "generation 3 s (75%)")]
+    assert rows[0]["most time in"].split(": ")[1].startswith("execute_tool search ")
+    assert ": " not in rows[1]["most time in"] and rows[2]["most time in"].split(": ")[1].startswith("chat pol ")
     assert [r["kept because"] for r in rows] == ["slowest", "error", "degenerate_group"]
 
 
@@ -233,7 +237,7 @@ def test_a_watched_prompts_table_grows_with_each_step_oldest_first():
     for step, rows in tables:  # each step's table: the whole history so far
         assert [(r["step"], r["answer"], r["reward"], r["trace id"]) for r in rows] == [
             (s, answers[s], s / 2, ids[s]) for s in range(step + 1)]
-    assert list(tables[-1][1][0]) == ["step", "reward", "status", "answer", "trace id"]
+    assert list(tables[-1][1][0]) == ["step", "reward", "status", "question", "answer", "trace id"]
 
 
 def test_an_episode_not_stored_never_enters_the_history():
@@ -300,7 +304,10 @@ def test_a_running_episode_is_shown_then_replaced_by_the_finished_one():
     assert shown["step"] == 3 and shown["metadata"]["status"] == f"running {HANG_TOOL} 28.0s"
     assert shown["metadata"]["trace_id"] == f"{root.get_span_context().trace_id:032x}"
     status = {s["name"]: s["status"] for s in shown["spans"]}
-    assert status == {"episode": "running", "chat pol": "success", HANG_TOOL: "running"}
+    # the span it is stuck in reads as a hang (red), the spans above it as running
+    assert status == {"episode": "running", "chat pol": "success", HANG_TOOL: "error"}
+    (stuck,) = [s for s in shown["spans"] if s["name"] == HANG_TOOL]
+    assert stuck["error"] == "hung: open for 28.0s, no end yet"
     ((step, table),) = trackio_tables(project, "rollouts/running/table")
     assert step == 3 and table == [{"episode": "ep-hang", "open for": "30.0s",
                                     "stuck in": f"{HANG_TOOL} (28.0s)", "trace id": shown["metadata"]["trace_id"]}]

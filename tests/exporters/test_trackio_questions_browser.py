@@ -26,6 +26,7 @@ PROJECT = "otr-questions-browser"
 WATCHED = "capital-of-australia"
 ANSWERS = ["Sydney", "Canberra, I think", "Canberra."]
 HANG_TOOL = "execute_tool fetch_page"
+RED_PILL = "rgba(254, 226, 226, 1)"  # Trackio 0.43's .status-pill.status-error (#fee2e2)
 
 _CHILD = """
 import json, sys
@@ -100,7 +101,7 @@ def test_the_slowest_episode_of_a_step_and_where_its_time_went(browser, run_goin
     rows = tables[2][1]
     top = rows[0]
     assert (top["trace id"], top["seconds"], top["most time in"], top["tool s"], top["kept because"]) == (
-        ids["straggler"], "46", "tool 41 s (89%)", "41", "slowest"), rows
+        ids["straggler"], "46", "tool 41 s (89%): execute_tool search 23.0 s", "41", "slowest"), rows
     assert [float(r["seconds"]) for r in rows] == sorted((float(r["seconds"]) for r in rows), reverse=True)
     _scroll_to(browser, "rollouts/slowest", 2)
     save_screenshot(browser, tmp / "questions-slowest.png")
@@ -147,8 +148,8 @@ def test_a_running_episode_then_its_replacement(browser, run_going) -> None:
                         and r, f"{expect} rows for {query!r}", tmp / "failure-running.png")
 
     (row,) = rows_for(ids["hung"], 1)
-    status = row.find_element(By.CSS_SELECTOR, ".status-pill").text  # the pill capitalizes each word
-    assert status.lower() == f"running {HANG_TOOL} 28.0s", status
+    pill = row.find_element(By.CSS_SELECTOR, ".status-pill")  # a hang is red (Trackio: "error")
+    assert (pill.text.lower(), pill.value_of_css_property("background-color")) == ("error", RED_PILL), pill.text
     running = _tables(browser, base, tmp, "rollouts/running/table", 1)
     assert running == [(3, [{"episode": "ep-hang", "open for": "30.0s", "stuck in": f"{HANG_TOOL} (28.0s)",
                              "trace id": ids["hung"]}])]
@@ -166,8 +167,9 @@ def test_a_running_episode_then_its_replacement(browser, run_going) -> None:
     (row,) = rows_for(ids["hung"], 1)  # the finished episode, kept: no snapshot left beside it
     assert row.find_element(By.CSS_SELECTOR, ".status-pill").text.lower() == "ok"
     rows_for("rollouts/running", 0)
-    running = _tables(browser, base, tmp, "rollouts/running/table", 2)
-    assert running[0] == (3, [{"episode": "\u2014", "open for": "\u2014", "stuck in": "nothing running",
-                               "trace id": "\u2014"}]), running
+    # the table of what runs now was replaced in place: one at the step, saying nothing runs
+    running = _tables(browser, base, tmp, "rollouts/running/table", 1)
+    assert running == [(3, [{"episode": "\u2014", "open for": "\u2014", "stuck in": "nothing running",
+                             "trace id": "\u2014"}])], running
     _scroll_to(browser, "rollouts/running/table")
     save_screenshot(browser, tmp / "questions-running-ended.png")

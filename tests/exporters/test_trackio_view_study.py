@@ -348,7 +348,8 @@ def test_step_table_previews_the_question_and_the_answer(browser, study, tmp_pat
     worst_first = sorted((e for e in recorded.values() if e["step"] == STEP), key=lambda e: e["reward"])
     _expect(browser, [r["trace id"] for r in rows] == [e["trace_id"] for e in worst_first], f"rows {rows}")
     columns = list(rows[0])
-    _expect(browser, columns[:5] == ["reward", "advantage", "status", "question", "answer"], f"columns {columns}")
+    _expect(browser, columns[:7] == ["reward", "reward parts", "advantage", "status", "failed tools", "question",
+                                     "answer"], f"columns {columns}")
     for row, episode in zip(rows, worst_first, strict=True):
         for column in ("question", "answer"):
             full, shown = episode[column], row[column]

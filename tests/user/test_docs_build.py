@@ -128,7 +128,8 @@ INTERNAL = {
     "sampling": ["TailSampler.watched", "Compose.shares", "Compose.reserved", "Compose.limits",
                  "TopBottom.split"],
     "exporters": ["TrackioExporter.take_not_stored", "TrackioExporter.show_pending",
-                  "TrackioExporter.log_metrics", "TrackioExporter.table_key", "TrackioExporter.trace_url"],
+                  "TrackioExporter.log_metrics", "TrackioExporter.log_groups", "TrackioExporter.table_key",
+                  "TrackioExporter.trace_url"],
 }
 # what a user calls, or implements for a policy of their own: stays
 PUBLIC_MEMBERS = {

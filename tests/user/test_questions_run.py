@@ -88,8 +88,13 @@ def _look_at_running(browser, base: str, tmp: Path) -> dict:
                       "the running episode", tmp / "failure-running.png")
     cells = [td.text for td in row.find_elements(By.CSS_SELECTOR, "td")]
     status = row.find_element(By.CSS_SELECTOR, ".status-pill").text
+    row.click()  # the tree: the span it is stuck in reads as hung
+    tree = wait_for(browser, lambda d: [s.text for s in d.find_elements(By.CSS_SELECTOR, ".span-row")],
+                    "the hung episode's tree", tmp / "failure-running-tree.png")
     save_screenshot(browser, tmp / "questions-run-running.png")
-    return {"status": status, "cells": cells}
+    table = media_tables(browser, f"{base}/media?project={PROJECT}", "rollouts/running/table",
+                         tmp / "failure-running-table.png")
+    return {"status": status, "cells": cells, "tree": tree, "table": table}
 
 
 def _tables(browser, base: str, tmp: Path, key: str) -> list[tuple[int, list[dict[str, str]]]]:
@@ -102,14 +107,17 @@ _scroll_to = scroll_to_table
 
 def test_the_hung_episode_is_visible_while_it_hangs(run, browser) -> None:
     running = run["running"]
-    assert running["status"].lower().startswith("running execute_tool fetch_page"), running
+    assert running["status"].lower() == "error", running  # red: a hang, not work going on
+    assert any("execute_tool fetch_page" in name for name in running["tree"]), running
     assert str(HANG_STEP) in running["cells"], running  # at its step
     # and once it ended (timed out), nothing reads as running any more
     assert _running_rows(run["db"]) == []
+    # while it hung, the table of what runs now named the span; once over, the same table (replaced
+    # in place, not one per refresh) says nothing runs
+    assert any(r["stuck in"].startswith("execute_tool fetch_page") for _, rs in running["table"] for r in rs), running
     tables = _tables(browser, run["base"], run["tmp"], "rollouts/running/table")
-    step, rows = tables[0]
-    assert step == HANG_STEP and rows[0]["stuck in"] == "nothing running", tables[0]
-    assert any(r["stuck in"].startswith("execute_tool fetch_page") for _, rs in tables for r in rs), tables
+    assert tables == [(HANG_STEP, [{"episode": "\u2014", "open for": "\u2014", "stuck in": "nothing running",
+                                    "trace id": "\u2014"}])], tables
 
 
 def test_the_slowest_episode_of_a_step_and_where_its_time_went(run, browser) -> None:
@@ -139,8 +147,8 @@ def test_degenerate_groups_and_why_each_episode_was_kept(run, browser) -> None:
     # the easy prompt's groups: every member the same reward, zero advantage
     assert any(r["group health"] == "all equal \u00d74" for r in rows), {r["group health"] for r in rows}
     assert any(r["kept because"] == "degenerate_group" for r in rows)
-    # the impossible prompt (every sample truncated): a group that lost its members
-    assert any(r["group health"].startswith("lost 4/4") or "lost 4/4" in r["group health"] for r in rows)
+    # the impossible prompt (every sample truncated): cut short, not lost (each was scored)
+    assert any(r["group health"].endswith("truncated 4/4") for r in rows), {r["group health"] for r in rows}
     _scroll_to(browser, "rollouts/table")
     save_screenshot(browser, run["tmp"] / "questions-run-table.png")
 
