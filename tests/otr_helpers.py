@@ -107,6 +107,19 @@ def trackio_rows(project: str) -> list[dict[str, Any]]:
     ]
 
 
+def running_rows(db: Path) -> list[dict]:
+    """Trackio's stored rows of running episodes in the project database ``db`` (what the Traces
+    page lists under ``rollouts/running``), their metadata decoded."""
+    if not db.exists():
+        return []
+    try:
+        with sqlite3.connect(db, timeout=5) as conn:
+            rows = conn.execute("SELECT metadata FROM traces WHERE key = 'rollouts/running'").fetchall()
+    except sqlite3.OperationalError:  # the table is made on the first write
+        return []
+    return [json.loads(m) for (m,) in rows]
+
+
 def wait_ready(stream, word: str = "READY") -> str:
     """Read a child's stdout up to its line with ``word`` and return that line. Other lines may
     come first, or be written into the same line: Trackio prints from its own thread ("* Trackio

@@ -28,24 +28,12 @@ from pathlib import Path
 import pytest
 import researcher_run as run
 from browser_support import media_tables, save_screenshot, scroll_to_table, wait_for
+from otr_helpers import running_rows, wait_ready
 from otr_helpers import wait_for as wait_until
-from otr_helpers import wait_ready
 from suite_paths import TEST_PATHS
 
 PROJECT = "otr-researcher"
 RED_PILL = "rgba(254, 226, 226, 1)"  # Trackio 0.43's .status-pill.status-error (#fee2e2)
-
-
-def _running_rows(db: Path) -> list[dict]:
-    """The stored snapshots of running episodes (the Traces page's ``rollouts/running`` rows)."""
-    if not db.exists():
-        return []
-    try:
-        with sqlite3.connect(db, timeout=5) as conn:
-            rows = conn.execute("SELECT metadata FROM traces WHERE key = 'rollouts/running'").fetchall()
-    except sqlite3.OperationalError:  # the table is made on the first write
-        return []
-    return [json.loads(m) for (m,) in rows]
 
 
 def _tables(browser, base: str, tmp: Path, key: str, count: int | None = None) -> dict[int, list[dict[str, str]]]:
@@ -71,7 +59,7 @@ def looked(tmp_path_factory, trackio_dashboard, chromium_session) -> Iterator[di
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_ready(child.stdout, "HANGING")
-        wait_until(lambda: _running_rows(db), 120, "the hung episode stored while it hangs")
+        wait_until(lambda: running_rows(db), 120, "the hung episode stored while it hangs")
         seen = _look_while_hung(chromium_session, base, tmp)
         assert child.poll() is None, "the hang ended before the page was read"
         child.stdin.write("go\n")

@@ -10,10 +10,8 @@ and how a watched prompt's answer evolved over the run.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from browser_support import media_tables, save_screenshot, scroll_to_table, wait_for
+from otr_helpers import running_rows
 
 PROJECT = "otr-questions-run"
 STEPS = 50
@@ -29,18 +28,6 @@ HANG_STEP = STEPS - 4  # recent: the Media & Tables page shows the newest 48 tab
 HANG_S = 30  # long enough to look at it while it hangs on a slow machine
 WATCH = (0, 3, 6)
 DEADLINE_S = 600
-
-
-def _running_rows(db: Path) -> list[dict]:
-    """Trackio's stored rows of running episodes (what the Traces page lists under that key)."""
-    if not db.exists():
-        return []
-    try:
-        with sqlite3.connect(db, timeout=5) as conn:
-            rows = conn.execute("SELECT metadata FROM traces WHERE key = 'rollouts/running'").fetchall()
-    except sqlite3.OperationalError:  # the table is made on the first write
-        return []
-    return [json.loads(m) for (m,) in rows]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +50,7 @@ def run(tmp_path_factory, trackio_dashboard, chromium_session) -> Iterator[dict]
     demo = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + DEADLINE_S
-        while not _running_rows(db):  # the hung episode, stored while it hangs
+        while not running_rows(db):  # the hung episode, stored while it hangs
             assert demo.poll() is None, f"the demo ended and never showed a running episode:\n{demo.stdout.read()}"
             assert time.monotonic() < deadline, "no running episode"
             time.sleep(0.2)
@@ -111,7 +98,7 @@ def test_the_hung_episode_is_visible_while_it_hangs(run, browser) -> None:
     assert any("execute_tool fetch_page" in name for name in running["tree"]), running
     assert str(HANG_STEP) in running["cells"], running  # at its step
     # and once it ended (timed out), nothing reads as running any more
-    assert _running_rows(run["db"]) == []
+    assert running_rows(run["db"]) == []
     # while it hung, the table of what runs now named the span; once over, the same table (replaced
     # in place, not one per refresh) says nothing runs
     assert any(r["stuck in"].startswith("execute_tool fetch_page") for _, rs in running["table"] for r in rs), running
