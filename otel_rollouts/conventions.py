@@ -138,6 +138,13 @@ EVALUATION_ADVANTAGE = "advantage"
 GEN_AI_EVALUATION_SCORE_LABEL = "gen_ai.evaluation.score.label"
 GEN_AI_EVALUATION_EXPLANATION = "gen_ai.evaluation.explanation"
 EVALUATION_STATUS = "status"  # the episode's rl.status as a label-only evaluation
+# Phoenix annotations that are no evaluation of the episode (delivery.phoenix posts them after the
+# reward; never on the span as evaluations nor as gen_ai.evaluation.result events): columns its span list
+# sorts and filters by (evals['step'].score == 40), named short, as a person types them
+ANNOTATION_STEP = "step"  # score: the episode's rl.step
+ANNOTATION_STAGE = "stage"  # label: the stage it spent most time in (its seconds explained)
+ANNOTATION_KL = "kl"  # score: the episode's rl.mismatch.kl (when both logprobs were known)
+ANNOTATION_KEPT = "kept"  # label: why the tail sampler kept it (rl.trace.keep_reason)
 
 # message JSON in the parts shape (gen_ai.input.messages / output.messages / system_instructions)
 PART_TEXT = "text"

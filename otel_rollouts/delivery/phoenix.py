@@ -62,6 +62,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import math
 import os
 import re
 import socket
@@ -97,6 +98,7 @@ __all__ = [
     "PhoenixAnnotations",
     "annotations_of",
     "base_url",
+    "columns_of",
     "mode_from_env",
     "parse_mode",
 ]
@@ -152,34 +154,93 @@ def base_url(traces_endpoint: str) -> str | None:
 
 # --- what is posted ----------------------------------------------------------------------------
 def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, object]]:
-    """Phoenix's span annotations (``POST /v1/span_annotations`` items) for the evaluations of
-    every episode root span in ``spans``: the same name, score, label, explanation, annotator
-    kind, identifier and metadata as its ``evaluations.<i>.evaluation.*`` attributes."""
+    """Phoenix's span annotations (``POST /v1/span_annotations`` items) for every episode root
+    span in ``spans``: its evaluations (the same name, score, label, explanation, annotator kind,
+    identifier and metadata as its ``evaluations.<i>.evaluation.*`` attributes) and the columns
+    of ``columns_of``. The reward goes first, then the columns, then the other evaluations:
+    Phoenix lists a project's annotation columns (its Columns menu, the Stats panel) in the
+    order their names were first stored, so the columns a researcher ticks first come first."""
     out: list[dict[str, object]] = []
     for span in spans:
         attributes = span.attributes or {}
         if span.context is None or attributes.get(c.RL_SPAN_KIND) != c.KIND_EPISODE:
             continue
         span_id = f"{span.context.span_id:016x}"
-        for evaluation in read_evaluations(attributes):
-            result = {field: evaluation[field] for field in
-                      (c.OI_EVALUATION_SCORE, c.OI_EVALUATION_LABEL, c.OI_EVALUATION_EXPLANATION)
-                      if evaluation.get(field) is not None}
-            kind = evaluation.get(c.OI_EVALUATION_ANNOTATOR_KIND)
-            annotation: dict[str, object] = {
-                "span_id": span_id,
-                "name": evaluation[c.OI_EVALUATION_NAME],
-                "annotator_kind": kind if kind in _KINDS else c.OI_ANNOTATOR_CODE,
-                "result": result,
-            }
-            identifier = evaluation.get(c.OI_EVALUATION_IDENTIFIER)
-            if isinstance(identifier, str):
-                annotation["identifier"] = identifier
-            metadata = _metadata(evaluation.get(c.OI_EVALUATION_METADATA))
-            if metadata:
-                annotation["metadata"] = metadata
-            out.append(annotation)
+        evaluations = [_evaluation_annotation(span_id, evaluation) for evaluation in read_evaluations(attributes)]
+        first = 1 if evaluations and evaluations[0]["name"] == c.EVALUATION_REWARD else 0
+        out.extend(evaluations[:first])
+        # a reward component of the same name (the user's) keeps it: Phoenix keeps one per name
+        taken = {annotation["name"] for annotation in evaluations}
+        out.extend({"span_id": span_id, "name": name, "annotator_kind": c.OI_ANNOTATOR_CODE, "result": result}
+                   for name, result in columns_of(attributes) if name not in taken)
+        out.extend(evaluations[first:])
     return out
+
+
+def _evaluation_annotation(span_id: str, evaluation: Mapping[str, object]) -> dict[str, object]:
+    """The annotation of one of a root's evaluations (``read_evaluations``' shape)."""
+    result = {field: evaluation[field] for field in
+              (c.OI_EVALUATION_SCORE, c.OI_EVALUATION_LABEL, c.OI_EVALUATION_EXPLANATION)
+              if evaluation.get(field) is not None}
+    kind = evaluation.get(c.OI_EVALUATION_ANNOTATOR_KIND)
+    annotation: dict[str, object] = {
+        "span_id": span_id,
+        "name": evaluation[c.OI_EVALUATION_NAME],
+        "annotator_kind": kind if kind in _KINDS else c.OI_ANNOTATOR_CODE,
+        "result": result,
+    }
+    identifier = evaluation.get(c.OI_EVALUATION_IDENTIFIER)
+    if isinstance(identifier, str):
+        annotation["identifier"] = identifier
+    metadata = _metadata(evaluation.get(c.OI_EVALUATION_METADATA))
+    if metadata:
+        annotation["metadata"] = metadata
+    return annotation
+
+
+def columns_of(attributes: Mapping[str, object]) -> list[tuple[str, dict[str, object]]]:
+    """(name, result) of the annotations an episode root gets beyond its evaluations, so that
+    Phoenix's span list shows them as columns and filters by them (its metadata JSON is one
+    column that sorts by nothing, and a column shows a score, or a label when there is none):
+
+    * ``step``: score = ``rl.step`` (``evals['step'].score == 40``);
+    * ``stage``: label = the stage the episode spent most time in (the largest of its
+      ``rl.stage.<stage>.seconds``: generation, tool, environment, reward, waiting),
+      explanation = ``tool 8.0 s of 8.3 s`` (``evals['stage'].label == 'tool'``). A label only:
+      with a score, Phoenix's column would show the seconds and not the stage;
+    * ``kl``: score = ``rl.mismatch.kl``, when both logprobs were known (sort by it);
+    * ``kept``: label = why the tail sampler kept the episode (``rl.trace.keep_reason``:
+      ``evals['kept'].label == 'watch'``).
+
+    None of them is an evaluation of the episode (a quality judged), so none is on the span as
+    an OpenInference evaluation or a ``gen_ai.evaluation.result`` event: other backends read
+    those as scores. Each is absent when its attribute is (never 0 for unknown)."""
+    out: list[tuple[str, dict[str, object]]] = []
+    step = attributes.get(c.RL_STEP)
+    if isinstance(step, int) and not isinstance(step, bool):
+        out.append((c.ANNOTATION_STEP, {c.OI_EVALUATION_SCORE: step}))
+    stages = [(seconds, stage) for stage in c.STAGES
+              if (seconds := _finite(attributes.get(c.stage_seconds(stage)))) is not None and seconds >= 0]
+    if stages:
+        seconds, stage = max(stages, key=lambda pair: pair[0])  # the first of equal ones: STAGES' order
+        total = _finite(attributes.get(c.RL_DURATION_SECONDS))
+        of = f" of {total:.3g} s" if total is not None and total >= seconds else ""
+        out.append((c.ANNOTATION_STAGE, {c.OI_EVALUATION_LABEL: stage,
+                                         c.OI_EVALUATION_EXPLANATION: f"{stage} {seconds:.3g} s{of}"}))
+    kl = _finite(attributes.get(c.RL_MISMATCH_KL))
+    if kl is not None:
+        out.append((c.ANNOTATION_KL, {c.OI_EVALUATION_SCORE: kl}))
+    reason = attributes.get(c.RL_KEEP_REASON)
+    if isinstance(reason, str) and reason:
+        out.append((c.ANNOTATION_KEPT, {c.OI_EVALUATION_LABEL: reason}))
+    return out
+
+
+def _finite(value: object) -> float | None:
+    """A finite number as a float (JSON and Phoenix take no NaN), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _metadata(value: object) -> dict[str, object] | None:

@@ -344,6 +344,9 @@ class _Walk:
             if reason is None:  # the spec's finish reasons on the span (not in the messages)
                 main[c.GEN_AI_RESPONSE_FINISH_REASONS] = _Later(lambda: [_implied_finish(m) for m in outputs])
         _usage(main, attrs)
+        mismatch = _mismatch_metadata(attrs)
+        if mismatch:
+            derived[c.OI_METADATA] = as_text(mismatch)
         if parent_id is not None and parent_id not in self.turn_io:
             self.turn_io[parent_id] = (inputs[-1] if inputs else None,
                                        self.last_assistant if outputs else None)
@@ -468,6 +471,55 @@ def _usage(main: dict[str, object], attrs: Mapping[str, object]) -> None:
         main[c.OI_LLM_TOKEN_COUNT_COMPLETION] = completion_tokens
     if prompt_tokens is not None or completion_tokens is not None:
         main[c.OI_LLM_TOKEN_COUNT_TOTAL] = (prompt_tokens or 0) + (completion_tokens or 0)
+
+
+_WORST_COLUMNS = (c.RL_MISMATCH_WORST_TOKEN, c.RL_MISMATCH_WORST_POSITION, c.RL_MISMATCH_WORST_ROLLOUT,
+                  c.RL_MISMATCH_WORST_TRAINER)
+_TOKEN_WIDTH = 24  # characters of a token's text shown (quoted, cut with an ellipsis)
+# the table's key in a generation's metadata: mismatch.worst (rl.mismatch.worst.*, as the root's metadata names)
+_WORST = c.RL_MISMATCH_WORST_TOKEN.rpartition(".")[0].removeprefix(c.RL_PREFIX)
+
+
+def _mismatch_metadata(attrs: Mapping[str, object]) -> dict[str, object] | None:
+    """A generation's worst tokens (``worst_tokens_table``) as OpenInference ``metadata``:
+    Phoenix shows a span's metadata on its Info tab, under the messages, as indented JSON in a
+    monospaced font, where the table reads at a glance; the four ``rl.mismatch.worst.*`` arrays
+    are rows apart among sixty attributes. The table only: the root's metadata holds the
+    episode's statistics under their own names (``metadata['mismatch.kl'] > 0.1`` finds
+    episodes, not their generations). None without a table."""
+    table = worst_tokens_table(attrs)
+    return {_WORST: table} if table else None
+
+
+def worst_tokens_table(attrs: Mapping[str, object]) -> list[str] | None:
+    """A generation's worst tokens (the ``rl.mismatch.worst.*`` parallel arrays) as a small
+    table, one line per token, worst first, each line saying what its numbers are:
+    ``' Lima' at 3: Δ -3.498 (rollout -0.401, trainer -3.899)`` (the token quoted so that its
+    spaces show, its position, Δ = trainer − rollout logprob, both logprobs).
+
+    Lines that read alone, not aligned columns under a header: Phoenix shows a list in an
+    attribute table one row per element in a proportional font (runs of spaces collapse), and
+    a text's line breaks as ``\\n`` in JSON. None when the arrays are absent, of unequal
+    lengths, or hold something else than what ``_core.logprobs`` writes."""
+    columns: list[Sequence[object]] = []
+    for key in _WORST_COLUMNS:
+        column = attrs.get(key)
+        if not isinstance(column, (list, tuple)):
+            return None
+        columns.append(column)
+    tokens, positions, rollout, trainer = columns
+    if not tokens or not len(tokens) == len(positions) == len(rollout) == len(trainer):
+        return None
+    lines = []
+    for token, position, engine, policy in zip(tokens, positions, rollout, trainer, strict=True):
+        if not (isinstance(position, int) and isinstance(engine, (int, float)) and isinstance(policy, (int, float))):
+            return None
+        shown = text(token)
+        if len(shown) > _TOKEN_WIDTH:
+            shown = shown[:_TOKEN_WIDTH - 1] + "…"
+        shown = shown.replace("\n", "\\n")
+        lines.append(f"'{shown}' at {position}: Δ {policy - engine:+.3f} (rollout {engine:.3f}, trainer {policy:.3f})")
+    return lines
 
 
 def _instructions(value: object) -> list[Mapping[str, object]]:
@@ -608,7 +660,8 @@ _METADATA_KEYS = (c.RL_STEP, c.RL_SPLIT, c.RL_EPISODE_ID, c.RL_GROUP_ID, c.RL_SA
                   # what a researcher filters a step by in Phoenix: why kept, how slow, where the
                   # time went, how its group fared, which watched prompt
                   c.RL_KEEP_REASON, c.RL_DURATION_SECONDS, *(c.stage_seconds(s) for s in c.STAGES),
-                  c.RL_GROUP_DEGENERATE, c.RL_GROUP_REWARD_SPREAD, c.RL_GROUP_LOST, c.RL_DATASET_INDEX,
+                  c.RL_GROUP_DEGENERATE, c.RL_GROUP_REWARD_SPREAD, c.RL_GROUP_ALL_EQUAL, c.RL_GROUP_LOST,
+                  c.RL_GROUP_TRUNCATED, c.RL_DATASET_INDEX,
                   c.RL_WATCH_KEY,
                   # how far the rollout policy was from the trained one
                   c.RL_MISMATCH_KL, c.RL_MISMATCH_ABS_MAX, c.RL_MISMATCH_RATIO_MIN, c.RL_MISMATCH_RATIO_MAX,

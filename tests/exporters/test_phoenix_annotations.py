@@ -31,10 +31,13 @@ from otel_rollouts._core.messages import read_evaluations
 from otel_rollouts._core.settings import check_environment
 from otel_rollouts.delivery import phoenix
 from otel_rollouts.delivery.defaults import otlp_exporter_from_env
-from otel_rollouts.delivery.phoenix import PhoenixAnnotations, annotations_of
+from otel_rollouts.delivery.phoenix import PhoenixAnnotations, annotations_of, columns_of
 
 RUN = "run-7"
 NAME = "OTLPSpanExporter"
+# annotations of each episode recorded here: its evaluations (reward, correct, format, advantage,
+# status) and the columns step, stage (slowest) and kept (why)
+PER_EPISODE = 8
 # (step, group, sample index, reward, status): groups p0/p1 repeat every step
 EPISODES = [(step, group, i, round(0.1 * (i + 3 * (group == "p1")) + 0.05 * (step - 38), 2),
              "truncated" if (step, group, i) == (40, "p1", 2) else "ok")
@@ -123,7 +126,7 @@ def test_a_component_named_like_another_evaluation_keeps_its_own_name(configured
     assert names == ["reward", "reward.component.status", "reward.component.note", "advantage", "status"]
 
 
-def test_annotations_are_the_roots_evaluations_and_nothing_else(otr_shutdown):
+def test_annotations_are_the_roots_evaluations_reward_first_then_the_columns(otr_shutdown):
     memory = InMemorySpanExporter()
     _record(memory, EPISODES[:2])
     otr.shutdown()
@@ -131,11 +134,55 @@ def test_annotations_are_the_roots_evaluations_and_nothing_else(otr_shutdown):
     annotations = annotations_of(spans)
     roots = {f"{s.context.span_id:016x}": s for s in spans if s.parent is None}
     assert {a["span_id"] for a in annotations} == set(roots)  # episode roots only
-    for a in annotations:
-        assert a["annotator_kind"] == "CODE"
-        evaluation = next(e for e in read_evaluations(roots[a["span_id"]].attributes) if e["name"] == a["name"])
-        assert a["result"] == {k: evaluation[k] for k in ("score", "label") if k in evaluation}
-    assert len(annotations) == 2 * 5
+    for span_id, span in roots.items():
+        posted = [a for a in annotations if a["span_id"] == span_id]
+        assert {a["annotator_kind"] for a in posted} == {"CODE"}
+        # the reward first (the first annotation column Phoenix lists), then the columns a
+        # researcher sorts and filters by, then the other evaluations
+        assert [a["name"] for a in posted] == [c.EVALUATION_REWARD, c.ANNOTATION_STEP, c.ANNOTATION_STAGE,
+                                               c.ANNOTATION_KEPT, "correct", "format", "advantage", "status"]
+        evaluations = {e["name"]: e for e in read_evaluations(span.attributes)}
+        for a in posted:
+            if a["name"] in evaluations:  # the span's own evaluations, as they are
+                assert a["result"] == {k: evaluations[a["name"]][k] for k in ("score", "label")
+                                       if k in evaluations[a["name"]]}
+        by_name = {a["name"]: a["result"] for a in posted}
+        assert by_name[c.ANNOTATION_STEP] == {"score": span.attributes[c.RL_STEP]}
+        assert by_name[c.ANNOTATION_KEPT] == {"label": c.REASON_FIRST}
+        stage = by_name[c.ANNOTATION_STAGE]
+        seconds = {s: span.attributes[c.stage_seconds(s)] for s in c.STAGES if c.stage_seconds(s) in span.attributes}
+        assert stage["label"] == max(seconds, key=seconds.__getitem__)  # the slowest stage, by name
+        assert stage["explanation"].startswith(f"{stage['label']} ") and " s of " in stage["explanation"]
+        # none of them is an evaluation: not on the span as one, nor an evaluation event
+        assert not {c.ANNOTATION_STEP, c.ANNOTATION_STAGE, c.ANNOTATION_KEPT} & set(evaluations)
+        assert {e.attributes[c.GEN_AI_EVALUATION_NAME] for e in span.events} == set(evaluations)
+    assert len(annotations) == 2 * PER_EPISODE
+
+
+def test_the_columns_name_the_slowest_stage_the_kl_and_yield_to_a_component_of_their_name():
+    from otel_rollouts.delivery.phoenix import columns_of
+
+    attrs = {c.RL_STEP: 40, c.stage_seconds(c.STAGE_GENERATION): 1.5, c.stage_seconds(c.STAGE_TOOL): 8.0,
+             c.stage_seconds(c.STAGE_WAITING): 0.25, c.RL_DURATION_SECONDS: 9.75, c.RL_MISMATCH_KL: 0.125,
+             c.RL_KEEP_REASON: c.REASON_SLOWEST}
+    assert columns_of(attrs) == [
+        (c.ANNOTATION_STEP, {"score": 40}),
+        (c.ANNOTATION_STAGE, {"label": c.STAGE_TOOL, "explanation": "tool 8 s of 9.75 s"}),
+        (c.ANNOTATION_KL, {"score": 0.125}),
+        (c.ANNOTATION_KEPT, {"label": c.REASON_SLOWEST}),
+    ]
+    # unknown is absent, never 0: no step, no stage, a NaN KL
+    assert columns_of({c.RL_MISMATCH_KL: float("nan"), c.RL_STEP: True}) == []
+
+
+def test_a_reward_component_named_like_a_column_keeps_its_name(configured):
+    memory = configured(10, "first")
+    with otr.episode(step=3, group_id="g") as ep:
+        ep.reward(1.0, components={"step": 0.5})
+    otr.shutdown()
+    posted = [(a["name"], a["result"]) for a in annotations_of(memory.get_finished_spans())]
+    assert ("step", {"score": 0.5}) in posted and ("step", {"score": 3}) not in posted  # the user's own
+    assert len([name for name, _ in posted if name == "step"]) == 1  # Phoenix keeps one per name
 
 
 # --- the layer against a loopback Phoenix ------------------------------------------------------
@@ -153,12 +200,14 @@ def test_posts_each_batchs_evaluations_to_a_phoenix(sink: OtlpSink, otr_shutdown
     for a in posted:
         attrs = roots[a["span_id"]]["attributes"]
         assert a in [{"span_id": a["span_id"], "name": e["name"], "annotator_kind": "CODE",
-                      "result": {k: e[k] for k in ("score", "label") if k in e}} for e in read_evaluations(attrs)]
+                      "result": {k: e[k] for k in ("score", "label") if k in e}} for e in read_evaluations(attrs)] + [
+            {"span_id": a["span_id"], "name": name, "annotator_kind": "CODE", "result": result}
+            for name, result in columns_of(attrs)]
     by_name = {(a["span_id"], a["name"]): a["result"] for a in posted}
     truncated = next(r for r in roots.values() if r["attributes"][c.RL_STATUS] == "truncated")
     assert by_name[(truncated["span_id"], "status")] == {"label": "truncated"}
     totals = _totals()
-    assert totals[f"annotations.posted.{NAME}"] == len(posted) == 5 * len(EPISODES)
+    assert totals[f"annotations.posted.{NAME}"] == len(posted) == PER_EPISODE * len(EPISODES)
     assert totals[f"delivered.{NAME}"] == len(EPISODES)
     state = sink.state()
     # at most one post per kept episode (the episodes queued together go in one post)
@@ -192,7 +241,7 @@ def _failing_run(exporter, layer, caplog) -> dict[str, int]:
     assert totals.get(f"annotations.posted.{NAME}", 0) == 0
     # the first batch's request failed; the next two batches came during the pause: not posted
     assert totals[f"annotations.failures.{NAME}"] == 1
-    assert totals[f"annotations.lost.{NAME}"] == 5 * len(EPISODES)
+    assert totals[f"annotations.lost.{NAME}"] == PER_EPISODE * len(EPISODES)
     return totals
 
 
@@ -243,8 +292,8 @@ def test_posting_resumes_after_the_pause(sink: OtlpSink, otr_shutdown):
             ep.reward(1.0)
         assert otr.flush(30)
     totals = _totals()
-    assert totals[f"annotations.failures.{NAME}"] == 1 and totals[f"annotations.posted.{NAME}"] == 2
-    assert [a["name"] for a in sink.annotations()] == ["reward", "status"]  # step 1's episode
+    assert totals[f"annotations.failures.{NAME}"] == 1 and totals[f"annotations.posted.{NAME}"] == 5
+    assert [a["name"] for a in sink.annotations()] == ["reward", "step", "stage", "kept", "status"]  # step 1's
 
 
 def test_an_error_inside_the_layer_is_counted_and_the_export_still_succeeds(sink: OtlpSink, otr_shutdown,

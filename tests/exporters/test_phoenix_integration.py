@@ -41,6 +41,7 @@ from otr_scenario import (
 from receivers import PhoenixReceiver
 
 import otel_rollouts as otr
+from otel_rollouts import conventions as c
 from otel_rollouts.delivery.defaults import otlp_exporter_from_env
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations
 from otel_rollouts.exporters import OtlpJsonFileExporter
@@ -192,6 +193,9 @@ def test_file_replayed_to_phoenix_gives_the_same_spans(
 # (step, group, sample index): group ids repeat every step, as a GRPO trainer's prompt ids do
 GROUPS = [(step, group, i) for step in (38, 39, 40) for group in ("p0", "p1") for i in range(3)]
 TRUNCATED = (40, "p1", 2)
+# the annotations of each root: its evaluations (reward, correct, advantage, status) and the
+# columns step, stage (slowest) and kept (why)
+PER_ROOT = 7
 
 
 def _reward(step: int, group: str, i: int) -> float:
@@ -296,12 +300,12 @@ def test_phoenix_sorts_and_filters_episodes_by_their_annotations(phoenix: Phoeni
     layer = exporter.export.layer  # the Phoenix layer the environment wired
     traces, stats = _record_groups(exporter, project, "run-a")
     totals = stats["totals"]
-    assert totals["annotations.posted.OTLPSpanExporter"] == 4 * len(GROUPS)  # reward, correct, advantage, status
+    assert totals["annotations.posted.OTLPSpanExporter"] == PER_ROOT * len(GROUPS)
     assert not [k for k in totals if k.startswith(("annotations.failures", "annotations.lost"))]
     assert layer.version and layer.last_post_s is not None
     print(f"Phoenix {layer.version}: last annotation post took {1000 * layer.last_post_s:.1f} ms")
 
-    roots = wait_for_annotations(phoenix, project, len(GROUPS), 4)
+    roots = wait_for_annotations(phoenix, project, len(GROUPS), PER_ROOT)
     by_trace = {r["trace_id"]: r for r in roots}
     for key, trace_id in traces.items():
         annotations = by_trace[trace_id]["annotations"]
@@ -310,6 +314,8 @@ def test_phoenix_sorts_and_filters_episodes_by_their_annotations(phoenix: Phoeni
         assert annotations["correct"]["score"] == float(_reward(*key) >= 0.5)
         assert annotations["status"]["label"] == ("truncated" if key == TRUNCATED else "ok")
         assert annotations["status"]["score"] is None
+        assert annotations["step"]["score"] == key[0] and annotations["kept"]["label"] == "first"
+        assert annotations["stage"]["label"] in c.STAGES and annotations["stage"]["score"] is None
         assert {a["annotatorKind"] for a in annotations.values()} == {"CODE"}
         assert by_trace[trace_id]["metadata"]["reward.component.correct"] == float(_reward(*key) >= 0.5)
 
@@ -319,7 +325,9 @@ def test_phoenix_sorts_and_filters_episodes_by_their_annotations(phoenix: Phoeni
     expected = sorted((k for k in GROUPS if k[0] == 40), key=lambda k: _reward(*k))
     assert [r["trace_id"] for r in step40] == [traces[k] for k in expected]
     assert expected[0] == TRUNCATED
-    # filters a person types in the span list
+    # filters a person types in the span list: a step by its column, the status
+    assert {r["trace_id"] for r in _roots(phoenix, project, "evals['step'].score == 40")} == {
+        traces[k] for k in GROUPS if k[0] == 40}
     assert {r["trace_id"] for r in _roots(phoenix, project, "evals['status'].label == 'truncated'")} == {
         traces[TRUNCATED]}
     low = _roots(phoenix, project, "evals['reward'].score < 0.55 and parent_id is None")
@@ -336,6 +344,6 @@ def test_phoenix_annotations_over_grpc_need_phoenixs_url(phoenix: PhoenixReceive
     layer = PhoenixAnnotations.attach(exporter, phoenix.base_url)
     assert layer is not None
     traces, stats = _record_groups(exporter, project, "run-g")
-    assert stats["totals"]["annotations.posted.OTLPSpanExporter"] == 4 * len(GROUPS)
-    roots = wait_for_annotations(phoenix, project, len(GROUPS), 4)
+    assert stats["totals"]["annotations.posted.OTLPSpanExporter"] == PER_ROOT * len(GROUPS)
+    roots = wait_for_annotations(phoenix, project, len(GROUPS), PER_ROOT)
     assert {r["trace_id"] for r in roots} == set(traces.values())

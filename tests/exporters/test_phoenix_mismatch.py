@@ -105,6 +105,14 @@ def test_a_kept_generation_span_carries_its_worst_tokens_and_statistics(recorded
         assert _get(attrs, c.RL_MISMATCH_KL) > 0.1
         for name in (c.RL_MISMATCH_ABS_MEAN, c.RL_MISMATCH_RATIO_MIN, c.RL_MISMATCH_RATIO_MAX, c.RL_MISMATCH_BAND):
             assert _get(attrs, name) is not None
+        # the same tokens as a table a person reads on the span's Info tab (its metadata), worst first
+        metadata = _get(attrs, c.OI_METADATA)  # Phoenix stores the JSON text parsed
+        table = (json.loads(metadata) if isinstance(metadata, str) else metadata)["mismatch.worst"]
+        assert len(table) == len(positions)
+        for line, position, text, lp_rollout, lp_trainer in zip(table, positions, tokens, rollout, trainer,
+                                                                 strict=True):
+            assert line == (f"'{text}' at {position}: Δ {lp_trainer - lp_rollout:+.3f} "
+                            f"(rollout {lp_rollout:.3f}, trainer {lp_trainer:.3f})")
     worst = _get(generations[traces[DIVERGING[-1]]]["attributes"], c.RL_MISMATCH_WORST_TOKEN)[0]
     assert worst == " retry"  # sample 5's worst token, its leading space kept (decoded alone)
 

@@ -31,7 +31,9 @@ from otel_rollouts import conventions as c
 from otel_rollouts.delivery.phoenix import PhoenixAnnotations, annotations_of
 
 NAME = "OTLPSpanExporter"
-PER_EPISODE = 5  # annotations of each episode recorded here: reward, correct, format, advantage, status
+# annotations of each episode recorded here: reward, correct, format, advantage, status (its
+# evaluations) and the columns step, stage and kept
+PER_EPISODE = 8
 SECRET = "Bearer poster-s3cret"
 
 

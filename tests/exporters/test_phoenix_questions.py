@@ -73,7 +73,8 @@ def test_phoenix_filters_answer_the_questions(phoenix: PhoenixReceiver) -> None:
     assert {r["trace_id"] for r in tool_heavy} == {slow}
 
     # 2. degenerate groups: g1's members, all the same reward
-    equal = _roots(phoenix, project, "metadata['group.degenerate'] == 'all_equal' and parent_id is None")
+    # (the documented filter: all-equal whatever else holds, lost members included)
+    equal = _roots(phoenix, project, "metadata['group.all_equal'] == True and parent_id is None")
     assert equal and {r["metadata"]["group.id"] for r in equal} == {"g1"}
     assert all(r["metadata"]["group.reward_spread"] == 0 for r in equal)
 
