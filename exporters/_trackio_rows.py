@@ -50,7 +50,7 @@ from typing import Any, NamedTuple, cast
 from opentelemetry.sdk.trace import ReadableSpan
 
 from otel_rollouts import conventions as c
-from otel_rollouts._core.health import GroupRow
+from otel_rollouts._core.health import GroupRow, health_text
 from otel_rollouts._core.messages import as_text, attach_tool_call, scores_of, to_openai
 from otel_rollouts.exporters._tree import (
     duration_ms,
@@ -560,33 +560,17 @@ def _seconds(value: object) -> float | str:
 
 
 def group_health(attrs: Mapping[str, object]) -> str:
-    """An episode's GRPO group in one cell, from the ``rl.group.*`` attributes on its root:
-    ``all equal ×8`` (every member the same reward: zero advantage, no learning signal) and
-    ``lost 2/8`` (members lost, failed or filtered or missing, of those expected, or of those seen
-    when the expected size is unknown), each said apart (both joined by ``, ``), else ``ok 8``
-    (``ok 6/8`` when fewer were seen than expected); a group with members cut short adds
-    ``truncated 1/8`` (scored, so not lost: said, not counted as degenerate); ``—`` for an
-    episode without a group's health."""
+    """An episode's GRPO group in one cell (``_core.health.health_text``: ``all equal ×8``,
+    ``lost 2/8``, ``ok 8``, ``truncated 1/8``), from the ``rl.group.*`` attributes on its root;
+    ``—`` for an episode without a group's health."""
     size = attrs.get(c.RL_GROUP_SIZE)
     if not isinstance(size, int) or isinstance(size, bool):
         return TABLE_ABSENT
-    expected = attrs.get(c.RL_GROUP_EXPECTED_SIZE)
-    expected = expected if isinstance(expected, int) and not isinstance(expected, bool) and expected > 0 else None
-    lost, truncated = (_positive(attrs.get(key)) for key in (c.RL_GROUP_LOST, c.RL_GROUP_TRUNCATED))
-    parts = []
-    if attrs.get(c.RL_GROUP_ALL_EQUAL) is True:
-        parts.append(f"all equal \u00d7{size}")
-    if lost:
-        parts.append(f"lost {lost}/{expected or size}")
-    if not parts:
-        degenerate = attrs.get(c.RL_GROUP_DEGENERATE)
-        if isinstance(degenerate, str) and degenerate:
-            parts.append(degenerate.replace("_", " "))  # a reason this version has no words for
-        else:
-            parts.append(f"ok {size}" if expected is None or expected == size else f"ok {size}/{expected}")
-    if truncated:
-        parts.append(f"truncated {truncated}/{expected or size}")
-    return ", ".join(parts)
+    expected = _positive(attrs.get(c.RL_GROUP_EXPECTED_SIZE)) or None
+    degenerate = attrs.get(c.RL_GROUP_DEGENERATE)
+    return health_text(size, expected, attrs.get(c.RL_GROUP_ALL_EQUAL) is True, _positive(attrs.get(c.RL_GROUP_LOST)),
+                       _positive(attrs.get(c.RL_GROUP_TRUNCATED)),
+                       degenerate if isinstance(degenerate, str) and degenerate else None)
 
 
 def _positive(value: object) -> int:
@@ -831,12 +815,10 @@ def groups_rows(rows: Sequence[GroupRow]) -> list[dict[str, object]]:
     for row in rows:
         members = f"{row.size}/{row.expected_size}" if row.expected_size and row.expected_size != row.size \
             else str(row.size)
-        attrs: dict[str, object] = {c.RL_GROUP_SIZE: row.size, c.RL_GROUP_ALL_EQUAL: row.all_equal,
-                                    c.RL_GROUP_LOST: row.lost, c.RL_GROUP_TRUNCATED: row.truncated}
-        if row.expected_size:
-            attrs[c.RL_GROUP_EXPECTED_SIZE] = row.expected_size
         spread = TABLE_ABSENT if row.reward_spread is None else _readable(row.reward_spread, 4)
         out.append(dict(zip(GROUPS_COLUMNS, (row.group, members, spread, "yes" if row.all_equal else "no",
-                                             row.lost, row.truncated, row.kept, group_health(attrs)),
+                                             row.lost, row.truncated, row.kept,
+                                             health_text(row.size, row.expected_size or None, row.all_equal,
+                                                         row.lost, row.truncated)),
                             strict=True)))
     return out

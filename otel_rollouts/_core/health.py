@@ -61,3 +61,24 @@ class StepHealth:
     def all_equal_and_lost(self) -> int:
         """Groups both all-equal and short of members (``degenerate`` counts each group once)."""
         return max(self.all_equal + self.lost - self.degenerate, 0)
+
+
+def health_text(size: int, expected: int | None, all_equal: bool, lost: int, truncated: int,
+                other: str | None = None) -> str:
+    """A GRPO group's health as a person reads it, the same in every viewer: ``all equal ×8``
+    (zero advantage), ``lost 2/8`` (members lost of those expected, or of those seen when the
+    expected size is unknown), both joined by ``, `` when both hold, else ``ok 8`` (``ok 6/8``
+    when fewer were seen than expected; ``other``, a degenerate reason this version has no words
+    for, instead); then ``truncated 1/8`` when members were cut short (scored: not lost)."""
+    of = expected or size
+    parts = []
+    if all_equal:
+        parts.append(f"all equal \u00d7{size}")
+    if lost:
+        parts.append(f"lost {lost}/{of}")
+    if not parts:
+        parts.append(other.replace("_", " ") if other else
+                     f"ok {size}" if expected is None or expected == size else f"ok {size}/{expected}")
+    if truncated:
+        parts.append(f"truncated {truncated}/{of}")
+    return ", ".join(parts)

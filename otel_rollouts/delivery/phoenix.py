@@ -83,6 +83,7 @@ from otel_rollouts import conventions as c
 from otel_rollouts._core import runtime as _runtime
 from otel_rollouts._core.content import exception_text, reraise_interrupt
 from otel_rollouts._core.guard import first_time
+from otel_rollouts._core.health import health_text
 from otel_rollouts._core.messages import read_evaluations
 from otel_rollouts._core.settings import PHOENIX_AUTO as AUTO
 from otel_rollouts._core.settings import PHOENIX_OFF as OFF
@@ -210,7 +211,11 @@ def columns_of(attributes: Mapping[str, object]) -> list[tuple[str, dict[str, ob
       with a score, Phoenix's column would show the seconds and not the stage;
     * ``kl``: score = ``rl.mismatch.kl``, when both logprobs were known (sort by it);
     * ``kept``: label = why the tail sampler kept the episode (``rl.trace.keep_reason``:
-      ``evals['kept'].label == 'watch'``).
+      ``evals['kept'].label == 'watch'``);
+    * ``group``: label = its GRPO group's ``rl.group.degenerate`` (``all_equal``,
+      ``lost_members``, ``all_equal,lost_members``) or ``none``, explanation = the group's health
+      as Trackio's tables say it (``all equal ×3, lost 1/4``): ``evals['group'].label != 'none'``
+      lists the members of degenerate groups, sorted by the column.
 
     None of them is an evaluation of the episode (a quality judged), so none is on the span as
     an OpenInference evaluation or a ``gen_ai.evaluation.result`` event: other backends read
@@ -233,7 +238,20 @@ def columns_of(attributes: Mapping[str, object]) -> list[tuple[str, dict[str, ob
     reason = attributes.get(c.RL_KEEP_REASON)
     if isinstance(reason, str) and reason:
         out.append((c.ANNOTATION_KEPT, {c.OI_EVALUATION_LABEL: reason}))
+    size = attributes.get(c.RL_GROUP_SIZE)
+    if isinstance(size, int) and not isinstance(size, bool):
+        degenerate = attributes.get(c.RL_GROUP_DEGENERATE)
+        label = degenerate if isinstance(degenerate, str) and degenerate else c.DEGENERATE_NONE
+        expected = _count(attributes.get(c.RL_GROUP_EXPECTED_SIZE)) or None
+        text = health_text(size, expected, attributes.get(c.RL_GROUP_ALL_EQUAL) is True,
+                           _count(attributes.get(c.RL_GROUP_LOST)), _count(attributes.get(c.RL_GROUP_TRUNCATED)))
+        out.append((c.ANNOTATION_GROUP, {c.OI_EVALUATION_LABEL: label, c.OI_EVALUATION_EXPLANATION: text}))
     return out
+
+
+def _count(value: object) -> int:
+    """A count attribute as a positive int, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _finite(value: object) -> float | None:

@@ -173,6 +173,15 @@ def test_the_columns_name_the_slowest_stage_the_kl_and_yield_to_a_component_of_t
     ]
     # unknown is absent, never 0: no step, no stage, a NaN KL
     assert columns_of({c.RL_MISMATCH_KL: float("nan"), c.RL_STEP: True}) == []
+    # a group member: its group's degenerate reason as the label (none for a healthy one), the
+    # health as Trackio's tables write it
+    short = {c.RL_GROUP_SIZE: 3, c.RL_GROUP_EXPECTED_SIZE: 4, c.RL_GROUP_ALL_EQUAL: True, c.RL_GROUP_LOST: 1,
+             c.RL_GROUP_TRUNCATED: 0, c.RL_GROUP_DEGENERATE: c.DEGENERATE_ALL_EQUAL_LOST}
+    assert columns_of(short) == [(c.ANNOTATION_GROUP, {"label": c.DEGENERATE_ALL_EQUAL_LOST,
+                                                       "explanation": "all equal \u00d73, lost 1/4"})]
+    healthy = {c.RL_GROUP_SIZE: 4, c.RL_GROUP_ALL_EQUAL: False, c.RL_GROUP_LOST: 0, c.RL_GROUP_TRUNCATED: 1}
+    assert columns_of(healthy) == [(c.ANNOTATION_GROUP, {"label": c.DEGENERATE_NONE,
+                                                         "explanation": "ok 4, truncated 1/4"})]
 
 
 def test_a_reward_component_named_like_a_column_keeps_its_name(configured):

@@ -38,7 +38,9 @@ STEPS = (40, 41, 42)
 GROUPS = ("g0", "g1", "g2", "g3")
 SAMPLES = 4
 CAP = 8
-POLICY = "errors+slowest+top_bottom+degenerate_groups"
+# a share each for a failure, the straggler, the best and the worst, and the rest for whole
+# degenerate groups (a group of four fits)
+POLICY = otr.Compose(otr.Errors(1), otr.Slowest(1), otr.TopBottom(top=1, bottom=1), otr.DegenerateGroups(1))
 MODEL = "policy"
 
 WATCHED = 3  # the dataset index of the watched prompt: group g3's first sample at every step
@@ -378,6 +380,26 @@ def _scroll_to_text(browser, text: str) -> None:
     found = browser.find_elements(By.XPATH, f"//*[contains(text(), '{text}')]")
     if found:
         browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", found[0])
+
+
+# --- Q3: which groups of step 41 were degenerate -----------------------------------------------
+def test_q3_step_41s_degenerate_groups_by_the_group_column(
+        phoenix: PhoenixReceiver, run: Run, browser, tmp_path: Path) -> None:
+    """The ``group`` column: the members of degenerate groups, by why (``all_equal``, ...), the
+    health explained; the all-equal group planted at step 41 and only degenerate ones."""
+    shot = tmp_path / "q3-degenerate-groups.png"
+    condition = "evals['step'].score == 41 and evals['group'].label != 'none' and parent_id is None"
+    _span_list(browser, phoenix, run, condition, ("group", "kept"), shot)
+    members = {key for key in _kept(phoenix, run) if key[:2] == DEGENERATE}
+    assert members, "the degenerate group was kept (degenerate_groups in the policy)"
+    wait_for(browser, lambda d: {r.get("input_value") for r in _table(d)} >= {_question(k) for k in members},
+             "the degenerate group's members", shot)
+    rows = _table(browser)
+    assert {r[_column("group")] for r in rows if r.get("input_value") in {_question(k) for k in members}} == {
+        c.DEGENERATE_ALL_EQUAL}
+    assert all(r[_column("group")] in (c.DEGENERATE_ALL_EQUAL, c.DEGENERATE_LOST, c.DEGENERATE_ALL_EQUAL_LOST)
+               for r in rows)
+    save_screenshot(browser, shot)
 
 
 # --- Q5: how the watched prompt's answer and reward evolved ---------------------------------------
