@@ -410,7 +410,7 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
     parts = [f"{name} {value:.4g}" for name, value in scores_of(attrs).items()
              if name not in (c.EVALUATION_REWARD, c.EVALUATION_ADVANTAGE)]
     stages = {stage: _seconds(attrs.get(c.stage_seconds(stage))) for stage in STAGE_COLUMNS}
-    seconds = _seconds(attrs.get(c.RL_DURATION_SECONDS))
+    duration = _seconds(attrs.get(c.RL_DURATION_SECONDS))
     values = (
         _readable(attrs.get(c.RL_REWARD)), " \u00b7 ".join(parts) if parts else TABLE_ABSENT,
         _readable(attrs.get(c.RL_ADVANTAGE)), attrs.get(c.RL_STATUS),
@@ -419,7 +419,7 @@ def table_row(spans: Sequence[ReadableSpan], trace_url: str | None) -> dict[str,
         turns, TABLE_ABSENT if input_tokens is None else input_tokens,
         TABLE_ABSENT if output_tokens is None else output_tokens,
         reason if isinstance(reason, str) and reason else TABLE_ABSENT, group_health(attrs),
-        seconds, most_time_in(stages, seconds, longest),
+        duration, most_time_in(stages, duration, longest),
         *stages.values(),
         hex_id(root.context.trace_id, 32) if root is not None else None,
         None if attrs.get(c.RL_GROUP_ID) is None else as_text(attrs.get(c.RL_GROUP_ID)),
@@ -811,7 +811,7 @@ def groups_rows(rows: Sequence[GroupRow]) -> list[dict[str, object]]:
     seen), the reward spread (``—`` without rewards), all-equal (``yes``/``no``), members lost and
     truncated (apart: a truncated member was scored), members kept, and the cell the step table
     shows (``group_health``); in the order given (degenerate first)."""
-    out = []
+    out: list[dict[str, object]] = []
     for row in rows:
         members = f"{row.size}/{row.expected_size}" if row.expected_size and row.expected_size != row.size \
             else str(row.size)

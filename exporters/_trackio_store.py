@@ -17,11 +17,13 @@ import os
 import sqlite3
 import threading
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from otel_rollouts.exporters._trackio_rows import META_TRACE_ID, is_snapshot
+
+_T = TypeVar("_T")
 
 # Trackio's warning keys for data it could not persist (trackio.run.Run._warn_once)
 _PERSIST_FAILURES = ("write-", "persist-", "local-sender", "remote-sender", "flush-local-buffer", "finish-pending")
@@ -323,7 +325,7 @@ class TrackioStore:
         except sqlite3.Error as exc:
             return classify(exc)
 
-    def _under_run_lock(self, run: Any, job: Any) -> Any:
+    def _under_run_lock(self, run: Any, job: Callable[[], _T]) -> _T:
         """``job()`` under the run's client lock: never while its writer thread writes."""
         client_lock = getattr(run, "_client_lock", None)
         if client_lock is None:

@@ -75,6 +75,7 @@ from opentelemetry.trace import Link, SpanContext, TraceFlags
 from otel_rollouts import conventions as c
 from otel_rollouts._core.codec import PendingSpan, decode, encode
 from otel_rollouts._core.content import Deferred, jsonable, type_name
+from otel_rollouts._core.health import GroupRow
 from otel_rollouts._core.settings import RENDER_AUTO, RENDER_PROCESS, RENDER_THREAD
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts._core.stages import stage_totals
@@ -83,7 +84,7 @@ from otel_rollouts.delivery.dispatch import Delivery
 from otel_rollouts.delivery.layers import DeliveryCounts, Warner, exporter_name, warn
 from otel_rollouts.delivery.ledger import Ledger
 from otel_rollouts.delivery.materialize import Materializer
-from otel_rollouts.exporters.extras import GroupRow, GroupsSink, MetricsSink, PendingViewer
+from otel_rollouts.exporters.extras import GroupsSink, MetricsSink, PendingViewer
 
 __all__ = ["ProcessDelivery", "RENDER_AUTO", "RENDER_PROCESS", "RENDER_THREAD", "exporter_recipe", "make_delivery", "wire_record"]
 
