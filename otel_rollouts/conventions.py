@@ -145,6 +145,7 @@ ANNOTATION_STEP = "step"  # score: the episode's rl.step
 ANNOTATION_STAGE = "stage"  # label: the stage it spent most time in (its seconds explained)
 ANNOTATION_KL = "kl"  # score: the episode's rl.mismatch.kl (when both logprobs were known)
 ANNOTATION_KEPT = "kept"  # label: why the tail sampler kept it (rl.trace.keep_reason)
+ANNOTATION_QUEUE = "queue"  # score: seconds its generations waited in the engine's queue (rl.server.queue.seconds)
 ANNOTATION_GROUP = "group"  # label: its group's rl.group.degenerate, or none (the health explained)
 
 # message JSON in the parts shape (gen_ai.input.messages / output.messages / system_instructions)

@@ -162,6 +162,11 @@ def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, object]]:
     Phoenix lists a project's annotation columns (its Columns menu, the Stats panel) in the
     order their names were first stored, so the columns a researcher ticks first come first."""
     out: list[dict[str, object]] = []
+    queued: dict[int, float] = {}  # trace id -> seconds its generations waited in the engine's queue
+    for span in spans:
+        seconds = _finite((span.attributes or {}).get(c.RL_SERVER_QUEUE_SECONDS))
+        if span.context is not None and seconds is not None and seconds >= 0:
+            queued[span.context.trace_id] = queued.get(span.context.trace_id, 0.0) + seconds
     for span in spans:
         attributes = span.attributes or {}
         if span.context is None or attributes.get(c.RL_SPAN_KIND) != c.KIND_EPISODE:
@@ -173,7 +178,8 @@ def annotations_of(spans: Sequence[ReadableSpan]) -> list[dict[str, object]]:
         # a reward component of the same name (the user's) keeps it: Phoenix keeps one per name
         taken = {annotation["name"] for annotation in evaluations}
         out.extend({"span_id": span_id, "name": name, "annotator_kind": c.OI_ANNOTATOR_CODE, "result": result}
-                   for name, result in columns_of(attributes) if name not in taken)
+                   for name, result in columns_of(attributes, queued.get(span.context.trace_id))
+                   if name not in taken)
         out.extend(evaluations[first:])
     return out
 
@@ -199,7 +205,8 @@ def _evaluation_annotation(span_id: str, evaluation: Mapping[str, object]) -> di
     return annotation
 
 
-def columns_of(attributes: Mapping[str, object]) -> list[tuple[str, dict[str, object]]]:
+def columns_of(attributes: Mapping[str, object],
+               queued: float | None = None) -> list[tuple[str, dict[str, object]]]:
     """(name, result) of the annotations an episode root gets beyond its evaluations, so that
     Phoenix's span list shows them as columns and filters by them (its metadata JSON is one
     column that sorts by nothing, and a column shows a score, or a label when there is none):
@@ -212,6 +219,9 @@ def columns_of(attributes: Mapping[str, object]) -> list[tuple[str, dict[str, ob
     * ``kl``: score = ``rl.mismatch.kl``, when both logprobs were known (sort by it);
     * ``kept``: label = why the tail sampler kept the episode (``rl.trace.keep_reason``:
       ``evals['kept'].label == 'watch'``);
+    * ``queue``: score = ``queued``, the seconds the episode's generations waited in the
+      inference engine's queue (their ``rl.server.queue.seconds``, summed), when the engine's
+      timings reached them before the export (sort by it: an engine straggler on top);
     * ``group``: label = its GRPO group's ``rl.group.degenerate`` (``all_equal``,
       ``lost_members``, ``all_equal,lost_members``) or ``none``, explanation = the group's health
       as Trackio's tables say it (``all equal ×3, lost 1/4``): ``evals['group'].label != 'none'``
@@ -238,6 +248,8 @@ def columns_of(attributes: Mapping[str, object]) -> list[tuple[str, dict[str, ob
     reason = attributes.get(c.RL_KEEP_REASON)
     if isinstance(reason, str) and reason:
         out.append((c.ANNOTATION_KEPT, {c.OI_EVALUATION_LABEL: reason}))
+    if queued is not None:
+        out.append((c.ANNOTATION_QUEUE, {c.OI_EVALUATION_SCORE: round(queued, 6)}))
     size = attributes.get(c.RL_GROUP_SIZE)
     if isinstance(size, int) and not isinstance(size, bool):
         degenerate = attributes.get(c.RL_GROUP_DEGENERATE)

@@ -173,6 +173,8 @@ def test_the_columns_name_the_slowest_stage_the_kl_and_yield_to_a_component_of_t
     ]
     # unknown is absent, never 0: no step, no stage, a NaN KL
     assert columns_of({c.RL_MISMATCH_KL: float("nan"), c.RL_STEP: True}) == []
+    # the seconds its generations waited in the engine's queue, when the engine said
+    assert columns_of({}, 0.45) == [(c.ANNOTATION_QUEUE, {"score": 0.45})]
     # a group member: its group's degenerate reason as the label (none for a healthy one), the
     # health as Trackio's tables write it
     short = {c.RL_GROUP_SIZE: 3, c.RL_GROUP_EXPECTED_SIZE: 4, c.RL_GROUP_ALL_EQUAL: True, c.RL_GROUP_LOST: 1,

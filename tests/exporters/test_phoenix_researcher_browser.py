@@ -59,6 +59,8 @@ DRIFT_WORDS = ["The", " answer", " is", " Lima", "."]
 DRIFT_TOKEN, DRIFT_AT, DRIFT_BY = " Lima", 3, -3.5
 
 STRAGGLER = (42, "g1", 3)  # its sandbox tool runs 0.6 s (a workload, the other tools take none)
+ENGINE_STRAGGLER = (42, "g3", 3)  # step 42's best: its first generation waited in the engine's queue
+ENGINE_QUEUE_S = 0.45  # what the engine reported (rl.server.queue.seconds), as the gateway copies it
 SLOW_TOOL = "sandbox"
 STRAGGLE_S = 0.6
 
@@ -113,7 +115,9 @@ def _record_episode(key: tuple[int, str, int], rng: np.random.Generator) -> str:
     with otr.episode(step=step, group_id=group, sample_index=i, dataset_index=index) as ep:
         ep.prompt([{"role": "system", "content": "Use the tools."}, {"role": "user", "content": _question(key)}])
         with ep.turn() as turn:
-            turn.record_generation("Let me look it up.", model=MODEL, input_tokens=20, output_tokens=5)
+            gen = turn.record_generation("Let me look it up.", model=MODEL, input_tokens=20, output_tokens=5)
+            if key == ENGINE_STRAGGLER:
+                gen.set_attribute(c.RL_SERVER_QUEUE_SECONDS, ENGINE_QUEUE_S)
             tool = FAILED_TOOL if key == WORST else SLOW_TOOL if key == STRAGGLER else "calculator"
             with turn.tool_call(tool, arguments={"q": _question(key)}) as call:
                 if key == WORST:
@@ -309,13 +313,22 @@ def _kept(phoenix: PhoenixReceiver, run: Run) -> set[tuple[int, str, int]]:
 def test_q2_step_42s_straggler_by_latency_its_stage_column_and_its_slow_span(
         phoenix: PhoenixReceiver, run: Run, browser, tmp_path: Path) -> None:
     shot = tmp_path / "q2-step42-slowest-first.png"
-    _span_list(browser, phoenix, run, "evals['step'].score == 42 and parent_id is None", ("stage", "kept"), shot)
+    _span_list(browser, phoenix, run, "evals['step'].score == 42 and parent_id is None", ("stage", "kept", "queue"),
+               shot)
     _sort(browser, "latencyMs", descending=True)
     wait_for(browser, lambda d: (rows := _table(d)) and rows[0].get("input_value") == _question(STRAGGLER),
              "the straggler first, slowest first", shot)
     first = _table(browser)[0]
     assert first[_column("stage")] == c.STAGE_TOOL  # where its time went
     assert first[_column("kept")] == c.REASON_SLOWEST
+    save_screenshot(browser, shot)
+
+    # the engine's straggler: the queue column, sorted (the engine's own timing of its generations)
+    shot = tmp_path / "q2-engine-queue.png"
+    _sort(browser, _column("queue"), descending=True)
+    wait_for(browser, lambda d: (rows := _table(d)) and rows[0].get("input_value") == _question(ENGINE_STRAGGLER),
+             "the engine straggler first by queue time", shot)
+    assert _score(_table(browser)[0][_column("queue")]) == ENGINE_QUEUE_S
     save_screenshot(browser, shot)
 
     # the stage filter a person types: the tool-bound episodes of the step, the straggler among them
