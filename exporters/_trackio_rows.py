@@ -768,7 +768,7 @@ def summary_prefix(values: Mapping[str, object]) -> str | None:
     """The scalars' prefix (``rollouts/``, ``eval/rollouts/``) when ``values`` is a closed step's
     summary, else None (a lone scalar, e.g. the step's hung episodes)."""
     for key in values:
-        if key.endswith(_SEEN) and "/" not in key[len(key) - len(_SEEN):]:
+        if key.endswith(_SEEN):
             return key[: -len(_SEEN)]
     return None
 

@@ -634,9 +634,7 @@ class TrackioExporter(SpanExporter, MetricsSink, GroupsSink, NotStoredReporter, 
                                  strict=True))]
             else:
                 step = max(r.step for r in running)
-            # no "/" in its name: Trackio puts it in the first section of the metrics page
-            split = "" if key.startswith(f"{self.trace_key}/") else key.split("/", 1)[0] + "_"
-            run.log({split + RUNNING_NOW: len(running)}, step=step)
+            run.log({self._running_now(key): len(running)}, step=step)
             if not self.table:
                 continue
             table_key = f"{key}/{TABLE_SUFFIX}"
@@ -651,6 +649,11 @@ class TrackioExporter(SpanExporter, MetricsSink, GroupsSink, NotStoredReporter, 
                                        type(exc).__name__, exc)
             if self._log_table(table_key, step, rows):
                 self._running_tables[table_key] = step
+
+    def _running_now(self, key: str) -> str:
+        """The scalar of how many episodes of a running key hang now: ``running_now`` for train,
+        ``<split>_running_now`` (no "/" in its name: the first section of the metrics page)."""
+        return RUNNING_NOW if key.startswith(f"{self.trace_key}/") else f"{key.split('/', 1)[0]}_{RUNNING_NOW}"
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         """Log a training step's rollout numbers as Trackio scalars at ``step`` (the same step
@@ -677,8 +680,7 @@ class TrackioExporter(SpanExporter, MetricsSink, GroupsSink, NotStoredReporter, 
             if prefix is not None and self.trace_key and prefix.endswith(f"{self.trace_key}/"):
                 # what runs past the hang threshold, at every closed step too: a line, not one point
                 key = f"{prefix}{RUNNING_SUFFIX}"
-                split = "" if key == f"{self.trace_key}/{RUNNING_SUFFIX}" else key.split("/", 1)[0] + "_"
-                scalars[split + RUNNING_NOW] = sum(1 for r in self._running.values() if r.key == key)
+                scalars[self._running_now(key)] = sum(1 for r in self._running.values() if r.key == key)
             self._trackio_run().log(scalars, step=int(step))
             if prefix is not None and self.table:  # a closed step's summary: also as one table
                 self._log_table(f"{prefix}{SUMMARY_SUFFIX}", int(step), summary_rows(values, prefix))
