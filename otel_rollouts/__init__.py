@@ -18,10 +18,16 @@ import from there in a library, use the root in a script. The exporters and thei
 (``MetricsSink``, ``GroupsSink``, ``NotStoredReporter``, ``PendingViewer``) are in ``otel_rollouts.exporters``.
 """
 
+# From a source checkout the exporters live beside this folder (installs map them inside): map them
+# the same way before any module below imports them.
+from otel_rollouts._layout import map_exporters as _map_exporters
+
+_map_exporters(__path__[0])
+
 # Before anything imports the OpenTelemetry SDK: it reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT & co at
 # import and raises on an invalid value. check_environment() warns once about such a value and
 # removes it, so that `import otel_rollouts` never fails on the environment (it never raises).
-from otel_rollouts._core.settings import check_environment as _check_environment
+from otel_rollouts._core.settings import check_environment as _check_environment  # noqa: E402
 
 _check_environment()
 
