@@ -228,11 +228,21 @@ def _build(build: Callable[[int, Episode], None], i: int, ep: Episode, failed: l
 
 
 def _statuses(rows: Rows) -> Callable[[], list[Any]]:
+    """The status column the sampler reads: as given (``ok`` where none is), and ``error`` where
+    an ``ok`` sample's reward is refused (NaN, infinite, not a number), as ``Episode.reward``
+    records it on the sample's root: the group counts it lost, the sampler sees a broken episode."""
     def column() -> list[Any]:
         given = rows.statuses() if callable(rows.statuses) else rows.statuses
         if given is None:
-            return [c.STATUS_OK] * rows.size
-        return [status_value(s) or c.STATUS_OK for s in given]
+            statuses = [c.STATUS_OK] * rows.size
+        else:
+            statuses = [status_value(s) or c.STATUS_OK for s in given]
+        raw = rows.rewards
+        if raw is not None:
+            for i, (value, number) in enumerate(zip(raw, _floats(raw))):
+                if number is None and value is not None and statuses[i] == c.STATUS_OK:
+                    statuses[i] = c.STATUS_ERROR
+        return statuses
 
     return column
 
@@ -313,7 +323,8 @@ def record_batch(
     ``[B, R]``, 1 = counted, marks the real tokens; NaN counts as unknown) or one 1-D sequence
     (or None) per sample. With both, every sample's train–inference mismatch (``rl.mismatch.*``)
     is computed in one vectorised pass; a recorded sample gets it on its root and on the last
-    generation ``record`` made, with its worst tokens (rendered only if kept).
+    generation ``record`` made, with its worst tokens (rendered only if kept); when ``record``
+    recorded its generations' own logprobs (``Generation.output``), on its root only.
     ``response_tokens``: the same tokens' texts or ids (ids decoded with ``tokenizer``, for the
     worst few tokens of kept samples only, on the export thread, with a private copy).
 
@@ -450,9 +461,10 @@ class _BatchMismatch:
         if totals.n <= 0 or record is None or record.root is None:
             return
         record.root.attributes.update(totals.attributes(self.options))
+        own = record.mismatch is not None  # ``record`` gave the generations their own statistics
         record.mismatch = totals
         span = next((s for s in reversed(record.spans) if s.kind == c.KIND_GENERATION), None)
-        if span is None:
+        if span is None or own:
             return
         span.attributes.update(totals.attributes(self.options))
         if not (self.options.top_tokens and record.capture_content):

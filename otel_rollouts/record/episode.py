@@ -355,6 +355,23 @@ def _number(span: SpanRecord, value: object, field: str) -> float | None:
     return number
 
 
+def _reward_refused(root: SpanRecord, problem: str) -> None:
+    """A reward that is no number (NaN, infinite, text) fails the episode, not only its reward
+    span: an ``ok`` episode becomes ``error`` (its group counts it lost, never all-equal with the
+    rest) and the root's ``rl.invalid`` names the field, as the reward span's does (reported once,
+    by the span's flag). A status the user set apart from ``ok`` (truncated, filtered) stays."""
+    attrs = root.attributes
+    invalid = attrs.get(c.RL_INVALID_FIELDS)
+    if isinstance(invalid, list):
+        invalid.append(problem)
+    else:
+        attrs[c.RL_INVALID_FIELDS] = [problem]
+    if attrs.get(c.RL_STATUS, c.STATUS_OK) == c.STATUS_OK:
+        attrs[c.RL_STATUS] = c.STATUS_ERROR
+        if root.status_code is not StatusCode.ERROR:
+            root.fail(message=problem)
+
+
 def _put(span: SpanRecord, key: str, value: object) -> None:
     """``put_attribute(span, key, value, "components")``, its common case (a short key, room
     left) checked in place."""
@@ -1260,9 +1277,12 @@ class Episode:
                     record.reward_span = span
             values: dict[str, float] = {}
             if value is not None:
-                number = _number(span, value, "reward")
-                if number is not None:
+                number, problem = to_float(value, "reward")
+                if problem is None:
                     values[c.RL_REWARD] = number
+                else:
+                    flag(span, problem)
+                    _reward_refused(root, problem)
             if components:
                 if isinstance(components, Mapping):
                     for key, comp in components.items():
@@ -1301,6 +1321,8 @@ class Episode:
             if status not in c.STATUSES:
                 flag(root, f"status: expected one of {', '.join(c.STATUSES)}, got {refused(status)}")
                 status = c.STATUS_ERROR if status == "failed" else None
+            if status == c.STATUS_OK and root.status_code is StatusCode.ERROR:
+                status = None  # an error already recorded (a refused reward) is not undone by "ok"
             if status is not None:
                 root.attributes[c.RL_STATUS] = status
                 if status == c.STATUS_ERROR and root.status_code is not StatusCode.ERROR:
