@@ -20,7 +20,7 @@ import from there in a library, use the root in a script. The exporters and thei
 
 # From a source checkout the exporters live beside this folder (installs map them inside): map them
 # the same way before any module below imports them.
-from otel_rollouts._layout import map_exporters as _map_exporters
+from otel_rollouts._core.layout import map_exporters as _map_exporters
 
 _map_exporters(__path__[0])
 
