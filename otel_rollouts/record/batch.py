@@ -239,7 +239,7 @@ def _statuses(rows: Rows) -> Callable[[], list[Any]]:
             statuses = [status_value(s) or c.STATUS_OK for s in given]
         raw = rows.rewards
         if raw is not None:
-            for i, (value, number) in enumerate(zip(raw, _floats(raw))):
+            for i, (value, number) in enumerate(zip(raw, _floats(raw), strict=True)):
                 if number is None and value is not None and statuses[i] == c.STATUS_OK:
                     statuses[i] = c.STATUS_ERROR
         return statuses

@@ -1278,9 +1278,9 @@ class Episode:
             values: dict[str, float] = {}
             if value is not None:
                 number, problem = to_float(value, "reward")
-                if problem is None:
+                if number is not None:
                     values[c.RL_REWARD] = number
-                else:
+                elif problem is not None:
                     flag(span, problem)
                     _reward_refused(root, problem)
             if components:
