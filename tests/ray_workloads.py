@@ -6,8 +6,10 @@ import asyncio
 import logging
 import os
 import threading
+import time
 
 import otel_rollouts as otr
+from otel_rollouts.sampling.ray_budget import BudgetCoordinator
 
 
 @otr.traced(kind="span")
@@ -287,3 +289,69 @@ class GatewayRollouts:
         self.instrumentor.uninstrument()
         otr.shutdown()
         return otr.stats()["totals"]
+
+
+# --- log records made in Ray calls (they travel back to the caller's episode) ----------------------
+TASK_LOGGER = "otr-ray-task"
+_task_logs: list = []  # this worker process's log exporter, once made
+
+
+def log_here():
+    """This worker process's log records exported through otel_rollouts, set up once per process
+    (what a user does in an actor's ``__init__`` or a task): an in-memory exporter, kept so a test
+    can check that none of the records made in an episode is exported from the worker."""
+    if not _task_logs:
+        from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+        _task_logs.append(InMemoryLogRecordExporter())
+        logging.getLogger(TASK_LOGGER).setLevel(logging.INFO)
+        otr.instrument_logging(TASK_LOGGER, exporter=_task_logs[0])
+    return _task_logs[0]
+
+
+@otr.ray_remote
+@otr.traced(kind="tool")
+def log_and_score(text: str) -> int:
+    log_here()
+    logging.getLogger(TASK_LOGGER).info("ray call scored %s", text)
+    return measure(text)
+
+
+@otr.ray_remote
+@otr.traced(kind="tool")
+def log_and_refuse(text: str) -> None:
+    log_here()
+    logging.getLogger(TASK_LOGGER).warning("ray call refused %s", text)
+    raise ValueError(f"refused {text}")
+
+
+@otr.ray_remote(max_concurrency=4)
+class LoggingEnv:
+    """A threaded actor whose calls log (its process's records exported through otel_rollouts)."""
+
+    def __init__(self) -> None:
+        log_here()
+
+    @otr.traced(kind="tool")
+    def step(self, action: str) -> str:
+        logging.getLogger(TASK_LOGGER).info("ray call env step %s", action)
+        return f"obs:{action}"
+
+    def exported(self) -> list[str]:
+        """The bodies this process's own exporter sent (none of an episode's)."""
+        from otel_rollouts.correlate.logs import active_processor
+
+        processor = active_processor()
+        assert processor is not None and processor.force_flush(10_000)
+        return [str(r.log_record.body) for r in log_here().get_finished_logs()]
+
+
+
+class SlowStartingCoordinator(BudgetCoordinator):
+    """``RayBudget``'s coordinator whose start takes ``seconds`` (made by a test under the
+    budget's name before any member): a worker process starting on a loaded machine, made
+    certain here. The delay is the condition under test, not a synchronisation."""
+
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+        super().__init__()

@@ -9,7 +9,8 @@ step and answers each member with the indices it keeps. So top-k, uniform and gr
 actors, and the job keeps at most the cap per (step, split).
 
 The coordinator is one named, detached actor per budget (``lifetime="detached"``: owned by none
-of the user's actors, so no actor's death takes it along; ``max_restarts=-1``: Ray restarts it).
+of the user's actors, so no actor's death takes it along; ``max_restarts=-1``: Ray restarts it),
+named ``RayBudget.actor_name()`` in the Ray namespace ``"otel_rollouts"`` (``ray.get_actor``).
 It needs no CPU (``num_cpus=0``) and keeps the decisions of the last ``_REMEMBERED_STEPS`` steps
 of each of the last ``_REMEMBERED_RUNS`` runs.
 
@@ -32,14 +33,24 @@ Rules (README, "Running on Ray"):
 * Who is waited for: ``members=N`` waits for N members per step; without it, every member that
   has sent a step before and was not absent from the last decided step. A step is decided when
   they all sent it or ``timeout_s`` after its first summary arrived, whichever comes first.
+  Without ``members``, a run's first step is decided at its deadline only (once per run): no
+  member count is known before members send (rollout actors start seconds apart), so every
+  member whose summary arrives within ``timeout_s`` of the first is in that decision: exact for
+  members that start within ``timeout_s`` of each other.
 * A member that dies or is slow (misses the deadline) is left out of that decision and is not
   waited for again until it sends a step; its summaries of a step already decided are *late*:
   it keeps the best of them within what the step has left of the cap (so the cap holds).
 * A member that never calls ``end_step`` for a step: its steps close by the lag or timeout
   rules, or at flush/shutdown, without agreement, where each member keeps at most
   ``cap // members`` (the member count last seen).
-* The coordinator dead or unreachable: ``end_step`` waits at most ``timeout_s`` plus a margin,
-  decides locally within ``cap // members`` (counted ``budget.local_fallback``) and looks the
+* The coordinator's start (a worker process) is waited for apart from a step (at most
+  ``max(_STARTUP_S, timeout_s)``), at the first step and after the coordinator was lost: a
+  member's wait for the step's answer never counts it (else members on time give up on a
+  coordinator still starting, decide alone and leave their summaries to a decision that no
+  longer applies to them).
+* The coordinator dead or unreachable: ``end_step`` waits ``timeout_s`` plus a margin for its
+  answer, then once more as long if the coordinator answers a ping (alive: the call was queued),
+  else decides locally within ``cap // members`` (counted ``budget.local_fallback``) and looks the
   coordinator up again at the next step; a restarted coordinator has forgotten its state and
   rebuilds it from the summaries that come in (a step it sees partly is decided on what it saw,
   the rest is late).
@@ -75,6 +86,7 @@ _WARN_INTERVAL_S = 60.0
 _UNNAMED = "unnamed:"
 _NAMESPACE = "otel_rollouts"
 _MARGIN_S = 5.0  # beyond timeout_s: the call itself (a coordinator busy restarting)
+_STARTUP_S = 60.0  # the coordinator's start (a worker process), waited for apart from a step's wait
 
 
 class RayBudget:
@@ -83,9 +95,10 @@ class RayBudget:
 
     Budgets are per run (the coordinator keys its steps by run and step; see the module's
     rules): two runs of one Ray job never share one, so give every member of a run the same
-    ``configure(run_id=...)``. ``name``: the coordinator actor's name (default: one per Ray job). ``members``: how many
-    members each step waits for (default: those seen; see the module's rules). ``timeout_s``:
-    how long a step waits for its members after the first one sent it.
+    ``configure(run_id=...)``. ``name``: the coordinator actor's name (default: one per Ray
+    job; ``actor_name()``). ``members``: how many members each step waits for (default: those
+    seen, a run's first step waiting its whole ``timeout_s`` for them; see the module's rules).
+    ``timeout_s``: how long a step waits for its members after the first one sent it.
     """
 
     def __init__(self, name: str | None = None, *, members: int | None = None, timeout_s: float = 10.0) -> None:
@@ -96,6 +109,20 @@ class RayBudget:
         self.name = name
         self.members = members
         self.timeout_s = float(timeout_s)
+
+    #: the Ray namespace of every budget's coordinator actor
+    namespace = _NAMESPACE
+
+    def actor_name(self) -> str:
+        """The coordinator actor's name in the current Ray job: ``name`` if given, else
+        ``otel_rollouts-budget-<Ray job id>``. It lives in the Ray namespace ``"otel_rollouts"``
+        (``RayBudget.namespace``), so operations reach it from any process of the job with
+        ``ray.get_actor(budget.actor_name(), namespace="otel_rollouts")``. Needs Ray initialised."""
+        if self.name is not None:
+            return self.name
+        import ray
+
+        return f"otel_rollouts-budget-{ray.get_runtime_context().get_job_id()}"
 
     def coordinator(self) -> RayMember | None:
         """This process's side of the budget; None until Ray is initialised here."""
@@ -117,7 +144,7 @@ class RayMember(distributed.Member):
         self.member_id = uuid.uuid4().hex
         self.members = budget.members or 1  # last count the coordinator told
         self.handle: Any = None
-        self.name = budget.name or f"otel_rollouts-budget-{ray.get_runtime_context().get_job_id()}"
+        self.name = budget.actor_name()
         self.warn_lock = threading.Lock()
         # per kind of warning: when it was last logged, and how many were not logged since
         self.warned: dict[str, tuple[float, int]] = {}
@@ -126,6 +153,10 @@ class RayMember(distributed.Member):
         return bool(self.ray.is_initialized())
 
     def _coordinator(self) -> Any:
+        """The coordinator's handle, made (or found) and *started* at the first step or after
+        the coordinator was lost: its start (a new worker process, seconds on a loaded machine)
+        is waited for here, at most ``max(_STARTUP_S, timeout_s)``, so that it never eats into
+        the step's own wait for its answer (``_answer``)."""
         if self.handle is None:
             actor = self.ray.remote(BudgetCoordinator).options(
                 name=self.name,
@@ -135,17 +166,35 @@ class RayMember(distributed.Member):
                 max_restarts=-1,
                 num_cpus=0,
             )
-            self.handle = actor.remote()
+            handle = actor.remote()
+            self.ray.get(handle.__ray_ready__.remote(), timeout=max(_STARTUP_S, self.budget.timeout_s))
+            self.handle = handle
         return self.handle
+
+    def _answer(self, handle: Any, ref: Any) -> dict[str, Any]:
+        """The coordinator's reply to a submit. The coordinator answers at most ``timeout_s``
+        after the step's first summary *reached it*, but this member's clock started when it
+        sent: a call queued meanwhile (a busy or restarting coordinator) may outlast
+        ``timeout_s + _MARGIN_S`` here with the answer on its way. So at that point the
+        coordinator is asked whether it is alive (one ``_MARGIN_S`` ping); if it is, its answer
+        is waited for once more (``timeout_s + _MARGIN_S``); if not, the timeout stands (local
+        fallback)."""
+        ray, wait = self.ray, self.budget.timeout_s + _MARGIN_S
+        try:
+            return dict(ray.get(ref, timeout=wait))
+        except ray.exceptions.GetTimeoutError:
+            ray.get(handle.__ray_ready__.remote(), timeout=_MARGIN_S)  # raises: dead or hung
+            return dict(ray.get(ref, timeout=wait))
 
     def exchange(
         self, policy: Policy, cap: int, payload: distributed.Payload, step: int
     ) -> dict[tuple[int, str], distributed.Kept]:
         try:
-            ref = self._coordinator().submit.remote(
+            handle = self._coordinator()
+            ref = handle.submit.remote(
                 self.member_id, step, payload, policy, cap, self.budget.members, self.budget.timeout_s, _run_id()
             )
-            reply = self.ray.get(ref, timeout=self.budget.timeout_s + _MARGIN_S)
+            reply = self._answer(handle, ref)
         except Exception as exc:
             self.handle = None  # looked up again next step (a restarted coordinator)
             _count("budget.local_fallback")
@@ -232,6 +281,9 @@ class _Run:
         self.newest: int | None = None  # the newest step decided
 
     def expected(self, wanted: int | None) -> int:
+        """How many members a step waits for: ``members=N``, else those seen and not absent.
+        Without ``members``, a run's first step (``newest is None``) is never complete before
+        its deadline: who the run's members are is learnt then (see ``submit``)."""
         return wanted if wanted is not None else max(len(self.members - self.absent), 1)
 
     def restarts_at(self, step: int, wanted: int | None) -> bool:
@@ -291,6 +343,15 @@ class BudgetCoordinator:
         timeout_s: float,
         run: str | None = None,
     ) -> dict[str, object]:
+        """``member``'s summaries of ``step``; answers with the indices it keeps once the step
+        is decided: when every member waited for sent it, or at its deadline (``timeout_s``
+        after its first summary arrived), whichever comes first.
+
+        Without ``members=N`` (``wanted`` None) a run's first step is decided at its deadline
+        only: no member count is known before it (rollout actors start seconds apart, and the
+        first to send would otherwise be taken for the whole run, its step decided over its own
+        candidates alone), so every member that sends it within ``timeout_s`` is in its
+        decision. Once per run; from then on the members seen are waited for."""
         runs, new_run = self._run_of(member, run, step, wanted)
         runs.members.add(member)
         runs.absent.discard(member)
@@ -302,7 +363,7 @@ class BudgetCoordinator:
         if state.decided:
             return {**self._late(runs, state, payload), "new_run": new_run}
         state.payloads[member] = payload
-        if len(state.payloads) >= runs.expected(wanted):
+        if len(state.payloads) >= runs.expected(wanted) and (wanted is not None or runs.newest is not None):
             self._decide(runs, step, state)
         else:
             try:

@@ -8,11 +8,13 @@ coordinator killed between steps never block the others and never break the cap.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
 import ray
 import ray_workloads as w
+from docs_blocks import page_blocks
 from otr_helpers import configure_memory
 
 import otel_rollouts as otr
@@ -201,7 +203,10 @@ def test_a_member_arriving_after_the_deadline_keeps_only_what_the_cap_has_left(r
     batches = _episodes(0, ACTORS, seed=11)
     batches[0], batches[1] = batches[0][:2], batches[1][:1]  # on time: 3 episodes, under the cap
     ray.get([a.run_step.remote(0, b) for a, b in zip(actors, batches, strict=True)])
-    ray.get([a.end_step.remote(0) for a in actors[:2]], timeout=60)  # decided at the deadline
+    on_time_totals = ray.get([a.end_step.remote(0) for a in actors[:2]], timeout=60)  # decided at the deadline
+    # by the coordinator, not alone: a member that gave up waiting (its clock counted the
+    # coordinator's start) keeps its own within cap // members, which looks the same here
+    assert all("budget.local_fallback" not in t for t in on_time_totals), on_time_totals
     on_time = _kept(actors[:2])
     assert len(on_time) == 3
     totals = ray.get(actors[2].end_step.remote(0), timeout=60)  # the late member
@@ -212,4 +217,110 @@ def test_a_member_arriving_after_the_deadline_keeps_only_what_the_cap_has_left(r
     rewards = sorted(e["reward"] for e in batches[2])
     assert _late_rewards(actors[2]) == sorted(rewards[:2] + rewards[-3:])
     for a in actors:
+        ray.kill(a)
+
+
+# --- without members=N: a run's first step waits for the members that start after the first ------
+STAGGERED_TIMEOUT_S = 30.0  # every actor of the test starts and sends its step 0 well within it
+
+
+def _reference_rewards(policy: str, episodes: list[dict], step: int) -> list[float]:
+    """The rewards one process holding every episode of the step keeps (see ``_reference``)."""
+    chosen = otr.Groups(max_held=1000) if policy == "groups" else policy
+    exporter = configure_memory(CAP, chosen, sampler_options={"distributed": False}, handle_signals=False)
+    try:
+        for e in sorted(episodes, key=lambda e: e["id"]):
+            with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
+                ep.reward(e["reward"])
+        otr.end_step(step)
+        assert otr.flush(10)
+        return sorted(s.attributes[otr.conventions.RL_REWARD] for s in exporter.get_finished_spans()
+                      if s.name == "episode")
+    finally:
+        otr.shutdown(timeout=10)
+
+
+def _spread_group(batches: list[list[dict]]) -> list[float]:
+    """One group with a sample on every actor, the widest reward spread of the step (so
+    ``groups`` keeps it first); its rewards."""
+    rewards = [-10.0 * (a + 1) if a % 2 == 0 else 500.0 + a for a in range(len(batches))]
+    for a, batch in enumerate(batches):
+        batch[0].update(group="s0-spread", index=a, reward=rewards[a])
+    return sorted(rewards)
+
+
+def _coordinator_when_holding(name: str, run_id: str, members: int):
+    """The coordinator, looked up as the docs say (``ray.get_actor`` in namespace
+    ``otel_rollouts``), once it holds step 0 of ``run_id`` from ``members`` members: polls a
+    state it reaches, never a clock."""
+    while True:
+        try:
+            coordinator = ray.get_actor(name, namespace="otel_rollouts")
+            if ray.get(coordinator.state.remote(run_id), timeout=120)["members"] >= members:
+                return coordinator
+        except ValueError:  # not made yet: the first member's end_step makes it
+            pass
+        time.sleep(0.05)
+
+
+def test_without_members_the_first_step_waits_for_actors_that_start_seconds_apart(ray_cluster):
+    """``RayBudget()`` with neither ``members`` nor a name (the job's default coordinator): three
+    rollout actors per run start one after the other, each once the one before it has sent its
+    step 0 to the coordinator (seconds apart: a worker process each). The first step is still
+    the global choice: top_bottom exactly, and a group spread over the three actors kept whole."""
+    tag = uuid.uuid4().hex[:8]
+    runs = {"top_bottom": f"first-step-tb-{tag}", "groups": f"first-step-groups-{tag}"}
+    batches = {policy: _episodes(0, ACTORS, seed=17 + n) for n, policy in enumerate(runs)}
+    spread = _spread_group(batches["groups"])
+    # the documented name of the job's default coordinator, the same in the driver and the actors
+    name = f"otel_rollouts-budget-{ray.get_runtime_context().get_job_id()}"
+    assert otr.RayBudget().actor_name() == name and otr.RayBudget.namespace == "otel_rollouts"
+    actors: dict[str, list] = {policy: [] for policy in runs}
+    ends = []
+    for k in range(ACTORS):
+        for policy, run_id in runs.items():
+            actor = RolloutActor.options(num_cpus=0).remote(None, None, policy, CAP, STAGGERED_TIMEOUT_S, run_id)
+            actor.run_step.remote(0, batches[policy][k])
+            ends.append(actor.end_step.remote(0))  # in order after run_step (one caller)
+            actors[policy].append(actor)
+        for run_id in runs.values():  # the next actors start after this one's summaries arrived
+            coordinator = _coordinator_when_holding(name, run_id, k + 1)
+    totals = ray.get(ends, timeout=300)
+    kept = {policy: sorted(r for rs in ray.get([a.kept_rewards.remote() for a in actors[policy]]) for r in rs)
+            for policy in runs}
+    assert set(spread) <= set(kept["groups"])  # the group spread over the actors is kept whole
+    for policy, run_id in runs.items():
+        assert len(kept[policy]) == CAP if policy == "top_bottom" else len(kept[policy]) <= CAP  # groups: whole
+        assert kept[policy] == _reference_rewards(policy, [e for b in batches[policy] for e in b], 0), policy
+        assert ray.get(coordinator.state.remote(run_id))["members"] == ACTORS
+    # the docs' lookup of the job's default coordinator, run as written
+    (lookup,) = [b for b in page_blocks("ray-and-multi-node.md", "python") if b.marker == "run-by"]
+    for run_id in runs.values():
+        scope = {"otr": otr, "ray": ray, "run_id": run_id}
+        exec(compile(lookup.code, str(lookup), "exec"), scope)
+        assert scope["coordinator"]._actor_id == coordinator._actor_id
+        assert scope["state"]["members"] == ACTORS and scope["state"]["steps"] == [0]
+    # every member was in the decision: none late, none alone
+    assert all("budget.late_steps" not in t and "budget.local_fallback" not in t for t in totals), totals
+    for policy_actors in actors.values():
+        for a in policy_actors:
+            ray.kill(a)
+
+
+def test_a_coordinator_slow_to_start_is_waited_for_apart_from_the_step(ray_cluster):
+    """The coordinator's start (a worker process; here made to take 10 s, as on a loaded machine)
+    does not count against the members' wait for the step's answer: members on time are decided
+    together by the coordinator, never alone (``budget.local_fallback``) while it starts. Before,
+    a member's ``timeout_s + 5 s`` ran from its call, start included, so members gave up, kept
+    their own within ``cap // members`` and left their summaries to a decision they never saw
+    (what made the late-member test above fail under load)."""
+    name = f"budget-{uuid.uuid4().hex[:8]}"
+    coordinator = ray.remote(w.SlowStartingCoordinator).options(
+        name=name, namespace="otel_rollouts", lifetime="detached", num_cpus=0).remote(10.0)
+    actors = [RolloutActor.options(num_cpus=0).remote(name, 2, "top_bottom", CAP, 2.0) for _ in range(2)]
+    batches = _episodes(0, 2, seed=23)
+    totals = _step(actors, 0, batches)
+    assert all("budget.local_fallback" not in t for t in totals), totals
+    assert _kept(actors) == set(_reference("top_bottom", batches[0] + batches[1], 0))
+    for a in [*actors, coordinator]:
         ray.kill(a)
