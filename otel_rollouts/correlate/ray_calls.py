@@ -3,7 +3,11 @@
 ``@otr.ray_remote`` stands in for ``@ray.remote`` (same options). Each call made from inside an
 episode carries the episode's context (W3C ``traceparent`` + baggage) to the task; the spans the
 task records with ``@otr.traced`` are recorded there under the caller's span, like a process-pool
-task's (``correlate.workers``), and come back as one extra return object of the same task. The
+task's (``correlate.workers``), and come back as one extra return object of the same task, with
+the log records the task made in the episode (the worker's records exported:
+``otr.instrument_logging(otlp=True)`` or ``exporter=`` in the actor or task; at most
+``MAX_TASK_LOG_BYTES`` a call, the rest counted ``dropped.worker_logs``), which join the
+episode in the caller, kept or dropped with it, with the run's resource. The
 caller gets exactly the object refs it would get from ``@ray.remote``; the extra one goes to this
 run's ``RaySpans`` collector, which hands the spans to their episode, held and kept or dropped
 with it. Nothing is exported from the actor.
@@ -50,7 +54,9 @@ from otel_rollouts._core.content import exception_text
 from otel_rollouts._core.spans import EpisodeRecord, SpanRecord
 from otel_rollouts.correlate.workers import (
     _EXC_ATTR,
+    _EXC_LOGS_ATTR,
     _hand_over,
+    _hand_over_logs,
     _run_captured,
     _run_captured_async,
     context_carrier,
@@ -95,7 +101,9 @@ def _returns(options: dict[str, Any], default: int = 1) -> int:
 
 # --- the task side ---------------------------------------------------------------------------------
 def _split(result: Any, n: int) -> tuple[Any, ...]:
-    spans = (result.spans, result.trace_id)
+    """The task's value(s), then what goes back to its episode: spans, trace id, log records
+    and how many of them did not fit (``WorkerResult``'s, as a pool task's)."""
+    spans = (result.spans, result.trace_id, result.logs, result.lost_logs)
     if n == 1:
         return (result.value, spans)
     return (*result.value, spans)
@@ -402,17 +410,23 @@ class RaySpans:
 
     def _adopt(self, items: list[tuple[Any, EpisodeRecord | None]]) -> None:
         for ref, record in items:
+            logs: tuple[bytes, int] | None = None
             try:
-                data, trace_id = self.ray.get(ref)
+                data, trace_id, *rest = self.ray.get(ref)
+                if len(rest) == 2:
+                    logs = (rest[0], rest[1])
             except Exception as exc:  # noqa: BLE001 - the task raised, or its actor died
-                carried = getattr(getattr(exc, "cause", None), _EXC_ATTR, None)
-                if carried is None:
-                    carried = getattr(exc, _EXC_ATTR, None)
+                cause = getattr(exc, "cause", None)
+                carrier = cause if getattr(cause, _EXC_ATTR, None) is not None else exc
+                carried = getattr(carrier, _EXC_ATTR, None)
                 if carried is None:
                     self._count("dropped.ray_spans")
                     continue
                 data, trace_id = carried
+                logs = getattr(carrier, _EXC_LOGS_ATTR, None)
             _hand_over(data, trace_id, record)
+            if logs is not None:
+                _hand_over_logs(logs[0], logs[1], trace_id, record)
 
     def _run(self) -> None:
         while _runtime.installed() is self.rt and not self.stopped:

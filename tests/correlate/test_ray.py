@@ -259,3 +259,43 @@ def test_an_unconfigured_worker_says_its_spans_travel_with_the_call(exported):
     (said,) = [line for line in logged if line.startswith("WARNING") and "not configured" in line]
     assert "travel back with the call" in said
     ray.kill(env.ray_handle)
+
+
+# --- log records made in Ray calls ---------------------------------------------------------------
+def test_log_records_of_ray_calls_travel_back_and_join_their_episode(cluster):
+    """Records logged in a remote function, a failing one and a threaded actor's method, inside an
+    episode, come back with the call (the worker exports none of them) and join the episode:
+    exported with the kept one, with the run's resource, dropped with the dropped one."""
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+    configure_memory(1, "first", handle_signals=False, service_name="rl-job")
+    logs = InMemoryLogRecordExporter()
+    integration = otr.instrument_logging(exporter=logs)
+    env = w.LoggingEnv.remote()
+    try:
+        with otr.episode(step=0) as kept:
+            assert ray.get(env.step.remote("a"), timeout=120) == "obs:a"
+            assert ray.get(w.log_and_score.remote("bb"), timeout=120) == 2
+            with pytest.raises(ray.exceptions.RayTaskError):
+                ray.get(w.log_and_refuse.remote("c"), timeout=120)
+            kept.reward(1.0)
+        with otr.episode(step=0) as dropped:
+            ray.get(env.step.remote("dropped"), timeout=120)
+            dropped.reward(0.0)
+        otr.end_step(0)
+        assert otr.flush(30)
+        assert integration.flush()
+        records = [r for r in logs.get_finished_logs() if str(r.log_record.body).startswith("ray call")]
+        assert sorted(str(r.log_record.body) for r in records) == [
+            "ray call env step a", "ray call refused c", "ray call scored bb"]
+        resource = otr.tracer_provider().resource.attributes
+        for r in records:
+            assert f"{r.log_record.trace_id:032x}" == kept.trace_id  # none of the dropped episode's
+            assert r.resource.attributes[c.RL_RUN_ID] == resource[c.RL_RUN_ID]
+            assert r.resource.attributes[c.SERVICE_NAME] == "rl-job"
+        assert otr.stats()["totals"].get("dropped.worker_logs", 0) == 0
+        assert ray.get(env.exported.remote(), timeout=120) == []  # nothing exported from the actor
+    finally:
+        otr.uninstrument_logging()
+        otr.shutdown(timeout=10)
+        ray.kill(env.ray_handle)
