@@ -488,6 +488,12 @@ class Sample:
     trainer_logprobs: object = None
     logprob_mask: object = None
     response_ids: object = None
+    # [start, end) of each generation in those concatenated tokens, in the order ``content``
+    # records the generation spans (a multi-turn response; read after ``content``, which may
+    # fill the list): each generation then gets its own statistics and worst tokens (positions
+    # within it), the root the sample's. None: one generation, or not known (the statistics go
+    # on the last generation, ``record_batch``'s rule)
+    generation_bounds: Sequence[tuple[int, int]] | None = None
 
 
 def read_samples(indices: Iterable[int], read: Callable[[int], Sample], framework: str) -> list[Sample]:
@@ -521,6 +527,8 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
     names = sorted({k for s in samples if s.components for k in s.components})
     components = {k: [None if not s.components else s.components.get(k) for s in samples] for k in names}
 
+    split_by_generation = _GenerationMismatch.of(samples, tokenizer, framework)
+
     def record(i: int, ep: Episode) -> None:
         sample = samples[i]
         if sample.missing:
@@ -529,6 +537,13 @@ def record_samples(samples: Sequence[Sample], *, step: int, split: str, framewor
             _flag_invalid(ep, problem)
         set_times(ep, sample.duration, sample.stages)
         sample.content(ep)
+        if split_by_generation is not None:
+            try:
+                split_by_generation.record(sample, ep)
+            except InvalidValue:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the episode is kept, with the root's statistics
+                report(f"{framework} adapter: per-generation mismatch: {exception_text(exc)}", exc=exc)
 
     record_batch(
         n, step=step, split=split, framework=framework, record=record,
@@ -566,6 +581,47 @@ def _logprob_columns(samples: Sequence[Sample], tokenizer: object) -> _LogprobCo
         "response_tokens": [s.response_ids for s in samples],
         "tokenizer": tokenizer,
     }
+
+
+class _GenerationMismatch:
+    """Per-generation train–inference mismatch for samples whose response concatenates several
+    generations (``Sample.generation_bounds``): each generation span gets the statistics and
+    worst tokens of its own tokens (``record_logprobs``, positions within the generation), so
+    ``record_batch`` puts the sample's statistics (its vectorised pass, what the sampler ranks
+    by) on the root only. Runs for kept samples only, after their ``content``."""
+
+    def __init__(self, decode: Callable[[list[int]], list[str]] | None, framework: str) -> None:
+        self.decode, self.framework = decode, framework
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], tokenizer: object, framework: str) -> _GenerationMismatch | None:
+        if not any(s.generation_bounds is not None and s.logprobs is not None and s.trainer_logprobs is not None
+                   for s in samples):
+            return None
+        from otel_rollouts.record.batch import PrivateDecoder
+
+        # one private copy of the tokenizer for the call (made on the export thread, if needed)
+        return cls(PrivateDecoder(tokenizer) if tokenizer is not None else None, framework)
+
+    def record(self, sample: Sample, ep: Episode) -> None:
+        from otel_rollouts._core.logprobs import read_tokens
+        from otel_rollouts.record.episode import record_generations_mismatch
+
+        bounds = sample.generation_bounds
+        if bounds is None:
+            return
+        arrays = [read_tokens(v, name)[0] for name, v in (("logprobs", sample.logprobs),
+                                                          ("trainer_logprobs", sample.trainer_logprobs),
+                                                          ("logprob_mask", sample.logprob_mask))]
+        rollout, trainer, mask = arrays
+        if rollout is None or trainer is None or len(rollout) != len(trainer) \
+                or (mask is not None and len(mask) != len(rollout)):
+            return  # not comparable: record_batch says why, and records no statistic
+        tokens = to_list(sample.response_ids)
+        tokens = tokens if tokens is not None and len(tokens) >= len(rollout) else None
+        problem = record_generations_mismatch(ep, bounds, rollout, trainer, tokens, mask, self.decode)
+        if problem is not None:
+            warn_unknown(self.framework, "generations", problem)
 
 
 def _partial_attributes(ep: _AttributeTarget, missing: Sequence[str]) -> None:

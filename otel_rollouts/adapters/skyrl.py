@@ -65,10 +65,12 @@ other ``env_metrics[i]`` scalars            ``rl.metadata.env_metrics.<name>`` (
                                             when SkyRL leaves it None)
 ``env_extras[j]["extra_info"]["index"]``,   ``rl.dataset.index`` (SkyRL's ``PromptDataset``
 else a numeric ``instance_id``              makes the uid ``str(row)``; other uids: none)
-``rollout_logprobs`` (the engine's, per     train–inference mismatch (``rl.mismatch.*`` on the
-response token; ``sampling_params.          root and the last generation span, where both are
-logprobs`` set) + ``trainer_logprobs=``     known), counted where ``loss_masks`` is 1 (SkyRL's
-(the trainer's ``action_log_probs``)        own ``rollout_train_logprobs_abs_diff`` mask)
+``rollout_logprobs`` (the engine's, per     train–inference mismatch (``rl.mismatch.*``, where
+response token; ``sampling_params.          both are known), counted where ``loss_masks`` is 1
+logprobs`` set) + ``trainer_logprobs=``     (SkyRL's own ``rollout_train_logprobs_abs_diff``
+(the trainer's ``action_log_probs``)        mask): each generation span its own tokens' (worst
+                                            positions within the generation), the root the
+                                            trajectory's (the sum of its generations)
 ==========================================  ===================================================
 
 Train–inference mismatch: the trainer's logprobs are not in the ``GeneratorOutput``. SkyRL's
@@ -649,10 +651,13 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
                 ep.set_attribute(c.RL_METADATA_PREFIX + "loss_masked", True)
             generations += _turns(ep, ids, mask, text, model=model, finish_reason=v("stop_reasons", i))
         ep.set_attribute(c.RL_TURN_COUNT, turn_count if turn_count is not None else generations)
+        if compared:  # found for kept episodes only: a dropped one's masks are never walked
+            bounds.extend(_generation_bounds(turns))
 
     logprobs = _episode_logprobs(engine_rows, turns, "rollout_logprobs", aligned="exact")
     trainer_logprobs = _episode_logprobs(trainer_rows, turns, "trainer_logprobs", aligned="right")
     compared = logprobs is not None and trainer_logprobs is not None
+    bounds: list[tuple[int, int]] = []  # each generation's tokens, filled by ``content``
     return Sample(
         content, episode_id=episode_id, group_id=group, sample_index=sample_index,
         dataset_name=env_class, dataset_index=_dataset_index(env_extras, instance_id),
@@ -662,7 +667,20 @@ def _sample(cols: Columns, rows: list[int], *, scheduled: int | None, version: i
         problems=problems, logprobs=logprobs, trainer_logprobs=trainer_logprobs,
         logprob_mask=counted if compared else None,
         response_ids=[t for _, ids, _, _ in turns for t in ids] if compared else None,
+        generation_bounds=bounds if compared else None,
     )
+
+
+def _generation_bounds(turns: list[tuple[int, list[int], list[object], bool]]) -> list[tuple[int, int]]:
+    """[start, end) of each generation (a run of 1s in the mask ``_turns`` splits by) in the
+    episode's concatenated response tokens, in the order ``_turns`` records them: each
+    generation's mismatch statistics and worst-token positions are its own."""
+    out: list[tuple[int, int]] = []
+    offset = 0
+    for _, ids, mask, _ in turns:
+        out.extend((offset + start, offset + end) for start, end, value in _runs(mask) if value)
+        offset += len(ids)
+    return out
 
 
 def _logprob_rows(values: object, n: int, name: str) -> Any:

@@ -59,7 +59,8 @@ samples get no staleness when the slices differ). With ``num_iterations`` > 1 a 
 again in later passes: the episode is recorded once, with the staleness of its first training
 pass. Eval samples are never trained: version only.
 
-Train–inference mismatch (``rl.mismatch.*`` on each completion's last generation and its root):
+Train–inference mismatch (``rl.mismatch.*`` on each generation, of its own tokens: a run of
+``tool_mask`` = 1, worst positions within it; on the root, of the whole completion):
 the per-token logprobs ``_generate_and_score_completions`` returns for this process's samples —
 ``sampling_per_token_logps`` (the engine's: vLLM's, or a ``rollout_func``'s ``logprobs``) against
 ``old_per_token_logps`` (the trainer's, computed by TRL when it corrects for the mismatch,
@@ -498,7 +499,19 @@ def _sample(values: dict[str, object], missing: list[str], names: list[str], wei
         metadata=metadata, reward=total if weighted else None, components=components or None,
         advantage=advantage, finish_reason=reason, status=status_for(reason),
         missing=missing, problems=problems, **(logprobs or {}),
+        generation_bounds=_generation_bounds(usage) if logprobs else None,
     )
+
+
+def _generation_bounds(usage: _Usage | None) -> list[tuple[int, int]] | None:
+    """[start, end) of each generation in the completion's tokens: the runs of model tokens
+    (``tool_mask`` = 1; tool results between them), one per assistant message, as
+    ``_turn_usage`` pairs them. Each turn's generation then gets the mismatch statistics of its
+    own tokens; when the runs do not match several turns, the root alone gets them (one turn:
+    the whole completion's)."""
+    if not usage:
+        return None
+    return [(start, end) for start, end, value in mask_runs(usage["mask"]) if value == 1] or None
 
 
 # --- hooks ------------------------------------------------------------------------------------------

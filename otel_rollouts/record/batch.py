@@ -401,7 +401,7 @@ class _BatchMismatch:
     def __init__(self, rollout: Any, trainer: Any, counted: Any, starts: Any, tokens: Any,
                  tokenizer: Any, totals: RowTotals, options: MismatchOptions) -> None:
         self.rollout, self.trainer, self.counted, self.starts = rollout, trainer, counted, starts
-        self.tokens, self.decode = tokens, _PrivateDecoder(tokenizer) if tokenizer is not None else None
+        self.tokens, self.decode = tokens, PrivateDecoder(tokenizer) if tokenizer is not None else None
         self.totals, self.options = totals, options
 
     @classmethod
@@ -483,7 +483,7 @@ class _BatchMismatch:
         span.attributes.update(view.attributes())
 
 
-class _PrivateDecoder:
+class PrivateDecoder:
     """Token ids to texts with a private copy of the tokenizer, made on first use (the export
     thread): a fast tokenizer used from two threads at once can raise in the training thread."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import Token
 from operator import is_ as _is
 from random import getrandbits as _getrandbits
@@ -381,6 +381,40 @@ def _put(span: SpanRecord, key: str, value: object) -> None:
         attrs[key] = value
     else:
         put_attribute(span, key, value, "components")
+
+
+def record_generations_mismatch(
+    ep: Episode, bounds: Sequence[tuple[int, int]], rollout: Any, trainer: Any, tokens: Any = None,
+    mask: Any = None, decode: Any = None,
+) -> str | None:
+    """Each generation's own train–inference mismatch, for an episode whose response
+    concatenates several generations: ``bounds`` are each generation's ``[start, end)`` in the
+    concatenated per-token arrays (``rollout``, ``trainer``, ``mask``: 1-D numpy arrays of one
+    length; ``tokens``: ids or texts), in the order the generation spans were recorded. Each
+    generation span gets the statistics and worst tokens of its own tokens (positions within it);
+    the root's statistics are the caller's (``record_batch``: the sample's, on the root only once
+    a generation has its own). One generation recorded for the whole response keeps it all.
+    Returns why nothing was split (the runs do not match the generation spans), else None."""
+    record = ep._record
+    if record is None or record.root is None:
+        return None
+    spans = [s for s in record.spans if s.kind == c.KIND_GENERATION]
+    size = len(rollout)
+    if len(spans) == 1 and len(bounds) != 1:
+        return None  # one generation recorded the whole response: the sample's statistics are its own
+    problem = None
+    if len(spans) != len(bounds) or any(not 0 <= lo <= hi <= size for lo, hi in bounds):
+        problem = f"{len(bounds)} token runs for {len(spans)} generations: mismatch statistics on the root only"
+    else:
+        for span, (lo, hi) in zip(spans, bounds, strict=True):
+            # private copies: the worst tokens are rendered at export, the arrays may be reused
+            record_logprobs(span, rollout[lo:hi].copy(), trainer[lo:hi].copy(),
+                            None if tokens is None else tokens[lo:hi],
+                            None if mask is None else mask[lo:hi].copy(), decode)
+    if record.mismatch is None:
+        # no generation had a compared token: record_batch still sets the root, not a span
+        record.mismatch = Totals()
+    return problem
 
 
 def record_logprobs(span: SpanRecord, logprobs: object, trainer_logprobs: object, tokens: Any = None,
