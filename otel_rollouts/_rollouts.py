@@ -151,7 +151,7 @@ class Rollouts(_runtime.Runtime):
         stats = Stats()
         exporters = (
             list(s.exporters) if s.exporters is not None
-            else default_exporters(s.trackio_project, redactor, stats)
+            else default_exporters(s.trackio_project, redactor, stats, str(s.run_id) if s.run_id else None)
         )
         for exporter in exporters:  # a stock OTLP exporter aimed at a Phoenix also posts the scores
             PhoenixAnnotations.attach(exporter)  # (per OTEL_ROLLOUTS_PHOENIX_ANNOTATIONS; idempotent)

@@ -102,17 +102,21 @@ def otlp_metric_exporter() -> Any:
     return _otlp("metrics")
 
 
-def _trackio(project: str | None, redactor: Redactor | None) -> SpanExporter:
+def _trackio(project: str | None, redactor: Redactor | None, run: str | None) -> SpanExporter:
+    """Local Trackio. ``run``: the run id the user gave (``configure(run_id=)``,
+    ``OTEL_ROLLOUTS_RUN_ID``), the Trackio run's name: every process of one training run (a
+    trainer's workers, Ray actors) then writes one Trackio run, not one of its own each; None
+    (no id given): Trackio names a new run."""
     from otel_rollouts.exporters import TrackioExporter
 
-    return TrackioExporter(project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts",
+    return TrackioExporter(project or os.environ.get(c.ENV_TRACKIO_PROJECT) or "otel-rollouts", run=run,
                            redact=redactor if redactor is not None else False)
 
 
-def _named(name: str, project: str | None, redactor: Redactor | None) -> SpanExporter:
+def _named(name: str, project: str | None, redactor: Redactor | None, run: str | None) -> SpanExporter:
     """The exporter ``OTEL_TRACES_EXPORTER`` names ``name`` (validated in settings)."""
     if name == "trackio":
-        return _trackio(project, redactor)
+        return _trackio(project, redactor, run)
     if name == "otlp":
         return otlp_exporter_from_env()
     if name == "otlp_proto_grpc":
@@ -155,7 +159,7 @@ def _from_entry_point(point: EntryPoint) -> SpanExporter:
 
 
 def default_exporters(project: str | None = None, redactor: Redactor | None = None,
-                      stats: Stats | None = None) -> list[SpanExporter]:
+                      stats: Stats | None = None, run: str | None = None) -> list[SpanExporter]:
     """The exporters ``OTEL_TRACES_EXPORTER`` names; unset (or invalid): local Trackio (nothing
     to start), plus OTLP when an OTLP endpoint is set in the environment. Never raises: an
     exporter that cannot be built (whatever it raises, ``SystemExit`` included; Ctrl-C on the
@@ -163,7 +167,7 @@ def default_exporters(project: str | None = None, redactor: Redactor | None = No
     ``errors.build_exporter.<name>``; the others are built."""
     names = traces_exporter_names()
     if names is None:
-        exporters = [_trackio(project, redactor)]
+        exporters = [_trackio(project, redactor, run)]
         if os.environ.get(c.ENV_OTLP_TRACES_ENDPOINT) or os.environ.get(c.ENV_OTLP_ENDPOINT):
             exporters.append(otlp_exporter_from_env())
         return exporters
@@ -173,7 +177,7 @@ def default_exporters(project: str | None = None, redactor: Redactor | None = No
     built: list[SpanExporter] = []
     for name in names:
         try:
-            built.append(_named(name, project, redactor))
+            built.append(_named(name, project, redactor, run))
         except BaseException as exc:  # noqa: BLE001 - configure() never fails on an exporter it cannot build
             reraise_interrupt(exc)
             logger.warning("otel_rollouts: %s names %r, which could not be built (%s); it is left out",
