@@ -210,6 +210,7 @@ def record_batch(
     reward_extra_keys: Sequence[str] | None = None,
     model: str | None = None,
     trained_version: int | None = None,
+    group_size: int | None = None,
 ) -> int:
     """Record every sample of a verl ``DataProto`` as one episode; returns how many.
 
@@ -222,6 +223,9 @@ def record_batch(
     * ``rollout_n``: samples per prompt, used to form groups only when ``uid`` is missing.
     * ``reward_extra_keys``: ``non_tensor_batch`` columns that are reward terms (default: verl's
       ``meta_info["reward_extra_keys"]``).
+    * ``group_size``: samples verl drew per prompt (``rollout.n``, ``val_kwargs.n`` for
+      validation) → ``rl.group.expected_size``, so a group whose members did not all arrive
+      says so (``rl.group.lost``).
     """
     describe_framework(FRAMEWORK, "verl")
     check_release(FRAMEWORK, "verl", TESTED)
@@ -314,6 +318,8 @@ def record_batch(
             attrs[c.RL_POLICY_VERSION_MAX] = version
         if turns[i] is not None:
             attrs[c.RL_TURN_COUNT] = turns[i]
+        if group_size and group_size > 0 and groups[i] is not None:
+            attrs[c.RL_GROUP_EXPECTED_SIZE] = int(group_size)
         # verl's AgentLoopMetrics default to 0.0 where the loop timed nothing (no tool call, a
         # reward scored outside the loop): 0 s is "not measured" here, left out
         set_times(attrs, None, {stage: v for stage, values in stage_columns.items()

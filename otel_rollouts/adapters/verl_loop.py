@@ -4,9 +4,11 @@ verl's trainers load their agent-loop manager from a config entry
 (``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, read by ``RayPPOTrainer.init_workers``
 and ``main_ppo.TaskRunnerV1``). This module's ``AgentLoopManager`` is verl's own manager with one
 addition: after each ``generate_sequences`` it records the generated batch with
-``otel_rollouts.adapters.verl.record_batch``::
+``otel_rollouts.adapters.verl.record_batch``. On verl's command line (``python -m
+verl.trainer.main_ppo``) the override needs Hydra's ``+``: the key is in verl's ``RolloutConfig``
+but in none of its yaml files::
 
-    actor_rollout_ref.rollout.agent.agent_loop_manager_class=otel_rollouts.adapters.verl_loop.AgentLoopManager
+    +actor_rollout_ref.rollout.agent.agent_loop_manager_class=otel_rollouts.adapters.verl_loop.AgentLoopManager
 
 It sees, on the trainer's process, what the agent loop returns: tokens and ``response_mask``,
 ``rm_scores`` and the reward terms the reward-loop workers streamed (verl's default layout, no
@@ -43,28 +45,49 @@ what was put there (``observe_session``), in the worker's process (configured fr
 environment there). The episode id is ``{split}-{step}-{uid}-{session_id}``: v1 runs the ``n``
 sessions of a prompt under one ``uid`` and keys them ``{uid}_{session_id}_{i}``. A worker closes a
 (step, split) when none of its prompts is in flight and a later one was dispatched to it.
+
+One training run is one run: the manager fixes the run id (``run_id``) and starts its workers with
+it in their Ray ``runtime_env`` (``OTEL_ROLLOUTS_RUN_ID``). A session whose agent loop, reward or
+TransferQueue put raised (verl logs it and marks the prompt ``failure``) is an error episode
+(``failed_session``): the exception on its root, in its group, whose episodes all carry
+``rl.group.expected_size`` (so ``rl.group.lost`` counts it). Under the batch trainer one failed
+sample makes verl's ``generate_sequences`` raise and returns none of the batch: its samples are
+counted (``COUNT_GENERATION_FAILED``).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import os
+import uuid
 from collections.abc import Awaitable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
+from otel_rollouts import conventions as c
 from otel_rollouts.adapters import verl as _verl
 from otel_rollouts.adapters.kit import (
     check_release,
+    count,
     current_instance,
     describe_framework,
+    exception_text,
     field,
+    first_time,
     guarded,
+    lazy_text,
+    set_policy,
     to_list,
+    turns_from_mask,
     warn_unknown,
 )
 
-__all__ = ["AgentLoopManager", "AgentLoopManagerTQ", "observe", "observe_session"]  # noqa: F822 - built on lookup
+__all__ = [  # noqa: F822 - AgentLoopManager(TQ) built on lookup
+    "AgentLoopManager", "AgentLoopManagerTQ", "COUNT_GENERATION_FAILED", "failed_session", "generation_failed",
+    "observe", "observe_session", "run_id", "worker_runtime_env"]
 
 _FRAMEWORK = _verl.FRAMEWORK
+logger = logging.getLogger("otel_rollouts")
 
 
 def __getattr__(name: str) -> Any:
@@ -84,7 +107,11 @@ def _build() -> type:
         """verl's ``AgentLoopManager`` that records each generated batch (results untouched)."""
 
         def generate_sequences(self, prompts: object) -> object:
-            result = super().generate_sequences(prompts)
+            try:
+                result = super().generate_sequences(prompts)
+            except Exception as exc:  # a worker's agent loop or reward raised: the batch is lost
+                generation_failed(self, prompts, exc)
+                raise
             if inspect.isawaitable(result):  # called from a coroutine: verl's auto_await
                 return _record_when_done(self, prompts, result)
             observe(self, prompts, result)
@@ -124,19 +151,35 @@ def _build_tq() -> type:
     base: Any = getattr(VerlWorkerTQ, "__ray_actor_class__", VerlWorkerTQ)  # the class under @ray.remote
 
     class RecordingAgentLoopWorkerTQ(base):  # type: ignore[misc, valid-type]
-        """verl's ``AgentLoopWorkerTQ`` that records each session it puts into TransferQueue."""
+        """verl's ``AgentLoopWorkerTQ`` that records each session it puts into TransferQueue, and
+        each session that failed (its agent loop, reward or put raised) as an error episode."""
 
         async def _run_prompt(self, prompt: dict, sampling_params: dict, trajectory: dict,
                               *args: object, **kwargs: object) -> None:
             key = _step_key(trajectory)
             _dispatched(self, key)
+            uid = _expect_group(self, prompt, trajectory)
             try:
                 return await super()._run_prompt(prompt, sampling_params, trajectory, *args, **kwargs)
             finally:
                 _settled(self, key)
+                _forget_group(self, uid)
+
+        async def _run_agent_loop(self, *args: Any, **kwargs: Any) -> object:
+            try:
+                return await super()._run_agent_loop(*args, **kwargs)
+            except Exception as exc:  # verl's _run_prompt logs it and marks the group failed
+                trajectory = kwargs.get("trajectory", args[1] if len(args) > 1 else None)
+                validate = field(trajectory, "validate") is True
+                failed_session(self, exc, None, validate, kwargs, stage="agent_loop")
+                raise
 
         async def _agent_loop_postprocess(self, output: object, validate: object, **kwargs: object) -> object:
-            result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+            try:
+                result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+            except Exception as exc:  # verl scores the reward (and puts into TQ) in here
+                failed_session(self, exc, output, validate, kwargs, stage="postprocess")
+                raise
             observe_session(self, output, validate, kwargs)
             return result
 
@@ -149,7 +192,10 @@ def _build_tq() -> type:
 
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
-            self.agent_loop_workers_class = ray.remote(RecordingAgentLoopWorkerTQ)
+            # one training run, one run id: the workers (each recording in its own process)
+            # get the run's id in their environment, as verl's own env vars reach them
+            self.agent_loop_workers_class = ray.remote(runtime_env=worker_runtime_env())(
+                RecordingAgentLoopWorkerTQ)
 
     AgentLoopManagerTQ.__module__ = __name__
     AgentLoopManagerTQ.__qualname__ = "AgentLoopManagerTQ"
@@ -193,6 +239,130 @@ def _end_step(inflight: dict[tuple[int, str], int], key: tuple[int, str]) -> Non
 
     del inflight[key]
     end_step(key[0], split=key[1])
+
+
+def run_id() -> str:
+    """The training run's id, fixed once per agent-loop manager (one per training run, built in
+    verl's ``TaskRunner``): ``OTEL_ROLLOUTS_RUN_ID`` when set, else the run id of otel_rollouts
+    configured in that process, else a new one."""
+    given = os.environ.get(c.ENV_RUN_ID)
+    if given:
+        return given
+    return str(getattr(current_instance(), "run_id", None) or uuid.uuid4().hex[:12])
+
+
+def worker_runtime_env() -> dict[str, dict[str, str]]:
+    """The Ray ``runtime_env`` of the recording agent-loop workers: the run's id in their
+    environment (Ray merges it into the job's ``env_vars``), so the episodes every worker records
+    belong to one run (``rl.run.id``, the budget's run) however many workers record them."""
+    return {"env_vars": {c.ENV_RUN_ID: run_id()}}
+
+
+def _expect_group(worker: Any, prompt: Mapping[str, object], trajectory: object) -> object:
+    """Note the group size ``_run_prompt`` will sample for this prompt (``__rollout_n__``, else
+    ``rollout.n`` / ``val_kwargs.n``), read before verl pops it; returns the prompt's uid."""
+    try:
+        uid = prompt.get("uid")
+        validate = field(trajectory, "validate") is True
+        n: Any = prompt.get("__rollout_n__") or _repeats(getattr(worker, "config", None), validate)
+        if uid is not None and n:
+            worker.__dict__.setdefault("_otr_group_sizes", {})[_key(uid)] = int(n)
+        return uid
+    except Exception:  # noqa: BLE001 - the size stays unknown (the groups' expected size is left out)
+        return None
+
+
+def _forget_group(worker: Any, uid: object) -> None:
+    sizes = getattr(worker, "__dict__", {}).get("_otr_group_sizes")
+    if sizes is not None and uid is not None:
+        sizes.pop(_key(uid), None)
+
+
+def _group_size(worker: Any, uid: object) -> int | None:
+    sizes = getattr(worker, "__dict__", {}).get("_otr_group_sizes")
+    return None if sizes is None or uid is None else sizes.get(_key(uid))
+
+
+def _key(value: object) -> object:
+    """A uid as a dict key (numpy scalars and strings alike)."""
+    item = getattr(value, "item", None)
+    return str(item() if callable(item) else value)
+
+
+_REMEMBERED_FAILURES = 1024  # exceptions recorded in _agent_loop_postprocess, awaiting _run_agent_loop
+
+
+@guarded
+def failed_session(worker: Any, exc: BaseException, output: Any, validate: object,
+                   sample: Mapping[str, object], *, stage: str) -> int:
+    """Record a session whose agent loop (``stage="agent_loop"``) or post-processing
+    (``"postprocess"``: verl scores the reward there, and puts the session into TransferQueue) raised:
+    one error episode carrying the exception, with the id, group and metadata its session would
+    have had, the prompt, and the response when the agent loop returned one (``output``). verl
+    logs the error and marks the whole prompt failed; the failed member still counts in its group
+    (``rl.group.size``, ``rl.group.lost``). Returns 1, or 0 when already recorded (an exception
+    of ``_agent_loop_postprocess`` passes through ``_run_agent_loop`` too)."""
+    seen = worker.__dict__.setdefault("_otr_failed", {})
+    if seen.get(id(exc)) is exc:
+        del seen[id(exc)]
+        return 0
+    if stage == "postprocess":
+        seen[id(exc)] = exc
+        while len(seen) > _REMEMBERED_FAILURES:
+            seen.pop(next(iter(seen)))
+    check_release(_FRAMEWORK, "verl", _verl.TESTED)
+    _ensure_configured()
+    _describe(getattr(worker, "config", None))
+    from otel_rollouts import episode
+
+    step, session, uid = field(sample, "global_steps"), field(sample, "session_id"), field(sample, "uid")
+    split = "eval" if validate else "train"
+    step = int(step) if step is not None else None  # None: otel_rollouts' current step
+    outputs = list(output) if isinstance(output, (list, tuple)) else [output] if output is not None else []
+    final = outputs[-1] if outputs else None
+    extra = dict(getattr(final, "extra_fields", None) or {})
+    index, source = field(sample, "index"), field(sample, "data_source")
+    metadata: dict[str, object] = {"sample_index": _plain(index), "rollout_n": _plain(session),
+                                   "validate": split == "eval", "failed_in": stage}
+    if source is not None:
+        metadata["data_source"] = str(source)
+    for name in _verl._METADATA_COLUMNS:
+        if isinstance(extra.get(name), (int, float, str)):
+            metadata[name] = extra[name]
+    group = str(_plain(uid)) if uid is not None else None
+    known = group is not None and step is not None and session is not None
+    ep = episode(step=step, split=split, group_id=group,
+                 sample_index=int(session) if session is not None else None,
+                 episode_id=f"{split}-{step}-{group}-{session}" if known else None,
+                 dataset_name=str(source) if source is not None else None, dataset_index=_plain(index),
+                 framework=_FRAMEWORK, metadata={k: v for k, v in metadata.items() if v is not None})
+    ep.__enter__()
+    try:
+        size = _group_size(worker, uid)
+        if size:
+            ep.set_attribute(c.RL_GROUP_EXPECTED_SIZE, size)
+        version = extra.get("max_global_steps")
+        set_policy(ep, version, step - 1 if split == "train" and step is not None else None)
+        tokenizer = getattr(worker, "tokenizer", None)
+        prompt = field(sample, "raw_prompt")
+        prompt = to_list(prompt) if prompt is not None else None
+        if prompt:
+            ep.prompt(prompt)
+        elif final is not None and tokenizer is not None:
+            ep.prompt(lazy_text(tokenizer, list(final.prompt_ids)))
+        if final is not None:
+            turns_from_mask(ep, list(final.response_ids), list(final.response_mask), tokenizer)
+            if final.num_turns:
+                ep.set_attribute(c.RL_TURN_COUNT, int(final.num_turns))
+        ep.finish(reason=c.FINISH_ERROR)
+    finally:  # closed by the session's exception: rl.status error, the exception on the root
+        ep.__exit__(type(exc), exc, exc.__traceback__)
+    return 1
+
+
+def _plain(value: object) -> Any:
+    item = getattr(value, "item", None)
+    return item() if callable(item) and getattr(value, "shape", None) == () else value
 
 
 @guarded
@@ -255,7 +425,8 @@ def observe_session(worker: Any, output: Any, validate: object, sample: Mapping[
     meta = {"validate": bool(validate), "reward_extra_keys": list(reward_info)}
     return _verl.record_batch({"batch": tensors, "non_tensor_batch": non_tensor, "meta_info": meta},
                               step=int(step), tokenizer=worker.tokenizer,
-                              split="eval" if validate else "train") or 0
+                              split="eval" if validate else "train",
+                              group_size=_group_size(worker, field(sample, "uid"))) or 0
 
 
 _KEPT_METRICS = 8  # generations whose per-sample metrics wait for observe (normally 1)
@@ -278,9 +449,39 @@ def _sample_metrics(manager: object, output: object) -> list[object] | None:
 
 
 async def _record_when_done(manager: object, prompts: object, pending: Awaitable[object]) -> object:
-    output = await pending
+    try:
+        output = await pending
+    except Exception as exc:
+        generation_failed(manager, prompts, exc)
+        raise
     observe(manager, prompts, output)
     return output
+
+
+COUNT_GENERATION_FAILED = "adapters.verl.generation_failed"
+"""``otr.stats()`` counter: samples of a batch ``AgentLoopManager.generate_sequences`` raised on
+(one agent loop, reward or worker failed: verl returns none of the batch's samples)."""
+
+
+@guarded
+def generation_failed(manager: object, prompts: object, exc: BaseException) -> int:
+    """The batch trainer's ``generate_sequences`` raised: verl's ``AgentLoopWorker`` gathers its
+    samples without ``return_exceptions``, so one failed agent loop or reward loses the whole
+    batch and no output says which sample failed. Its samples are counted
+    (``COUNT_GENERATION_FAILED``, per step and split) and the failure reported once; returns
+    how many."""
+    meta = field(prompts, "meta_info", default={}) or {}
+    step = field(meta, "global_steps")
+    split = "eval" if field(meta, "validate") is True else "train"
+    inputs = field(prompts, "non_tensor_batch", default={}) or {}
+    index = _verl._dataset_index(inputs)
+    size = len(index) if index is not None else 0
+    _ensure_configured()
+    count(COUNT_GENERATION_FAILED, size, step=int(step) if step is not None else None, split=split)
+    if first_time(COUNT_GENERATION_FAILED):
+        logger.warning("otel_rollouts: verl's generate_sequences raised %s: the batch's %d samples are not "
+                       "recorded (counted %s in otr.stats())", exception_text(exc), size, COUNT_GENERATION_FAILED)
+    return size
 
 
 @guarded
@@ -345,7 +546,8 @@ def observe(manager: object, prompts: object, output: object) -> int:
     tokenizer = _tokenizer(manager)
     _close_earlier_steps(manager, step, split)
     return _verl.record_batch({"batch": batch_tensors, "non_tensor_batch": non_tensor, "meta_info": batch_meta},
-                              step=step, tokenizer=tokenizer, split=split) or 0
+                              step=step, tokenizer=tokenizer, split=split,
+                              group_size=_repeats(config, validate)) or 0
 
 
 # verl's advantage estimators that name another algorithm (GAE is PPO's)
