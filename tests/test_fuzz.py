@@ -248,6 +248,7 @@ ADAPTERS = {
     "skyrl": "record_generator_output",
     "tinker": "record_trajectory_groups",
     "torchforge": "record_episodes",
+    "verifiers": "record_traces",
     "verl": "record_batch",
 }
 ADAPTER_DIR = Path(__file__).resolve().parent.parent / "otel_rollouts" / "adapters"

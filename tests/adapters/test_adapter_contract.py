@@ -11,7 +11,7 @@ import pytest
 
 from otel_rollouts.adapters.kit import AdapterEntryPoint
 
-ADAPTERS = ["areal", "open_instruct", "skyrl", "tinker", "torchforge", "verl"]
+ADAPTERS = ["areal", "open_instruct", "skyrl", "tinker", "torchforge", "verifiers", "verl"]
 
 
 def entry_points():
