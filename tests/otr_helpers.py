@@ -176,3 +176,22 @@ def self_signed_certificate(tmp_path: Path) -> tuple[str, str]:
         check=True, capture_output=True,
     )
     return str(cert), str(key)
+
+
+def reference_rewards(policy: Any, episodes: list[dict], step: int, cap: int) -> list[float]:
+    """The rewards one process holding every episode of ``step`` keeps under ``policy`` and
+    ``cap``: what a distributed budget over several members must keep ({"id", "group", "index",
+    "reward"} per episode, recorded in id order)."""
+    import otel_rollouts as otr
+
+    exporter = configure_memory(cap, policy, sampler_options={"distributed": False}, handle_signals=False)
+    try:
+        for e in sorted(episodes, key=lambda e: e["id"]):
+            with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
+                ep.reward(e["reward"])
+        otr.end_step(step)
+        assert otr.flush(10)
+        return sorted(s.attributes[otr.conventions.RL_REWARD] for s in exporter.get_finished_spans()
+                      if s.name == "episode")
+    finally:
+        otr.shutdown(timeout=10)

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from adapter_fixtures import configure_memory, episodes
 from frameworks import require
-from tokenizer_fixture import chat_ids, text_ids
+from tokenizer_fixture import chat_ids
 
 import otel_rollouts as otr
 from otel_rollouts import conventions as c
@@ -201,18 +201,11 @@ def test_trl_tool_loop_each_generation_gets_its_own_statistics(tmp_path, otr_shu
     require("trl")
     import torch
     from datasets import Dataset
-    from test_real_trl import PROMPTS, build_tokenizer, grpo_args, train
-    from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
+    from test_real_trl import PROMPTS, grpo_args, tool_calling_tokenizer, train
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     mem = configure_memory()
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = qwen2_5_chat_template  # TRL knows how to parse its responses
-    add_response_schema(tokenizer)
-    eos = tokenizer.eos_token_id
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
-    call_ids = text_ids(tokenizer, call) + [eos]
-    plain_ids = text_ids(tokenizer, "The answer is 4.") + [eos]
+    tokenizer, call_ids, plain_ids = tool_calling_tokenizer()
 
     def model_logprobs(model, context: list[int], ids: list[int], temperature: float) -> list[float]:
         """The sampled tokens' logprobs under the model (what vLLM reports), shifted by −0.5 so

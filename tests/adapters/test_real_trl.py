@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import Any
 
 import pytest
 from adapter_fixtures import configure_memory, episodes, messages_of
@@ -112,6 +113,20 @@ def no_markup(text, tokenizer):
 
 
 @pytest.mark.matrix
+
+def tool_calling_tokenizer() -> tuple[Any, list[int], list[int]]:
+    """The test tokenizer with Qwen2.5's chat template and TRL's response schema (TRL parses a
+    completion's tool calls with it), and the ids of a calculator call (17 * 23) and of a plain
+    answer, each ending in EOS: the completions a tool-calling rollout returns."""
+    from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = qwen2_5_chat_template  # TRL knows how to parse its responses
+    add_response_schema(tokenizer)
+    eos = tokenizer.eos_token_id
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
+    return tokenizer, text_ids(tokenizer, call) + [eos], text_ids(tokenizer, "The answer is 4.") + [eos]
+
 def test_real_grpo_finish_reason_usage_and_on_policy_staleness(tmp_path, otr_shutdown):
     """Every completion gets TRL's finish reason (length = clipped at ``max_completion_length``
     without EOS) and token usage; on-policy samples have staleness 0; only reward functions are
@@ -303,16 +318,10 @@ def test_real_grpo_tool_loop_turns_usage_and_results(tmp_path, otr_shutdown):
     one tool call per call in the conversation, no special tokens in any text."""
     require("trl")
     from datasets import Dataset
-    from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template
 
     mem = configure_memory()
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = qwen2_5_chat_template  # TRL knows how to parse its responses
-    add_response_schema(tokenizer)
+    tokenizer, call_ids, plain_ids = tool_calling_tokenizer()
     eos = tokenizer.eos_token_id
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
-    call_ids = text_ids(tokenizer, call) + [eos]
-    plain_ids = text_ids(tokenizer, "The answer is 4.") + [eos]
     prompt_len = {}
     full = {}  # prompt -> completion ids TRL scored, per kind
 

@@ -15,9 +15,7 @@ import uuid
 import pytest
 import ray
 import ray_workloads as w
-from otr_helpers import configure_memory
-
-import otel_rollouts as otr
+from otr_helpers import reference_rewards
 
 ACTORS = 3
 CAP = 8
@@ -41,18 +39,7 @@ def _episodes(step: int, actors: int, seed: int) -> list[list[dict]]:
 
 def _reference_rewards(episodes: list[dict], step: int) -> list[float]:
     """The rewards one process holding every episode of the step keeps ("top_bottom")."""
-    exporter = configure_memory(CAP, "top_bottom", sampler_options={"distributed": False},
-                                handle_signals=False)
-    try:
-        for e in sorted(episodes, key=lambda e: e["id"]):
-            with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
-                ep.reward(e["reward"])
-        otr.end_step(step)
-        assert otr.flush(10)
-        return sorted(s.attributes[otr.conventions.RL_REWARD] for s in exporter.get_finished_spans()
-                      if s.name == "episode")
-    finally:
-        otr.shutdown(timeout=10)
+    return reference_rewards("top_bottom", episodes, step, CAP)
 
 
 def _rewards(actors: list) -> list[float]:

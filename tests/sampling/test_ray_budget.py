@@ -15,7 +15,7 @@ import pytest
 import ray
 import ray_workloads as w
 from docs_blocks import page_blocks
-from otr_helpers import configure_memory
+from otr_helpers import configure_memory, reference_rewards
 
 import otel_rollouts as otr
 
@@ -227,17 +227,7 @@ STAGGERED_TIMEOUT_S = 30.0  # every actor of the test starts and sends its step 
 def _reference_rewards(policy: str, episodes: list[dict], step: int) -> list[float]:
     """The rewards one process holding every episode of the step keeps (see ``_reference``)."""
     chosen = otr.Groups(max_held=1000) if policy == "groups" else policy
-    exporter = configure_memory(CAP, chosen, sampler_options={"distributed": False}, handle_signals=False)
-    try:
-        for e in sorted(episodes, key=lambda e: e["id"]):
-            with otr.episode(step=step, group_id=e["group"], sample_index=e["index"], episode_id=e["id"]) as ep:
-                ep.reward(e["reward"])
-        otr.end_step(step)
-        assert otr.flush(10)
-        return sorted(s.attributes[otr.conventions.RL_REWARD] for s in exporter.get_finished_spans()
-                      if s.name == "episode")
-    finally:
-        otr.shutdown(timeout=10)
+    return reference_rewards(chosen, episodes, step, CAP)
 
 
 def _spread_group(batches: list[list[dict]]) -> list[float]:
