@@ -35,7 +35,8 @@ final branch (``Trace.branches[-1]``)  ``prompt`` (messages before the first sam
                                        message), one ``turn`` per assistant message: ``chat``
                                        span with the call's model, finish reason and usage; its
                                        ``tool_calls`` → ``execute_tool`` spans with the tool
-                                       messages' results; other messages → feedback
+                                       messages' results; other messages → feedback; no
+                                       message (the first call failed): ``task.data.prompt``
 ``rewards[name]`` (score × weight)     ``rl.reward.component.<name>`` (weighted: the
                                        components sum to the reward); ``rl.reward.score`` =
                                        ``Trace.reward``; none when any reward is ``None``
@@ -317,7 +318,11 @@ def _branch(trace: object) -> tuple[list[object], dict[int, object]]:
 
 def _message(node: object) -> dict[str, Any]:
     """A node's message as an OpenAI-style dict (verifiers' ``ToolCall`` → ``function`` form)."""
-    message = field(node, "message")
+    return _message_dict(field(node, "message"))
+
+
+def _message_dict(message: object) -> dict[str, Any]:
+    """A verifiers message (a pydantic model or a mapping) as an OpenAI-style dict."""
     dump = getattr(message, "model_dump", None)
     if callable(dump):
         message = dump(exclude_none=True)
@@ -335,6 +340,12 @@ def _message(node: object) -> dict[str, Any]:
 def _record_turns(ep: Episode, trace: object, model: str | None) -> None:
     """The final branch as a prompt and one turn per sampled assistant message."""
     nodes, by_node = _branch(trace)
+    if not nodes:  # the first model call failed before verifiers stored a message: the task's prompt
+        prompt = field(field(field(trace, "task"), "data"), "prompt")
+        if prompt is not None:
+            listed = to_list(prompt) if not isinstance(prompt, str) else None
+            ep.prompt([_message_dict(m) for m in listed] if listed else str(prompt))
+        return
     indexed = list(zip(range(len(nodes)), nodes, strict=True))
     assistants = [k for k, node in indexed if field(node, "sampled") and _message(node).get("role") == "assistant"]
     first = assistants[0] if assistants else len(nodes)

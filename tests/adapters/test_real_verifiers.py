@@ -126,6 +126,7 @@ def test_truncation_and_errors(run: list[Any]) -> None:
         otr_verifiers.record_traces(run, step=1)
         otr.flush()
         got = episodes(exporter)
+        conversations = messages_of(exporter)
     finally:
         otr.shutdown()
     traces = by_name(run)
@@ -139,6 +140,9 @@ def test_truncation_and_errors(run: list[Any]) -> None:
     assert fail_root[c.RL_METADATA_PREFIX + "error"].startswith(failed.errors[-1].type + ": ")
     assert fail_root[c.RL_METADATA_PREFIX + "stop_condition"] == failed.stop_condition
     assert c.RL_REWARD not in fail_root  # scoring did not run: no reward made up
+    # the model call failed before verifiers stored a message: the task's prompt shows which failed
+    assert not failed.nodes
+    assert [m["content"] for m in conversations[failed.id]] == [verifiers_env.PROMPTS["fail"]]
 
 
 def test_verifiers_turn_limit_is_truncation() -> None:
