@@ -159,11 +159,18 @@ def record_rows(rows: Rows, build: Callable[[int, Episode], None]) -> tuple[int,
         return trace_id
 
     columns: dict[str, Any] = {}
+    made: list[list[float | None]] = []  # the reward column, made once for the two columns that read it
+
+    def rewards() -> list[float | None]:
+        if not made:
+            made.append(_floats(rows.rewards or ()))
+        return made[0]
+
     if rows.rewards is not None:
-        columns[c.RL_REWARD] = lambda: _floats(rows.rewards or ())
+        columns[c.RL_REWARD] = rewards
     if rows.advantages is not None:
         columns[c.RL_ADVANTAGE] = lambda: _floats(rows.advantages or ())
-    columns[c.RL_STATUS] = _statuses(rows)
+    columns[c.RL_STATUS] = _statuses(rows, rewards)
     if rows.dataset_indices is not None:  # the watch list's key
         columns[c.RL_DATASET_INDEX] = rows.dataset_indices
     if rows.durations is not None:  # what the slowest part ranks by
@@ -227,10 +234,11 @@ def _build(build: Callable[[int, Episode], None], i: int, ep: Episode, failed: l
         return False
 
 
-def _statuses(rows: Rows) -> Callable[[], list[Any]]:
+def _statuses(rows: Rows, rewards: Callable[[], list[float | None]]) -> Callable[[], list[Any]]:
     """The status column the sampler reads: as given (``ok`` where none is), and ``error`` where
     an ``ok`` sample's reward is refused (NaN, infinite, not a number), as ``Episode.reward``
-    records it on the sample's root: the group counts it lost, the sampler sees a broken episode."""
+    records it on the sample's root: the group counts it lost, the sampler sees a broken episode.
+    ``rewards``: the reward column (made once, shared with the sampler's reward column)."""
     def column() -> list[Any]:
         given = rows.statuses() if callable(rows.statuses) else rows.statuses
         if given is None:
@@ -239,7 +247,7 @@ def _statuses(rows: Rows) -> Callable[[], list[Any]]:
             statuses = [status_value(s) or c.STATUS_OK for s in given]
         raw = rows.rewards
         if raw is not None:
-            for i, (value, number) in enumerate(zip(raw, _floats(raw), strict=True)):
+            for i, (value, number) in enumerate(zip(raw, rewards(), strict=True)):
                 if number is None and value is not None and statuses[i] == c.STATUS_OK:
                     statuses[i] = c.STATUS_ERROR
         return statuses
