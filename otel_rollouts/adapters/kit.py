@@ -630,13 +630,9 @@ def _partial_attributes(ep: _AttributeTarget, missing: Sequence[str]) -> None:
 
 
 def _flag_invalid(ep: object, problem: str) -> bool:
-    record = getattr(ep, "_record", None)
-    if record is None or record.root is None:
-        return False
-    from otel_rollouts.record.episode import flag
+    from otel_rollouts.record.episode import flag_episode
 
-    flag(record.root, problem)
-    return True
+    return flag_episode(ep, problem)
 
 
 def mark_partial(ep: _AttributeTarget, missing: Sequence[str]) -> None:

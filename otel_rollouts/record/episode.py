@@ -383,6 +383,17 @@ def _put(span: SpanRecord, key: str, value: object) -> None:
         put_attribute(span, key, value, "components")
 
 
+def flag_episode(ep: object, problem: str) -> bool:
+    """Record a refused value on an episode's root (``rl.invalid``) and report it, for code that
+    holds only the episode handle (the adapters). False when ``ep`` records nothing (a blank
+    handle, or not an episode)."""
+    record = ep._record if isinstance(ep, Episode) else None
+    if record is None or record.root is None:
+        return False
+    flag(record.root, problem)
+    return True
+
+
 def record_generations_mismatch(
     ep: Episode, bounds: Sequence[tuple[int, int]], rollout: Any, trainer: Any, tokens: Any = None,
     mask: Any = None, decode: Any = None,
