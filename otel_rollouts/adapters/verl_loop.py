@@ -76,6 +76,7 @@ from otel_rollouts.adapters.kit import (
     first_time,
     guarded,
     lazy_text,
+    scalar,
     set_policy,
     to_list,
     turns_from_mask,
@@ -285,8 +286,7 @@ def _group_size(worker: Any, uid: object) -> int | None:
 
 def _key(value: object) -> object:
     """A uid as a dict key (numpy scalars and strings alike)."""
-    item = getattr(value, "item", None)
-    return str(item() if callable(item) else value)
+    return str(scalar(value))
 
 
 _REMEMBERED_FAILURES = 1024  # exceptions recorded in _agent_loop_postprocess, awaiting _run_agent_loop
@@ -322,19 +322,19 @@ def failed_session(worker: Any, exc: BaseException, output: Any, validate: objec
     final = outputs[-1] if outputs else None
     extra = dict(getattr(final, "extra_fields", None) or {})
     index, source = field(sample, "index"), field(sample, "data_source")
-    metadata: dict[str, object] = {"sample_index": _plain(index), "rollout_n": _plain(session),
+    metadata: dict[str, object] = {"sample_index": scalar(index), "rollout_n": scalar(session),
                                    "validate": split == "eval", "failed_in": stage}
     if source is not None:
         metadata["data_source"] = str(source)
     for name in _verl._METADATA_COLUMNS:
         if isinstance(extra.get(name), (int, float, str)):
             metadata[name] = extra[name]
-    group = str(_plain(uid)) if uid is not None else None
+    group = str(scalar(uid)) if uid is not None else None
     known = group is not None and step is not None and session is not None
     ep = episode(step=step, split=split, group_id=group,
                  sample_index=int(session) if session is not None else None,
                  episode_id=f"{split}-{step}-{group}-{session}" if known else None,
-                 dataset_name=str(source) if source is not None else None, dataset_index=_plain(index),
+                 dataset_name=str(source) if source is not None else None, dataset_index=scalar(index),
                  framework=_FRAMEWORK, metadata={k: v for k, v in metadata.items() if v is not None})
     ep.__enter__()
     try:
@@ -358,11 +358,6 @@ def failed_session(worker: Any, exc: BaseException, output: Any, validate: objec
     finally:  # closed by the session's exception: rl.status error, the exception on the root
         ep.__exit__(type(exc), exc, exc.__traceback__)
     return 1
-
-
-def _plain(value: object) -> Any:
-    item = getattr(value, "item", None)
-    return item() if callable(item) and getattr(value, "shape", None) == () else value
 
 
 @guarded
